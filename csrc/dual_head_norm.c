@@ -1,0 +1,458 @@
+/* Epsilon-specialized compiled composite fusing the gated-delta head
+ * normalizations.
+ *
+ * The query/key head RMS normalizations of the gated-delta prework ran as
+ * two graph builds per layer; one dual-output replay of a shapeless compiled
+ * graph produces both. Every primitive and its order match the composed
+ * path: the builder calls mlx_fast_rms_norm on each input exactly as two
+ * separate calls would, so MLX emits the same kernels over the same inputs.
+ *
+ * Graph builders are plain function pointers that cannot capture the RMS
+ * epsilon, and mlx_fast_rms_norm bakes its epsilon into the graph at trace
+ * time, so the epsilon rides in a process-wide slot. MLX traces at the first
+ * APPLY, not at compile, and traces again whenever the compile cache misses
+ * (a dtype or rank change, a new thread, a new default stream, or on every
+ * call when compilation is disabled). Each apply therefore stores its own
+ * object's epsilon in the slot and holds the trace lock across the apply, so
+ * any trace that apply triggers reads that object's epsilon, whatever other
+ * objects and threads do meanwhile. A cache hit does not read the slot.
+ *
+ * A shapeless replay skips rms_norm's argument checks (it only recomputes
+ * output shapes), so a weight whose length is not the inputs' width would be
+ * read out of bounds without a word. The apply checks, on every call, the
+ * preconditions rms_norm checks at trace time, and reports them as invalid
+ * arguments.
+ */
+#include "dual_head_norm.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char COMPILE_DUAL_HEAD_NORM_OPERATION[] =
+    "compile the shapeless MLX dual head norm graph";
+static const char APPLY_DUAL_HEAD_NORM_OPERATION[] =
+    "apply the compiled MLX dual head norm";
+static const char CLOSE_DUAL_HEAD_NORM_OPERATION[] =
+    "close the compiled MLX dual head norm";
+static const char MLX_C_CALL_OPERATION[] = "call the mlx-c API";
+
+/* ---- The calling thread's error record ---------------------------------- */
+
+enum { ERROR_DESCRIPTION_CAPACITY = 1024 };
+
+typedef struct last_error_record {
+  mlx_dualnorm_status status;
+  const char* operation;
+  char description[ERROR_DESCRIPTION_CAPACITY];
+  bool holds_mlx_message;
+} last_error_record;
+
+static _Thread_local last_error_record last_error = {MLX_DUALNORM_OK, "", "", false};
+
+void mlx_dualnorm_clear_last_error(void) {
+  last_error.status = MLX_DUALNORM_OK;
+  last_error.operation = "";
+  last_error.description[0] = '\0';
+  last_error.holds_mlx_message = false;
+}
+
+/* The installed mlx-c error handler: keeps the FIRST message since the
+ * record was cleared, the root cause of a failure that propagates. */
+static void record_mlx_error(const char* message, void* data) {
+  (void)data;
+  if (last_error.holds_mlx_message) {
+    return;
+  }
+  last_error.status = MLX_DUALNORM_MLX_FAILURE;
+  last_error.operation = MLX_C_CALL_OPERATION;
+  snprintf(last_error.description, ERROR_DESCRIPTION_CAPACITY, "%s", message);
+  last_error.holds_mlx_message = true;
+}
+
+void mlx_dualnorm_install_error_handler(void) {
+  mlx_set_error_handler(record_mlx_error, NULL, NULL);
+}
+
+/* Names the failed operation; the description is MLX's own message. */
+static int fail_in_mlx(const char* operation) {
+  last_error.status = MLX_DUALNORM_MLX_FAILURE;
+  last_error.operation = operation;
+  if (!last_error.holds_mlx_message) {
+    snprintf(last_error.description, ERROR_DESCRIPTION_CAPACITY,
+             "MLX failed without a message");
+  }
+  return MLX_DUALNORM_MLX_FAILURE;
+}
+
+static int fail_with(mlx_dualnorm_status status, const char* operation,
+                     const char* format, ...) __attribute__((format(printf, 3, 4)));
+
+static int fail_with(mlx_dualnorm_status status, const char* operation,
+                     const char* format, ...) {
+  va_list arguments;
+  last_error.status = status;
+  last_error.operation = operation;
+  va_start(arguments, format);
+  vsnprintf(last_error.description, ERROR_DESCRIPTION_CAPACITY, format, arguments);
+  va_end(arguments);
+  return status;
+}
+
+mlx_dualnorm_status mlx_dualnorm_last_error_status(void) {
+  return last_error.status;
+}
+
+const char* mlx_dualnorm_last_error_operation(void) {
+  return last_error.operation;
+}
+
+const char* mlx_dualnorm_last_error_description(void) {
+  return last_error.description;
+}
+
+/* ---- The process-wide epsilon slot --------------------------------------- */
+
+/* Written only under trace_lock, by the apply about to (maybe) trace; read by
+ * the builders during that trace. Atomic so a builder run outside any apply
+ * (a caller composing its own closure) still reads a whole value. */
+static _Atomic uint32_t baked_rms_norm_epsilon_bits = 0;
+static pthread_mutex_t trace_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void store_baked_rms_norm_epsilon(float rms_norm_epsilon) {
+  uint32_t bits;
+  memcpy(&bits, &rms_norm_epsilon, sizeof bits);
+  atomic_store_explicit(&baked_rms_norm_epsilon_bits, bits, memory_order_relaxed);
+}
+
+static float baked_rms_norm_epsilon(void) {
+  uint32_t bits = atomic_load_explicit(&baked_rms_norm_epsilon_bits, memory_order_relaxed);
+  float rms_norm_epsilon;
+  memcpy(&rms_norm_epsilon, &bits, sizeof rms_norm_epsilon);
+  return rms_norm_epsilon;
+}
+
+/* ---- Graph builders ------------------------------------------------------ */
+
+/* Weight layouts, indexing the compiled graphs: bit 0 = a query weight,
+ * bit 1 = a key weight. */
+enum {
+  WEIGHTLESS_LAYOUT = 0,
+  QUERY_WEIGHTED_LAYOUT = 1,
+  KEY_WEIGHTED_LAYOUT = 2,
+  WEIGHTED_LAYOUT = 3,
+  WEIGHT_LAYOUT_COUNT = 4,
+};
+
+/* Inputs: queries, keys, then the query weight and the key weight where the
+ * layout has them. Output order is the caller's ABI: normalized queries
+ * first, keys second, published once at the end (multi-output tracing reads
+ * the result vector only after the builder returns). Every handle made here
+ * is freed on every path; the input vector belongs to the closure. */
+static int build_dual_head_norm_graph(mlx_vector_array* output_vector,
+                                      const mlx_vector_array input_vector,
+                                      bool has_query_weight, bool has_key_weight) {
+  size_t expected_inputs = 2 + (size_t)has_query_weight + (size_t)has_key_weight;
+  size_t received_inputs = mlx_vector_array_size(input_vector);
+  if (output_vector == NULL || received_inputs != expected_inputs) {
+    mlx_error("[dual head norm graph] expected %zu inputs and an output vector, "
+              "received %zu inputs",
+              expected_inputs, received_inputs);
+    return 1;
+  }
+  mlx_array queries = mlx_array_new();
+  mlx_array keys = mlx_array_new();
+  mlx_array query_scale_weight = mlx_array_new(); /* stays empty: no weight */
+  mlx_array key_scale_weight = mlx_array_new();
+  mlx_array normalized_queries = mlx_array_new();
+  mlx_array normalized_keys = mlx_array_new();
+  mlx_device default_device = mlx_device_new();
+  mlx_stream default_stream = mlx_stream_new();
+  size_t next_input = 2;
+  int status = 1;
+
+  if (mlx_vector_array_get(&queries, input_vector, 0) != 0 ||
+      mlx_vector_array_get(&keys, input_vector, 1) != 0) {
+    goto cleanup;
+  }
+  if (has_query_weight &&
+      mlx_vector_array_get(&query_scale_weight, input_vector, next_input++) != 0) {
+    goto cleanup;
+  }
+  if (has_key_weight &&
+      mlx_vector_array_get(&key_scale_weight, input_vector, next_input++) != 0) {
+    goto cleanup;
+  }
+  /* The default device's stream, not a fixed GPU one: the same graph builds
+   * on a CPU-only MLX, and a default-device change retraces onto it. */
+  if (mlx_get_default_device(&default_device) != 0 ||
+      mlx_get_default_stream(&default_stream, default_device) != 0) {
+    goto cleanup;
+  }
+  if (mlx_fast_rms_norm(&normalized_queries, queries, query_scale_weight,
+                        baked_rms_norm_epsilon(), default_stream) != 0 ||
+      mlx_fast_rms_norm(&normalized_keys, keys, key_scale_weight,
+                        baked_rms_norm_epsilon(), default_stream) != 0) {
+    goto cleanup;
+  }
+  {
+    const mlx_array graph_outputs[2] = {normalized_queries, normalized_keys};
+    status = mlx_vector_array_set_data(output_vector, graph_outputs, 2);
+  }
+
+cleanup:
+  status |= mlx_array_free(queries);
+  status |= mlx_array_free(keys);
+  status |= mlx_array_free(query_scale_weight);
+  status |= mlx_array_free(key_scale_weight);
+  status |= mlx_array_free(normalized_queries);
+  status |= mlx_array_free(normalized_keys);
+  status |= mlx_stream_free(default_stream);
+  status |= mlx_device_free(default_device);
+  return status;
+}
+
+static int build_weightless_graph(mlx_vector_array* output_vector,
+                                  const mlx_vector_array input_vector) {
+  return build_dual_head_norm_graph(output_vector, input_vector, false, false);
+}
+
+static int build_query_weighted_graph(mlx_vector_array* output_vector,
+                                      const mlx_vector_array input_vector) {
+  return build_dual_head_norm_graph(output_vector, input_vector, true, false);
+}
+
+static int build_key_weighted_graph(mlx_vector_array* output_vector,
+                                    const mlx_vector_array input_vector) {
+  return build_dual_head_norm_graph(output_vector, input_vector, false, true);
+}
+
+static int build_weighted_graph(mlx_vector_array* output_vector,
+                                const mlx_vector_array input_vector) {
+  return build_dual_head_norm_graph(output_vector, input_vector, true, true);
+}
+
+static int (*const graph_builders[WEIGHT_LAYOUT_COUNT])(mlx_vector_array*,
+                                                         const mlx_vector_array) = {
+    [WEIGHTLESS_LAYOUT] = build_weightless_graph,
+    [QUERY_WEIGHTED_LAYOUT] = build_query_weighted_graph,
+    [KEY_WEIGHTED_LAYOUT] = build_key_weighted_graph,
+    [WEIGHTED_LAYOUT] = build_weighted_graph,
+};
+
+/* ---- Input checks a shapeless replay would skip --------------------------- */
+
+static const char* dtype_name(mlx_dtype dtype) {
+  static const char* const names[] = {
+      [MLX_BOOL] = "bool",         [MLX_UINT8] = "uint8",     [MLX_UINT16] = "uint16",
+      [MLX_UINT32] = "uint32",     [MLX_UINT64] = "uint64",   [MLX_INT8] = "int8",
+      [MLX_INT16] = "int16",       [MLX_INT32] = "int32",     [MLX_INT64] = "int64",
+      [MLX_FLOAT16] = "float16",   [MLX_FLOAT32] = "float32", [MLX_FLOAT64] = "float64",
+      [MLX_BFLOAT16] = "bfloat16", [MLX_COMPLEX64] = "complex64",
+  };
+  return (unsigned)dtype <= MLX_COMPLEX64 ? names[dtype] : "unknown";
+}
+
+static bool is_real_floating(mlx_dtype dtype) {
+  return dtype == MLX_FLOAT16 || dtype == MLX_FLOAT32 || dtype == MLX_FLOAT64 ||
+         dtype == MLX_BFLOAT16;
+}
+
+/* rms_norm's preconditions for one side: at least one dimension; a weight,
+ * if any, one-dimensional and as long as the last dimension; and a result
+ * dtype, MLX's promotion of the input and weight dtypes, that is a real
+ * floating type (promotion yields one exactly when neither is complex and
+ * at least one is real floating). */
+static int check_head_norm_input(const char* input_name, const mlx_array input,
+                                 const char* weight_name, const mlx_array weight) {
+  const char* operation = APPLY_DUAL_HEAD_NORM_OPERATION;
+  if (input.ctx == NULL) {
+    return fail_with(MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                     "%s is an empty array handle", input_name);
+  }
+  size_t input_rank = mlx_array_ndim(input);
+  if (input_rank == 0) {
+    return fail_with(MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                     "%s must have at least 1 dimension but have 0", input_name);
+  }
+  int width = mlx_array_shape(input)[input_rank - 1];
+  mlx_dtype input_dtype = mlx_array_dtype(input);
+  if (weight.ctx == NULL) {
+    if (!is_real_floating(input_dtype)) {
+      return fail_with(MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                       "%s have unsupported dtype %s; expected a floating dtype",
+                       input_name, dtype_name(input_dtype));
+    }
+    return MLX_DUALNORM_OK;
+  }
+  size_t weight_rank = mlx_array_ndim(weight);
+  if (weight_rank != 1) {
+    return fail_with(MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                     "%s must have 1 dimension but has %zu", weight_name, weight_rank);
+  }
+  int weight_length = mlx_array_shape(weight)[0];
+  if (weight_length != width) {
+    return fail_with(MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                     "%s has %d elements but the last dimension of %s is %d",
+                     weight_name, weight_length, input_name, width);
+  }
+  mlx_dtype weight_dtype = mlx_array_dtype(weight);
+  bool any_complex = input_dtype == MLX_COMPLEX64 || weight_dtype == MLX_COMPLEX64;
+  if (any_complex || !(is_real_floating(input_dtype) || is_real_floating(weight_dtype))) {
+    return fail_with(MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                     "%s of dtype %s with a %s of dtype %s do not normalize to a "
+                     "floating dtype",
+                     input_name, dtype_name(input_dtype), weight_name,
+                     dtype_name(weight_dtype));
+  }
+  return MLX_DUALNORM_OK;
+}
+
+/* ---- The compiled dual head norm ----------------------------------------- */
+
+struct mlx_dualnorm_compiled_dual_head_norm_ {
+  /* Owned compiled closures, one per weight layout; all empty once closed.
+   * Read and released only under trace_lock. */
+  mlx_closure compiled_graphs[WEIGHT_LAYOUT_COUNT];
+  float rms_norm_epsilon;
+  bool closed;
+};
+
+/* Frees the compiled graphs; the caller holds trace_lock or is the only
+ * user. */
+static int release_compiled_graphs(mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
+  int status = 0;
+  for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
+    status |= mlx_closure_free(dual_head_norm->compiled_graphs[layout]);
+    dual_head_norm->compiled_graphs[layout] = mlx_closure_new();
+  }
+  dual_head_norm->closed = true;
+  return status;
+}
+
+int mlx_dualnorm_compiled_dual_head_norm_new(mlx_dualnorm_compiled_dual_head_norm** res,
+                                             float rms_norm_epsilon) {
+  const char* operation = COMPILE_DUAL_HEAD_NORM_OPERATION;
+  mlx_dualnorm_clear_last_error();
+  if (res == NULL) {
+    return fail_with(MLX_DUALNORM_INVALID_ARGUMENT, operation, "the result pointer is NULL");
+  }
+  if (!isfinite(rms_norm_epsilon) || rms_norm_epsilon < 0.0f) {
+    return fail_with(MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                     "the RMS epsilon must be finite and >= 0, got %g",
+                     (double)rms_norm_epsilon);
+  }
+  mlx_dualnorm_compiled_dual_head_norm* dual_head_norm = calloc(1, sizeof *dual_head_norm);
+  if (dual_head_norm == NULL) {
+    return fail_with(MLX_DUALNORM_MLX_FAILURE, operation, "out of host memory");
+  }
+  dual_head_norm->rms_norm_epsilon = rms_norm_epsilon;
+  for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
+    /* The builder closure is only a template: mlx_compile copies it into
+     * the compiled closure, so it is freed right away on every path. */
+    mlx_closure graph_builder = mlx_closure_new_func(graph_builders[layout]);
+    dual_head_norm->compiled_graphs[layout] = mlx_closure_new();
+    int compile_status = graph_builder.ctx == NULL
+                             ? 1
+                             : mlx_compile(&dual_head_norm->compiled_graphs[layout],
+                                           graph_builder, true);
+    compile_status |= mlx_closure_free(graph_builder);
+    if (compile_status != 0) {
+      release_compiled_graphs(dual_head_norm);
+      free(dual_head_norm);
+      return fail_in_mlx(operation);
+    }
+  }
+  *res = dual_head_norm;
+  return MLX_DUALNORM_OK;
+}
+
+float mlx_dualnorm_compiled_dual_head_norm_epsilon(
+    const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
+  return dual_head_norm == NULL ? NAN : dual_head_norm->rms_norm_epsilon;
+}
+
+int mlx_dualnorm_apply_compiled_dual_head_norm(
+    mlx_vector_array* res, mlx_dualnorm_compiled_dual_head_norm* dual_head_norm,
+    const mlx_array queries, const mlx_array keys, const mlx_array query_scale_weight,
+    const mlx_array key_scale_weight) {
+  const char* operation = APPLY_DUAL_HEAD_NORM_OPERATION;
+  mlx_dualnorm_clear_last_error();
+  if (res == NULL || dual_head_norm == NULL) {
+    return fail_with(MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                     "the result vector or the dual head norm is NULL");
+  }
+  int status = check_head_norm_input("queries", queries, "query scale weight",
+                                     query_scale_weight);
+  if (status != MLX_DUALNORM_OK) {
+    return status;
+  }
+  status = check_head_norm_input("keys", keys, "key scale weight", key_scale_weight);
+  if (status != MLX_DUALNORM_OK) {
+    return status;
+  }
+
+  int layout = (query_scale_weight.ctx != NULL ? QUERY_WEIGHTED_LAYOUT : 0) |
+               (key_scale_weight.ctx != NULL ? KEY_WEIGHTED_LAYOUT : 0);
+  mlx_array graph_inputs[4] = {queries, keys};
+  size_t input_count = 2;
+  if (query_scale_weight.ctx != NULL) {
+    graph_inputs[input_count++] = query_scale_weight;
+  }
+  if (key_scale_weight.ctx != NULL) {
+    graph_inputs[input_count++] = key_scale_weight;
+  }
+  /* The vector takes its own references; the caller's handles stay
+   * borrowed. Freed below on every path. */
+  mlx_vector_array input_vector = mlx_vector_array_new_data(graph_inputs, input_count);
+  if (input_vector.ctx == NULL) {
+    return fail_in_mlx(operation);
+  }
+
+  pthread_mutex_lock(&trace_lock);
+  int apply_status = 0;
+  bool closed = dual_head_norm->closed;
+  if (!closed) {
+    store_baked_rms_norm_epsilon(dual_head_norm->rms_norm_epsilon);
+    apply_status = mlx_closure_apply(res, dual_head_norm->compiled_graphs[layout],
+                                     input_vector);
+  }
+  pthread_mutex_unlock(&trace_lock);
+
+  int free_status = mlx_vector_array_free(input_vector);
+  if (closed) {
+    return fail_with(MLX_DUALNORM_CLOSED, operation, "the dual head norm is closed");
+  }
+  if (apply_status != 0 || free_status != 0) {
+    return fail_in_mlx(operation);
+  }
+  return MLX_DUALNORM_OK;
+}
+
+int mlx_dualnorm_compiled_dual_head_norm_close(
+    mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
+  mlx_dualnorm_clear_last_error();
+  if (dual_head_norm == NULL) {
+    return fail_with(MLX_DUALNORM_INVALID_ARGUMENT, CLOSE_DUAL_HEAD_NORM_OPERATION,
+                     "the dual head norm is NULL");
+  }
+  pthread_mutex_lock(&trace_lock);
+  int status = dual_head_norm->closed ? 0 : release_compiled_graphs(dual_head_norm);
+  pthread_mutex_unlock(&trace_lock);
+  return status == 0 ? MLX_DUALNORM_OK : fail_in_mlx(CLOSE_DUAL_HEAD_NORM_OPERATION);
+}
+
+void mlx_dualnorm_compiled_dual_head_norm_free(
+    mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
+  if (dual_head_norm == NULL) {
+    return;
+  }
+  mlx_dualnorm_compiled_dual_head_norm_close(dual_head_norm);
+  free(dual_head_norm);
+}

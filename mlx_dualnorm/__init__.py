@@ -1,0 +1,24 @@
+"""mlx_dualnorm: a compiled, dual-output query/key head RMS normalization
+for MLX gated-delta (Qwen3-Next / Qwen3.5 linear-attention) layers.
+
+    >>> import mlx.core as mx
+    >>> from mlx_dualnorm import CompiledDualHeadNorm
+    >>> norm = CompiledDualHeadNorm(eps=1e-6)
+    >>> q, k = mx.ones((1, 1, 16, 128)), mx.ones((1, 1, 16, 128))
+    >>> normalized_queries, normalized_keys = norm(q, k)
+
+bit-identical to ``mx.fast.rms_norm(q, None, 1e-6)`` and
+``mx.fast.rms_norm(k, None, 1e-6)``.
+"""
+
+from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
+from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm, composed_dual_head_norm
+
+__all__ = [
+    "CompiledDualHeadNorm",
+    "DualHeadNormValueError",
+    "MlxCError",
+    "composed_dual_head_norm",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,34 @@
+"""setuptools driver: the cffi module comes from build_ffi.py, the nanobind
+bridge from build_ffi.make_interop_extension; C and C++ sources get their own
+language standard (one Extension mixes both)."""
+
+import pathlib
+import sys
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import build_ffi  # noqa: E402
+
+
+class BuildExtWithLanguageFlags(build_ext):
+    """Adds C_FLAGS to .c and CXX_FLAGS to .cpp compiles, per file."""
+
+    def build_extensions(self) -> None:
+        compile_one = self.compiler._compile
+
+        def compile_with_language_flags(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            language_flags = build_ffi.CXX_FLAGS if src.endswith(".cpp") else build_ffi.C_FLAGS
+            compile_one(obj, src, ext, cc_args, [*extra_postargs, *language_flags], pp_opts)
+
+        self.compiler._compile = compile_with_language_flags
+        super().build_extensions()
+
+
+setup(
+    cffi_modules=["build_ffi.py:ffibuilder"],
+    ext_modules=[build_ffi.make_interop_extension()],
+    cmdclass={"build_ext": BuildExtWithLanguageFlags},
+)
