@@ -1,0 +1,368 @@
+"""The bundled mlx-c subset, driven through cffi against the real libmlx.
+
+Every call's return code is checked; failures must come back as codes and
+messages (the package's handler records them), never as a process exit.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_dualnorm  # noqa: F401  (installs the error handler)
+from mlx_dualnorm._native import ffi, lib
+
+BUILDER_SIGNATURE = "int(mlx_vector_array*, const mlx_vector_array)"
+PAYLOAD_BUILDER_SIGNATURE = "int(mlx_vector_array*, const mlx_vector_array, void*)"
+
+
+def last_error_description() -> str:
+    return ffi.string(lib.mlx_dualnorm_last_error_description()).decode()
+
+
+def new_float32_array(values: np.ndarray):
+    """A new owned mlx_array holding a copy of `values` (float32)."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    shape = ffi.new("int[]", list(values.shape))
+    handle = lib.mlx_array_new_data(ffi.from_buffer(values), shape, values.ndim, lib.MLX_FLOAT32)
+    assert handle.ctx != ffi.NULL
+    return handle
+
+
+def read_float32_array(handle) -> np.ndarray:
+    assert lib.mlx_array_eval(handle) == 0
+    ndim = lib.mlx_array_ndim(handle)
+    shape = tuple(lib.mlx_array_shape(handle)[i] for i in range(ndim))
+    data = lib.mlx_array_data_float32(handle)
+    assert data != ffi.NULL
+    count = int(np.prod(shape)) if shape else 1
+    return np.frombuffer(ffi.buffer(data, count * 4), dtype=np.float32).reshape(shape).copy()
+
+
+def vector_of(*arrays):
+    handles = ffi.new("mlx_array[]", list(arrays))
+    vector = lib.mlx_vector_array_new_data(handles, len(arrays))
+    assert vector.ctx != ffi.NULL
+    return vector
+
+
+def vector_item(vector, index):
+    item = ffi.new("mlx_array*", lib.mlx_array_new())
+    assert lib.mlx_vector_array_get(item, vector, index) == 0
+    return item[0]
+
+
+def default_stream():
+    device = ffi.new("mlx_device*", lib.mlx_device_new())
+    stream = ffi.new("mlx_stream*", lib.mlx_stream_new())
+    assert lib.mlx_get_default_device(device) == 0
+    assert lib.mlx_get_default_stream(stream, device[0]) == 0
+    assert lib.mlx_device_free(device[0]) == 0
+    return stream[0]
+
+
+def test_array_round_trip_keeps_shape_dtype_and_values():
+    values = np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 7
+    handle = new_float32_array(values)
+    assert lib.mlx_array_ndim(handle) == 3
+    assert lib.mlx_array_dim(handle, 1) == 3
+    assert lib.mlx_array_size(handle) == 24
+    assert lib.mlx_array_itemsize(handle) == 4
+    assert lib.mlx_array_nbytes(handle) == 96
+    assert lib.mlx_array_dtype(handle) == lib.MLX_FLOAT32
+    np.testing.assert_array_equal(read_float32_array(handle), values)
+    assert lib.mlx_array_free(handle) == 0
+
+
+def test_new_data_copies_the_callers_buffer():
+    values = np.ones(4, dtype=np.float32)
+    handle = new_float32_array(values)
+    values[:] = 5
+    np.testing.assert_array_equal(read_float32_array(handle), np.ones(4, dtype=np.float32))
+    assert lib.mlx_array_free(handle) == 0
+
+
+def test_int32_round_trip_and_dtype_sizes():
+    values = np.array([[1, -2, 3]], dtype=np.int32)
+    handle = lib.mlx_array_new_data(ffi.from_buffer(values), ffi.new("int[]", [1, 3]), 2, lib.MLX_INT32)
+    assert lib.mlx_array_eval(handle) == 0
+    data = lib.mlx_array_data_int32(handle)
+    assert [data[i] for i in range(3)] == [1, -2, 3]
+    assert lib.mlx_dtype_size(lib.MLX_BFLOAT16) == 2
+    assert lib.mlx_dtype_size(lib.MLX_COMPLEX64) == 8
+    assert lib.mlx_array_free(handle) == 0
+
+
+def test_data_accessor_of_the_wrong_dtype_reports_instead_of_reinterpreting():
+    handle = new_float32_array(np.ones(3))
+    assert lib.mlx_array_eval(handle) == 0
+    lib.mlx_dualnorm_clear_last_error()
+    assert lib.mlx_array_data_int32(handle) == ffi.NULL
+    assert "dtype does not match" in last_error_description()
+    assert lib.mlx_array_free(handle) == 0
+
+
+def test_empty_handles_fail_with_a_message_and_do_not_exit():
+    empty = lib.mlx_array_new()
+    lib.mlx_dualnorm_clear_last_error()
+    assert lib.mlx_array_eval(empty) == 1
+    assert "[mlx_array_eval] received an empty handle" in last_error_description()
+    assert lib.mlx_array_free(empty) == 0  # freeing an empty handle is a no-op
+    assert lib.mlx_vector_array_size(lib.mlx_vector_array_new()) == 0
+
+
+def test_vector_get_out_of_range_fails():
+    handle = new_float32_array(np.ones(2))
+    vector = vector_of(handle)
+    assert lib.mlx_vector_array_size(vector) == 1
+    item = ffi.new("mlx_array*", lib.mlx_array_new())
+    lib.mlx_dualnorm_clear_last_error()
+    assert lib.mlx_vector_array_get(item, vector, 1) == 1
+    assert "out of range" in last_error_description()
+    assert lib.mlx_vector_array_append_value(vector, handle) == 0
+    assert lib.mlx_vector_array_size(vector) == 2
+    assert lib.mlx_vector_array_free(vector) == 0
+    assert lib.mlx_array_free(handle) == 0
+
+
+def test_fast_rms_norm_matches_mlx_bit_for_bit():
+    values = np.random.default_rng(3).standard_normal((4, 96)).astype(np.float32)
+    weight_values = np.random.default_rng(4).standard_normal(96).astype(np.float32)
+    x, weight = new_float32_array(values), new_float32_array(weight_values)
+    stream = default_stream()
+    result = ffi.new("mlx_array*", lib.mlx_array_new())
+    assert lib.mlx_fast_rms_norm(result, x, weight, 1e-5, stream) == 0
+    expected = mx.fast.rms_norm(mx.array(values), mx.array(weight_values), 1e-5)
+    np.testing.assert_array_equal(read_float32_array(result[0]), np.array(expected))
+    # An empty weight handle means no weight.
+    assert lib.mlx_fast_rms_norm(result, x, lib.mlx_array_new(), 1e-5, stream) == 0
+    expected = mx.fast.rms_norm(mx.array(values), None, 1e-5)
+    np.testing.assert_array_equal(read_float32_array(result[0]), np.array(expected))
+    for handle in (result[0], x, weight):
+        assert lib.mlx_array_free(handle) == 0
+    assert lib.mlx_stream_free(stream) == 0
+
+
+def test_fast_rms_norm_reports_mlx_argument_errors():
+    x = new_float32_array(np.ones((2, 8)))
+    short_weight = new_float32_array(np.ones(3))
+    stream = default_stream()
+    result = ffi.new("mlx_array*", lib.mlx_array_new())
+    lib.mlx_dualnorm_clear_last_error()
+    assert lib.mlx_fast_rms_norm(result, x, short_weight, 1e-6, stream) == 1
+    assert last_error_description().startswith("[rms_norm]")
+    assert result[0].ctx == ffi.NULL
+    for handle in (x, short_weight):
+        assert lib.mlx_array_free(handle) == 0
+    assert lib.mlx_stream_free(stream) == 0
+
+
+def test_default_device_and_cpu_stream():
+    device = ffi.new("mlx_device*", lib.mlx_device_new())
+    assert lib.mlx_get_default_device(device) == 0
+    device_type = ffi.new("mlx_device_type*")
+    assert lib.mlx_device_get_type(device_type, device[0]) == 0
+    expected = lib.MLX_GPU if mx.default_device() == mx.gpu else lib.MLX_CPU
+    assert device_type[0] == expected
+    assert lib.mlx_device_free(device[0]) == 0
+    cpu_stream = lib.mlx_default_cpu_stream_new()
+    assert cpu_stream.ctx != ffi.NULL
+    assert lib.mlx_stream_free(cpu_stream) == 0
+
+
+@pytest.mark.skipif(mx.is_available(mx.gpu), reason="needs a CPU-only MLX")
+def test_gpu_stream_on_cpu_only_mlx_is_an_error_not_an_exit():
+    lib.mlx_dualnorm_clear_last_error()
+    stream = lib.mlx_default_gpu_stream_new()
+    assert stream.ctx == ffi.NULL
+    assert "Cannot get gpu stream without gpu backend" in last_error_description()
+
+
+class CountingRmsNormBuilder:
+    """A graph builder written in Python through cffi: rms_norm of its one
+    input, counting how often MLX calls it (i.e. traces)."""
+
+    def __init__(self, eps: float = 1e-6, status: int = 0) -> None:
+        self.calls = 0
+        self.eps = eps
+        self.status = status
+        self.callback = ffi.callback(BUILDER_SIGNATURE, self.build)
+
+    def build(self, output_vector, input_vector) -> int:
+        self.calls += 1
+        if self.status != 0:
+            return self.status
+        stream = default_stream()
+        queries = vector_item(input_vector, 0)
+        normalized = ffi.new("mlx_array*", lib.mlx_array_new())
+        status = lib.mlx_fast_rms_norm(normalized, queries, lib.mlx_array_new(), self.eps, stream)
+        if status == 0:
+            status = lib.mlx_vector_array_set_data(output_vector, normalized, 1)
+        lib.mlx_array_free(normalized[0])
+        lib.mlx_array_free(queries)
+        lib.mlx_stream_free(stream)
+        return status
+
+
+def apply_closure(closure, *arrays):
+    inputs = vector_of(*arrays)
+    outputs = ffi.new("mlx_vector_array*", lib.mlx_vector_array_new())
+    status = lib.mlx_closure_apply(outputs, closure, inputs)
+    assert lib.mlx_vector_array_free(inputs) == 0
+    return status, outputs[0]
+
+
+def first_output(outputs) -> np.ndarray:
+    assert lib.mlx_vector_array_size(outputs) == 1
+    item = vector_item(outputs, 0)
+    result = read_float32_array(item)
+    assert lib.mlx_array_free(item) == 0
+    assert lib.mlx_vector_array_free(outputs) == 0
+    return result
+
+
+def test_closure_calls_the_c_function_and_returns_its_outputs():
+    builder = CountingRmsNormBuilder()
+    closure = lib.mlx_closure_new_func(builder.callback)
+    values = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    x = new_float32_array(values)
+    status, outputs = apply_closure(closure, x)
+    assert status == 0
+    np.testing.assert_array_equal(first_output(outputs), np.array(mx.fast.rms_norm(mx.array(values), None, 1e-6)))
+    assert builder.calls == 1
+    assert lib.mlx_closure_free(closure) == 0
+    assert lib.mlx_array_free(x) == 0
+
+
+def test_a_failing_c_function_fails_the_apply_without_exiting():
+    builder = CountingRmsNormBuilder(status=7)
+    closure = lib.mlx_closure_new_func(builder.callback)
+    x = new_float32_array(np.ones(4))
+    lib.mlx_dualnorm_clear_last_error()
+    status, outputs = apply_closure(closure, x)
+    assert status == 1
+    assert "returned status 7" in last_error_description()
+    assert lib.mlx_vector_array_free(outputs) == 0
+    assert lib.mlx_closure_free(closure) == 0
+    assert lib.mlx_array_free(x) == 0
+
+
+def test_compiled_closure_traces_once_and_shapeless_reuses_the_trace():
+    builder = CountingRmsNormBuilder()
+    closure = lib.mlx_closure_new_func(builder.callback)
+    compiled = ffi.new("mlx_closure*", lib.mlx_closure_new())
+    assert lib.mlx_compile(compiled, closure, True) == 0
+    assert builder.calls == 0, "compiling only wraps; tracing happens at the first call"
+    for rows in (2, 2, 5):
+        values = np.random.default_rng(rows).standard_normal((rows, 32)).astype(np.float32)
+        x = new_float32_array(values)
+        status, outputs = apply_closure(compiled[0], x)
+        assert status == 0
+        expected = np.array(mx.fast.rms_norm(mx.array(values), None, 1e-6))
+        np.testing.assert_array_equal(first_output(outputs), expected)
+        assert lib.mlx_array_free(x) == 0
+    assert builder.calls == 1
+    assert lib.mlx_closure_free(compiled[0]) == 0
+    assert lib.mlx_closure_free(closure) == 0
+
+
+def test_detail_compile_erase_clear_cache_and_disable_force_retraces():
+    builder = CountingRmsNormBuilder()
+    closure = lib.mlx_closure_new_func(builder.callback)
+    compiled = ffi.new("mlx_closure*", lib.mlx_closure_new())
+    fun_id = 0x5EED
+    assert lib.mlx_detail_compile(compiled, closure, fun_id, True, ffi.NULL, 0) == 0
+    x = new_float32_array(np.ones((2, 8)))
+
+    def apply_and_count() -> int:
+        status, outputs = apply_closure(compiled[0], x)
+        assert status == 0
+        assert lib.mlx_vector_array_free(outputs) == 0
+        return builder.calls
+
+    assert apply_and_count() == 1
+    assert apply_and_count() == 1
+    assert lib.mlx_detail_compile_erase(fun_id) == 0
+    assert apply_and_count() == 2
+    assert lib.mlx_detail_compile_clear_cache() == 0
+    assert apply_and_count() == 3
+    assert lib.mlx_closure_free(compiled[0]) == 0
+    assert lib.mlx_closure_free(closure) == 0
+    assert lib.mlx_detail_compile_erase(fun_id) == 0
+    assert lib.mlx_array_free(x) == 0
+
+
+def test_compiling_while_compile_is_disabled_yields_the_plain_function():
+    """MLX decides at compile time: a closure compiled while compilation is
+    disabled runs its builder on every call."""
+    builder = CountingRmsNormBuilder()
+    closure = lib.mlx_closure_new_func(builder.callback)
+    compiled = ffi.new("mlx_closure*", lib.mlx_closure_new())
+    assert lib.mlx_disable_compile() == 0
+    try:
+        assert lib.mlx_compile(compiled, closure, True) == 0
+    finally:
+        assert lib.mlx_enable_compile() == 0
+    x = new_float32_array(np.ones((2, 8)))
+    for expected_calls in (1, 2, 3):
+        status, outputs = apply_closure(compiled[0], x)
+        assert status == 0
+        assert lib.mlx_vector_array_free(outputs) == 0
+        assert builder.calls == expected_calls
+    assert lib.mlx_closure_free(compiled[0]) == 0
+    assert lib.mlx_closure_free(closure) == 0
+    assert lib.mlx_array_free(x) == 0
+
+
+def test_payload_closure_passes_the_payload_and_runs_dtor_after_the_last_copy():
+    seen_payloads: list[int] = []
+    destroyed: list[int] = []
+
+    @ffi.callback(PAYLOAD_BUILDER_SIGNATURE)
+    def identity_builder(output_vector, input_vector, payload):
+        seen_payloads.append(int(ffi.cast("uintptr_t", payload)))
+        item = vector_item(input_vector, 0)
+        status = lib.mlx_vector_array_set_data(output_vector, ffi.new("mlx_array[]", [item]), 1)
+        lib.mlx_array_free(item)
+        return status
+
+    @ffi.callback("void(void*)")
+    def destroy_payload(payload):
+        destroyed.append(int(ffi.cast("uintptr_t", payload)))
+
+    payload = ffi.cast("void*", 1234)
+    closure = lib.mlx_closure_new_func_payload(identity_builder, payload, destroy_payload)
+    compiled = ffi.new("mlx_closure*", lib.mlx_closure_new())
+    assert lib.mlx_compile(compiled, closure, False) == 0
+    x = new_float32_array(np.arange(3))
+    status, outputs = apply_closure(compiled[0], x)
+    assert status == 0
+    np.testing.assert_array_equal(first_output(outputs), np.arange(3, dtype=np.float32))
+    assert seen_payloads == [1234]
+    assert lib.mlx_closure_free(closure) == 0
+    assert destroyed == [], "the compiled closure still holds a copy"
+    assert lib.mlx_closure_free(compiled[0]) == 0
+    assert destroyed == [1234]
+    assert lib.mlx_array_free(x) == 0
+
+
+def test_error_handler_receives_messages_and_its_data_is_released_on_replacement():
+    received: list[str] = []
+    released: list[int] = []
+
+    @ffi.callback("mlx_error_handler_func")
+    def collect(message, data):
+        received.append(ffi.string(message).decode())
+
+    @ffi.callback("void(void*)")
+    def release(data):
+        released.append(int(ffi.cast("uintptr_t", data)))
+
+    lib.mlx_set_error_handler(collect, ffi.cast("void*", 99), release)
+    try:
+        assert lib.mlx_array_eval(lib.mlx_array_new()) == 1
+    finally:
+        lib.mlx_dualnorm_install_error_handler()
+    assert received == ["[mlx_array_eval] received an empty handle"]
+    assert released == [99]

@@ -1,0 +1,243 @@
+"""CompiledDualHeadNorm against the composed path, on the real MLX."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import assert_bit_identical
+
+from mlx_dualnorm import (
+    CompiledDualHeadNorm,
+    DualHeadNormValueError,
+    MlxCError,
+    composed_dual_head_norm,
+)
+
+EPS = 1e-6
+FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def random_heads(key: mx.array, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    # Small magnitudes so eps matters to the bits.
+    return (mx.random.normal(shape, key=key) * 0.01).astype(dtype)
+
+
+def assert_matches_composed(norm, queries, keys, query_weight=None, key_weight=None):
+    actual = norm(queries, keys, query_weight, key_weight)
+    expected = composed_dual_head_norm(queries, keys, query_weight, key_weight, norm.eps)
+    assert isinstance(actual, tuple) and len(actual) == 2
+    assert_bit_identical(actual[0], expected[0])
+    assert_bit_identical(actual[1], expected[1])
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("width", [64, 128, 200, 256])
+@pytest.mark.parametrize("query_heads,key_heads", [(16, 16), (16, 2)])
+@pytest.mark.parametrize("weights", ["none", "both", "query", "key"])
+def test_bit_identical_to_two_rms_norm_calls(rng_key, dtype, width, query_heads, key_heads, weights):
+    keys_ = mx.random.split(rng_key, 4)
+    queries = random_heads(keys_[0], (2, 3, query_heads, width), dtype)
+    keys = random_heads(keys_[1], (2, 3, key_heads, width), dtype)
+    query_weight = mx.random.normal((width,), key=keys_[2]).astype(dtype)
+    key_weight = mx.random.normal((width,), key=keys_[3]).astype(dtype)
+    with CompiledDualHeadNorm(EPS) as norm:
+        assert_matches_composed(
+            norm,
+            queries,
+            keys,
+            query_weight if weights in ("both", "query") else None,
+            key_weight if weights in ("both", "key") else None,
+        )
+
+
+def test_float32_weight_promotes_half_inputs_like_the_composed_path(rng_key):
+    queries = random_heads(rng_key, (1, 1, 16, 128), mx.bfloat16)
+    keys = random_heads(rng_key, (1, 1, 2, 128), mx.float16)
+    weight = mx.ones((128,), dtype=mx.float32) * 1.5
+    norm = CompiledDualHeadNorm(EPS)
+    normalized_queries, normalized_keys = norm(queries, keys, weight, weight)
+    assert normalized_queries.dtype == mx.float32
+    assert_matches_composed(norm, queries, keys, weight, weight)
+
+
+def test_shapeless_graph_serves_new_batch_and_sequence_sizes(rng_key):
+    norm = CompiledDualHeadNorm(1e-5)
+    for batch, sequence in [(1, 1), (4, 1), (1, 33), (3, 7)]:
+        queries = random_heads(rng_key, (batch, sequence, 16, 128), mx.bfloat16)
+        keys = random_heads(rng_key, (batch, sequence, 4, 128), mx.bfloat16)
+        assert_matches_composed(norm, queries, keys)
+
+
+def test_queries_and_keys_may_differ_in_dtype_and_rank_as_in_the_composed_path(rng_key):
+    norm = CompiledDualHeadNorm(EPS)
+    queries = random_heads(rng_key, (2, 16, 64), mx.float32)
+    keys = random_heads(rng_key, (5, 1, 3, 128), mx.bfloat16)
+    assert_matches_composed(norm, queries, keys)
+
+
+def test_outputs_come_back_queries_first_keys_second(rng_key):
+    norm = CompiledDualHeadNorm(EPS)
+    queries = random_heads(rng_key, (1, 1, 16, 64), mx.float32)
+    keys = random_heads(rng_key, (1, 1, 2, 128), mx.float32) + 3.0
+    normalized_queries, normalized_keys = norm(queries, keys)
+    assert normalized_queries.shape == queries.shape
+    assert normalized_keys.shape == keys.shape
+    assert_bit_identical(normalized_queries, mx.fast.rms_norm(queries, None, EPS))
+    assert_bit_identical(normalized_keys, mx.fast.rms_norm(keys, None, EPS))
+
+
+def test_numpy_inputs_are_accepted(rng_key):
+    norm = CompiledDualHeadNorm(EPS)
+    queries = np.random.default_rng(0).standard_normal((2, 4, 32)).astype(np.float32)
+    weight = np.linspace(0.5, 1.5, 32, dtype=np.float32)
+    actual = norm(queries, queries, weight, None)
+    expected = composed_dual_head_norm(mx.array(queries), mx.array(queries), mx.array(weight), None, EPS)
+    assert_bit_identical(actual[0], expected[0])
+    assert_bit_identical(actual[1], expected[1])
+
+
+def test_a_call_evaluates_nothing_and_copies_nothing():
+    """Calling allocates no memory at all: the lazy inputs are not
+    evaluated, nothing is copied, and the outputs are lazy. A numpy bridge
+    (which evaluates and copies) or an eager output would allocate here."""
+    norm = CompiledDualHeadNorm(EPS)
+    warm = mx.zeros((4, 128))
+    mx.eval(norm(warm, warm))  # first call traces; keep it out of the count
+    gc.collect()
+    baseline = mx.get_active_memory()
+    lazy_queries = mx.random.normal((1024, 16, 128))  # 8 MiB once evaluated
+    lazy_keys = mx.random.normal((1024, 4, 128))
+    normalized_queries, normalized_keys = norm(lazy_queries, lazy_keys)
+    assert mx.get_active_memory() - baseline < 64 * 1024
+
+    mx.eval(lazy_queries, lazy_keys)
+    evaluated = mx.get_active_memory()
+    assert evaluated - baseline >= 10 * 2**20, "the measurement must see evaluation"
+    normalized_queries, normalized_keys = norm(lazy_queries, lazy_keys)
+    assert mx.get_active_memory() - evaluated < 64 * 1024
+
+    mx.eval(normalized_queries, normalized_keys)
+    assert mx.get_active_memory() - evaluated >= 10 * 2**20
+
+
+def test_outputs_are_lazy_mx_arrays_usable_in_further_ops(rng_key):
+    norm = CompiledDualHeadNorm(EPS)
+    queries = random_heads(rng_key, (1, 1, 16, 128), mx.bfloat16)
+    normalized_queries, normalized_keys = norm(queries, queries)
+    assert type(normalized_queries) is mx.array
+    scores = (normalized_queries * normalized_keys).sum(axis=-1)
+    expected_q, expected_k = composed_dual_head_norm(queries, queries, None, None, EPS)
+    assert_bit_identical(scores, (expected_q * expected_k).sum(axis=-1))
+
+
+def test_stream_argument_runs_on_that_stream(rng_key):
+    norm = CompiledDualHeadNorm(EPS)
+    queries = random_heads(rng_key, (2, 8, 64), mx.float32)
+    actual = norm(queries, queries, stream=mx.cpu)
+    expected = composed_dual_head_norm(queries, queries, None, None, EPS, stream=mx.cpu)
+    assert_bit_identical(actual[0], expected[0])
+
+
+def test_eps_is_the_float32_mlx_uses():
+    assert CompiledDualHeadNorm(1e-6).eps == float(np.float32(1e-6))
+    assert CompiledDualHeadNorm(0).eps == 0.0
+
+
+BAD_EPSILONS = [float("nan"), float("inf"), -1e-6, 1e300]
+
+
+@pytest.mark.parametrize("eps", BAD_EPSILONS)
+def test_bad_eps_is_a_value_error_naming_the_operation(eps):
+    with pytest.raises(ValueError, match="compile the shapeless MLX dual head norm graph"):
+        CompiledDualHeadNorm(eps)
+
+
+@pytest.mark.parametrize("eps", ["1e-6", None, True, [1e-6]])
+def test_non_number_eps_is_a_type_error(eps):
+    with pytest.raises(TypeError, match="eps must be a real number"):
+        CompiledDualHeadNorm(eps)
+
+
+def bad_inputs():
+    width = 8
+    x = mx.ones((2, width))
+    return {
+        "0-d queries": ((mx.array(1.0), x), "queries must have at least 1 dimension"),
+        "0-d keys": ((x, mx.array(1.0)), "keys must have at least 1 dimension"),
+        "short query weight": ((x, x, mx.ones((3,)), None), "query scale weight has 3 elements"),
+        "long key weight": ((x, x, None, mx.ones((9,))), "key scale weight has 9 elements"),
+        "2-d weight": ((x, x, mx.ones((1, width)), None), "must have 1 dimension but has 2"),
+        "int32 queries": ((x.astype(mx.int32), x), "unsupported dtype int32"),
+        "bool keys": ((x, x.astype(mx.bool_)), "unsupported dtype bool"),
+        "complex queries": ((x.astype(mx.complex64), x), "unsupported dtype complex64"),
+        "int weight on int input": (
+            (x.astype(mx.int32), x, mx.ones((width,), dtype=mx.int32), None),
+            "do not normalize to a floating dtype",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_inputs()))
+def test_bad_input_is_a_value_error_naming_the_operation_and_the_next_call_works(case, rng_key):
+    arguments, expected_message = bad_inputs()[case]
+    norm = CompiledDualHeadNorm(EPS)
+    with pytest.raises(DualHeadNormValueError, match=expected_message) as raised:
+        norm(*arguments)
+    assert isinstance(raised.value, ValueError) and isinstance(raised.value, MlxCError)
+    assert raised.value.operation == "apply the compiled MLX dual head norm"
+    # The composed path rejects the same input.
+    with pytest.raises(ValueError):
+        mx.eval(composed_dual_head_norm(*arguments, EPS) if len(arguments) == 4
+                else composed_dual_head_norm(*arguments, None, None, EPS))
+    queries = random_heads(rng_key, (1, 1, 16, 128), mx.bfloat16)
+    assert_matches_composed(norm, queries, queries)
+
+
+def test_short_weight_after_a_good_trace_is_still_rejected():
+    """The shapeless replay would not re-check it; the apply does."""
+    norm = CompiledDualHeadNorm(EPS)
+    x = mx.ones((2, 8))
+    mx.eval(norm(x, x, mx.ones((8,)), mx.ones((8,))))
+    with pytest.raises(DualHeadNormValueError, match="has 3 elements"):
+        norm(x, x, mx.ones((3,)), mx.ones((8,)))
+
+
+@pytest.mark.parametrize("bad", ["queries", 3.0, [1.0, 2.0], None, object()])
+def test_non_array_argument_is_a_type_error(bad):
+    norm = CompiledDualHeadNorm(EPS)
+    with pytest.raises(TypeError, match="apply the compiled MLX dual head norm: queries"):
+        norm(bad, mx.ones((2, 8)))
+    with pytest.raises(TypeError, match="key_weight must be"):
+        norm(mx.ones((2, 8)), mx.ones((2, 8)), None, "weight")
+
+
+def test_closed_object_raises_and_close_is_idempotent():
+    norm = CompiledDualHeadNorm(EPS)
+    x = mx.ones((2, 8))
+    with norm:
+        mx.eval(norm(x, x))
+    with pytest.raises(DualHeadNormValueError, match="closed"):
+        norm(x, x)
+    norm.close()
+
+
+@pytest.mark.skipif(mx.is_available(mx.gpu), reason="needs a CPU-only MLX")
+def test_gpu_stream_on_cpu_only_mlx_is_a_value_error():
+    norm = CompiledDualHeadNorm(EPS)
+    x = mx.ones((2, 8))
+    with pytest.raises(ValueError, match="Cannot get gpu stream"):
+        norm(x, x, stream=mx.gpu)
+    assert_matches_composed(norm, x, x)
+
+
+def test_garbage_collection_frees_the_object():
+    norm = CompiledDualHeadNorm(EPS)
+    mx.eval(norm(mx.ones((2, 8)), mx.ones((2, 8))))
+    reference = weakref.ref(norm)
+    del norm
+    gc.collect()
+    assert reference() is None
