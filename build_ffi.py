@@ -3,8 +3,10 @@
 Two extension modules, one MLX runtime:
 
 * ``mlx_dualnorm._native`` (cffi, API mode): the mlx-c subset in
-  ``csrc/mlxc`` (C++ over ``libmlx.so``) and the plain-C composite in
-  ``csrc/dual_head_norm.c``, declared to cffi by ``csrc/cdefs``.
+  ``csrc/mlxc`` (C++ over ``libmlx.so``), the plain-C composite in
+  ``csrc/dual_head_norm.c`` and its fused CUDA launcher in ``csrc/fused``
+  (C++, kernel compiled by NVRTC at run time), declared to cffi by
+  ``csrc/cdefs``.
 * ``mlx_dualnorm._interop`` (nanobind, MLX's domain): hands ``mx.array``
   objects to the composite without copies, since cffi has no ``PyObject*``.
 
@@ -110,6 +112,48 @@ def find_mlx_c() -> MlxCSource:
     )
 
 
+class CudaPrimitiveBuild(NamedTuple):
+    """What compiling the fused mode's MLX primitive takes: MLX's CUDA
+    backend headers (shipped by the mlx[cuda13] wheel), the CUDA toolkit's
+    headers and fmt's headers (MLX's CUDA headers include both)."""
+
+    sources: list[str]
+    compile_args: list[str]
+    define_macros: list[tuple[str, str]]
+
+
+def _first_dir_with(candidates: list[str | None], relative_file: str) -> pathlib.Path | None:
+    for candidate in candidates:
+        if candidate and (pathlib.Path(candidate) / relative_file).exists():
+            return pathlib.Path(candidate)
+    return None
+
+
+def find_cuda_primitive_build(mlx: MlxInstall) -> CudaPrimitiveBuild | None:
+    """The fused-mode build where everything it needs is found, else None
+    (the package then reports mode 'fused' unavailable; 'auto' compiles)."""
+    if not (mlx.include_dir / "mlx" / "backend" / "cuda" / "device.h").exists():
+        return None
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    cuda_include = _first_dir_with(
+        [cuda_home and f"{cuda_home}/include", "/usr/local/cuda/include"], "cuda_runtime.h"
+    )
+    fmt_include = _first_dir_with(
+        [os.environ.get("MLX_DUALNORM_FMT_INCLUDE"), "/usr/include", "/usr/local/include"],
+        "fmt/format.h",
+    )
+    if cuda_include is None or fmt_include is None:
+        missing = "CUDA toolkit headers (CUDA_HOME)" if cuda_include is None else "fmt headers"
+        print(f"mlx_dualnorm: MLX has a CUDA backend but {missing} were not found: "
+              "building without the fused mode", file=sys.stderr)
+        return None
+    return CudaPrimitiveBuild(
+        sources=["csrc/fused/fused_dual_rms_norm_primitive.cpp"],
+        compile_args=["-isystem", str(cuda_include), "-isystem", str(fmt_include)],
+        define_macros=[("MLX_DUALNORM_WITH_CUDA", "1"), ("FMT_HEADER_ONLY", "1")],
+    )
+
+
 def assemble_cdef() -> str:
     """The cffi declarations of every area, in dependency order."""
     sys.path.insert(0, str(CSRC))
@@ -126,16 +170,23 @@ def assemble_cdef() -> str:
 def make_ffibuilder() -> FFI:
     mlx = find_mlx_install()
     mlx_c = find_mlx_c()
+    cuda_primitive = find_cuda_primitive_build(mlx) or CudaPrimitiveBuild([], [], [])
     builder = FFI()
     builder.cdef(assemble_cdef())
     builder.set_source(
         NATIVE_MODULE,
         '#include "dual_head_norm.h"\n',
-        sources=["csrc/dual_head_norm.c", *mlx_c.sources],
+        sources=[
+            "csrc/dual_head_norm.c",
+            "csrc/fused/fused_dual_head_norm.cpp",
+            *cuda_primitive.sources,
+            *mlx_c.sources,
+        ],
+        define_macros=cuda_primitive.define_macros,
         include_dirs=[str(CSRC), str(mlx_c.include_dir)],
         library_dirs=[*mlx_c.library_dirs, str(mlx.library_dir)],
-        libraries=[*mlx_c.libraries, "mlx", "stdc++"],
-        extra_compile_args=["-isystem", str(mlx.include_dir)],
+        libraries=[*mlx_c.libraries, "mlx", "stdc++", "dl"],
+        extra_compile_args=["-isystem", str(mlx.include_dir), *cuda_primitive.compile_args],
         extra_link_args=[*mlx_c.link_args, *mlx.link_args],
     )
     return builder

@@ -17,6 +17,10 @@
  * any trace that apply triggers reads that object's epsilon, whatever other
  * objects and threads do meanwhile. A cache hit does not read the slot.
  *
+ * In fused mode, supported inputs skip the graph: one CUDA kernel launch
+ * (fused/) takes the epsilon as a kernel argument, so neither the slot nor
+ * the lock is involved.
+ *
  * A shapeless replay skips rms_norm's argument checks (it only recomputes
  * output shapes), so a weight whose length is not the inputs' width would be
  * read out of bounds without a word. The apply checks, on every call, the
@@ -24,6 +28,7 @@
  * arguments.
  */
 #include "dual_head_norm.h"
+#include "fused/fused_dual_head_norm.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -317,11 +322,14 @@ static int check_head_norm_input(const char* input_name, const mlx_array input,
 /* ---- The compiled dual head norm ----------------------------------------- */
 
 struct mlx_dualnorm_compiled_dual_head_norm_ {
-  /* Owned compiled closures, one per weight layout; all empty once closed.
-   * Read and released only under trace_lock. */
+  /* Owned closures, one per weight layout: compiled, or the plain builders
+   * in composed mode. All empty once closed. Read and released only under
+   * trace_lock. */
   mlx_closure compiled_graphs[WEIGHT_LAYOUT_COUNT];
   float rms_norm_epsilon;
-  bool closed;
+  mlx_dualnorm_mode mode;
+  /* Written under trace_lock; atomic so the fused path may read it without. */
+  atomic_bool closed;
 };
 
 /* Frees the compiled graphs; the caller holds trace_lock or is the only
@@ -336,8 +344,40 @@ static int release_compiled_graphs(mlx_dualnorm_compiled_dual_head_norm* dual_he
   return status;
 }
 
+/* Resolves AUTO, and checks FUSED can run here (compiling its kernel). */
+static int resolve_mode(mlx_dualnorm_mode requested, mlx_dualnorm_mode* resolved) {
+  const char* operation = COMPILE_DUAL_HEAD_NORM_OPERATION;
+  switch (requested) {
+    case MLX_DUALNORM_MODE_COMPOSED:
+    case MLX_DUALNORM_MODE_COMPILED:
+      *resolved = requested;
+      return MLX_DUALNORM_OK;
+    case MLX_DUALNORM_MODE_AUTO:
+      /* A kernel that fails to compile leaves AUTO on the compiled graph;
+       * the record it left is cleared by the next call. */
+      *resolved = mlx_dualnorm_fused_backend_available() && mlx_dualnorm_fused_prepare() == 0
+                      ? MLX_DUALNORM_MODE_FUSED
+                      : MLX_DUALNORM_MODE_COMPILED;
+      mlx_dualnorm_clear_last_error();
+      return MLX_DUALNORM_OK;
+    case MLX_DUALNORM_MODE_FUSED:
+      if (!mlx_dualnorm_fused_backend_available()) {
+        return fail_with(MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                         "mode 'fused' needs MLX's CUDA backend, and this MLX has no "
+                         "CUDA GPU; use mode 'auto' or 'compiled'");
+      }
+      if (mlx_dualnorm_fused_prepare() != 0) {
+        return fail_in_mlx(operation);
+      }
+      *resolved = MLX_DUALNORM_MODE_FUSED;
+      return MLX_DUALNORM_OK;
+  }
+  return fail_with(MLX_DUALNORM_INVALID_ARGUMENT, operation, "unknown mode %d",
+                   (int)requested);
+}
+
 int mlx_dualnorm_compiled_dual_head_norm_new(mlx_dualnorm_compiled_dual_head_norm** res,
-                                             float rms_norm_epsilon) {
+                                             float rms_norm_epsilon, mlx_dualnorm_mode mode) {
   const char* operation = COMPILE_DUAL_HEAD_NORM_OPERATION;
   mlx_dualnorm_clear_last_error();
   if (res == NULL) {
@@ -348,21 +388,32 @@ int mlx_dualnorm_compiled_dual_head_norm_new(mlx_dualnorm_compiled_dual_head_nor
                      "the RMS epsilon must be finite and >= 0, got %g",
                      (double)rms_norm_epsilon);
   }
+  mlx_dualnorm_mode resolved_mode = MLX_DUALNORM_MODE_COMPILED;
+  int status = resolve_mode(mode, &resolved_mode);
+  if (status != MLX_DUALNORM_OK) {
+    return status;
+  }
   mlx_dualnorm_compiled_dual_head_norm* dual_head_norm = calloc(1, sizeof *dual_head_norm);
   if (dual_head_norm == NULL) {
     return fail_with(MLX_DUALNORM_MLX_FAILURE, operation, "out of host memory");
   }
   dual_head_norm->rms_norm_epsilon = rms_norm_epsilon;
+  dual_head_norm->mode = resolved_mode;
+  bool compile_graphs = resolved_mode != MLX_DUALNORM_MODE_COMPOSED;
   for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
-    /* The builder closure is only a template: mlx_compile copies it into
-     * the compiled closure, so it is freed right away on every path. */
+    /* The builder closure is a template: mlx_compile copies it into the
+     * compiled closure, so it is freed right away; in composed mode the
+     * object keeps it and runs it on every call. */
     mlx_closure graph_builder = mlx_closure_new_func(graph_builders[layout]);
     dual_head_norm->compiled_graphs[layout] = mlx_closure_new();
-    int compile_status = graph_builder.ctx == NULL
-                             ? 1
-                             : mlx_compile(&dual_head_norm->compiled_graphs[layout],
-                                           graph_builder, true);
-    compile_status |= mlx_closure_free(graph_builder);
+    int compile_status = 1;
+    if (graph_builder.ctx != NULL && compile_graphs) {
+      compile_status = mlx_compile(&dual_head_norm->compiled_graphs[layout], graph_builder, true);
+      compile_status |= mlx_closure_free(graph_builder);
+    } else if (graph_builder.ctx != NULL) {
+      dual_head_norm->compiled_graphs[layout] = graph_builder;
+      compile_status = 0;
+    }
     if (compile_status != 0) {
       release_compiled_graphs(dual_head_norm);
       free(dual_head_norm);
@@ -371,6 +422,11 @@ int mlx_dualnorm_compiled_dual_head_norm_new(mlx_dualnorm_compiled_dual_head_nor
   }
   *res = dual_head_norm;
   return MLX_DUALNORM_OK;
+}
+
+mlx_dualnorm_mode mlx_dualnorm_compiled_dual_head_norm_mode(
+    const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
+  return dual_head_norm == NULL ? MLX_DUALNORM_MODE_AUTO : dual_head_norm->mode;
 }
 
 float mlx_dualnorm_compiled_dual_head_norm_epsilon(
@@ -396,6 +452,20 @@ int mlx_dualnorm_apply_compiled_dual_head_norm(
   status = check_head_norm_input("keys", keys, "key scale weight", key_scale_weight);
   if (status != MLX_DUALNORM_OK) {
     return status;
+  }
+
+  if (dual_head_norm->mode == MLX_DUALNORM_MODE_FUSED &&
+      mlx_dualnorm_fused_supports(queries, keys, query_scale_weight, key_scale_weight)) {
+    /* No graph, so no trace and no lock: the epsilon is a kernel argument,
+     * and closing frees no state this launch uses. */
+    if (dual_head_norm->closed) {
+      return fail_with(MLX_DUALNORM_CLOSED, operation, "the dual head norm is closed");
+    }
+    if (mlx_dualnorm_fused_apply(res, queries, keys, query_scale_weight, key_scale_weight,
+                                 dual_head_norm->rms_norm_epsilon) != 0) {
+      return fail_in_mlx(operation);
+    }
+    return MLX_DUALNORM_OK;
   }
 
   int layout = (query_scale_weight.ctx != NULL ? QUERY_WEIGHTED_LAYOUT : 0) |

@@ -30,6 +30,19 @@ typedef enum mlx_dualnorm_status_ {
   MLX_DUALNORM_CLOSED = 3,
 } mlx_dualnorm_status;
 
+/* How the dual head norm runs. AUTO resolves, at construction, to FUSED
+ * where MLX has a CUDA GPU and the kernel compiles, else to COMPILED. */
+typedef enum mlx_dualnorm_mode_ {
+  MLX_DUALNORM_MODE_AUTO = 0,
+  /* The two rms_norm calls, built on every call (the reference path). */
+  MLX_DUALNORM_MODE_COMPOSED = 1,
+  /* One replay of the shapeless compiled dual-output graph. */
+  MLX_DUALNORM_MODE_COMPILED = 2,
+  /* One CUDA kernel launch for both inputs (fused/); inputs it does not
+   * support take the compiled graph, with the same bits. */
+  MLX_DUALNORM_MODE_FUSED = 3,
+} mlx_dualnorm_mode;
+
 /* Opaque: the compiled graphs (one per weight layout) and the epsilon they
  * bake in. Created by _new, its graphs released by _close, its memory by
  * _free; the struct outlives _close so late callers get MLX_DUALNORM_CLOSED
@@ -43,11 +56,17 @@ typedef struct mlx_dualnorm_compiled_dual_head_norm_
 void mlx_dualnorm_install_error_handler(void);
 
 /* Compiles the shapeless dual head-norm graphs with `rms_norm_epsilon`
- * baked in. `*res` receives a new object the caller owns (free it with
- * mlx_dualnorm_compiled_dual_head_norm_free). */
+ * baked in, for `mode` (MLX_DUALNORM_MODE_FUSED fails with an invalid
+ * argument where MLX has no CUDA GPU). `*res` receives a new object the
+ * caller owns (free it with mlx_dualnorm_compiled_dual_head_norm_free). */
 int mlx_dualnorm_compiled_dual_head_norm_new(
     mlx_dualnorm_compiled_dual_head_norm** res,
-    float rms_norm_epsilon);
+    float rms_norm_epsilon,
+    mlx_dualnorm_mode mode);
+
+/* The mode construction resolved (never AUTO). */
+mlx_dualnorm_mode mlx_dualnorm_compiled_dual_head_norm_mode(
+    const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm);
 
 float mlx_dualnorm_compiled_dual_head_norm_epsilon(
     const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm);

@@ -12,12 +12,17 @@ bit-identical to ``mx.fast.rms_norm(q, None, 1e-6)`` and
 """
 
 from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
-from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm, composed_dual_head_norm
+from mlx_dualnorm.dual_head_norm import (
+    CompiledDualHeadNorm,
+    available_modes,
+    composed_dual_head_norm,
+)
 
 __all__ = [
     "CompiledDualHeadNorm",
     "DualHeadNormValueError",
     "MlxCError",
+    "available_modes",
     "composed_dual_head_norm",
 ]
 

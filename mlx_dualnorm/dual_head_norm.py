@@ -13,7 +13,7 @@ call, lazy outputs, no copies of the inputs.
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -21,12 +21,27 @@ import numpy as np
 from mlx_dualnorm._binding import apply_compiled_dual_head_norm, ffi, lib
 from mlx_dualnorm._errors import MlxCError, raise_last_error
 
-__all__ = ["CompiledDualHeadNorm", "composed_dual_head_norm"]
+__all__ = ["CompiledDualHeadNorm", "available_modes", "composed_dual_head_norm"]
 
 APPLY_DUAL_HEAD_NORM_OPERATION = "apply the compiled MLX dual head norm"
 COMPILE_DUAL_HEAD_NORM_OPERATION = "compile the shapeless MLX dual head norm graph"
 
 ArrayLike = Union[mx.array, np.ndarray]
+Mode = Literal["auto", "composed", "compiled", "fused"]
+
+_MODES: dict[str, int] = {
+    "auto": lib.MLX_DUALNORM_MODE_AUTO,
+    "composed": lib.MLX_DUALNORM_MODE_COMPOSED,
+    "compiled": lib.MLX_DUALNORM_MODE_COMPILED,
+    "fused": lib.MLX_DUALNORM_MODE_FUSED,
+}
+_MODE_NAMES = {value: name for name, value in _MODES.items()}
+
+
+def available_modes() -> tuple[str, ...]:
+    """The modes that can run here: ``"fused"`` needs MLX's CUDA backend."""
+    modes = ("composed", "compiled")
+    return modes + ("fused",) if lib.mlx_dualnorm_fused_backend_available() else modes
 StreamLike = Union[mx.Stream, mx.Device, None]
 
 
@@ -52,6 +67,13 @@ class CompiledDualHeadNorm:
     Args:
         eps: the RMS epsilon, baked into the compiled graph. Must be finite
             and >= 0 (it is used as float32, as ``mx.fast.rms_norm`` does).
+        mode: ``"compiled"``: one replay of the compiled dual-output graph.
+            ``"fused"``: one CUDA kernel launch for both inputs (MLX's CUDA
+            backend only; inputs it does not cover, e.g. mixed dtypes, take
+            the compiled graph). ``"composed"``: the two calls, rebuilt each
+            time (the reference). ``"auto"`` (default): fused where MLX has
+            a CUDA GPU, else compiled. Every mode gives the same bits;
+            :attr:`mode` says which one was chosen.
 
     Call it like two ``mx.fast.rms_norm`` calls sharing ``eps``; the weights
     are optional and independent (mlx-lm's gated-delta layers pass none).
@@ -65,14 +87,19 @@ class CompiledDualHeadNorm:
 
     __slots__ = ("_native", "_address", "__weakref__")
 
-    def __init__(self, eps: float = 1e-6) -> None:
+    def __init__(self, eps: float = 1e-6, mode: Mode = "auto") -> None:
         if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
             raise TypeError(
                 f"{COMPILE_DUAL_HEAD_NORM_OPERATION}: eps must be a real number, "
                 f"not {type(eps).__name__}"
             )
+        if mode not in _MODES:
+            raise ValueError(
+                f"{COMPILE_DUAL_HEAD_NORM_OPERATION}: mode must be one of "
+                f"{', '.join(map(repr, _MODES))}, not {mode!r}"
+            )
         created = ffi.new("mlx_dualnorm_compiled_dual_head_norm **")
-        if lib.mlx_dualnorm_compiled_dual_head_norm_new(created, float(eps)) != 0:
+        if lib.mlx_dualnorm_compiled_dual_head_norm_new(created, float(eps), _MODES[mode]) != 0:
             raise_last_error()
         # Owned by this object: freed (closing first) when it is collected.
         self._native = ffi.gc(created[0], lib.mlx_dualnorm_compiled_dual_head_norm_free)
@@ -82,6 +109,11 @@ class CompiledDualHeadNorm:
     def eps(self) -> float:
         """The epsilon baked into the graphs, as the float32 MLX uses."""
         return float(lib.mlx_dualnorm_compiled_dual_head_norm_epsilon(self._native))
+
+    @property
+    def mode(self) -> str:
+        """The mode chosen at construction: "composed", "compiled" or "fused"."""
+        return _MODE_NAMES[lib.mlx_dualnorm_compiled_dual_head_norm_mode(self._native)]
 
     def __call__(
         self,
@@ -151,7 +183,7 @@ class CompiledDualHeadNorm:
         self.close()
 
     def __repr__(self) -> str:
-        return f"CompiledDualHeadNorm(eps={self.eps!r})"
+        return f"CompiledDualHeadNorm(eps={self.eps!r}, mode={self.mode!r})"
 
 
 def _as_mx_array(value: object, argument_name: str) -> mx.array:

@@ -1,0 +1,257 @@
+/* FusedDualRmsNorm: an MLX primitive whose GPU evaluation is ONE kernel
+ * launch over the rows of queries and keys, added to MLX's own command
+ * encoder like MLX's built-in RMSNorm (same graph-node cost, no source
+ * string, no per-call code copy or hash: precompiled_cuda_kernel copies and
+ * hashes the whole module on every call, tens of µs per launch).
+ *
+ * Built only where MLX's CUDA backend headers, the CUDA toolkit headers and
+ * fmt's headers (which MLX's headers include) are found; build_ffi.py
+ * decides and defines MLX_DUALNORM_WITH_CUDA.
+ */
+#include "fused/fused_dual_rms_norm_primitive.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <mutex>
+#include <stdexcept>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cuda/device.h"
+#include "mlx/backend/cuda/utils.h"
+#include "mlx/primitives.h"
+
+namespace mlx_dualnorm_fused {
+
+namespace {
+
+namespace mx = mlx::core;
+
+/* Host mirror of the kernel's RowLayout / DualRmsNormParams (see
+ * dual_rms_norm_kernel.cuh): same field order and types. */
+struct RowLayout {
+  long long strides[kMaxRank];
+  int shape[kMaxRank];
+  int rank;
+  int rows;
+  int width;
+  int block;
+  int reads;
+  int has_weight;
+  long long weight_stride;
+};
+
+struct DualRmsNormParams {
+  RowLayout queries;
+  RowLayout keys;
+  float eps;
+};
+
+/* MLX's launch shape for rows of `width` elements of `dtype` (its
+ * RMSNorm::eval_gpu dispatch): the block size and the elements each thread
+ * reads per chunk. */
+void set_launch_shape(RowLayout& layout, mx::Dtype dtype) {
+  const int reads = 16 / static_cast<int>(dtype.size());
+  const int width = layout.width;
+  const int vectors = (width + reads - 1) / reads;
+  layout.reads = reads;
+  if (width > reads * 1024) {
+    layout.block = 1024;
+  } else if (width <= reads * 64) {
+    layout.block = 64;
+  } else if (vectors % 128 == 0 && vectors / 128 <= 8) {
+    layout.block = 128;
+  } else if (vectors % 64 == 0 && vectors / 64 <= 8) {
+    layout.block = 64;
+  } else {
+    layout.block = 128;
+  }
+}
+
+RowLayout row_layout(const mx::array& input, const mx::array* weight) {
+  RowLayout layout{};
+  layout.rank = static_cast<int>(input.ndim());
+  for (int axis = 0; axis < layout.rank; ++axis) {
+    layout.shape[axis] = input.shape(axis);
+    layout.strides[axis] = input.strides()[axis];
+  }
+  layout.width = input.shape().back();
+  layout.rows = static_cast<int>(input.size() / layout.width);
+  layout.has_weight = weight != nullptr ? 1 : 0;
+  layout.weight_stride = weight != nullptr ? weight->strides()[0] : 0;
+  set_launch_shape(layout, input.dtype());
+  return layout;
+}
+
+/* The cubin, and the module MLX's context loads it into at the first
+ * evaluation. Driver entry points come from the libcuda MLX loaded. */
+struct KernelModule {
+  std::string cubin;
+  std::once_flag loaded;
+  std::string load_failure;
+  CUfunction float32_kernel = nullptr;
+  CUfunction float16_kernel = nullptr;
+  CUfunction bfloat16_kernel = nullptr;
+};
+
+KernelModule& kernel_module() {
+  static KernelModule module;
+  return module;
+}
+
+void load_module(KernelModule& module) {
+  void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (driver == nullptr) {
+    throw std::runtime_error("[fused dual head norm] libcuda.so.1 is not loaded");
+  }
+  auto load_data = reinterpret_cast<CUresult (*)(CUmodule*, const void*)>(
+      dlsym(driver, "cuModuleLoadData"));
+  auto get_function = reinterpret_cast<CUresult (*)(CUfunction*, CUmodule, const char*)>(
+      dlsym(driver, "cuModuleGetFunction"));
+  if (load_data == nullptr || get_function == nullptr) {
+    throw std::runtime_error("[fused dual head norm] the CUDA driver lacks module loading");
+  }
+  CUmodule loaded = nullptr;
+  // Owned by the process from here: kernels stay valid until exit.
+  if (load_data(&loaded, module.cubin.data()) != CUDA_SUCCESS ||
+      get_function(&module.float32_kernel, loaded, "mlx_dualnorm_dual_rms_norm_float32") !=
+          CUDA_SUCCESS ||
+      get_function(&module.float16_kernel, loaded, "mlx_dualnorm_dual_rms_norm_float16") !=
+          CUDA_SUCCESS ||
+      get_function(&module.bfloat16_kernel, loaded, "mlx_dualnorm_dual_rms_norm_bfloat16") !=
+          CUDA_SUCCESS) {
+    throw std::runtime_error("[fused dual head norm] the CUDA driver could not load the kernel");
+  }
+}
+
+CUfunction kernel_for(mx::Dtype dtype, mx::Device device) {
+  KernelModule& module = kernel_module();
+  std::call_once(module.loaded, [&module, device] {
+    try {
+      mx::cu::device(device).make_current();
+      load_module(module);
+    } catch (const std::exception& e) {
+      module.load_failure = e.what();
+    }
+  });
+  if (!module.load_failure.empty()) {
+    throw std::runtime_error(module.load_failure);
+  }
+  switch (dtype.val()) {
+    case mx::Dtype::Val::float32:
+      return module.float32_kernel;
+    case mx::Dtype::Val::float16:
+      return module.float16_kernel;
+    case mx::Dtype::Val::bfloat16:
+      return module.bfloat16_kernel;
+    default:
+      throw std::invalid_argument("[fused dual head norm] unsupported dtype");
+  }
+}
+
+class FusedDualRmsNorm : public mx::Primitive {
+ public:
+  FusedDualRmsNorm(mx::Stream stream, float rms_norm_epsilon, bool has_query_weight,
+                   bool has_key_weight)
+      : mx::Primitive(stream),
+        rms_norm_epsilon_(rms_norm_epsilon),
+        has_query_weight_(has_query_weight),
+        has_key_weight_(has_key_weight) {}
+
+  void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[fused dual head norm] runs on MLX's CUDA GPU only");
+  }
+
+  /* Inputs: queries, keys, then the query weight and the key weight where
+   * present. Outputs: normalized queries, normalized keys. */
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cu::get_command_encoder(stream());
+    const mx::Dtype dtype = inputs[0].dtype();
+    CUfunction kernel = kernel_for(dtype, stream().device);
+    const mx::array* query_weight_input = has_query_weight_ ? &inputs[2] : nullptr;
+    const mx::array* key_weight_input =
+        has_key_weight_ ? &inputs[has_query_weight_ ? 3 : 2] : nullptr;
+    DualRmsNormParams params{};
+    params.queries = row_layout(inputs[0], query_weight_input);
+    params.keys = row_layout(inputs[1], key_weight_input);
+    params.eps = rms_norm_epsilon_;
+    for (int side = 0; side < 2; ++side) {
+      // Like MLX's RMSNorm: a row-contiguous input nobody else holds gives
+      // its buffer to the output. In place is safe: every element is read
+      // by the thread that writes it, after the block-wide sum.
+      const mx::array& input = inputs[side];
+      if (input.is_donatable() && input.flags().row_contiguous) {
+        outputs[side].copy_shared_buffer(input);
+      } else {
+        outputs[side].set_data(mx::allocator::malloc(outputs[side].nbytes()));
+      }
+    }
+    for (const auto& input : inputs) {
+      encoder.set_input_array(input);
+    }
+    for (const auto& output : outputs) {
+      encoder.set_output_array(output);
+    }
+    void* queries = mx::gpu_ptr<void>(inputs[0]);
+    void* keys = mx::gpu_ptr<void>(inputs[1]);
+    void* query_weight = query_weight_input ? mx::gpu_ptr<void>(*query_weight_input) : nullptr;
+    void* key_weight = key_weight_input ? mx::gpu_ptr<void>(*key_weight_input) : nullptr;
+    void* normalized_queries = mx::gpu_ptr<void>(outputs[0]);
+    void* normalized_keys = mx::gpu_ptr<void>(outputs[1]);
+    void* arguments[] = {&queries, &keys, &query_weight, &key_weight,
+                         &normalized_queries, &normalized_keys, &params};
+    const unsigned int block =
+        static_cast<unsigned int>(std::max(params.queries.block, params.keys.block));
+    const unsigned int rows = static_cast<unsigned int>(params.queries.rows + params.keys.rows);
+    encoder.add_kernel_node_raw(kernel, dim3(rows), dim3(block), dim3(), 0, arguments);
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[1].shape()};
+  }
+
+  const char* name() const override {
+    return "FusedDualRmsNorm";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& fused = static_cast<const FusedDualRmsNorm&>(other);
+    return rms_norm_epsilon_ == fused.rms_norm_epsilon_ &&
+           has_query_weight_ == fused.has_query_weight_ &&
+           has_key_weight_ == fused.has_key_weight_;
+  }
+
+ private:
+  float rms_norm_epsilon_;
+  bool has_query_weight_;
+  bool has_key_weight_;
+};
+
+} // namespace
+
+void set_kernel_cubin(std::string cubin) {
+  kernel_module().cubin = std::move(cubin);
+}
+
+std::vector<mx::array> fused_dual_rms_norm(
+    const mx::array& queries,
+    const mx::array& keys,
+    const mx::array* query_weight,
+    const mx::array* key_weight,
+    float rms_norm_epsilon) {
+  const mx::Dtype dtype = queries.dtype();
+  std::vector<mx::array> inputs{queries, keys};
+  if (query_weight != nullptr) {
+    inputs.push_back(*query_weight);
+  }
+  if (key_weight != nullptr) {
+    inputs.push_back(*key_weight);
+  }
+  return mx::array::make_arrays(
+      {queries.shape(), keys.shape()}, {dtype, dtype},
+      std::make_shared<FusedDualRmsNorm>(mx::default_stream(mx::Device::gpu), rms_norm_epsilon,
+                                         query_weight != nullptr, key_weight != nullptr),
+      inputs);
+}
+
+} // namespace mlx_dualnorm_fused
