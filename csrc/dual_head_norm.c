@@ -21,6 +21,16 @@
  * (fused/) takes the epsilon as a kernel argument, so neither the slot nor
  * the lock is involved.
  *
+ * Each object compiles under ids of its own, never reused, with its
+ * epsilon's bits as a compile constant: MLX's compile cache is per thread
+ * and closing erases only the closing thread's entries, so a reused id
+ * (MLX's default, the closure's address) could let a new object replay an
+ * old object's trace, with the old epsilon, on another thread.
+ *
+ * Rows of width 0 or 1 take the uncompiled builder (the composed graph):
+ * MLX 0.32.4's shapeless compile returns the wrong shape for width 0 and
+ * crashes in its CPU sum for width 1 at rank >= 2.
+ *
  * A shapeless replay skips rms_norm's argument checks (it only recomputes
  * output shapes), so a weight whose length is not the inputs' width would be
  * read out of bounds without a word. The apply checks, on every call, the
@@ -319,13 +329,26 @@ static int check_head_norm_input(const char* input_name, const mlx_array input,
   return MLX_DUALNORM_OK;
 }
 
+/* The width of a checked input (rank >= 1). */
+static int last_dimension(const mlx_array input) {
+  return mlx_array_shape(input)[mlx_array_ndim(input) - 1];
+}
+
 /* ---- The compiled dual head norm ----------------------------------------- */
 
+/* Compile ids: a tag above every user-space address (MLX's own ids are
+ * addresses), then a process-wide serial and the layout. */
+static const uint64_t COMPILE_ID_TAG = UINT64_C(0xD0A1) << 48;
+static _Atomic uint64_t next_compile_serial = 1;
+
 struct mlx_dualnorm_compiled_dual_head_norm_ {
-  /* Owned closures, one per weight layout: compiled, or the plain builders
-   * in composed mode. All empty once closed. Read and released only under
+  /* Owned closures, one per weight layout: the plain builders (run in
+   * composed mode and for widths <= 1) and their compiled forms (empty in
+   * composed mode). All empty once closed. Read and released only under
    * trace_lock. */
+  mlx_closure plain_graphs[WEIGHT_LAYOUT_COUNT];
   mlx_closure compiled_graphs[WEIGHT_LAYOUT_COUNT];
+  uintptr_t compile_ids[WEIGHT_LAYOUT_COUNT];
   float rms_norm_epsilon;
   mlx_dualnorm_mode mode;
   /* Written under trace_lock; atomic so the fused path may read it without. */
@@ -337,8 +360,13 @@ struct mlx_dualnorm_compiled_dual_head_norm_ {
 static int release_compiled_graphs(mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
   int status = 0;
   for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
+    if (dual_head_norm->compiled_graphs[layout].ctx != NULL) {
+      status |= mlx_detail_compile_erase(dual_head_norm->compile_ids[layout]);
+    }
     status |= mlx_closure_free(dual_head_norm->compiled_graphs[layout]);
+    status |= mlx_closure_free(dual_head_norm->plain_graphs[layout]);
     dual_head_norm->compiled_graphs[layout] = mlx_closure_new();
+    dual_head_norm->plain_graphs[layout] = mlx_closure_new();
   }
   dual_head_norm->closed = true;
   return status;
@@ -400,19 +428,20 @@ int mlx_dualnorm_compiled_dual_head_norm_new(mlx_dualnorm_compiled_dual_head_nor
   dual_head_norm->rms_norm_epsilon = rms_norm_epsilon;
   dual_head_norm->mode = resolved_mode;
   bool compile_graphs = resolved_mode != MLX_DUALNORM_MODE_COMPOSED;
+  uint32_t epsilon_bits;
+  memcpy(&epsilon_bits, &rms_norm_epsilon, sizeof epsilon_bits);
+  const uint64_t compile_constants[1] = {epsilon_bits};
+  uint64_t serial = atomic_fetch_add(&next_compile_serial, 1);
   for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
-    /* The builder closure is a template: mlx_compile copies it into the
-     * compiled closure, so it is freed right away; in composed mode the
-     * object keeps it and runs it on every call. */
-    mlx_closure graph_builder = mlx_closure_new_func(graph_builders[layout]);
+    dual_head_norm->plain_graphs[layout] = mlx_closure_new_func(graph_builders[layout]);
     dual_head_norm->compiled_graphs[layout] = mlx_closure_new();
-    int compile_status = 1;
-    if (graph_builder.ctx != NULL && compile_graphs) {
-      compile_status = mlx_compile(&dual_head_norm->compiled_graphs[layout], graph_builder, true);
-      compile_status |= mlx_closure_free(graph_builder);
-    } else if (graph_builder.ctx != NULL) {
-      dual_head_norm->compiled_graphs[layout] = graph_builder;
-      compile_status = 0;
+    dual_head_norm->compile_ids[layout] =
+        (uintptr_t)(COMPILE_ID_TAG | (serial << 2) | (uint64_t)layout);
+    int compile_status = dual_head_norm->plain_graphs[layout].ctx == NULL;
+    if (compile_status == 0 && compile_graphs) {
+      compile_status = mlx_detail_compile(
+          &dual_head_norm->compiled_graphs[layout], dual_head_norm->plain_graphs[layout],
+          dual_head_norm->compile_ids[layout], true, compile_constants, 1);
     }
     if (compile_status != 0) {
       release_compiled_graphs(dual_head_norm);
@@ -485,13 +514,18 @@ int mlx_dualnorm_apply_compiled_dual_head_norm(
     return fail_in_mlx(operation);
   }
 
+  bool run_uncompiled = dual_head_norm->mode == MLX_DUALNORM_MODE_COMPOSED ||
+                        last_dimension(queries) <= 1 || last_dimension(keys) <= 1;
   pthread_mutex_lock(&trace_lock);
   int apply_status = 0;
   bool closed = dual_head_norm->closed;
   if (!closed) {
     store_baked_rms_norm_epsilon(dual_head_norm->rms_norm_epsilon);
-    apply_status = mlx_closure_apply(res, dual_head_norm->compiled_graphs[layout],
-                                     input_vector);
+    apply_status = mlx_closure_apply(
+        res,
+        run_uncompiled ? dual_head_norm->plain_graphs[layout]
+                       : dual_head_norm->compiled_graphs[layout],
+        input_vector);
   }
   pthread_mutex_unlock(&trace_lock);
 
