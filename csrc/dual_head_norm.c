@@ -27,7 +27,13 @@
  * (MLX's default, the closure's address) could let a new object replay an
  * old object's trace, with the old epsilon, on another thread.
  *
- * Rows of width 0 or 1 take the uncompiled builder (the composed graph):
+ * The compiled graph pays off at decode sizes only: on CPU, MLX fuses the
+ * fallback rms_norm ops into one generic kernel that is 1.6-2x slower than
+ * the composed ops beyond a few dozen rows (measured at (1,512,16,128):
+ * docs/performance.md). Calls with more than COMPILED_GRAPH_MAX_ROWS rows
+ * in all take the uncompiled builder, which is the composed graph.
+ *
+ * Rows of width 0 or 1 take the uncompiled builder too:
  * MLX 0.32.4's shapeless compile returns the wrong shape for width 0 and
  * crashes in its CPU sum for width 1 at rank >= 2.
  *
@@ -463,6 +469,22 @@ float mlx_dualnorm_compiled_dual_head_norm_epsilon(
   return dual_head_norm == NULL ? NAN : dual_head_norm->rms_norm_epsilon;
 }
 
+enum { COMPILED_GRAPH_MAX_ROWS = 48 };
+
+/* Whether this call runs the plain builder rather than the compiled graph
+ * (see the file comment): composed mode, widths 0 and 1, and large calls. */
+static bool runs_uncompiled(const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm,
+                            const mlx_array queries, const mlx_array keys) {
+  int query_width = last_dimension(queries);
+  int key_width = last_dimension(keys);
+  if (dual_head_norm->mode == MLX_DUALNORM_MODE_COMPOSED || query_width <= 1 || key_width <= 1) {
+    return true;
+  }
+  size_t rows = mlx_array_size(queries) / (size_t)query_width +
+                mlx_array_size(keys) / (size_t)key_width;
+  return rows > COMPILED_GRAPH_MAX_ROWS;
+}
+
 int mlx_dualnorm_apply_compiled_dual_head_norm(
     mlx_vector_array* res, mlx_dualnorm_compiled_dual_head_norm* dual_head_norm,
     const mlx_array queries, const mlx_array keys, const mlx_array query_scale_weight,
@@ -514,8 +536,7 @@ int mlx_dualnorm_apply_compiled_dual_head_norm(
     return fail_in_mlx(operation);
   }
 
-  bool run_uncompiled = dual_head_norm->mode == MLX_DUALNORM_MODE_COMPOSED ||
-                        last_dimension(queries) <= 1 || last_dimension(keys) <= 1;
+  bool run_uncompiled = runs_uncompiled(dual_head_norm, queries, keys);
   pthread_mutex_lock(&trace_lock);
   int apply_status = 0;
   bool closed = dual_head_norm->closed;
