@@ -1,0 +1,316 @@
+"""Benchmarks of the mlx-lm patch: mlx-lm's ``normalize_qk`` vs the patch.
+
+Two measurements on the default MLX device, each as ``repeats`` rounds with
+both paths interleaved (order alternating per round, so drift hits both
+alike), reported as the median over rounds with the per-round ratio
+``unpatched / patched`` (above 1: the patch is faster):
+
+* prework: only the q/k normalization at the Qwen3-Next decode shape, q and
+  k ``(1, 1, 16, 128)`` bfloat16, ``inv_scale = 128**-0.5``, ``eps = 1e-6``,
+  through ``layers`` gated-delta layers chained (each layer's outputs are the
+  next layer's inputs) and one ``mx.eval`` per token: microseconds per token,
+  graph build and evaluation together. Qwen3-Next-80B has 48 layers, 36 of
+  them gated-delta.
+* generation: milliseconds per decode token of the small random models of
+  :mod:`~mlx_dualnorm.integrations.mlx_lm_synthetic`, greedy through mlx-lm's
+  ``generate_step`` (median over the decode tokens of a round). These models
+  are tiny, so the prework is a larger share of a token than in a real one.
+
+``main(argv)`` is the command line (``python -m
+mlx_dualnorm.integrations.mlx_lm_bench``); ``run_prework`` and
+``run_generation`` the programmatic API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+import mlx_lm.models.gated_delta as gated_delta_module
+
+from mlx_dualnorm.integrations import mlx_lm as integration
+from mlx_dualnorm.integrations.mlx_lm_check import greedy_generate
+from mlx_dualnorm.integrations.mlx_lm_synthetic import (
+    DEFAULT_DTYPES,
+    SYNTHETIC_MODEL_TYPES,
+    build_synthetic_model,
+    prompt_token_ids,
+    synthetic_model_config,
+)
+
+__all__ = [
+    "PairedTiming",
+    "main",
+    "run_generation",
+    "run_prework",
+]
+
+REPORT_SCHEMA = "mlx_dualnorm.mlx_lm_bench/1"
+DECODE_SHAPE = (1, 1, 16, 128)
+DECODE_DTYPE = mx.bfloat16
+HEAD_WIDTH = DECODE_SHAPE[-1]
+INV_SCALE = HEAD_WIDTH**-0.5  # what qwen3_next / qwen3_5 pass
+EPS = 1e-6
+UNPATCHED = "mlx-lm"
+PATCHED = "patched"
+FULL_DEFAULTS = {"prework_tokens": 200, "prework_repeats": 7, "tokens": 64, "generation_repeats": 5}
+QUICK_DEFAULTS = {"prework_tokens": 50, "prework_repeats": 3, "tokens": 32, "generation_repeats": 2}
+
+NormalizeQk = Callable[..., "tuple[mx.array, mx.array]"]
+
+
+@dataclasses.dataclass
+class PairedTiming:
+    """Per-round times of both paths, in ``unit``, and their ratios."""
+
+    name: str
+    unit: str
+    unpatched: list[float]
+    patched: list[float]
+
+    @property
+    def ratios(self) -> list[float]:
+        return [u / p for u, p in zip(self.unpatched, self.patched) if p > 0]
+
+    def summary(self) -> dict:
+        def spread(values: list[float]) -> dict:
+            return {
+                "min": min(values),
+                "median": statistics.median(values),
+                "max": max(values),
+            }
+
+        return {
+            "name": self.name,
+            "unit": self.unit,
+            "rounds": len(self.patched),
+            UNPATCHED: spread(self.unpatched),
+            PATCHED: spread(self.patched),
+            "ratio_unpatched_over_patched": spread(self.ratios),
+        }
+
+
+# ---- Prework at the decode shape ---------------------------------------------
+
+
+def _decode_inputs() -> tuple[mx.array, mx.array]:
+    key = mx.random.key(HEAD_WIDTH)
+    query_key, key_key = mx.random.split(key)
+    queries = mx.random.normal(DECODE_SHAPE, key=query_key).astype(DECODE_DTYPE)
+    keys = mx.random.normal(DECODE_SHAPE, key=key_key).astype(DECODE_DTYPE)
+    mx.eval(queries, keys)
+    return queries, keys
+
+
+def _prework_seconds_per_token(
+    normalize_qk: NormalizeQk, queries: mx.array, keys: mx.array, layers: int, tokens: int
+) -> float:
+    started = time.perf_counter()
+    for _ in range(tokens):
+        normalized_queries, normalized_keys = queries, keys
+        for _ in range(layers):
+            normalized_queries, normalized_keys = normalize_qk(
+                normalized_queries, normalized_keys, inv_scale=INV_SCALE, eps=EPS
+            )
+        mx.eval(normalized_queries, normalized_keys)
+    return (time.perf_counter() - started) / tokens
+
+
+def run_prework(
+    layers: int, tokens: int = 200, repeats: int = 7, mode: Optional[str] = None
+) -> PairedTiming:
+    """Microseconds per token of ``layers`` chained q/k normalizations."""
+    queries, keys = _decode_inputs()
+    with integration.patch(mode):  # what mlx-lm's layers call while patched
+        patched = gated_delta_module.normalize_qk
+    paths = {UNPATCHED: integration.ORIGINAL_NORMALIZE_QK, PATCHED: patched}
+    for normalize_qk in paths.values():  # warm-up: traces, folds, allocator
+        _prework_seconds_per_token(normalize_qk, queries, keys, layers, max(tokens // 10, 3))
+    rounds: dict[str, list[float]] = {UNPATCHED: [], PATCHED: []}
+    for round_index in range(repeats):
+        order = list(paths) if round_index % 2 == 0 else list(reversed(paths))
+        for name in order:
+            seconds = _prework_seconds_per_token(paths[name], queries, keys, layers, tokens)
+            rounds[name].append(1e6 * seconds)
+    return PairedTiming(
+        f"prework_{layers}_layers", "us/token", rounds[UNPATCHED], rounds[PATCHED]
+    )
+
+
+# ---- Generation with the small models ---------------------------------------
+
+
+def run_generation(
+    model_type: str,
+    tokens: int = 64,
+    repeats: int = 3,
+    mode: Optional[str] = None,
+    dtype: Optional[mx.Dtype] = None,
+) -> PairedTiming:
+    """Milliseconds per decode token of a synthetic model, unpatched vs
+    patched; the token ids of every round must be the same."""
+    model = build_synthetic_model(model_type, dtype=dtype)
+    prompt = prompt_token_ids(_vocabulary_size(model_type))
+    expected_tokens: Optional[list[int]] = None
+
+    def one_round(patched: bool) -> float:
+        nonlocal expected_tokens
+        with integration.patch(mode) if patched else integration.unpatch():
+            trace = greedy_generate(model, prompt, tokens)
+        if expected_tokens is None:
+            expected_tokens = trace.token_ids
+        elif trace.token_ids != expected_tokens:
+            raise RuntimeError(f"{model_type}: token ids changed between runs")
+        return trace.median_decode_ms
+
+    for patched in (False, True):  # warm-up: mlx-lm's compiled helpers, folds
+        one_round(patched)
+    rounds: dict[str, list[float]] = {UNPATCHED: [], PATCHED: []}
+    for round_index in range(repeats):
+        order = (False, True) if round_index % 2 == 0 else (True, False)
+        for patched in order:
+            rounds[PATCHED if patched else UNPATCHED].append(one_round(patched))
+    dtype_name = str(dtype or DEFAULT_DTYPES[model_type]).rsplit(".", 1)[-1]
+    label = f"generation_{model_type}_{dtype_name}"
+    return PairedTiming(label, "ms/token", rounds[UNPATCHED], rounds[PATCHED])
+
+
+def _vocabulary_size(model_type: str) -> int:
+    config = synthetic_model_config(model_type)
+    return (config.get("text_config") or config)["vocab_size"]
+
+
+# ---- Report ------------------------------------------------------------------
+
+
+def format_table(timings: list[PairedTiming]) -> str:
+    lines = [
+        f"{'measurement':<34} {'unit':<9} {UNPATCHED:>10} {PATCHED:>10} {'ratio':>7}"
+        "  (min..max ratio)",
+    ]
+    for timing in timings:
+        summary = timing.summary()
+        ratio = summary["ratio_unpatched_over_patched"]
+        lines.append(
+            f"{timing.name:<34} {timing.unit:<9} "
+            f"{summary[UNPATCHED]['median']:>10.3f} {summary[PATCHED]['median']:>10.3f} "
+            f"{ratio['median']:>6.2f}x  ({ratio['min']:.2f}..{ratio['max']:.2f}, "
+            f"{summary['rounds']} rounds)"
+        )
+    return "\n".join(lines)
+
+
+def _environment() -> dict:
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "mlx_lm": _mlx_lm_version(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _mlx_lm_version() -> str:
+    from mlx_lm import __version__
+
+    return __version__
+
+
+def _parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_dualnorm.integrations.mlx_lm_bench",
+        description="mlx-lm's normalize_qk vs the mlx_dualnorm patch: q/k prework "
+        "at the Qwen3-Next decode shape and per-token generation time.",
+    )
+    parser.add_argument(
+        "--layers", default="36,48", help="chained layers for the prework (default 36,48)"
+    )
+    parser.add_argument("--prework-tokens", type=int, help="tokens per prework round (200)")
+    parser.add_argument("--prework-repeats", type=int, help="prework rounds (7)")
+    parser.add_argument(
+        "--models",
+        default=",".join(SYNTHETIC_MODEL_TYPES),
+        help="synthetic models to generate with ('' for none)",
+    )
+    parser.add_argument("--tokens", type=int, help="greedy tokens per generation round (64)")
+    parser.add_argument("--generation-repeats", type=int, help="generation rounds (5)")
+    parser.add_argument("--mode", default=None, help="mode for patch()")
+    parser.add_argument(
+        "--quick", action="store_true", help="defaults of 50 / 3 / 32 / 2 for the four above"
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    return parser.parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        arguments = _parse_arguments(argv)
+        layer_counts = [int(text) for text in arguments.layers.split(",") if text.strip()]
+        model_types = [text.strip() for text in arguments.models.split(",") if text.strip()]
+    except SystemExit as exit_request:
+        return exit_request.code if isinstance(exit_request.code, int) else 2
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    unknown = sorted(set(model_types) - set(SYNTHETIC_MODEL_TYPES))
+    if unknown or any(layers < 1 for layers in layer_counts):
+        print(f"error: unknown models {unknown} or a layer count below 1", file=sys.stderr)
+        return 2
+    defaults = QUICK_DEFAULTS if arguments.quick else FULL_DEFAULTS
+    for name, default in defaults.items():
+        if getattr(arguments, name) is None:
+            setattr(arguments, name, default)
+    try:
+        with integration.patch(arguments.mode):
+            pass  # a mode that cannot run here fails before any measurement
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    started = time.perf_counter()
+    timings: list[PairedTiming] = []
+    for layers in layer_counts:
+        print(f"prework, {layers} layers ...", file=sys.stderr, flush=True)
+        timings.append(
+            run_prework(layers, arguments.prework_tokens, arguments.prework_repeats, arguments.mode)
+        )
+    for model_type in model_types:
+        print(f"generation, {model_type} ...", file=sys.stderr, flush=True)
+        timings.append(
+            run_generation(
+                model_type, arguments.tokens, arguments.generation_repeats, arguments.mode
+            )
+        )
+    environment = _environment()
+    print(
+        f"mlx-lm patch benchmark on {environment['device']} (MLX {environment['mlx']}, "
+        f"mlx-lm {environment['mlx_lm']}, {environment['cpu_count']} CPUs), "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+    print(format_table(timings))
+    if arguments.json:
+        report = {
+            "schema": REPORT_SCHEMA,
+            "environment": environment,
+            "mode": arguments.mode,
+            "timings": [timing.summary() for timing in timings],
+        }
+        Path(arguments.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {arguments.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

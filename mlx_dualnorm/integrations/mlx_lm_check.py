@@ -1,0 +1,424 @@
+"""``python -m mlx_dualnorm mlx-lm-check``: does the patch change a model's output?
+
+Greedy-generates the same tokens twice through mlx-lm's own
+``mlx_lm.generate.generate_step``, from the same prompt and a fresh cache:
+first with mlx-lm's ``normalize_qk``, then under
+:func:`mlx_dualnorm.integrations.mlx_lm.patch`. It reports whether the token
+ids are identical and the logits bit-identical at every step, the decode
+time per token both ways, and how many ``normalize_qk`` calls per token
+went through the fold or ran mlx-lm's function (a model without gated-delta
+layers makes none, and the patch changes nothing for it). If the runs
+diverge, the unpatched run is repeated, to tell a nondeterministic model
+from a patch that changes results.
+
+The model is a LOCAL mlx-lm folder (``--model PATH``: config.json and
+model*.safetensors, loaded with ``mlx_lm.utils.load_model``; nothing is ever
+downloaded) or one of the small random models of
+:mod:`~mlx_dualnorm.integrations.mlx_lm_synthetic` (``--synthetic NAME``).
+
+Exit status: 0 identical, 1 diverged, 2 bad arguments or an unloadable model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_dualnorm.integrations import mlx_lm as integration
+from mlx_dualnorm.integrations.mlx_lm_synthetic import (
+    DEFAULT_SEED,
+    SYNTHETIC_MODEL_TYPES,
+    build_synthetic_model,
+    prompt_token_ids,
+    synthetic_model_config,
+)
+
+__all__ = [
+    "GreedyTrace",
+    "NormalizeQkCallCounts",
+    "TraceComparison",
+    "compare_traces",
+    "count_normalize_qk_calls",
+    "greedy_generate",
+    "main",
+]
+
+PROGRAM = "python -m mlx_dualnorm mlx-lm-check"
+EXIT_IDENTICAL = 0
+EXIT_DIVERGED = 1
+EXIT_USAGE = 2
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+FALLBACK_VOCABULARY = 1000  # prompt ids stay below this when the config has none
+WARM_UP_TOKENS = 2
+
+
+# ---- Greedy generation through mlx-lm -------------------------------------
+
+
+@dataclasses.dataclass
+class GreedyTrace:
+    """One greedy generation: the yielded token ids, the raw logits of every
+    model step (one more than tokens: generate_step computes the step after
+    the last yielded token too), and wall times."""
+
+    token_ids: list[int]
+    step_logits: list[mx.array]
+    first_token_seconds: float  # prompt processing and the first token
+    decode_token_seconds: list[float]  # each later token, as yielded
+
+    @property
+    def median_decode_ms(self) -> float:
+        if not self.decode_token_seconds:
+            return float("nan")
+        return 1e3 * statistics.median(self.decode_token_seconds)
+
+
+def greedy_generate(model: nn.Module, prompt: mx.array, max_tokens: int) -> GreedyTrace:
+    """``max_tokens`` greedy tokens from mlx-lm's ``generate_step``, logits
+    recorded by a logits processor that returns them unchanged."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import greedy_sampler
+
+    step_logits: list[mx.array] = []
+
+    def record_logits(tokens: mx.array, logits: mx.array) -> mx.array:
+        step_logits.append(logits)
+        return logits
+
+    token_ids: list[int] = []
+    token_seconds: list[float] = []
+    started = time.perf_counter()
+    for token_id, _ in generate_step(
+        prompt,
+        model,
+        max_tokens=max_tokens,
+        sampler=greedy_sampler,
+        logits_processors=[record_logits],
+    ):
+        now = time.perf_counter()
+        token_seconds.append(now - started)
+        started = now
+        token_ids.append(int(token_id))
+    mx.eval(step_logits)
+    return GreedyTrace(
+        token_ids=token_ids,
+        step_logits=step_logits,
+        first_token_seconds=token_seconds[0] if token_seconds else float("nan"),
+        decode_token_seconds=token_seconds[1:],
+    )
+
+
+@dataclasses.dataclass
+class TraceComparison:
+    steps: int
+    tokens_identical: bool
+    first_token_divergence: Optional[int]  # index of the first differing token
+    logits_bit_identical: bool
+    first_logits_divergence: Optional[int]  # index of the first differing step
+    max_abs_logit_difference: float
+
+    @property
+    def identical(self) -> bool:
+        return self.tokens_identical and self.logits_bit_identical
+
+
+def compare_traces(reference: GreedyTrace, candidate: GreedyTrace) -> TraceComparison:
+    """Token ids equal and logits equal bit for bit (dtype, shape, bits); a
+    length difference counts as a divergence where the shorter one ends."""
+    first_token_divergence = _first_difference(
+        reference.token_ids, candidate.token_ids, lambda expected, actual: expected == actual
+    )
+    first_logits_divergence = _first_difference(
+        reference.step_logits, candidate.step_logits, _bit_identical
+    )
+    max_abs_difference = 0.0
+    for expected, actual in zip(reference.step_logits, candidate.step_logits):
+        if expected.shape != actual.shape:
+            max_abs_difference = float("inf")
+        elif not _bit_identical(expected, actual):
+            difference = mx.abs(expected.astype(mx.float32) - actual.astype(mx.float32))
+            max_abs_difference = max(max_abs_difference, float(mx.max(difference).item()))
+    return TraceComparison(
+        steps=max(len(reference.step_logits), len(candidate.step_logits)),
+        tokens_identical=first_token_divergence is None,
+        first_token_divergence=first_token_divergence,
+        logits_bit_identical=first_logits_divergence is None,
+        first_logits_divergence=first_logits_divergence,
+        max_abs_logit_difference=max_abs_difference,
+    )
+
+
+def _first_difference(expected_items, actual_items, same) -> Optional[int]:
+    for index, (expected, actual) in enumerate(zip(expected_items, actual_items)):
+        if not same(expected, actual):
+            return index
+    if len(expected_items) != len(actual_items):
+        return min(len(expected_items), len(actual_items))
+    return None
+
+
+_SAME_WIDTH_UNSIGNED = {
+    mx.float32: mx.uint32,
+    mx.float16: mx.uint16,
+    mx.bfloat16: mx.uint16,
+}
+
+
+def _bit_identical(expected: mx.array, actual: mx.array) -> bool:
+    if expected.dtype != actual.dtype or expected.shape != actual.shape:
+        return False
+    unsigned = _SAME_WIDTH_UNSIGNED.get(expected.dtype)
+    if unsigned is None:
+        return bool(mx.array_equal(expected, actual, equal_nan=True).item())
+    return bool(mx.array_equal(expected.view(unsigned), actual.view(unsigned)).item())
+
+
+# ---- Which path each normalize_qk call took --------------------------------
+
+
+@dataclasses.dataclass
+class NormalizeQkCallCounts:
+    """Calls of the patched ``normalize_qk``: all of them, and those that
+    ran mlx-lm's own function."""
+
+    calls: int = 0
+    original: int = 0
+
+    @property
+    def folded(self) -> int:
+        return self.calls - self.original
+
+
+@contextlib.contextmanager
+def count_normalize_qk_calls() -> Iterator[NormalizeQkCallCounts]:
+    """Counts patched ``normalize_qk`` calls while the block runs, by
+    wrapping the integration's entry point and its fallback (module
+    globals, read at each call). Not thread-safe: for this check only."""
+    counts = NormalizeQkCallCounts()
+    entry_point: Callable = integration._normalize_qk
+    fall_back: Callable = integration._fall_back
+
+    def counting_entry_point(*arguments):
+        counts.calls += 1
+        return entry_point(*arguments)
+
+    def counting_fall_back(*arguments):
+        counts.original += 1
+        return fall_back(*arguments)
+
+    integration._normalize_qk = counting_entry_point
+    integration._fall_back = counting_fall_back
+    try:
+        yield counts
+    finally:
+        integration._normalize_qk = entry_point
+        integration._fall_back = fall_back
+
+
+# ---- The check ---------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CheckResult:
+    reference: GreedyTrace
+    patched: GreedyTrace
+    comparison: TraceComparison
+    counts: NormalizeQkCallCounts
+    reference_repeat: Optional[TraceComparison] = None  # only after a divergence
+
+
+def run_check(
+    model: nn.Module, prompt: mx.array, max_tokens: int, mode: Optional[str] = None
+) -> CheckResult:
+    """Unpatched, then patched (``mode``), greedy generation; compared. A
+    short run each way first warms both up (compiles, folds, allocator), so
+    the first-token times compare like with like."""
+    for warm_up in (integration.unpatch, lambda: integration.patch(mode)):
+        with warm_up():
+            greedy_generate(model, prompt, WARM_UP_TOKENS)
+    with integration.unpatch():
+        reference = greedy_generate(model, prompt, max_tokens)
+    with integration.patch(mode), count_normalize_qk_calls() as counts:
+        patched = greedy_generate(model, prompt, max_tokens)
+    result = CheckResult(reference, patched, compare_traces(reference, patched), counts)
+    if not result.comparison.identical:
+        with integration.unpatch():
+            repeat = greedy_generate(model, prompt, max_tokens)
+        result.reference_repeat = compare_traces(reference, repeat)
+    return result
+
+
+def format_result(result: CheckResult, model_name: str, prompt_length: int) -> str:
+    comparison = result.comparison
+    tokens = len(result.reference.token_ids)
+    model_steps = max(len(result.patched.step_logits), 1)
+    lines = [
+        f"mlx-lm-check: {model_name} on {mx.default_device()} (MLX {mx.__version__}), "
+        f"prompt {prompt_length} tokens, {tokens} greedy tokens",
+        "  token ids:      "
+        + (
+            "identical"
+            if comparison.tokens_identical
+            else f"DIVERGE at token {comparison.first_token_divergence}"
+        ),
+        f"  logits:         "
+        + (
+            f"bit-identical at all {comparison.steps} steps"
+            if comparison.logits_bit_identical
+            else f"DIFFER from step {comparison.first_logits_divergence} "
+            f"(max |difference| {comparison.max_abs_logit_difference:.6g})"
+        ),
+        f"  normalize_qk:   {result.counts.calls / model_steps:.1f} calls per step, "
+        f"{result.counts.folded} folded, {result.counts.original} ran mlx-lm's function",
+        f"  ms per token:   unpatched {result.reference.median_decode_ms:.3f}, "
+        f"patched {result.patched.median_decode_ms:.3f} (median over decode tokens; "
+        f"speed-up {_ratio(result.reference.median_decode_ms, result.patched.median_decode_ms)})",
+        f"  first token:    unpatched {1e3 * result.reference.first_token_seconds:.1f} ms, "
+        f"patched {1e3 * result.patched.first_token_seconds:.1f} ms (includes prompt processing)",
+    ]
+    if result.counts.calls == 0:
+        lines.append(
+            "  note: this model never calls normalize_qk (no gated-delta layers); "
+            "the patch changes nothing for it"
+        )
+    if result.reference_repeat is not None:
+        lines.append(
+            "  unpatched rerun: "
+            + (
+                "identical to the first, so the PATCH changed the output"
+                if result.reference_repeat.identical
+                else "differs from the first too: the model itself is not deterministic here"
+            )
+        )
+    lines.append("RESULT: " + ("identical" if comparison.identical else "DIVERGED"))
+    return "\n".join(lines)
+
+
+def _ratio(unpatched_ms: float, patched_ms: float) -> str:
+    if not (patched_ms > 0 and unpatched_ms > 0):
+        return "n/a"
+    return f"{unpatched_ms / patched_ms:.2f}x"
+
+
+def _load_local_model(path_text: str) -> tuple[nn.Module, dict, Path]:
+    """mlx_lm.utils.load_model on an existing folder; never downloads."""
+    path = Path(path_text).expanduser()
+    if not path.exists():
+        raise _UsageError(
+            f"no model folder at {path}: give the path of a local mlx-lm model "
+            "(config.json and model*.safetensors); this check never downloads"
+        )
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise _UsageError(f"{path} is not an mlx-lm model folder: it has no config.json")
+    from mlx_lm.utils import load_model
+
+    try:
+        model, config = load_model(path)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise _UsageError(f"mlx-lm could not load {path}: {error}") from error
+    model.eval()
+    return model, config, path
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _vocabulary_size(config: dict) -> int:
+    for source in (config, config.get("text_config") or {}):
+        vocabulary = source.get("vocab_size")
+        if isinstance(vocabulary, int) and vocabulary > 1:
+            return vocabulary
+    return FALLBACK_VOCABULARY
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROGRAM,
+        description="Greedy generation with and without the mlx_dualnorm patch: "
+        "identical token ids and bit-identical logits, or a non-zero exit.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--model",
+        metavar="PATH",
+        help="local mlx-lm model folder (config.json, model*.safetensors); never downloaded",
+    )
+    source.add_argument(
+        "--synthetic",
+        choices=SYNTHETIC_MODEL_TYPES,
+        help="a small random model with real gated-delta head widths",
+    )
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens (default 64)")
+    parser.add_argument(
+        "--prompt",
+        help="prompt text, encoded with the model folder's tokenizer (--model only); "
+        "default: a fixed prompt of token ids",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=12, help="length of the fixed prompt (default 12)"
+    )
+    parser.add_argument("--mode", default=None, help="mode for patch() (default: its default)")
+    parser.add_argument(
+        "--dtype", choices=tuple(DTYPES), help="--synthetic only: weight dtype (default per model)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=DEFAULT_SEED, help="--synthetic only: weight seed"
+    )
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exit_request:  # argparse exits 2 on bad usage, 0 on --help
+        return int(exit_request.code or 0)
+    try:
+        if args.tokens < 1 or args.prompt_tokens < 1:
+            raise _UsageError("--tokens and --prompt-tokens must be at least 1")
+        if args.synthetic is not None:
+            if args.prompt is not None:
+                raise _UsageError("--prompt needs --model (synthetic models have no tokenizer)")
+            model = build_synthetic_model(
+                args.synthetic,
+                seed=args.seed,
+                dtype=DTYPES[args.dtype] if args.dtype else None,
+            )
+            model_name = f"synthetic {args.synthetic}"
+            prompt = prompt_token_ids(
+                _vocabulary_size(synthetic_model_config(args.synthetic)), args.prompt_tokens
+            )
+        else:
+            if args.dtype is not None:
+                raise _UsageError("--dtype is for --synthetic models only")
+            model, config, path = _load_local_model(args.model)
+            model_name = str(path)
+            if args.prompt is not None:
+                from mlx_lm.utils import load_tokenizer
+
+                prompt = mx.array(load_tokenizer(path).encode(args.prompt))
+            else:
+                prompt = prompt_token_ids(_vocabulary_size(config), args.prompt_tokens)
+        with integration.patch(args.mode):
+            pass  # a mode that cannot run here raises now, before any generation
+    except (_UsageError, ValueError) as error:
+        print(f"{PROGRAM}: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+    result = run_check(model, prompt, args.tokens, args.mode)
+    print(format_result(result, model_name, int(prompt.size)))
+    return EXIT_IDENTICAL if result.comparison.identical else EXIT_DIVERGED
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,138 @@
+"""Small random mlx-lm models with real gated-delta head shapes.
+
+Built from mlx-lm's own model classes (``mlx_lm.models.qwen3_next``,
+``mlx_lm.models.qwen3_5``) and a config dict like a checkpoint's
+config.json, with random weights from a fixed seed: nothing is downloaded.
+The model is tiny (hidden size 64, vocabulary 512, four layers: three
+gated-delta and one full-attention), but its gated-delta layers have the
+real head layout of Qwen3-Next: 16 key heads of width 128 and 32 value
+heads of width 128, so each token normalizes q and k of shape
+``(1, 1, 16, 128)``, as the 80B model does; its full-attention layer has
+the real head_dim 256 with 16 query and 2 key/value heads.
+
+``qwen3_next`` has a mixture-of-experts MLP and is built in float32 by
+default (MLX 0.32's CPU gather_mm, which the experts use, takes float32
+only); ``qwen3_5`` has a dense MLP, mlx-lm's text_config nesting, and is
+built in bfloat16, the dtype of the released checkpoints. Floating weights
+are cast to the dtype except where the model's own ``cast_predicate``
+keeps them (``A_log`` stays float32, as in checkpoints).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+__all__ = [
+    "DEFAULT_DTYPES",
+    "DEFAULT_SEED",
+    "SYNTHETIC_MODEL_TYPES",
+    "build_synthetic_model",
+    "prompt_token_ids",
+    "synthetic_model_config",
+]
+
+DEFAULT_SEED = 20261129
+
+GATED_DELTA_HEAD_LAYOUT = {
+    "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+}
+
+SMALL_DECODER = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+_CONFIGS = {
+    "qwen3_next": {
+        "model_type": "qwen3_next",
+        **SMALL_DECODER,
+        **GATED_DELTA_HEAD_LAYOUT,
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    },
+    "qwen3_5": {
+        "model_type": "qwen3_5",
+        "text_config": {
+            "model_type": "qwen3_5_text",
+            **SMALL_DECODER,
+            **GATED_DELTA_HEAD_LAYOUT,
+            "num_experts": 0,
+        },
+    },
+}
+
+SYNTHETIC_MODEL_TYPES = tuple(_CONFIGS)
+
+DEFAULT_DTYPES = {"qwen3_next": mx.float32, "qwen3_5": mx.bfloat16}
+
+
+def synthetic_model_config(model_type: str) -> dict:
+    """The config.json-style dict of a synthetic model (a fresh copy)."""
+    if model_type not in _CONFIGS:
+        raise ValueError(
+            f"unknown synthetic model {model_type!r}; choose from "
+            f"{', '.join(SYNTHETIC_MODEL_TYPES)}"
+        )
+    return copy.deepcopy(_CONFIGS[model_type])
+
+
+def build_synthetic_model(
+    model_type: str, *, seed: int = DEFAULT_SEED, dtype: Optional[mx.Dtype] = None
+) -> nn.Module:
+    """mlx-lm's model class for ``model_type`` with mlx-lm's own random
+    initialization drawn after ``mx.random.seed(seed)`` (this reseeds MLX's
+    global generator), cast to ``dtype`` (None: the model's default in
+    ``DEFAULT_DTYPES``), in eval mode, evaluated."""
+    config = synthetic_model_config(model_type)
+    dtype = DEFAULT_DTYPES[model_type] if dtype is None else dtype
+    architecture = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(seed)
+    model = architecture.Model(architecture.ModelArgs.from_dict(config))
+    _cast_floating_weights(model, dtype)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def _cast_floating_weights(model: nn.Module, dtype: mx.Dtype) -> None:
+    should_cast = getattr(model, "cast_predicate", None) or (lambda path: True)
+    cast = [
+        (path, value.astype(dtype))
+        for path, value in tree_flatten(model.parameters())
+        if mx.issubdtype(value.dtype, mx.floating) and should_cast(path)
+    ]
+    model.update(tree_unflatten(cast))
+
+
+def prompt_token_ids(vocab_size: int, length: int = 12) -> mx.array:
+    """A fixed prompt of ``length`` distinct-looking token ids below
+    ``vocab_size``."""
+    if length < 1 or vocab_size < 2:
+        raise ValueError("a prompt needs length >= 1 and a vocabulary of >= 2 tokens")
+    return mx.array([(37 * position + 11) % vocab_size for position in range(length)])
