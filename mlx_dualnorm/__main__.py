@@ -7,7 +7,8 @@ composed path measured in the same run.
 
 Sub-commands: ``parity`` (the full parity matrix), ``replay`` (the greedy
 trajectory replay), ``bench`` (the full benchmark), ``mlx-lm-check``
-(patched vs unpatched mlx-lm generation on a local model).
+(patched vs unpatched mlx-lm generation on a local or synthetic model),
+``mlx-lm-bench`` (mlx-lm's normalize_qk against the patch).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ SUBCOMMANDS = {
     "replay": "mlx_dualnorm.replay",
     "bench": "mlx_dualnorm.benchmark",
     "mlx-lm-check": "mlx_dualnorm.integrations.mlx_lm_check",
+    "mlx-lm-bench": "mlx_dualnorm.integrations.mlx_lm_bench",
 }
 
 
