@@ -171,6 +171,22 @@ enum {
   WEIGHT_LAYOUT_COUNT = 4,
 };
 
+/* The stream that normalizes `input`: the default device's, except for an
+ * empty input, which goes to the CPU: there is nothing to compute, and MLX
+ * 0.32.4's CUDA RMSNorm divides by the width (SIGFPE for width 0). Empty
+ * inputs never reach a compiled trace (runs_uncompiled), so this is decided
+ * per call. */
+static int select_stream(mlx_stream* stream, const mlx_array input,
+                         const mlx_device default_device) {
+  if (mlx_array_size(input) > 0) {
+    return mlx_get_default_stream(stream, default_device);
+  }
+  mlx_device cpu_device = mlx_device_new_type(MLX_CPU, 0);
+  int status = cpu_device.ctx == NULL || mlx_get_default_stream(stream, cpu_device) != 0;
+  status |= mlx_device_free(cpu_device);
+  return status;
+}
+
 /* Inputs: queries, keys, then the query weight and the key weight where the
  * layout has them. Output order is the caller's ABI: normalized queries
  * first, keys second, published once at the end (multi-output tracing reads
@@ -194,7 +210,8 @@ static int build_dual_head_norm_graph(mlx_vector_array* output_vector,
   mlx_array normalized_queries = mlx_array_new();
   mlx_array normalized_keys = mlx_array_new();
   mlx_device default_device = mlx_device_new();
-  mlx_stream default_stream = mlx_stream_new();
+  mlx_stream query_stream = mlx_stream_new();
+  mlx_stream key_stream = mlx_stream_new();
   size_t next_input = 2;
   int status = 1;
 
@@ -213,13 +230,14 @@ static int build_dual_head_norm_graph(mlx_vector_array* output_vector,
   /* The default device's stream, not a fixed GPU one: the same graph builds
    * on a CPU-only MLX, and a default-device change retraces onto it. */
   if (mlx_get_default_device(&default_device) != 0 ||
-      mlx_get_default_stream(&default_stream, default_device) != 0) {
+      select_stream(&query_stream, queries, default_device) != 0 ||
+      select_stream(&key_stream, keys, default_device) != 0) {
     goto cleanup;
   }
   if (mlx_fast_rms_norm(&normalized_queries, queries, query_scale_weight,
-                        baked_rms_norm_epsilon(), default_stream) != 0 ||
+                        baked_rms_norm_epsilon(), query_stream) != 0 ||
       mlx_fast_rms_norm(&normalized_keys, keys, key_scale_weight,
-                        baked_rms_norm_epsilon(), default_stream) != 0) {
+                        baked_rms_norm_epsilon(), key_stream) != 0) {
     goto cleanup;
   }
   {
@@ -234,7 +252,8 @@ cleanup:
   status |= mlx_array_free(key_scale_weight);
   status |= mlx_array_free(normalized_queries);
   status |= mlx_array_free(normalized_keys);
-  status |= mlx_stream_free(default_stream);
+  status |= mlx_stream_free(query_stream);
+  status |= mlx_stream_free(key_stream);
   status |= mlx_device_free(default_device);
   return status;
 }
@@ -472,16 +491,19 @@ float mlx_dualnorm_compiled_dual_head_norm_epsilon(
 enum { COMPILED_GRAPH_MAX_ROWS = 48 };
 
 /* Whether this call runs the plain builder rather than the compiled graph
- * (see the file comment): composed mode, widths 0 and 1, and large calls. */
+ * (see the file comment): composed mode, widths 0 and 1, empty inputs, and
+ * large calls. */
 static bool runs_uncompiled(const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm,
                             const mlx_array queries, const mlx_array keys) {
   int query_width = last_dimension(queries);
   int key_width = last_dimension(keys);
-  if (dual_head_norm->mode == MLX_DUALNORM_MODE_COMPOSED || query_width <= 1 || key_width <= 1) {
+  size_t query_size = mlx_array_size(queries);
+  size_t key_size = mlx_array_size(keys);
+  if (dual_head_norm->mode == MLX_DUALNORM_MODE_COMPOSED || query_width <= 1 || key_width <= 1 ||
+      query_size == 0 || key_size == 0) {
     return true;
   }
-  size_t rows = mlx_array_size(queries) / (size_t)query_width +
-                mlx_array_size(keys) / (size_t)key_width;
+  size_t rows = query_size / (size_t)query_width + key_size / (size_t)key_width;
   return rows > COMPILED_GRAPH_MAX_ROWS;
 }
 
