@@ -11,6 +11,9 @@ bit-identical to ``mx.fast.rms_norm(q, None, 1e-6)`` and
 ``mx.fast.rms_norm(k, None, 1e-6)``.
 """
 
+# _binding first: it loads mlx.core (and so libmlx.so) before the extension
+# modules, which then reuse that very runtime.
+from mlx_dualnorm import _binding  # noqa: F401  (isort: skip)
 from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
 from mlx_dualnorm.dual_head_norm import (
     CompiledDualHeadNorm,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from mlx_dualnorm._native import ffi, lib
+from mlx_dualnorm._binding import ffi, lib
 
 __all__ = ["DualHeadNormValueError", "MlxCError", "raise_last_error"]
 
