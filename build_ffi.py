@@ -6,7 +6,7 @@ Two extension modules, one MLX runtime:
   ``csrc/mlxc`` (C++ over ``libmlx.so``), the plain-C composite in
   ``csrc/dual_head_norm.c`` and its fused CUDA launcher in ``csrc/fused``
   (C++, kernel compiled by NVRTC at run time), declared to cffi by
-  ``csrc/cdefs``.
+  the headers themselves (``CDEF_HEADERS``).
 * ``mlx_dualnorm._interop`` (nanobind, MLX's domain): hands ``mx.array``
   objects to the composite without copies, since cffi has no ``PyObject*``.
 
@@ -23,7 +23,6 @@ bundled subset.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import pathlib
@@ -129,10 +128,24 @@ def _first_dir_with(candidates: list[str | None], relative_file: str) -> pathlib
     return None
 
 
+def mlx_has_cuda_backend() -> bool:
+    """Whether the installed MLX is a CUDA build (mlx[cuda12] / mlx[cuda13]
+    install an mlx-cuda-* distribution). The CPU wheel ships the CUDA
+    headers too, so the headers alone do not tell."""
+    import importlib.metadata
+
+    return any(
+        (distribution.metadata["Name"] or "").lower().replace("_", "-").startswith("mlx-cuda")
+        for distribution in importlib.metadata.distributions()
+    )
+
+
 def find_cuda_primitive_build(mlx: MlxInstall) -> CudaPrimitiveBuild | None:
     """The fused-mode build where everything it needs is found, else None
     (the package then reports mode 'fused' unavailable; 'auto' compiles)."""
-    if not (mlx.include_dir / "mlx" / "backend" / "cuda" / "device.h").exists():
+    if not mlx_has_cuda_backend() or not (
+        mlx.include_dir / "mlx" / "backend" / "cuda" / "device.h"
+    ).exists():
         return None
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     cuda_include = _first_dir_with(
@@ -154,17 +167,45 @@ def find_cuda_primitive_build(mlx: MlxInstall) -> CudaPrimitiveBuild | None:
     )
 
 
+# The headers cffi reads, in dependency order: each C area is declared once,
+# in its header, and cffi compiles the module against those same headers.
+CDEF_HEADERS = (
+    "mlxc/mlx/c/error.h",
+    "mlxc/mlx/c/array.h",
+    "mlxc/mlx/c/vector.h",
+    "mlxc/mlx/c/device.h",
+    "mlxc/mlx/c/stream.h",
+    "mlxc/mlx/c/closure.h",
+    "mlxc/mlx/c/compile.h",
+    "mlxc/mlx/c/fast.h",
+    "dual_head_norm.h",
+    "fused/fused_dual_head_norm.h",
+)
+
+
+def header_declarations(header: pathlib.Path) -> str:
+    """A header's declarations as cffi's cdef takes them: without
+    preprocessor lines and the extern "C" wrapper they guard (cffi drops
+    comments itself)."""
+    kept = []
+    for line in header.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#") or stripped in ('extern "C" {', "}") and not kept_open(kept):
+            continue
+        kept.append(line)
+    return "\n".join(kept)
+
+
+def kept_open(lines: list[str]) -> bool:
+    """Whether a '}' closes a brace opened in the declarations kept so far
+    (rather than the extern "C" block)."""
+    text = "\n".join(lines)
+    return text.count("{") > text.count("}")
+
+
 def assemble_cdef() -> str:
-    """The cffi declarations of every area, in dependency order."""
-    sys.path.insert(0, str(CSRC))
-    try:
-        cdefs = importlib.import_module("cdefs")
-        areas = [importlib.import_module(f"cdefs.{area}") for area in cdefs.AREAS]
-    finally:
-        sys.path.remove(str(CSRC))
-    return "\n".join(area.TYPES for area in areas) + "\n".join(
-        area.FUNCTIONS for area in areas
-    )
+    """The cffi declarations of every area, read from the headers."""
+    return "\n".join(header_declarations(CSRC / header) for header in CDEF_HEADERS)
 
 
 def make_ffibuilder() -> FFI:
@@ -175,7 +216,7 @@ def make_ffibuilder() -> FFI:
     builder.cdef(assemble_cdef())
     builder.set_source(
         NATIVE_MODULE,
-        '#include "dual_head_norm.h"\n',
+        '#include "dual_head_norm.h"\n#include "fused/fused_dual_head_norm.h"\n',
         sources=[
             "csrc/dual_head_norm.c",
             "csrc/fused/fused_dual_head_norm.cpp",

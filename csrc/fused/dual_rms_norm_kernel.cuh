@@ -23,36 +23,44 @@
  * start found from the row index, the shape and the strides, so no copy is
  * made and the values (hence the bits) are the same.
  *
- * DualRmsNormParams is passed by value; fused_dual_rms_norm_primitive.cpp
- * declares the same layout for the host (kMaxRank, field order and types).
+ * DualRmsNormParams is passed by value. Its one definition below is
+ * compiled into the host code (fused_dual_rms_norm_primitive.cpp) and
+ * pasted, as text, into the kernel source, so the two cannot disagree.
  */
 #ifndef MLX_DUALNORM_DUAL_RMS_NORM_KERNEL_CUH
 #define MLX_DUALNORM_DUAL_RMS_NORM_KERNEL_CUH
 
-namespace mlx_dualnorm_fused {
-
-inline constexpr const char* kDualRmsNormKernelSource = R"cuda(
-typedef unsigned short bits16;
-
+/* Highest input rank the kernel indexes; higher ranks take the compiled
+ * graph. */
 #define MLX_DUALNORM_MAX_RANK 8
 
-struct RowLayout {
-  long long strides[MLX_DUALNORM_MAX_RANK];
-  int shape[MLX_DUALNORM_MAX_RANK];
-  int rank;
-  int rows;
-  int width;
-  int block;
-  int reads;
-  int has_weight;
-  long long weight_stride;
-};
+/* A side's rows: the strided input layout and MLX's launch shape for it. */
+#define MLX_DUALNORM_KERNEL_PARAMS                        \
+  struct RowLayout {                                      \
+    long long strides[MLX_DUALNORM_MAX_RANK];             \
+    int shape[MLX_DUALNORM_MAX_RANK];                     \
+    int rank;                                             \
+    int rows;                                             \
+    int width;                                            \
+    int block;                                            \
+    int reads;                                            \
+    int has_weight;                                       \
+    long long weight_stride;                              \
+  };                                                      \
+  struct DualRmsNormParams {                              \
+    RowLayout queries;                                    \
+    RowLayout keys;                                       \
+    float eps;                                            \
+  };
 
-struct DualRmsNormParams {
-  RowLayout queries;
-  RowLayout keys;
-  float eps;
-};
+#define MLX_DUALNORM_STRINGIFY_EXPANDED(...) #__VA_ARGS__
+#define MLX_DUALNORM_STRINGIFY(...) MLX_DUALNORM_STRINGIFY_EXPANDED(__VA_ARGS__)
+
+namespace mlx_dualnorm_fused {
+
+inline constexpr const char* kDualRmsNormKernelSource =
+    MLX_DUALNORM_STRINGIFY(MLX_DUALNORM_KERNEL_PARAMS) R"cuda(
+typedef unsigned short bits16;
 
 /* Offset of the first element of `row` (rows enumerate every axis but the
  * last, in row-major order). */

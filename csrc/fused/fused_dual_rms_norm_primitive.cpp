@@ -32,25 +32,8 @@ namespace {
 
 namespace mx = mlx::core;
 
-/* Host mirror of the kernel's RowLayout / DualRmsNormParams (see
- * dual_rms_norm_kernel.cuh): same field order and types. */
-struct RowLayout {
-  long long strides[kMaxRank];
-  int shape[kMaxRank];
-  int rank;
-  int rows;
-  int width;
-  int block;
-  int reads;
-  int has_weight;
-  long long weight_stride;
-};
-
-struct DualRmsNormParams {
-  RowLayout queries;
-  RowLayout keys;
-  float eps;
-};
+/* The kernel's argument layout, from its one definition. */
+MLX_DUALNORM_KERNEL_PARAMS
 
 /* MLX's launch shape for rows of `width` elements of `dtype` (its
  * RMSNorm::eval_gpu dispatch): the block size and the elements each thread

@@ -9,11 +9,13 @@
 
 #include "mlx/array.h"
 
+#include "fused/dual_rms_norm_kernel.cuh"
+
 namespace mlx_dualnorm_fused {
 
 /* Highest input rank the kernel indexes (its row layout holds that many
  * strides); higher ranks take the compiled graph. */
-inline constexpr int kMaxRank = 8;
+inline constexpr int kMaxRank = MLX_DUALNORM_MAX_RANK;
 
 /* Hands the kernel's cubin to the primitive, which loads it (once, at the
  * first evaluation, where MLX has the device context current). */
