@@ -33,7 +33,9 @@ int mlx_detail_compile(
     const uint64_t* constants,
     size_t num_constants);
 
-/* Drops the calling thread's cache entry for `fun_id`. */
+/* Drops the cache entries for `fun_id`: the calling thread's, and those of
+ * every other live thread where a closure compiled under `fun_id` by
+ * mlx_detail_compile traced (MLX's caches are per thread). */
 int mlx_detail_compile_erase(uintptr_t fun_id);
 
 /* Drops every entry of the calling thread's compile cache. */
