@@ -98,8 +98,15 @@ class CompiledDualHeadNorm:
                 f"{COMPILE_DUAL_HEAD_NORM_OPERATION}: mode must be one of "
                 f"{', '.join(map(repr, _MODES))}, not {mode!r}"
             )
+        try:
+            eps_value = float(eps)
+        except OverflowError:  # an int or Fraction beyond a double
+            raise ValueError(
+                f"{COMPILE_DUAL_HEAD_NORM_OPERATION}: the RMS epsilon must be finite "
+                f"and >= 0, got {eps!r:.40}"
+            ) from None
         created = ffi.new("mlx_dualnorm_compiled_dual_head_norm **")
-        if lib.mlx_dualnorm_compiled_dual_head_norm_new(created, float(eps), _MODES[mode]) != 0:
+        if lib.mlx_dualnorm_compiled_dual_head_norm_new(created, eps_value, _MODES[mode]) != 0:
             raise_last_error()
         # Owned by this object: freed (closing first) when it is collected.
         self._native = ffi.gc(created[0], lib.mlx_dualnorm_compiled_dual_head_norm_free)
@@ -144,6 +151,11 @@ class CompiledDualHeadNorm:
             MlxCError: MLX failed while building the graph.
         """
         if stream is not None:
+            if not isinstance(stream, _STREAM_TYPES):
+                raise TypeError(
+                    f"{APPLY_DUAL_HEAD_NORM_OPERATION}: stream must be a stream or a "
+                    f"device (what mx.stream takes) or None, not {type(stream).__name__}"
+                )
             with mx.stream(stream):
                 return self(queries, keys, query_weight, key_weight)
         try:
@@ -186,11 +198,22 @@ class CompiledDualHeadNorm:
         return f"CompiledDualHeadNorm(eps={self.eps!r}, mode={self.mode!r})"
 
 
+# What mx.stream() takes.
+_STREAM_TYPES = (mx.Stream, mx.ThreadLocalStream, mx.Device, mx.DeviceType)
+
+
 def _as_mx_array(value: object, argument_name: str) -> mx.array:
     """The slow path for non-mx.array inputs: numpy arrays are copied in."""
     if isinstance(value, mx.array):
         return value
     if isinstance(value, np.ndarray):
+        # MLX holds booleans, integers and floating/complex numbers only;
+        # mx.array() of any other numpy dtype raises an unnamed std::bad_cast.
+        if value.dtype.kind not in "biufc":
+            raise TypeError(
+                f"{APPLY_DUAL_HEAD_NORM_OPERATION}: {argument_name} has numpy dtype "
+                f"{value.dtype}, which MLX cannot hold"
+            )
         return mx.array(value)
     raise TypeError(
         f"{APPLY_DUAL_HEAD_NORM_OPERATION}: {argument_name} must be an "
