@@ -109,7 +109,9 @@ def test_empty_handles_fail_with_a_message_and_do_not_exit():
     assert lib.mlx_array_eval(empty) == 1
     assert "[mlx_array_eval] received an empty handle" in last_error_description()
     assert lib.mlx_array_free(empty) == 0  # freeing an empty handle is a no-op
-    assert lib.mlx_vector_array_size(lib.mlx_vector_array_new()) == 0
+    new_vector = lib.mlx_vector_array_new()
+    assert lib.mlx_vector_array_size(new_vector) == 0
+    assert lib.mlx_vector_array_free(new_vector) == 0
 
 
 def test_vector_get_out_of_range_fails():

@@ -293,7 +293,7 @@ def _fallback_case_parameters():
         yield pytest.param(name, id=name, marks=marks)
 
 
-@pytest.mark.parametrize("case", _fallback_case_parameters())
+@pytest.mark.parametrize("case", list(_fallback_case_parameters()))
 def test_unsupported_inputs_run_mlx_lm_function(fallback_calls, case):
     queries, keys, inv_scale, eps = FALLBACK_CASES[case]()
     expected, actual = run_both(queries, keys, inv_scale, eps)

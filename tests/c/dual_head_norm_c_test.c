@@ -1,0 +1,397 @@
+/* C-level test of the compiled dual head norm, built by
+ * scripts/run_sanitizers.sh with AddressSanitizer (LeakSanitizer included)
+ * and UndefinedBehaviorSanitizer, or run under valgrind.
+ *
+ * Drives the C API the way a C caller would, with no Python in the
+ * process: every output is compared bit for bit (memcmp) with two direct
+ * mlx_fast_rms_norm calls, every handle is freed, and the failure paths
+ * (invalid arguments, closed objects, MLX errors) are walked so the
+ * sanitizers see their cleanup too. Covers:
+ *   - objects with different epsilons, interleaved, every weight layout,
+ *     compiled and composed modes;
+ *   - retraces (rank and dtype changes) after another object wrote the slot;
+ *   - the uncompiled paths: widths 0 and 1, many rows;
+ *   - invalid arguments, use after close, double close, NULLs;
+ *   - threads calling shared objects while others build and free objects.
+ * Prints one line per failed check and a summary; exits 1 on any failure.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dual_head_norm.h"
+
+static int failures = 0;
+static int checks = 0;
+static pthread_mutex_t report_lock = PTHREAD_MUTEX_INITIALIZER;
+
+#define CHECK(condition, ...)                                 \
+  do {                                                        \
+    pthread_mutex_lock(&report_lock);                         \
+    ++checks;                                                 \
+    if (!(condition)) {                                       \
+      ++failures;                                             \
+      fprintf(stderr, "FAILED %s:%d: ", __FILE__, __LINE__);  \
+      fprintf(stderr, __VA_ARGS__);                           \
+      fprintf(stderr, " [%s]\n", #condition);                 \
+    }                                                         \
+    pthread_mutex_unlock(&report_lock);                       \
+  } while (0)
+
+static const float EPSILONS[] = {1e-2f, 1e-4f, 1e-6f};
+enum { EPSILON_COUNT = 3 };
+
+/* ---- arrays ------------------------------------------------------------ */
+
+/* Deterministic small values (|x| ~ 1e-3, so eps dominates), float32. */
+static mlx_array small_float32(const int* shape, int rank, uint32_t seed) {
+  size_t count = 1;
+  for (int axis = 0; axis < rank; ++axis) {
+    count *= (size_t)shape[axis];
+  }
+  float* values = malloc((count ? count : 1) * sizeof *values);
+  uint32_t state = seed * 2654435761u + 1;
+  for (size_t index = 0; index < count; ++index) {
+    state = state * 1664525u + 1013904223u;
+    values[index] = ((float)(state >> 8) / 16777216.0f - 0.5f) * 2e-3f;
+  }
+  mlx_array array = mlx_array_new_data(values, shape, rank, MLX_FLOAT32);
+  free(values);
+  return array;
+}
+
+/* The same values as float64 (a dtype change for the compile cache). */
+static mlx_array small_float64(const int* shape, int rank, uint32_t seed) {
+  mlx_array single = small_float32(shape, rank, seed);
+  size_t count = mlx_array_size(single);
+  mlx_array_eval(single);
+  const float* source = mlx_array_data_float32(single);
+  double* values = malloc((count ? count : 1) * sizeof *values);
+  for (size_t index = 0; index < count; ++index) {
+    values[index] = source[index];
+  }
+  mlx_array array = mlx_array_new_data(values, shape, rank, MLX_FLOAT64);
+  free(values);
+  mlx_array_free(single);
+  return array;
+}
+
+static mlx_array weight_float32(int width, float scale) {
+  float* values = malloc((width ? width : 1) * sizeof *values);
+  for (int index = 0; index < width; ++index) {
+    values[index] = scale * (0.5f + (float)index / (float)(width ? width : 1));
+  }
+  mlx_array array = mlx_array_new_data(values, &width, 1, MLX_FLOAT32);
+  free(values);
+  return array;
+}
+
+/* Evaluates both and compares dtype, shape and bytes. */
+static bool same_bits(mlx_array actual, mlx_array expected) {
+  if (mlx_array_eval(actual) != 0 || mlx_array_eval(expected) != 0) {
+    return false;
+  }
+  if (mlx_array_dtype(actual) != mlx_array_dtype(expected) ||
+      mlx_array_ndim(actual) != mlx_array_ndim(expected)) {
+    return false;
+  }
+  size_t rank = mlx_array_ndim(actual);
+  if (rank > 0 &&
+      memcmp(mlx_array_shape(actual), mlx_array_shape(expected), rank * sizeof(int)) != 0) {
+    return false;
+  }
+  size_t bytes = mlx_array_nbytes(actual);
+  if (bytes == 0) {
+    return true;
+  }
+  const void* actual_data = mlx_array_dtype(actual) == MLX_FLOAT64
+                                ? (const void*)mlx_array_data_float64(actual)
+                                : (const void*)mlx_array_data_float32(actual);
+  const void* expected_data = mlx_array_dtype(expected) == MLX_FLOAT64
+                                  ? (const void*)mlx_array_data_float64(expected)
+                                  : (const void*)mlx_array_data_float32(expected);
+  return actual_data != NULL && expected_data != NULL &&
+         memcmp(actual_data, expected_data, bytes) == 0;
+}
+
+/* rms_norm(input, weight, eps) on the default stream: the composed path. */
+static mlx_array composed(mlx_array input, mlx_array weight, float eps) {
+  mlx_device device = mlx_device_new();
+  mlx_stream stream = mlx_stream_new();
+  mlx_array result = mlx_array_new();
+  if (mlx_get_default_device(&device) != 0 ||
+      mlx_get_default_stream(&stream, device) != 0 ||
+      mlx_fast_rms_norm(&result, input, weight, eps, stream) != 0) {
+    fprintf(stderr, "composed rms_norm failed: %s\n", mlx_dualnorm_last_error_description());
+  }
+  mlx_stream_free(stream);
+  mlx_device_free(device);
+  return result;
+}
+
+/* One apply, checked against the composed path for `eps` and (where the
+ * outputs are not empty) against `other_eps`, which must differ. */
+static void check_apply(mlx_dualnorm_compiled_dual_head_norm* norm, float eps, float other_eps,
+                        mlx_array queries, mlx_array keys, mlx_array query_weight,
+                        mlx_array key_weight, const char* context) {
+  mlx_vector_array outputs = mlx_vector_array_new();
+  int status = mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, keys,
+                                                          query_weight, key_weight);
+  CHECK(status == MLX_DUALNORM_OK, "%s: apply failed: %s", context,
+        mlx_dualnorm_last_error_description());
+  CHECK(mlx_vector_array_size(outputs) == 2, "%s: %zu outputs", context,
+        mlx_vector_array_size(outputs));
+  if (status == MLX_DUALNORM_OK && mlx_vector_array_size(outputs) == 2) {
+    const mlx_array inputs[2] = {queries, keys};
+    const mlx_array weights[2] = {query_weight, key_weight};
+    for (size_t side = 0; side < 2; ++side) {
+      mlx_array output = mlx_array_new();
+      mlx_vector_array_get(&output, outputs, side);
+      mlx_array expected = composed(inputs[side], weights[side], eps);
+      CHECK(same_bits(output, expected), "%s: side %zu differs from eps %g", context, side,
+            (double)eps);
+      if (other_eps != eps && mlx_array_size(output) > 1) {
+        mlx_array wrong = composed(inputs[side], weights[side], other_eps);
+        CHECK(!same_bits(output, wrong), "%s: side %zu equals the output of eps %g", context,
+              side, (double)other_eps);
+        mlx_array_free(wrong);
+      }
+      mlx_array_free(expected);
+      mlx_array_free(output);
+    }
+  }
+  mlx_vector_array_free(outputs);
+}
+
+static mlx_dualnorm_compiled_dual_head_norm* new_norm(float eps, mlx_dualnorm_mode mode) {
+  mlx_dualnorm_compiled_dual_head_norm* norm = NULL;
+  int status = mlx_dualnorm_compiled_dual_head_norm_new(&norm, eps, mode);
+  CHECK(status == MLX_DUALNORM_OK && norm != NULL, "new(%g) failed: %s", (double)eps,
+        mlx_dualnorm_last_error_description());
+  return norm;
+}
+
+/* ---- single-threaded scenarios ---------------------------------------- */
+
+static void test_interleaved_objects_and_retraces(mlx_dualnorm_mode mode) {
+  const int query_shape[] = {2, 4, 64};
+  const int key_shape[] = {2, 2, 64};
+  const int query_shape4[] = {1, 2, 4, 64};
+  const int many_rows[] = {64, 64};
+  mlx_array queries = small_float32(query_shape, 3, 1);
+  mlx_array keys = small_float32(key_shape, 3, 2);
+  mlx_array queries4 = small_float32(query_shape4, 4, 3);
+  mlx_array queries64 = small_float64(query_shape, 3, 4);
+  mlx_array keys64 = small_float64(key_shape, 3, 5);
+  mlx_array large = small_float32(many_rows, 2, 6);
+  mlx_array weight = weight_float32(64, 1.0f);
+  mlx_array no_weight = mlx_array_new();
+
+  mlx_dualnorm_compiled_dual_head_norm* norms[EPSILON_COUNT];
+  for (int index = 0; index < EPSILON_COUNT; ++index) {
+    norms[index] = new_norm(EPSILONS[index], mode);
+  }
+  /* First calls in reverse construction order, then every layout. */
+  for (int index = EPSILON_COUNT - 1; index >= 0; --index) {
+    check_apply(norms[index], EPSILONS[index], EPSILONS[(index + 1) % EPSILON_COUNT], queries,
+                keys, no_weight, no_weight, "first call");
+  }
+  const mlx_array layouts[4][2] = {
+      {no_weight, no_weight}, {weight, no_weight}, {no_weight, weight}, {weight, weight}};
+  for (int round = 0; round < 2; ++round) {
+    for (int layout = 0; layout < 4; ++layout) {
+      for (int index = 0; index < EPSILON_COUNT; ++index) {
+        int other = (index + 1) % EPSILON_COUNT;
+        check_apply(norms[index], EPSILONS[index], EPSILONS[other], queries, keys,
+                    layouts[layout][0], layouts[layout][1], "layout");
+      }
+    }
+  }
+  /* Retraces: rank change, dtype change, many rows (uncompiled builder). */
+  for (int index = 0; index < EPSILON_COUNT; ++index) {
+    int other = (index + 2) % EPSILON_COUNT;
+    check_apply(norms[index], EPSILONS[index], EPSILONS[other], queries4, keys, no_weight,
+                no_weight, "rank change");
+    check_apply(norms[index], EPSILONS[index], EPSILONS[other], queries64, keys64, no_weight,
+                no_weight, "dtype change");
+    check_apply(norms[index], EPSILONS[index], EPSILONS[other], large, keys, weight, no_weight,
+                "many rows");
+    check_apply(norms[index], EPSILONS[index], EPSILONS[other], queries, keys, no_weight,
+                no_weight, "original graph");
+  }
+  for (int index = 0; index < EPSILON_COUNT; ++index) {
+    mlx_dualnorm_compiled_dual_head_norm_free(norms[index]);
+  }
+  mlx_array_free(queries);
+  mlx_array_free(keys);
+  mlx_array_free(queries4);
+  mlx_array_free(queries64);
+  mlx_array_free(keys64);
+  mlx_array_free(large);
+  mlx_array_free(weight);
+}
+
+static void test_degenerate_widths(void) {
+  mlx_dualnorm_compiled_dual_head_norm* norm = new_norm(1e-5f, MLX_DUALNORM_MODE_COMPILED);
+  const int shapes[][3] = {{3, 1, 0}, {2, 2, 1}, {2, 0, 0}, {0, 8, 0}, {2, 3, 0}};
+  const int ranks[] = {2, 3, 2, 2, 3};
+  const int key_shape[] = {2, 8};
+  mlx_array keys = small_float32(key_shape, 2, 7);
+  mlx_array no_weight = mlx_array_new();
+  for (size_t case_index = 0; case_index < sizeof ranks / sizeof ranks[0]; ++case_index) {
+    mlx_array queries = small_float32(shapes[case_index], ranks[case_index], 8);
+    int width = shapes[case_index][ranks[case_index] - 1];
+    mlx_array weight = weight_float32(width, 1.5f);
+    check_apply(norm, 1e-5f, 1e-5f, queries, keys, no_weight, no_weight, "degenerate width");
+    check_apply(norm, 1e-5f, 1e-5f, queries, keys, weight, no_weight, "degenerate width, weighted");
+    mlx_array_free(weight);
+    mlx_array_free(queries);
+  }
+  mlx_array_free(keys);
+  mlx_dualnorm_compiled_dual_head_norm_free(norm);
+}
+
+static void expect_status(int status, mlx_dualnorm_status expected, const char* fragment,
+                          const char* context) {
+  CHECK(status == (int)expected, "%s: status %d, expected %d", context, status, (int)expected);
+  CHECK(strstr(mlx_dualnorm_last_error_description(), fragment) != NULL,
+        "%s: description '%s' lacks '%s'", context, mlx_dualnorm_last_error_description(),
+        fragment);
+}
+
+static void test_invalid_arguments_and_lifecycle(void) {
+  const int shape[] = {2, 8};
+  const int scalar_shape[1] = {0};
+  mlx_array queries = small_float32(shape, 2, 9);
+  mlx_array short_weight = weight_float32(7, 1.0f);
+  mlx_array scalar = mlx_array_new_data((float[]){1.0f}, scalar_shape, 0, MLX_FLOAT32);
+  const int32_t integers[16] = {0};
+  mlx_array integer_queries = mlx_array_new_data(integers, shape, 2, MLX_INT32);
+  mlx_array empty = mlx_array_new();
+  mlx_vector_array outputs = mlx_vector_array_new();
+
+  mlx_dualnorm_compiled_dual_head_norm* rejected = NULL;
+  expect_status(mlx_dualnorm_compiled_dual_head_norm_new(&rejected, NAN, MLX_DUALNORM_MODE_AUTO),
+                MLX_DUALNORM_INVALID_ARGUMENT, "finite", "NaN eps");
+  expect_status(mlx_dualnorm_compiled_dual_head_norm_new(&rejected, -1.0f, MLX_DUALNORM_MODE_AUTO),
+                MLX_DUALNORM_INVALID_ARGUMENT, ">= 0", "negative eps");
+  expect_status(mlx_dualnorm_compiled_dual_head_norm_new(NULL, 1e-5f, MLX_DUALNORM_MODE_AUTO),
+                MLX_DUALNORM_INVALID_ARGUMENT, "NULL", "NULL result");
+  CHECK(rejected == NULL, "a rejected new set the result");
+
+  mlx_dualnorm_compiled_dual_head_norm* norm = new_norm(1e-5f, MLX_DUALNORM_MODE_AUTO);
+  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, empty, queries, empty, empty),
+                MLX_DUALNORM_INVALID_ARGUMENT, "empty array handle", "empty queries");
+  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, scalar, empty, empty),
+                MLX_DUALNORM_INVALID_ARGUMENT, "at least 1 dimension", "0-d keys");
+  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries, short_weight, empty),
+                MLX_DUALNORM_INVALID_ARGUMENT, "7 elements", "short weight");
+  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries, scalar, empty),
+                MLX_DUALNORM_INVALID_ARGUMENT, "1 dimension", "0-d weight");
+  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, integer_queries, queries, empty, empty),
+                MLX_DUALNORM_INVALID_ARGUMENT, "int32", "int32 queries");
+  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(NULL, norm, queries, queries, empty, empty),
+                MLX_DUALNORM_INVALID_ARGUMENT, "NULL", "NULL result vector");
+  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, NULL, queries, queries, empty, empty),
+                MLX_DUALNORM_INVALID_ARGUMENT, "NULL", "NULL object");
+  check_apply(norm, 1e-5f, 1e-5f, queries, queries, empty, empty, "after invalid arguments");
+
+  /* MLX failures through raw mlx-c calls: return codes, recorded, no exit. */
+  mlx_dualnorm_clear_last_error();
+  CHECK(mlx_array_eval(empty) != 0, "eval of an empty handle succeeded");
+  CHECK(strstr(mlx_dualnorm_last_error_description(), "empty handle") != NULL,
+        "raw failure not recorded: '%s'", mlx_dualnorm_last_error_description());
+  mlx_array item = mlx_array_new();
+  CHECK(mlx_vector_array_get(&item, outputs, 5) != 0, "out-of-range get succeeded");
+  mlx_array_free(item);
+
+  CHECK(mlx_dualnorm_compiled_dual_head_norm_close(norm) == MLX_DUALNORM_OK, "close failed");
+  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries, empty, empty),
+                MLX_DUALNORM_CLOSED, "closed", "apply after close");
+  CHECK(mlx_dualnorm_compiled_dual_head_norm_close(norm) == MLX_DUALNORM_OK, "second close failed");
+  CHECK(mlx_dualnorm_compiled_dual_head_norm_epsilon(norm) == 1e-5f, "eps lost at close");
+  mlx_dualnorm_compiled_dual_head_norm_free(norm);
+  mlx_dualnorm_compiled_dual_head_norm_free(NULL);
+  expect_status(mlx_dualnorm_compiled_dual_head_norm_close(NULL), MLX_DUALNORM_INVALID_ARGUMENT,
+                "NULL", "close NULL");
+
+  mlx_vector_array_free(outputs);
+  mlx_array_free(queries);
+  mlx_array_free(short_weight);
+  mlx_array_free(scalar);
+  mlx_array_free(integer_queries);
+}
+
+/* ---- threads ---------------------------------------------------------- */
+
+enum { CALLER_THREADS = 4, BUILDER_THREADS = 2, ROUNDS = 40 };
+
+static mlx_dualnorm_compiled_dual_head_norm* shared_norms[EPSILON_COUNT];
+
+static void* call_shared_objects(void* argument) {
+  uintptr_t seed = (uintptr_t)argument;
+  const int query_shape[] = {2, 4, 64};
+  const int key_shape[] = {2, 2, 64};
+  mlx_array queries = small_float32(query_shape, 3, (uint32_t)seed + 10);
+  mlx_array keys = small_float32(key_shape, 3, (uint32_t)seed + 20);
+  mlx_array no_weight = mlx_array_new();
+  for (int round = 0; round < ROUNDS; ++round) {
+    int index = (int)((seed + (uintptr_t)round) % EPSILON_COUNT);
+    check_apply(shared_norms[index], EPSILONS[index], EPSILONS[(index + 1) % EPSILON_COUNT],
+                queries, keys, no_weight, no_weight, "caller thread");
+  }
+  mlx_array_free(queries);
+  mlx_array_free(keys);
+  return NULL;
+}
+
+static void* build_and_free_objects(void* argument) {
+  uintptr_t seed = (uintptr_t)argument;
+  const int query_shape[] = {2, 4, 64};
+  mlx_array queries = small_float32(query_shape, 3, (uint32_t)seed + 30);
+  mlx_array no_weight = mlx_array_new();
+  const float own_epsilons[2] = {3e-3f, 3e-5f};
+  for (int round = 0; round < ROUNDS / 2; ++round) {
+    float eps = own_epsilons[round % 2];
+    mlx_dualnorm_compiled_dual_head_norm* norm = new_norm(eps, MLX_DUALNORM_MODE_AUTO);
+    check_apply(norm, eps, own_epsilons[(round + 1) % 2], queries, queries, no_weight, no_weight,
+                "builder thread");
+    mlx_dualnorm_compiled_dual_head_norm_free(norm);
+  }
+  mlx_array_free(queries);
+  return NULL;
+}
+
+static void test_threads(void) {
+  for (int index = 0; index < EPSILON_COUNT; ++index) {
+    shared_norms[index] = new_norm(EPSILONS[index], MLX_DUALNORM_MODE_AUTO);
+  }
+  pthread_t threads[CALLER_THREADS + BUILDER_THREADS];
+  for (uintptr_t index = 0; index < CALLER_THREADS; ++index) {
+    pthread_create(&threads[index], NULL, call_shared_objects, (void*)index);
+  }
+  for (uintptr_t index = 0; index < BUILDER_THREADS; ++index) {
+    pthread_create(&threads[CALLER_THREADS + index], NULL, build_and_free_objects, (void*)index);
+  }
+  for (int index = 0; index < CALLER_THREADS + BUILDER_THREADS; ++index) {
+    pthread_join(threads[index], NULL);
+  }
+  for (int index = 0; index < EPSILON_COUNT; ++index) {
+    mlx_dualnorm_compiled_dual_head_norm_free(shared_norms[index]);
+  }
+}
+
+int main(void) {
+  mlx_dualnorm_install_error_handler();
+  test_interleaved_objects_and_retraces(MLX_DUALNORM_MODE_COMPILED);
+  test_interleaved_objects_and_retraces(MLX_DUALNORM_MODE_COMPOSED);
+  test_degenerate_widths();
+  test_invalid_arguments_and_lifecycle();
+  test_threads();
+  printf("dual_head_norm_c_test: %d checks, %d failed\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}
