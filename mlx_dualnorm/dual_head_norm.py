@@ -67,7 +67,9 @@ class CompiledDualHeadNorm:
     Args:
         eps: the RMS epsilon, baked into the compiled graph. Must be finite
             and >= 0 (it is used as float32, as ``mx.fast.rms_norm`` does).
-        mode: ``"compiled"``: one replay of the compiled dual-output graph.
+        mode: ``"compiled"``: one replay of the compiled dual-output graph
+            (calls with more than 48 rows in all build the composed graph,
+            which MLX runs faster at that size).
             ``"fused"``: one CUDA kernel launch for both inputs (MLX's CUDA
             backend only; inputs it does not cover, e.g. mixed dtypes, take
             the compiled graph). ``"composed"``: the two calls, rebuilt each
