@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core  # noqa: F401  (load libmlx.so and MLX's nanobind types first)
 
-from mlx_dualnorm import _interop
+import mlx_dualnorm._interop as _interop
 from mlx_dualnorm._native import ffi, lib
 
 lib.mlx_dualnorm_install_error_handler()

@@ -13,7 +13,7 @@ call, lazy outputs, no copies of the inputs.
 from __future__ import annotations
 
 import numbers
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -88,6 +88,8 @@ class CompiledDualHeadNorm:
     """
 
     __slots__ = ("_native", "_address", "__weakref__")
+    _native: Any  # cdata: mlx_dualnorm_compiled_dual_head_norm*, freed by ffi.gc
+    _address: int  # the same pointer, as the bridge takes it
 
     def __init__(self, eps: float = 1e-6, mode: Mode = "auto") -> None:
         if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
