@@ -11,7 +11,6 @@
 
 #include <dlfcn.h>
 
-#include <algorithm>
 #include <mutex>
 #include <string>
 #include <variant>
@@ -48,6 +47,8 @@ void resolve(void* library, const char* symbol, Function& function) {
   }
 }
 
+/* The handle stays open for the process: MLX's CUDA backend holds the same
+ * library, and the compiled cubin outlives the compiler anyway. */
 NvrtcLibrary open_nvrtc() {
   static const char* const candidates[] = {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"};
   void* library = nullptr;
@@ -105,9 +106,13 @@ std::string compile_kernel_cubin() {
   const char* options[] = {architecture.c_str()};
   if (nvrtc.compile_program(program, 1, options) != 0) {
     size_t log_size = 0;
-    nvrtc.get_program_log_size(program, &log_size);
-    std::string log(log_size, '\0');
-    nvrtc.get_program_log(program, log.data());
+    std::string log;
+    if (nvrtc.get_program_log_size(program, &log_size) == 0) {
+      log.resize(log_size);
+      if (nvrtc.get_program_log(program, log.data()) != 0) {
+        log = "(no log)";
+      }
+    }
     failure = "[fused dual head norm] NVRTC could not compile the kernel (" +
               architecture + "): " + log;
   } else {
@@ -163,15 +168,16 @@ const mx::array* weight_or_null(const mlx_array weight) {
 } // namespace
 
 extern "C" bool mlx_dualnorm_fused_backend_available(void) {
-#ifndef MLX_DUALNORM_WITH_CUDA
-  return false; // built without MLX's CUDA headers: no primitive to launch
-#endif
+#ifdef MLX_DUALNORM_WITH_CUDA
   try {
     return mx::is_available(mx::Device::gpu) &&
            mx::device_info(mx::Device::gpu).count("compute_capability_major") > 0;
   } catch (const std::exception&) {
     return false;
   }
+#else
+  return false; // built without MLX's CUDA headers: no primitive to launch
+#endif
 }
 
 extern "C" int mlx_dualnorm_fused_prepare(void) {
