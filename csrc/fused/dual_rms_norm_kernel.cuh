@@ -18,7 +18,8 @@
  *     which is done in T (correctly rounded), skipped without a weight
  *     (MLX multiplies by an exact 1).
  * One launch covers the rows of both inputs: blocks [0, query_rows) take
- * query rows, the rest key rows; each side has its own BLOCK and READS.
+ * query rows, the rest key rows; each side has its own BLOCK (READS is
+ * 16 bytes of the shared dtype).
  * Inputs may be strided views: a row is a line along the last axis, its
  * start found from the row index, the shape and the strides, so no copy is
  * made and the values (hence the bits) are the same.
@@ -43,7 +44,6 @@
     int rows;                                             \
     int width;                                            \
     int block;                                            \
-    int reads;                                            \
     int has_weight;                                       \
     long long weight_stride;                              \
   };                                                      \
@@ -63,14 +63,26 @@ inline constexpr const char* kDualRmsNormKernelSource =
 typedef unsigned short bits16;
 
 /* Offset of the first element of `row` (rows enumerate every axis but the
- * last, in row-major order). */
-__device__ __forceinline__ long long row_start(const RowLayout& layout, long long row) {
+ * last, in row-major order). Row counts fit an int, so the index arithmetic
+ * is 32-bit (64-bit division is emulated and slow); offsets are 64-bit. */
+__device__ __forceinline__ long long row_start(const RowLayout& layout, unsigned int row) {
   long long offset = 0;
   for (int axis = layout.rank - 2; axis >= 0; --axis) {
-    offset += (row % layout.shape[axis]) * layout.strides[axis];
-    row /= layout.shape[axis];
+    const unsigned int extent = static_cast<unsigned int>(layout.shape[axis]);
+    offset += static_cast<long long>(row % extent) * layout.strides[axis];
+    row /= extent;
   }
   return offset;
+}
+
+/* Sixteen bytes: what one thread reads per chunk (MLX's N_READS elements),
+ * moved as one vector load or store where the memory allows. */
+struct __align__(16) Vector16 {
+  unsigned int words[4];
+};
+
+__device__ __forceinline__ bool is_vector_aligned(const void* address) {
+  return (reinterpret_cast<unsigned long long>(address) & 15ull) == 0;
 }
 
 struct Float32Storage {
@@ -125,61 +137,139 @@ __device__ __forceinline__ float warp_butterfly_sum(float value) {
   return value;
 }
 
+/* The second level: each warp's total (every lane holds it) through shared
+ * memory, reduced again by every warp, lanes past the warp count adding +0. */
+__device__ __forceinline__ float sum_across_warps(float warp_total) {
+  __shared__ float warp_sums[32];
+  const int lane = threadIdx.x & 31;
+  const int warps = blockDim.x >> 5;
+  if (lane == 0) {
+    warp_sums[threadIdx.x >> 5] = warp_total;
+  }
+  __syncthreads();
+  return warp_butterfly_sum(lane < warps ? warp_sums[lane] : 0.0f);
+}
+
+/* READS: the elements in 16 bytes of the storage type (4 float32, 8 half
+ * or bfloat16), as in MLX's kernel. */
 template <typename Storage>
-__device__ void normalize_row(
+__device__ constexpr int chunk_reads() {
+  return sizeof(Vector16) / sizeof(typename Storage::storage);
+}
+
+/* One thread's chunk: READS elements held in registers. Elements past the
+ * row's end are zero bits, which every storage type reads as +0. */
+template <typename Storage>
+union Chunk {
+  Vector16 vector;
+  typename Storage::storage values[chunk_reads<Storage>()];
+};
+
+/* Loads the chunk of elements [first, first + READS) of a row whose
+ * elements are `stride` apart: one 16-byte load where `as_vector` (the row
+ * is contiguous, 16-byte aligned and a whole number of chunks wide), else
+ * READS independent scalar loads. */
+template <typename Storage>
+__device__ __forceinline__ Chunk<Storage> load_chunk(
+    const typename Storage::storage* row, int first, int width, long long stride,
+    bool as_vector) {
+  Chunk<Storage> chunk;
+  if (as_vector) {
+    if (first < width) {
+      chunk.vector = *reinterpret_cast<const Vector16*>(row + first);
+    } else {
+      chunk.vector = Vector16{{0u, 0u, 0u, 0u}};
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < chunk_reads<Storage>(); ++j) {
+      const int element = first + j;
+      chunk.values[j] = element < width ? row[element * stride] : typename Storage::storage(0);
+    }
+  }
+  return chunk;
+}
+
+/* Inlined (as is dual_rms_norm) so that `layout` stays a reference into
+ * the kernel's parameter space rather than a per-thread copy in local
+ * memory. */
+template <typename Storage>
+__device__ __forceinline__ void normalize_row(
     const typename Storage::storage* input,
     const typename Storage::storage* weight,
     typename Storage::storage* output,
-    const RowLayout& layout, long long row_index, float eps) {
-  __shared__ float warp_sums[32];
+    const RowLayout& layout, unsigned int row_index, float eps) {
+  typedef Chunk<Storage> RowChunk;
+  constexpr int READS = chunk_reads<Storage>();
   const typename Storage::storage* row = input + row_start(layout, row_index);
   const long long element_stride = layout.strides[layout.rank - 1];
-  typename Storage::storage* out = output + row_index * layout.width;
   const int width = layout.width;
+  typename Storage::storage* out = output + static_cast<long long>(row_index) * width;
   const int row_block = layout.block;
-  const int row_reads = layout.reads;
   const bool has_weight = layout.has_weight != 0;
   const int thread = threadIdx.x;
   const bool owns_elements = thread < row_block;
-  const int vectors = (width + row_reads - 1) / row_reads;
+  const int vectors = (width + READS - 1) / READS;
   const int chunks = (vectors + row_block - 1) / row_block;
+  const bool whole_chunks = width % READS == 0;
+  const bool load_vectors = whole_chunks && element_stride == 1 && is_vector_aligned(row);
+  const bool store_vectors = whole_chunks && is_vector_aligned(out);
+  const bool weight_vectors =
+      has_weight && whole_chunks && layout.weight_stride == 1 && is_vector_aligned(weight);
 
+  // The first chunk stays in registers for the second pass (the only chunk
+  // at decode widths); later chunks are read again.
+  RowChunk first_chunk;
   float sum_of_squares = 0.0f;
   if (owns_elements) {
     for (int chunk = 0; chunk < chunks; ++chunk) {
-      const int first = (chunk * row_block + thread) * row_reads;
-      for (int j = 0; j < row_reads; ++j) {
-        const int element = first + j;
-        const float x = element < width ? Storage::to_float(row[element * element_stride]) : 0.0f;
-        sum_of_squares = __fmaf_rn(x, x, sum_of_squares);
+      const int first = (chunk * row_block + thread) * READS;
+      const RowChunk x = load_chunk<Storage>(row, first, width, element_stride, load_vectors);
+#pragma unroll
+      for (int j = 0; j < READS; ++j) {
+        const float value = Storage::to_float(x.values[j]);
+        sum_of_squares = __fmaf_rn(value, value, sum_of_squares);
+      }
+      if (chunk == 0) {
+        first_chunk = x;
       }
     }
   }
   sum_of_squares = warp_butterfly_sum(sum_of_squares);
-  const int warp = thread >> 5;
-  const int lane = thread & 31;
-  const int warps = blockDim.x >> 5;
-  if (warps > 1) {
-    if (lane == 0) {
-      warp_sums[warp] = sum_of_squares;
-    }
-    __syncthreads();
-    sum_of_squares = warp_butterfly_sum(lane < warps ? warp_sums[lane] : 0.0f);
+  if (blockDim.x > 32) {
+    sum_of_squares = sum_across_warps(sum_of_squares);
   }
   const float normalizer =
       rsqrtf(__fadd_rn(__fdiv_rn(sum_of_squares, static_cast<float>(width)), eps));
 
   if (owns_elements) {
     for (int chunk = 0; chunk < chunks; ++chunk) {
-      const int first = (chunk * row_block + thread) * row_reads;
-      for (int j = 0; j < row_reads; ++j) {
-        const int element = first + j;
-        if (element < width) {
-          const typename Storage::storage normalized =
-              Storage::round(__fmul_rn(Storage::to_float(row[element * element_stride]), normalizer));
-          out[element] = has_weight
-                             ? Storage::multiply(weight[element * layout.weight_stride], normalized)
-                             : normalized;
+      const int first = (chunk * row_block + thread) * READS;
+      if (first >= width) {
+        break;
+      }
+      const RowChunk x = chunk == 0
+          ? first_chunk
+          : load_chunk<Storage>(row, first, width, element_stride, load_vectors);
+      RowChunk scale;
+      if (has_weight) {
+        scale = load_chunk<Storage>(weight, first, width, layout.weight_stride, weight_vectors);
+      }
+      RowChunk normalized;
+#pragma unroll
+      for (int j = 0; j < READS; ++j) {
+        const typename Storage::storage rounded =
+            Storage::round(__fmul_rn(Storage::to_float(x.values[j]), normalizer));
+        normalized.values[j] = has_weight ? Storage::multiply(scale.values[j], rounded) : rounded;
+      }
+      if (store_vectors) {
+        *reinterpret_cast<Vector16*>(out + first) = normalized.vector;
+      } else {
+#pragma unroll
+        for (int j = 0; j < READS; ++j) {
+          if (first + j < width) {
+            out[first + j] = normalized.values[j];
+          }
         }
       }
     }
@@ -187,18 +277,18 @@ __device__ void normalize_row(
 }
 
 template <typename Storage>
-__device__ void dual_rms_norm(
+__device__ __forceinline__ void dual_rms_norm(
     const typename Storage::storage* queries, const typename Storage::storage* keys,
     const typename Storage::storage* query_weight, const typename Storage::storage* key_weight,
     typename Storage::storage* normalized_queries, typename Storage::storage* normalized_keys,
     const DualRmsNormParams& params) {
-  const long long block_row = blockIdx.x;
-  if (block_row < params.queries.rows) {
+  const unsigned int block_row = blockIdx.x;
+  if (block_row < static_cast<unsigned int>(params.queries.rows)) {
     normalize_row<Storage>(queries, query_weight, normalized_queries, params.queries,
                            block_row, params.eps);
   } else {
     normalize_row<Storage>(keys, key_weight, normalized_keys, params.keys,
-                           block_row - params.queries.rows, params.eps);
+                           block_row - static_cast<unsigned int>(params.queries.rows), params.eps);
   }
 }
 

@@ -3,8 +3,9 @@
  * RMSNorm kernel (see dual_rms_norm_kernel.cuh for the contract).
  *
  * C API in the mlx-c style (handles in, status out, messages through the
- * mlx-c error handler), implemented in C++ over libmlx's public
- * fast::precompiled_cuda_kernel. Not part of upstream mlx-c.
+ * mlx-c error handler), implemented in C++: NVRTC compiles the kernel once,
+ * and an MLX primitive of this package's own (FusedDualRmsNorm) launches it
+ * on MLX's command encoder. Not part of upstream mlx-c.
  */
 #ifndef MLX_DUALNORM_FUSED_DUAL_HEAD_NORM_H
 #define MLX_DUALNORM_FUSED_DUAL_HEAD_NORM_H

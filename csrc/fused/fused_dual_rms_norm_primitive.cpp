@@ -35,14 +35,13 @@ namespace mx = mlx::core;
 /* The kernel's argument layout, from its one definition. */
 MLX_DUALNORM_KERNEL_PARAMS
 
-/* MLX's launch shape for rows of `width` elements of `dtype` (its
- * RMSNorm::eval_gpu dispatch): the block size and the elements each thread
- * reads per chunk. */
+/* MLX's block size for rows of `width` elements of `dtype` (its
+ * RMSNorm::eval_gpu dispatch), where each thread reads 16 bytes per chunk
+ * (the kernel's READS). */
 void set_launch_shape(RowLayout& layout, mx::Dtype dtype) {
   const int reads = 16 / static_cast<int>(dtype.size());
   const int width = layout.width;
   const int vectors = (width + reads - 1) / reads;
-  layout.reads = reads;
   if (width > reads * 1024) {
     layout.block = 1024;
   } else if (width <= reads * 64) {
@@ -58,13 +57,23 @@ void set_launch_shape(RowLayout& layout, mx::Dtype dtype) {
 
 RowLayout row_layout(const mx::array& input, const mx::array* weight) {
   RowLayout layout{};
-  layout.rank = static_cast<int>(input.ndim());
-  for (int axis = 0; axis < layout.rank; ++axis) {
-    layout.shape[axis] = input.shape(axis);
-    layout.strides[axis] = input.strides()[axis];
-  }
   layout.width = input.shape().back();
   layout.rows = static_cast<int>(input.size() / layout.width);
+  if (input.flags().row_contiguous) {
+    // Rows back to back: one (rows, width) view spares the kernel the
+    // per-axis index arithmetic.
+    layout.rank = 2;
+    layout.shape[0] = layout.rows;
+    layout.shape[1] = layout.width;
+    layout.strides[0] = layout.width;
+    layout.strides[1] = 1;
+  } else {
+    layout.rank = static_cast<int>(input.ndim());
+    for (int axis = 0; axis < layout.rank; ++axis) {
+      layout.shape[axis] = input.shape(axis);
+      layout.strides[axis] = input.strides()[axis];
+    }
+  }
   layout.has_weight = weight != nullptr ? 1 : 0;
   layout.weight_stride = weight != nullptr ? weight->strides()[0] : 0;
   set_launch_shape(layout, input.dtype());
