@@ -1,40 +1,86 @@
-"""Device experiment: eval cost per graph node, fused vs built-in RMSNorm,
-chained and independent; for ncu kernel timings run a few calls only."""
-import statistics, sys, time
+"""Device experiment: where a decode token's eval time goes on MLX CUDA.
+
+Times 48 layers per token, chained (each layer feeds the next) and
+independent, for the composed path, the fused mode, and two floors: one
+and two trivial elementwise MLX kernels per layer (``mx.negative``), which
+show what MLX charges for a graph step whatever the kernel does.
+
+    python3 bench/gpu_node_probe.py                 # the timing table
+    python3 bench/gpu_node_probe.py ncu             # a few calls, for ncu
+    python3 bench/gpu_node_probe.py trace PATH N    # N chained tokens of PATH, for nsys
+"""
+import statistics
+import sys
+import time
+
 import mlx.core as mx
+
 from mlx_dualnorm import CompiledDualHeadNorm, composed_dual_head_norm
 
-eps = 1e-6
-fused = CompiledDualHeadNorm(eps, "fused")
-paths = {"composed": lambda q, k: composed_dual_head_norm(q, k, None, None, eps), "fused": lambda q, k: fused(q, k)}
-q0 = mx.random.normal((1, 1, 16, 128)).astype(mx.bfloat16)
-mx.eval(q0)
-if len(sys.argv) > 1 and sys.argv[1] == "ncu":
-    for name, path in paths.items():
-        for _ in range(5):
-            mx.eval(path(q0, q0))
-    sys.exit(0)
+EPS = 1e-6
+LAYERS = 48
+fused = CompiledDualHeadNorm(EPS, "fused")
+# Inputs held here are not donatable: the fused kernel then writes fresh
+# buffers instead of its inputs' (cleared after every token).
+HELD_INPUTS = []
+PATHS = {
+    "composed": lambda q, k: composed_dual_head_norm(q, k, None, None, EPS),
+    "fused": lambda q, k: fused(q, k),
+    "floor-1-kernel": lambda q, k: (mx.negative(q), k),
+    "floor-2-kernels": lambda q, k: (mx.negative(q), mx.negative(k)),
+    "rms-norm-1-kernel": lambda q, k: (mx.fast.rms_norm(q, None, EPS), k),
+    "fused-no-donation": lambda q, k: (HELD_INPUTS.extend((q, k)), fused(q, k))[1],
+}
+start_queries = mx.random.normal((1, 1, 16, 128)).astype(mx.bfloat16)
+start_keys = mx.random.normal((1, 1, 16, 128)).astype(mx.bfloat16)
+mx.eval(start_queries, start_keys)
 
-def measure(path, chained, layers=48, tokens=300):
+
+def token(path, chained):
+    queries, keys = start_queries, start_keys
+    outputs = []
+    for _ in range(LAYERS):
+        if chained:
+            queries, keys = path(queries, keys)
+        else:
+            outputs.extend(path(start_queries, start_keys))
+    built = time.perf_counter()
+    mx.eval([queries, keys] if chained else outputs)
+    HELD_INPUTS.clear()
+    return built
+
+
+def measure(path, chained, tokens=300, warmup=30):
     builds, evals = [], []
-    for t in range(tokens + 30):
-        start = time.perf_counter()
-        outs = []
-        q, k = q0, q0
-        for _ in range(layers):
-            if chained:
-                q, k = path(q, k)
-            else:
-                outs.extend(path(q0, q0))
-        built = time.perf_counter()
-        mx.eval((q, k) if chained else outs)
-        done = time.perf_counter()
-        if t >= 30:
-            builds.append((built - start) * 1e6); evals.append((done - built) * 1e6)
+    for index in range(tokens + warmup):
+        started = time.perf_counter()
+        built = token(path, chained)
+        finished = time.perf_counter()
+        if index >= warmup:
+            builds.append((built - started) * 1e6)
+            evals.append((finished - built) * 1e6)
     return statistics.median(builds), statistics.median(evals)
 
-for repeat in range(3):
-    for chained in (True, False):
-        for name, path in paths.items():
-            b, e = measure(path, chained)
-            print(f"{name:9s} chained={chained!s:5s} build {b:7.1f} eval {e:7.1f} total {b+e:7.1f}")
+
+def main(argv):
+    if argv[:1] == ["ncu"]:
+        for name in ("composed", "fused", "floor-1-kernel"):
+            for _ in range(3):
+                path = PATHS[name]
+                mx.eval(path(start_queries, start_keys))
+        return
+    if argv[:1] == ["trace"]:
+        path, tokens = PATHS[argv[1]], int(argv[2])
+        for _ in range(tokens):
+            token(path, True)
+        return
+    for repeat in range(3):
+        for chained in (True, False):
+            for name, path in PATHS.items():
+                build, evaluation = measure(path, chained)
+                print(f"{name:16s} chained={chained!s:5s} build {build:7.1f} "
+                      f"eval {evaluation:7.1f} total {build + evaluation:7.1f} us/token")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
