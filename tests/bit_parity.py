@@ -9,7 +9,10 @@ same bit pattern everywhere.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
+import pytest
 
 from mlx_dualnorm import composed_dual_head_norm
 
@@ -27,11 +30,42 @@ def mismatched_elements(
 ) -> int:
     """How many elements differ in their bits (arrays of one dtype and
     shape); with ``nan_payloads_may_differ``, a NaN matches any NaN."""
+    if actual.size == 0:
+        return 0  # no elements (and MLX's GPU reductions cannot launch on none)
     view_dtype = BIT_VIEW_DTYPES[actual.dtype]
     differ = actual.view(view_dtype) != expected.view(view_dtype)
     if nan_payloads_may_differ:
         differ = mx.logical_and(differ, mx.logical_not(mx.logical_and(mx.isnan(actual), mx.isnan(expected))))
     return int(mx.sum(differ).item())
+
+
+ON_GPU = mx.default_device() == mx.gpu
+
+# Skips a check whose premise is MLX's CPU backend, which compiles fused
+# kernels with g++ at run time (its GPU backend uses NVRTC).
+CPU_BACKEND_ONLY = pytest.mark.skipif(
+    ON_GPU, reason="MLX's CPU backend compiles with g++; its GPU backend with NVRTC"
+)
+
+
+def composed_reference(
+    queries: mx.array,
+    keys: mx.array,
+    query_weight: Optional[mx.array],
+    key_weight: Optional[mx.array],
+    eps: float,
+) -> tuple[mx.array, mx.array]:
+    """Two ``mx.fast.rms_norm`` calls, the reference of every bit check, for
+    inputs that may be empty. MLX 0.32.4's CUDA RMSNorm cannot launch on an
+    empty input (a zero-size grid), so on the GPU an empty side is
+    normalized on the CPU stream, as the package itself does; its output
+    has no elements, only a shape and a dtype to match."""
+
+    def normalized(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
+        stream = mx.cpu if ON_GPU and inputs.size == 0 else None
+        return mx.fast.rms_norm(inputs, weight, eps, stream=stream)
+
+    return normalized(queries, query_weight), normalized(keys, key_weight)
 
 
 def assert_same_bits(

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 import pytest
-from bit_parity import assert_normalized_with_eps, mismatched_elements
+from bit_parity import CPU_BACKEND_ONLY, assert_normalized_with_eps, mismatched_elements
 from isolated_process import describe, path_without, run_python
 
 from mlx_dualnorm import CompiledDualHeadNorm, composed_dual_head_norm
@@ -208,13 +208,13 @@ def on_a_new_thread(call: Callable[..., None]) -> None:
 
 
 def inside_a_new_stream_context(call: Callable[..., None]) -> None:
-    with mx.stream(mx.new_stream(mx.cpu)):
+    with mx.stream(mx.new_stream(mx.default_device())):
         call()
 
 
 def with_a_new_default_stream(call: Callable[..., None]) -> None:
-    previous = mx.default_stream(mx.cpu)
-    mx.set_default_stream(mx.new_stream(mx.cpu))
+    previous = mx.default_stream(mx.default_device())
+    mx.set_default_stream(mx.new_stream(mx.default_device()))
     try:
         call()
     finally:
@@ -222,7 +222,7 @@ def with_a_new_default_stream(call: Callable[..., None]) -> None:
 
 
 def with_a_new_stream_argument(call: Callable[..., None]) -> None:
-    call(stream=mx.new_stream(mx.cpu))
+    call(stream=mx.new_stream(mx.default_device()))
 
 
 # name: (how the inputs change, where and how the call runs)
@@ -364,6 +364,7 @@ def test_with_mlx_disable_compile_environment_variable():
     assert "checked" in process.stdout
 
 
+@CPU_BACKEND_ONLY
 def test_on_a_machine_without_gxx():
     """MLX's CPU compile needs g++ at run time; without it, compile hands
     back the builder itself, which then runs on every call."""

@@ -20,7 +20,7 @@ import weakref
 
 import mlx.core as mx
 import pytest
-from bit_parity import assert_normalized_with_eps
+from bit_parity import CPU_BACKEND_ONLY, assert_normalized_with_eps
 from isolated_process import describe, run_python
 
 from mlx_dualnorm import CompiledDualHeadNorm, DualHeadNormValueError, MlxCError
@@ -126,11 +126,12 @@ def inputs_and_a_default_device_without_a_stream():
     """Inputs made (and evaluated) first, then a default CPU device index MLX
     has no stream for: the stream lookup inside the apply throws."""
     inputs = heads()
+    previous_device = mx.default_device()
     mx.set_default_device(mx.Device(mx.cpu, 5))
     try:
         yield inputs
     finally:
-        mx.set_default_device(mx.cpu)
+        mx.set_default_device(previous_device)
 
 
 def test_mlx_failure_inside_the_graph_builder_is_an_mlx_c_error(
@@ -154,6 +155,7 @@ def test_objects_work_after_a_failure_inside_the_graph_builder():
     before = CompiledDualHeadNorm(EPS)
     assert_works(before)
     inputs = heads()
+    previous_device = mx.default_device()
     mx.set_default_device(mx.Device(mx.cpu, 5))
     try:
         failed = CompiledDualHeadNorm(OTHER_EPS)
@@ -161,7 +163,7 @@ def test_objects_work_after_a_failure_inside_the_graph_builder():
             with pytest.raises(MlxCError):
                 norm(*inputs)
     finally:
-        mx.set_default_device(mx.cpu)
+        mx.set_default_device(previous_device)
     assert_works(before)
     assert_works(failed, OTHER_EPS)
     assert_works(CompiledDualHeadNorm(EPS))
@@ -174,6 +176,7 @@ exit 1
 """
 
 
+@CPU_BACKEND_ONLY
 def test_mlx_failure_while_evaluating_the_compiled_graph(tmp_path):
     """A g++ that refuses to compile: the call itself succeeds (outputs are
     lazy), evaluation raises MLX's own error naming its operation, and once

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_bit_identical
-from mlx_dualnorm import CompiledDualHeadNorm, composed_dual_head_norm
+from mlx_dualnorm import CompiledDualHeadNorm, available_modes, composed_dual_head_norm
 from mlx_dualnorm import parity
 from mlx_dualnorm.parity import (
     BATCH_SIZES,
@@ -34,7 +34,11 @@ from mlx_dualnorm.parity import (
     run_parity_matrix,
 )
 
+# The fused path joins every registered-path check where this MLX has CUDA.
+FUSED_WHERE_AVAILABLE = ("fused",) if "fused" in available_modes() else ()
+
 # ---- Deliberately broken paths ------------------------------------------------
+
 
 
 def make_path_with_epsilon_one_ulp_high(eps: float) -> DualNormPath:
@@ -138,7 +142,7 @@ def test_quick_matrix_passes_for_every_registered_path() -> None:
         parity.PATH_FACTORIES, build_quick_parity_matrix(), matrix_name="quick"
     )
 
-    assert set(reports) == {"compiled", "mx.compile"}
+    assert set(reports) == {"compiled", "mx.compile", *FUSED_WHERE_AVAILABLE}
     for report in reports.values():
         assert report.passed, parity.format_parity_report(report)
 
@@ -368,4 +372,4 @@ def test_main_runs_as_a_command() -> None:
     )
 
     assert completed.returncode == 0, completed.stdout + completed.stderr
-    assert completed.stdout.count("PASS") == 2
+    assert completed.stdout.count("PASS") == 2 + len(FUSED_WHERE_AVAILABLE)

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from conftest import assert_bit_identical
-from mlx_dualnorm import replay
+from mlx_dualnorm import available_modes, replay
 from mlx_dualnorm.parity import DualNormPath, make_composed_path
 from mlx_dualnorm.replay import (
     GreedyDecodeTrace,
@@ -51,7 +51,9 @@ def test_every_registered_path_decodes_exactly_like_the_composed_path() -> None:
     report = run_replay()
 
     assert report.steps == replay.DEFAULT_DECODE_STEPS == 128
-    assert [comparison.path_name for comparison in report.comparisons] == ["compiled", "mx.compile"]
+    assert [comparison.path_name for comparison in report.comparisons] == [
+        "compiled", "mx.compile", *(["fused"] if "fused" in available_modes() else [])
+    ]
     for comparison in report.comparisons:
         assert comparison.tokens_identical
         assert comparison.final_hidden_state_identical
