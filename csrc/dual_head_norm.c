@@ -304,11 +304,46 @@ static bool is_real_floating(mlx_dtype dtype) {
          dtype == MLX_BFLOAT16;
 }
 
+/* MLX has no float64 on the GPU: its array constructor refuses any GPU op
+ * with a float64 input or output (invalid_argument, a ValueError in Python),
+ * so rms_norm on a GPU default device rejects a float64 input or weight
+ * before anything runs, even an empty input. This apply rejects it the same
+ * way, with the same kind of error; otherwise the failure would surface
+ * later as an MLX error, or not at all for an empty input (which runs on
+ * the CPU stream, see select_stream). Asks for the device only when a
+ * float64 is present. */
+static int check_float64_placement(const char* input_name, mlx_dtype input_dtype,
+                                   const char* weight_name, mlx_dtype weight_dtype,
+                                   bool has_weight) {
+  const char* operation = APPLY_DUAL_HEAD_NORM_OPERATION;
+  bool input_is_float64 = input_dtype == MLX_FLOAT64;
+  bool weight_is_float64 = has_weight && weight_dtype == MLX_FLOAT64;
+  if (!input_is_float64 && !weight_is_float64) {
+    return MLX_DUALNORM_OK;
+  }
+  mlx_device default_device = mlx_device_new();
+  mlx_device_type device_type = MLX_CPU;
+  int lookup_status = mlx_get_default_device(&default_device) != 0 ||
+                      mlx_device_get_type(&device_type, default_device) != 0;
+  lookup_status |= mlx_device_free(default_device);
+  if (lookup_status != 0) {
+    return fail_in_mlx(operation);
+  }
+  if (device_type != MLX_GPU) {
+    return MLX_DUALNORM_OK;
+  }
+  return fail_with(MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                   "%s %s dtype float64, which MLX does not support on the GPU "
+                   "(the default device)",
+                   input_is_float64 ? input_name : weight_name,
+                   input_is_float64 ? "have" : "has");
+}
+
 /* rms_norm's preconditions for one side: at least one dimension; a weight,
- * if any, one-dimensional and as long as the last dimension; and a result
+ * if any, one-dimensional and as long as the last dimension; a result
  * dtype, MLX's promotion of the input and weight dtypes, that is a real
  * floating type (promotion yields one exactly when neither is complex and
- * at least one is real floating). */
+ * at least one is real floating); and no float64 on the GPU. */
 static int check_head_norm_input(const char* input_name, const mlx_array input,
                                  const char* weight_name, const mlx_array weight) {
   const char* operation = APPLY_DUAL_HEAD_NORM_OPERATION;
@@ -329,7 +364,7 @@ static int check_head_norm_input(const char* input_name, const mlx_array input,
                        "%s have unsupported dtype %s; expected a floating dtype",
                        input_name, dtype_name(input_dtype));
     }
-    return MLX_DUALNORM_OK;
+    return check_float64_placement(input_name, input_dtype, weight_name, input_dtype, false);
   }
   size_t weight_rank = mlx_array_ndim(weight);
   if (weight_rank != 1) {
@@ -351,7 +386,7 @@ static int check_head_norm_input(const char* input_name, const mlx_array input,
                      input_name, dtype_name(input_dtype), weight_name,
                      dtype_name(weight_dtype));
   }
-  return MLX_DUALNORM_OK;
+  return check_float64_placement(input_name, input_dtype, weight_name, weight_dtype, true);
 }
 
 /* The width of a checked input (rank >= 1). */

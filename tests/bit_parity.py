@@ -9,7 +9,7 @@ same bit pattern everywhere.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -49,21 +49,21 @@ CPU_BACKEND_ONLY = pytest.mark.skipif(
 
 
 def composed_reference(
-    queries: mx.array,
-    keys: mx.array,
-    query_weight: Optional[mx.array],
-    key_weight: Optional[mx.array],
-    eps: float,
+    queries: Any, keys: Any, query_weight: Any, key_weight: Any, eps: float
 ) -> tuple[mx.array, mx.array]:
     """Two ``mx.fast.rms_norm`` calls, the reference of every bit check, for
-    inputs that may be empty. MLX 0.32.4's CUDA RMSNorm cannot launch on an
-    empty input (a zero-size grid), so on the GPU an empty side is
-    normalized on the CPU stream, as the package itself does; its output
-    has no elements, only a shape and a dtype to match."""
+    arguments that may be empty (or invalid: they raise what rms_norm
+    raises). MLX 0.32.4's CUDA RMSNorm cannot launch on an empty input (a
+    zero-size grid), so on the GPU an empty side is built on the GPU stream,
+    which raises whatever MLX raises there (float64, say) and is never
+    evaluated, then normalized on the CPU stream, as the package does; its
+    output has no elements, only a shape and a dtype to match."""
 
-    def normalized(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
-        stream = mx.cpu if ON_GPU and inputs.size == 0 else None
-        return mx.fast.rms_norm(inputs, weight, eps, stream=stream)
+    def normalized(inputs: Any, weight: Any) -> mx.array:
+        if ON_GPU and isinstance(inputs, mx.array) and inputs.size == 0:
+            mx.fast.rms_norm(inputs, weight, eps)
+            return mx.fast.rms_norm(inputs, weight, eps, stream=mx.cpu)
+        return mx.fast.rms_norm(inputs, weight, eps)
 
     return normalized(queries, query_weight), normalized(keys, key_weight)
 

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 import pytest
-from bit_parity import assert_same_bits, composed_reference
+from bit_parity import ON_GPU, assert_same_bits, composed_reference
 from isolated_process import describe, run_python
 
 from mlx_dualnorm import (
@@ -247,7 +247,7 @@ def float64_input(name: str, *arrays: Callable[[], mx.array]):
     """A float64 case: MLX has no float64 on the GPU, so it runs where the
     default device is the CPU and is shown as skipped elsewhere (its arrays
     are made only where it runs)."""
-    if mx.default_device() == mx.gpu:
+    if ON_GPU:
         return pytest.param(None, id=name, marks=pytest.mark.skip(reason="MLX has no float64 on the GPU"))
     return AcceptedInput(name, *(make() for make in arrays))
 
@@ -354,3 +354,29 @@ def test_widths_zero_and_one_match_the_composed_path():
     process = run_python(DEGENERATE_WIDTH_CHECK)
     assert process.returncode == 0, describe(process)
     assert process.stdout.count("ok") == 20, process.stdout
+
+
+def float64_on_the_cpu(shape) -> mx.array:
+    return mx.ones(shape, dtype=mx.float64, stream=mx.cpu)  # the GPU cannot even make it
+
+
+# name: (queries, query weight), keys being (2, WIDTH) float16 without weight
+FLOAT64_ON_THE_GPU = {
+    "float64 queries": lambda: (float64_on_the_cpu((2, WIDTH)), None),
+    "float64 weight": lambda: (small((2, WIDTH), mx.float16), float64_on_the_cpu((WIDTH,))),
+    "float64 weight, empty queries": lambda: (small((0, WIDTH), mx.float16), float64_on_the_cpu((WIDTH,))),
+}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="MLX refuses float64 on the GPU only")
+@pytest.mark.parametrize("mode", ["auto", "compiled", "composed"])
+@pytest.mark.parametrize("case", FLOAT64_ON_THE_GPU)
+def test_float64_on_the_gpu_is_a_value_error_as_for_the_composed_path(mode, case):
+    """MLX refuses float64 on the GPU with a ValueError; so does the call,
+    empty inputs included (which would otherwise run on the CPU stream)."""
+    queries, query_weight = FLOAT64_ON_THE_GPU[case]()
+    keys = small((2, WIDTH), mx.float16)
+    with pytest.raises(ValueError):
+        composed_dual_head_norm(queries, keys, query_weight, None, EPS)
+    with pytest.raises(DualHeadNormValueError, match="float64"):
+        CompiledDualHeadNorm(EPS, mode=mode)(queries, keys, query_weight, None)

@@ -40,7 +40,6 @@ FUSED_WHERE_AVAILABLE = ("fused",) if "fused" in available_modes() else ()
 # ---- Deliberately broken paths ------------------------------------------------
 
 
-
 def make_path_with_epsilon_one_ulp_high(eps: float) -> DualNormPath:
     """The composed path with eps one float32 ulp too large: what a
     double-to-float rounding slip in a kernel's epsilon would look like."""
