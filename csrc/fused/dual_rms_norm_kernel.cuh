@@ -4,7 +4,10 @@
  * PTX instructions, so it compiles without the CUDA toolkit's headers.
  *
  * The bit-parity contract with MLX 0.32.x's RMSNorm kernel (mlx-facts §5),
- * per row of width D, for a block of BLOCK threads reading READS elements:
+ * per row of width D, for a block of BLOCK threads reading READS elements
+ * (16 bytes: 4 float32, 8 half or bfloat16, in both of MLX's regimes; for
+ * rows wider than READS*1024, mlx-facts says 4 elements, but MLX 0.32.4
+ * reads 16 bytes there too, and the GPU probe's wide rows agree only so):
  *   - thread t, chunk c owns elements [(c*BLOCK + t)*READS, +READS), zero
  *     past D, and accumulates fma(x, x, sum) over them in that order, in a
  *     float starting at +0;

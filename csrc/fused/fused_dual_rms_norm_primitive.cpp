@@ -174,8 +174,8 @@ class FusedDualRmsNorm : public mx::Primitive {
     params.eps = rms_norm_epsilon_;
     for (int side = 0; side < 2; ++side) {
       // Like MLX's RMSNorm: a row-contiguous input nobody else holds gives
-      // its buffer to the output. In place is safe: every element is read
-      // by the thread that writes it, after the block-wide sum.
+      // its buffer to the output. In place is safe: each thread reads only
+      // the elements it writes, and reads each one before writing it.
       const mx::array& input = inputs[side];
       if (input.is_donatable() && input.flags().row_contiguous) {
         outputs[side].copy_shared_buffer(input);
