@@ -11,6 +11,7 @@
 
 #include <dlfcn.h>
 
+#include <limits>
 #include <mutex>
 #include <string>
 #include <variant>
@@ -203,6 +204,13 @@ extern "C" bool mlx_dualnorm_fused_supports(
         key_array.size() == 0 || query_array.ndim() > mlx_dualnorm_fused::kMaxRank ||
         key_array.ndim() > mlx_dualnorm_fused::kMaxRank ||
         mx::default_device() != mx::Device::gpu) {
+      return false;
+    }
+    // One block per row, rows counted in int (the kernel's 32-bit row
+    // index, CUDA's grid limit): larger calls take the compiled graph.
+    const size_t rows = query_array.size() / static_cast<size_t>(query_array.shape().back()) +
+                        key_array.size() / static_cast<size_t>(key_array.shape().back());
+    if (rows > static_cast<size_t>(std::numeric_limits<int>::max())) {
       return false;
     }
     for (const mx::array* weight : {weight_or_null(query_scale_weight),

@@ -28,8 +28,9 @@ int mlx_dualnorm_fused_prepare(void);
 /* True when the fused kernel computes exactly what rms_norm would for these
  * inputs on the default device: the default device is the CUDA GPU, queries
  * and keys (and weights, if any) share one dtype among float32, float16 and
- * bfloat16, and both inputs have rows. Other inputs take the compiled
- * graph, with the same bits. Inputs must already satisfy rms_norm's
+ * bfloat16, both inputs have rows, at most 8 dimensions, and fewer than
+ * 2^31 rows together. Other inputs take the compiled graph, with the same
+ * bits. Inputs must already satisfy rms_norm's
  * argument checks. */
 bool mlx_dualnorm_fused_supports(
     const mlx_array queries,
