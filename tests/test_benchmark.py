@@ -92,10 +92,16 @@ def test_quick_cli_run_writes_valid_json(tmp_path, capsys):
     assert peak["composed"]["median"] > 0
 
     assert report["targets"], "the issue's targets are evaluated"
+    device_type = report["metadata"]["device_type"]
     for target in report["targets"]:
-        assert {"name", "metric", "path", "reference", "max_ratio", "ratio", "met"} <= set(target)
+        assert {"name", "issue", "device_type", "metric", "path", "reference", "max_ratio",
+                "max_value", "ratio", "value", "met"} <= set(target)
+        assert target["device_type"] == device_type, "only this device's targets are judged"
         assert target["metric"] in report["metrics"]
-        assert target["met"] is (target["ratio"]["median"] <= target["max_ratio"])
+        if target["max_value"] is not None:
+            assert target["met"] is (target["value"]["median"] <= target["max_value"])
+        else:
+            assert target["met"] is (target["ratio"]["median"] <= target["max_ratio"])
 
     # The compact table is printed last.
     printed = capsys.readouterr().out.rstrip().splitlines()
@@ -163,3 +169,27 @@ def test_chart_is_a_png(tmp_path):
     chart = benchmark.write_chart(report, tmp_path)
     assert chart is not None
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_targets_are_judged_on_their_device_type_by_ratio_or_by_value():
+    host_metric = benchmark.metric_key(benchmark.HOST_CALL, benchmark.GATED_DELTA_DECODE)
+    here = "gpu" if mx.default_device() == mx.gpu else "cpu"
+    elsewhere = "cpu" if here == "gpu" else "gpu"
+    targets = (
+        benchmark.Target(90, here, host_metric, "compiled", max_value=1e9),  # always met
+        benchmark.Target(91, here, host_metric, "compiled", max_value=0.0),  # never met
+        benchmark.Target(92, here, host_metric, "compiled", max_ratio=1e9),
+        benchmark.Target(93, elsewhere, host_metric, "compiled", max_ratio=1e9),
+    )
+    report = benchmark.run_benchmark(
+        tiny_config(paths=("compiled",)), targets=targets
+    )
+    verdicts = {result.target.issue: result.met for result in report.targets}
+    assert verdicts == {90: True, 91: False, 92: True}, "issue 93 is for the other device"
+    by_value = report.targets[0]
+    samples = report.metrics[host_metric].samples["compiled"]
+    assert by_value.value == benchmark.spread(samples)
+    printed = benchmark.format_report_table(report)
+    assert f"targets (issues, for the {here.upper()}):" in printed
+    assert "[NOT MET] issue 91, " in printed
+    assert f"{host_metric}: compiled <= 0 (absolute)" in printed
