@@ -400,10 +400,18 @@ class TargetResult:
     value: Optional[dict[str, float]]
 
     @property
+    def judged(self) -> Optional[dict[str, float]]:
+        """The spread the bound applies to: the value's for an absolute
+        bound, the ratio's otherwise (None where the path did not run)."""
+        return self.value if self.target.max_value is not None else self.ratio
+
+    @property
     def met(self) -> Optional[bool]:
-        if self.target.max_value is not None:
-            return None if self.value is None else self.value["median"] <= self.target.max_value
-        return None if self.ratio is None else self.ratio["median"] <= self.target.max_ratio
+        bound = self.target.max_value if self.target.max_value is not None else self.target.max_ratio
+        judged = self.judged
+        if judged is None or bound is None:
+            return None
+        return judged["median"] <= bound
 
     def to_json(self) -> dict:
         return {
@@ -948,15 +956,15 @@ def format_report_table(report: BenchmarkReport, *, all_metrics: bool = False) -
         lines += ["skipped paths:", *skipped]
     lines.append(f"targets (issues, for the {report.metadata['device_type'].upper()}):")
     for result in report.targets:
-        if result.met is None:
+        judged = result.judged
+        if judged is None or result.met is None:
             verdict, measured = "NOT MEASURED", " a path did not run"
         else:
             verdict = "met" if result.met else "NOT MET"
-            spread_of = result.value if result.target.max_value is not None else result.ratio
             unit = "" if result.target.max_value is not None else "x"
             measured = (
-                f" measured {spread_of['median']:.2f}{unit} "
-                f"[{spread_of['min']:.2f}-{spread_of['max']:.2f}]"
+                f" measured {judged['median']:.2f}{unit} "
+                f"[{judged['min']:.2f}-{judged['max']:.2f}]"
             )
         lines.append(f"  [{verdict}] issue {result.target.issue}, {result.target.name}:{measured}")
     return "\n".join(lines)
