@@ -312,12 +312,9 @@ static bool is_real_floating(mlx_dtype dtype) {
  * later as an MLX error, or not at all for an empty input (which runs on
  * the CPU stream, see select_stream). Asks for the device only when a
  * float64 is present. */
-static int check_float64_placement(const char* input_name, mlx_dtype input_dtype,
-                                   const char* weight_name, mlx_dtype weight_dtype,
-                                   bool has_weight) {
+static int check_float64_placement(const char* input_name, bool input_is_float64,
+                                   const char* weight_name, bool weight_is_float64) {
   const char* operation = APPLY_DUAL_HEAD_NORM_OPERATION;
-  bool input_is_float64 = input_dtype == MLX_FLOAT64;
-  bool weight_is_float64 = has_weight && weight_dtype == MLX_FLOAT64;
   if (!input_is_float64 && !weight_is_float64) {
     return MLX_DUALNORM_OK;
   }
@@ -364,7 +361,7 @@ static int check_head_norm_input(const char* input_name, const mlx_array input,
                        "%s have unsupported dtype %s; expected a floating dtype",
                        input_name, dtype_name(input_dtype));
     }
-    return check_float64_placement(input_name, input_dtype, weight_name, input_dtype, false);
+    return check_float64_placement(input_name, input_dtype == MLX_FLOAT64, weight_name, false);
   }
   size_t weight_rank = mlx_array_ndim(weight);
   if (weight_rank != 1) {
@@ -386,7 +383,8 @@ static int check_head_norm_input(const char* input_name, const mlx_array input,
                      input_name, dtype_name(input_dtype), weight_name,
                      dtype_name(weight_dtype));
   }
-  return check_float64_placement(input_name, input_dtype, weight_name, weight_dtype, true);
+  return check_float64_placement(input_name, input_dtype == MLX_FLOAT64, weight_name,
+                                 weight_dtype == MLX_FLOAT64);
 }
 
 /* The width of a checked input (rank >= 1). */
