@@ -38,7 +38,8 @@ def main(argv: list[str]) -> int:
 
     from mlx_dualnorm import benchmark, parity
 
-    print(f"mlx_dualnorm on {mx.default_device()} (MLX {mx.__version__})\n")
+    mlx_version = getattr(mx, "__version__")  # not in MLX's type stubs
+    print(f"mlx_dualnorm on {mx.default_device()} (MLX {mlx_version})\n")
     parity_status = parity.main(["--quick"])
     print()
     bench_status = benchmark.main(["--quick"])

@@ -45,12 +45,13 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 
 from mlx_dualnorm.dual_head_norm import (
     CompiledDualHeadNorm,
+    Mode,
     available_modes,
     composed_dual_head_norm,
 )
@@ -85,6 +86,9 @@ DualHeadNormCall = Callable[
     "tuple[mx.array, mx.array]",
 ]
 PathFactory = Callable[[float], DualHeadNormCall]
+# Host timing only keeps a call's outputs, so it also takes calls that return
+# something else (the empty-loop baseline returns None).
+TimedCall = Callable[[mx.array, mx.array, Optional[mx.array], Optional[mx.array]], object]
 
 
 # ---- The path registry -----------------------------------------------------
@@ -148,7 +152,7 @@ register_path(
 )
 
 
-def package_mode_factory(mode: str) -> PathFactory:
+def package_mode_factory(mode: Mode) -> PathFactory:
     """``CompiledDualHeadNorm(eps, mode=mode)``, or PathUnavailable where
     this build or device lacks the mode."""
 
@@ -317,8 +321,8 @@ class BenchmarkConfig:
     quick_mode: bool = False
 
     @classmethod
-    def quick(cls, **overrides: object) -> "BenchmarkConfig":
-        settings = dict(
+    def quick(cls, **overrides: Any) -> "BenchmarkConfig":
+        settings: dict[str, Any] = dict(
             repeats=3,
             host_batches=8,
             host_calls_per_batch=50,
@@ -328,7 +332,7 @@ class BenchmarkConfig:
             quick_mode=True,
         )
         settings.update(overrides)
-        return cls(**settings)  # type: ignore[arg-type]
+        return cls(**settings)
 
     def selected_paths(self) -> tuple[str, ...]:
         names = tuple(PATH_REGISTRY) if self.paths is None else tuple(self.paths)
@@ -506,7 +510,7 @@ class _GarbageCollectionPaused:
 
 
 def build_batch(
-    call: DualHeadNormCall, inputs: ScenarioInputs, calls: int
+    call: TimedCall, inputs: ScenarioInputs, calls: int
 ) -> tuple[float, float]:
     """One host sample: (us per call to build, us per call to release).
 
@@ -528,7 +532,7 @@ def build_batch(
 
 
 def time_graph_builds(
-    call: DualHeadNormCall, inputs: ScenarioInputs, batches: int, calls_per_batch: int
+    call: TimedCall, inputs: ScenarioInputs, batches: int, calls_per_batch: int
 ) -> tuple[float, float]:
     """One path alone: (median us per call to build, median us per call to
     release) over ``batches`` batches."""
@@ -614,6 +618,7 @@ def collect_metadata() -> dict:
                     break
     except OSError:
         pass
+    usable_cores: Optional[int]
     try:
         usable_cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -630,7 +635,7 @@ def collect_metadata() -> dict:
         "machine": platform.machine(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "mlx_version": mx.__version__,
+        "mlx_version": getattr(mx, "__version__"),  # not in MLX's type stubs
         "mlx_dualnorm_version": mlx_dualnorm.__version__,
         # 1/5/15-minute load averages at the end of the run: other work on
         # the machine shows up here (and in the min-max spread).
@@ -990,7 +995,7 @@ def summary_table(report: Optional[BenchmarkReport] = None, *, eps: float = 1e-6
         for kind, scenario, _ in columns:
             metric = report.metrics.get(metric_key(kind, scenario))
             values = None if metric is None else metric.samples.get(path)
-            if not values:
+            if metric is None or not values:
                 cells.append("-")
                 continue
             cell = _format_value(statistics.median(values), kind.unit)
@@ -1051,7 +1056,7 @@ def main(argv: Sequence[str]) -> int:
         except ValueError as no_device:
             print(f"error: {no_device}", file=sys.stderr)
             return 2
-    overrides: dict[str, object] = {"eps": arguments.eps, "layers": arguments.layers}
+    overrides: dict[str, Any] = {"eps": arguments.eps, "layers": arguments.layers}
     if arguments.repeats is not None:
         overrides["repeats"] = arguments.repeats
     if arguments.paths:

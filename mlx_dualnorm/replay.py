@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, cast
 
 import mlx.core as mx
 
@@ -292,7 +292,7 @@ def _full_attention_mixer(
         offset=position_offset,
     )
     head_major_values = values.transpose(0, 2, 1, 3)
-    if cache.cached_keys is not None:
+    if cache.cached_keys is not None and cache.cached_values is not None:
         rotated_keys = mx.concatenate([cache.cached_keys, rotated_keys], axis=2)
         head_major_values = mx.concatenate([cache.cached_values, head_major_values], axis=2)
     cache.cached_keys, cache.cached_values = rotated_keys, head_major_values
@@ -377,7 +377,7 @@ def greedy_decode(
         chooser_hidden = final_hidden[0, -1, :]
         cached_arrays = [array for cache in caches for array in cache.arrays()]
         mx.eval(next_token, chooser_hidden, *cached_arrays)
-        token_ids.append(int(next_token.item()))
+        token_ids.append(int(next_token))
         step_hidden_states.append(chooser_hidden)
         if step + 1 < steps:
             logits, final_hidden = _forward(
@@ -441,11 +441,15 @@ def compare_decode_traces(
         and trace.step_hidden_states.dtype == reference.step_hidden_states.dtype
     ):
         unsigned_dtype = _UNSIGNED_VIEW_DTYPES[reference.step_hidden_states.dtype.size]
-        rows_differ = mx.any(
-            mx.view(trace.step_hidden_states, unsigned_dtype)
-            != mx.view(reference.step_hidden_states, unsigned_dtype),
-            axis=-1,
-        ).tolist()
+        # The hidden states are (steps, width): one flag per step.
+        rows_differ = cast(
+            list[bool],
+            mx.any(
+                mx.view(trace.step_hidden_states, unsigned_dtype)
+                != mx.view(reference.step_hidden_states, unsigned_dtype),
+                axis=-1,
+            ).tolist(),
+        )
         first_divergent_hidden_step = next(
             (step for step, differs in enumerate(rows_differ) if differs), None
         )

@@ -50,12 +50,12 @@ import math
 import sys
 import threading
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx_lm.models.gated_delta as gated_delta_module
 
-from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
+from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm, Mode
 
 __all__ = [
     "MlxLmPatch",
@@ -205,7 +205,7 @@ def _build_folded_norm(mode, dtype, width, query_rank, key_rank, eps, inv_scale,
     return folded
 
 
-def _new_dual_head_norm(rms_eps: float, mode: Optional[str]) -> CompiledDualHeadNorm:
+def _new_dual_head_norm(rms_eps: float, mode: Optional[Mode]) -> CompiledDualHeadNorm:
     if mode is None:
         return CompiledDualHeadNorm(rms_eps)
     return CompiledDualHeadNorm(rms_eps, mode=mode)
@@ -283,17 +283,19 @@ def clear_cache() -> None:
 # ---- Patching -------------------------------------------------------------
 
 
-def _mark_replacement(function, mode: Optional[str]):
+def _mark_replacement(function, mode: Optional[Mode]):
     function.__wrapped__ = ORIGINAL_NORMALIZE_QK
     setattr(function, REPLACEMENT_MARKER, True)
     function.mlx_dualnorm_mode = mode
     return function
 
 
-_replacements = {None: _mark_replacement(normalize_qk, None)}
+_replacements: dict[Optional[Mode], Callable[..., tuple[mx.array, mx.array]]] = {
+    None: _mark_replacement(normalize_qk, None)
+}
 
 
-def _replacement_for(mode: Optional[str]):
+def _replacement_for(mode: Optional[Mode]):
     """One replacement function per mode, so patching twice installs the
     same object."""
     replacement = _replacements.get(mode)
@@ -363,7 +365,7 @@ class MlxLmPatch:
 
     __slots__ = ("patched", "mode", "_previous_state", "_restored")
 
-    def __init__(self, patched: bool, mode: Optional[str], previous_state: object) -> None:
+    def __init__(self, patched: bool, mode: Optional[Mode], previous_state: object) -> None:
         self.patched = patched
         self.mode = mode
         self._previous_state = previous_state
@@ -384,7 +386,7 @@ class MlxLmPatch:
         return f"MlxLmPatch(patched=True, mode={self.mode!r})"
 
 
-def patch(mode: Optional[str] = None) -> MlxLmPatch:
+def patch(mode: Optional[Mode] = None) -> MlxLmPatch:
     """Routes mlx-lm's ``normalize_qk`` through mlx_dualnorm, now.
 
     Args:
@@ -408,7 +410,7 @@ def patch(mode: Optional[str] = None) -> MlxLmPatch:
     return handle
 
 
-def _check_mode(mode: str) -> None:
+def _check_mode(mode: Mode) -> None:
     try:
         _new_dual_head_norm(1e-6, mode).close()
     except (TypeError, ValueError) as error:

@@ -38,6 +38,7 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 import mlx_lm.models.gated_delta as gated_delta_module
 
+from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.integrations import mlx_lm as integration
 from mlx_dualnorm.integrations.mlx_lm_check import greedy_generate
 from mlx_dualnorm.integrations.mlx_lm_synthetic import (
@@ -127,7 +128,7 @@ def _prework_seconds_per_token(
 
 
 def run_prework(
-    layers: int, tokens: int = 200, repeats: int = 7, mode: Optional[str] = None
+    layers: int, tokens: int = 200, repeats: int = 7, mode: Optional[Mode] = None
 ) -> PairedTiming:
     """Microseconds per token of ``layers`` chained q/k normalizations."""
     queries, keys = _decode_inputs()
@@ -154,7 +155,7 @@ def run_generation(
     model_type: str,
     tokens: int = 64,
     repeats: int = 3,
-    mode: Optional[str] = None,
+    mode: Optional[Mode] = None,
     dtype: Optional[mx.Dtype] = None,
 ) -> PairedTiming:
     """Milliseconds per decode token of a synthetic model, unpatched vs
@@ -214,7 +215,7 @@ def _environment() -> dict:
     return {
         "date": datetime.date.today().isoformat(),
         "device": str(mx.default_device()),
-        "mlx": mx.__version__,
+        "mlx": getattr(mx, "__version__"),  # not in MLX's type stubs
         "mlx_lm": _mlx_lm_version(),
         "python": platform.python_version(),
         "machine": platform.machine(),

@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.integrations import mlx_lm as integration
 from mlx_dualnorm.integrations.mlx_lm_synthetic import (
     DEFAULT_SEED,
@@ -146,7 +147,7 @@ def compare_traces(reference: GreedyTrace, candidate: GreedyTrace) -> TraceCompa
             max_abs_difference = float("inf")
         elif not _bit_identical(expected, actual):
             difference = mx.abs(expected.astype(mx.float32) - actual.astype(mx.float32))
-            max_abs_difference = max(max_abs_difference, float(mx.max(difference).item()))
+            max_abs_difference = max(max_abs_difference, float(mx.max(difference)))
     return TraceComparison(
         steps=max(len(reference.step_logits), len(candidate.step_logits)),
         tokens_identical=first_token_divergence is None,
@@ -237,7 +238,7 @@ class CheckResult:
 
 
 def run_check(
-    model: nn.Module, prompt: mx.array, max_tokens: int, mode: Optional[str] = None
+    model: nn.Module, prompt: mx.array, max_tokens: int, mode: Optional[Mode] = None
 ) -> CheckResult:
     """Unpatched, then patched (``mode``), greedy generation; compared. A
     short run each way first warms both up (compiles, folds, allocator), so
@@ -261,8 +262,9 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
     comparison = result.comparison
     tokens = len(result.reference.token_ids)
     model_steps = max(len(result.patched.step_logits), 1)
+    mlx_version = getattr(mx, "__version__")  # not in MLX's type stubs
     lines = [
-        f"mlx-lm-check: {model_name} on {mx.default_device()} (MLX {mx.__version__}), "
+        f"mlx-lm-check: {model_name} on {mx.default_device()} (MLX {mlx_version}), "
         f"prompt {prompt_length} tokens, {tokens} greedy tokens",
         "  token ids:      "
         + (

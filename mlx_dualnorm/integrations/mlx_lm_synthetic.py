@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import importlib
-from typing import Optional
+from typing import Optional, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -61,7 +61,7 @@ SMALL_DECODER = {
     "tie_word_embeddings": False,
 }
 
-_CONFIGS = {
+_CONFIGS: dict[str, dict[str, object]] = {
     "qwen3_next": {
         "model_type": "qwen3_next",
         **SMALL_DECODER,
@@ -122,12 +122,14 @@ def build_synthetic_model(
 
 def _cast_floating_weights(model: nn.Module, dtype: mx.Dtype) -> None:
     should_cast = getattr(model, "cast_predicate", None) or (lambda path: True)
-    cast = [
+    # Without a destination, tree_flatten returns (path, value) pairs.
+    weights = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    cast_weights = [
         (path, value.astype(dtype))
-        for path, value in tree_flatten(model.parameters())
+        for path, value in weights
         if mx.issubdtype(value.dtype, mx.floating) and should_cast(path)
     ]
-    model.update(tree_unflatten(cast))
+    model.update(tree_unflatten(cast_weights))
 
 
 def prompt_token_ids(vocab_size: int, length: int = 12) -> mx.array:
