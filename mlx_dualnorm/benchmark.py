@@ -261,11 +261,26 @@ class Target:
     max_ratio: Optional[float] = None
     max_value: Optional[float] = None
 
+    def __post_init__(self) -> None:
+        if (self.max_ratio is None) == (self.max_value is None):
+            raise ValueError(f"a target sets exactly one of max_ratio and max_value: {self}")
+
+    @property
+    def absolute(self) -> bool:
+        """Whether the bound is on the value itself, not on the ratio."""
+        return self.max_value is not None
+
+    @property
+    def bound(self) -> float:
+        bound = self.max_value if self.absolute else self.max_ratio
+        assert bound is not None  # __post_init__ sets exactly one
+        return bound
+
     @property
     def name(self) -> str:
-        if self.max_value is not None:
-            return f"{self.metric}: {self.path} <= {self.max_value:g} (absolute)"
-        return f"{self.metric}: {self.path} <= {self.max_ratio:g}x {self.reference}"
+        if self.absolute:
+            return f"{self.metric}: {self.path} <= {self.bound:g} (absolute)"
+        return f"{self.metric}: {self.path} <= {self.bound:g}x {self.reference}"
 
 
 # The targets of the issues, per device type. Issue 4 ("Performance") bounds
@@ -407,15 +422,12 @@ class TargetResult:
     def judged(self) -> Optional[dict[str, float]]:
         """The spread the bound applies to: the value's for an absolute
         bound, the ratio's otherwise (None where the path did not run)."""
-        return self.value if self.target.max_value is not None else self.ratio
+        return self.value if self.target.absolute else self.ratio
 
     @property
     def met(self) -> Optional[bool]:
-        bound = self.target.max_value if self.target.max_value is not None else self.target.max_ratio
         judged = self.judged
-        if judged is None or bound is None:
-            return None
-        return judged["median"] <= bound
+        return None if judged is None else judged["median"] <= self.target.bound
 
     def to_json(self) -> dict:
         return {
@@ -966,7 +978,7 @@ def format_report_table(report: BenchmarkReport, *, all_metrics: bool = False) -
             verdict, measured = "NOT MEASURED", " a path did not run"
         else:
             verdict = "met" if result.met else "NOT MET"
-            unit = "" if result.target.max_value is not None else "x"
+            unit = "" if result.target.absolute else "x"
             measured = (
                 f" measured {judged['median']:.2f}{unit} "
                 f"[{judged['min']:.2f}-{judged['max']:.2f}]"

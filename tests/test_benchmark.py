@@ -193,3 +193,9 @@ def test_targets_are_judged_on_their_device_type_by_ratio_or_by_value():
     assert f"targets (issues, for the {here.upper()}):" in printed
     assert "[NOT MET] issue 91, " in printed
     assert f"{host_metric}: compiled <= 0 (absolute)" in printed
+
+
+@pytest.mark.parametrize("bounds", [{}, {"max_ratio": 1.0, "max_value": 1.0}], ids=["none", "both"])
+def test_a_target_sets_exactly_one_bound(bounds):
+    with pytest.raises(ValueError, match="exactly one"):
+        benchmark.Target(4, "cpu", "host_us_per_call/decode_gated_delta", "compiled", **bounds)
