@@ -11,6 +11,7 @@ compiled graph), and closed objects.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -121,17 +122,24 @@ def test_c_level_invalid_arguments_are_statuses_not_crashes():
 # ---- MLX failures inside the graph builder and during evaluation ------------
 
 
-@pytest.fixture
-def inputs_and_a_default_device_without_a_stream():
-    """Inputs made (and evaluated) first, then a default CPU device index MLX
-    has no stream for: the stream lookup inside the apply throws."""
-    inputs = heads()
+@contextlib.contextmanager
+def a_default_device_without_a_stream():
+    """A default CPU device index MLX has no stream for (the stream lookup
+    inside the apply throws); the device found before comes back after."""
     previous_device = mx.default_device()
     mx.set_default_device(mx.Device(mx.cpu, 5))
     try:
-        yield inputs
+        yield
     finally:
         mx.set_default_device(previous_device)
+
+
+@pytest.fixture
+def inputs_and_a_default_device_without_a_stream():
+    """Inputs made (and evaluated) first, then a_default_device_without_a_stream."""
+    inputs = heads()
+    with a_default_device_without_a_stream():
+        yield inputs
 
 
 def test_mlx_failure_inside_the_graph_builder_is_an_mlx_c_error(
@@ -155,15 +163,11 @@ def test_objects_work_after_a_failure_inside_the_graph_builder():
     before = CompiledDualHeadNorm(EPS)
     assert_works(before)
     inputs = heads()
-    previous_device = mx.default_device()
-    mx.set_default_device(mx.Device(mx.cpu, 5))
-    try:
+    with a_default_device_without_a_stream():
         failed = CompiledDualHeadNorm(OTHER_EPS)
         for norm in (before, failed):
             with pytest.raises(MlxCError):
                 norm(*inputs)
-    finally:
-        mx.set_default_device(previous_device)
     assert_works(before)
     assert_works(failed, OTHER_EPS)
     assert_works(CompiledDualHeadNorm(EPS))
