@@ -30,7 +30,7 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from bit_parity import assert_same_bits, composed_reference, mismatched_elements
+from bit_parity import ON_GPU, assert_same_bits, composed_reference, mismatched_elements
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -78,12 +78,15 @@ def mx_arrays(draw, dtypes=MX_DTYPES, shape=None, min_rank=0):
         values.flat[draw(st.integers(0, values.size - 1))] = draw(
             st.sampled_from((np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0, 1e-30))
         )
-    if dtype == mx.bool_:
-        return mx.array(values > 0)
-    if dtype in (mx.float16, mx.float32, mx.float64, mx.complex64, mx.bfloat16):
-        return mx.array(values.astype(np.float64)).astype(dtype)
-    # integers: small values that every integer dtype holds
-    return mx.array(np.nan_to_num(np.clip(values, 0, 100)).astype(np.int64)).astype(dtype)
+    # Made on the CPU: MLX's GPU cannot even hold float64. The call under
+    # test still runs on the default device.
+    with mx.stream(mx.cpu):
+        if dtype == mx.bool_:
+            return mx.array(values > 0)
+        if dtype in (mx.float16, mx.float32, mx.float64, mx.complex64, mx.bfloat16):
+            return mx.array(values.astype(np.float64)).astype(dtype)
+        # integers: small values that every integer dtype holds
+        return mx.array(np.nan_to_num(np.clip(values, 0, 100)).astype(np.int64)).astype(dtype)
 
 
 @st.composite
@@ -196,9 +199,11 @@ def test_any_argument_list_is_accepted_or_rejected_cleanly(arguments, keywords):
 
 
 @pytest.mark.xfail(
+    not ON_GPU,
     strict=True,
-    reason="MLX's compiled multiply keeps the other operand's NaN payload when the "
-    "normalized input and the weight are both NaN (mx.compile does the same)",
+    reason="MLX's CPU compiled multiply keeps the other operand's NaN payload when the "
+    "normalized input and the weight are both NaN (mx.compile does the same); "
+    "on the GPU (H200, MLX CUDA 0.32.4) the payloads match",
 )
 def test_nan_payload_of_nan_times_nan():
     """Found by the fuzzing above: float16 queries with a float32 weight,
