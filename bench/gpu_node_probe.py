@@ -6,6 +6,7 @@ and two trivial elementwise MLX kernels per layer (``mx.negative``), which
 show what MLX charges for a graph step whatever the kernel does.
 
     python3 bench/gpu_node_probe.py                 # the timing table
+    python3 bench/gpu_node_probe.py split           # eval split into host encode and GPU wait
     python3 bench/gpu_node_probe.py ncu             # a few calls, for ncu
     python3 bench/gpu_node_probe.py trace PATH N    # N chained tokens of PATH, for nsys
 """
@@ -68,7 +69,43 @@ def measure(path, chained, tokens=300, warmup=30):
     return statistics.median(builds), statistics.median(evals)
 
 
+def split_token(path, chained):
+    """One token's (build, encode, wait) in us: mx.async_eval returns once
+    the host has encoded every node and committed the last CUDA graph, so
+    the wait after it is GPU work the host did not hide."""
+    queries, keys = start_queries, start_keys
+    outputs = []
+    started = time.perf_counter()
+    for _ in range(LAYERS):
+        if chained:
+            queries, keys = path(queries, keys)
+        else:
+            outputs.extend(path(start_queries, start_keys))
+    built = time.perf_counter()
+    results = [queries, keys] if chained else outputs
+    mx.async_eval(results)
+    encoded = time.perf_counter()
+    mx.eval(results)
+    finished = time.perf_counter()
+    HELD_INPUTS.clear()
+    return (built - started) * 1e6, (encoded - built) * 1e6, (finished - encoded) * 1e6
+
+
+def measure_split(path, chained, tokens=300, warmup=30):
+    samples = [split_token(path, chained) for _ in range(tokens + warmup)][warmup:]
+    return [statistics.median(column) for column in zip(*samples)]
+
+
 def main(argv):
+    if argv[:1] == ["split"]:
+        for _ in range(3):
+            for chained in (True, False):
+                for name, path in PATHS.items():
+                    build, encode, wait = measure_split(path, chained)
+                    print(f"{name:17s} chained={chained!s:5s} build {build:6.1f} "
+                          f"encode {encode:6.1f} wait {wait:6.1f} "
+                          f"total {build + encode + wait:6.1f} us/token")
+        return
     if argv[:1] == ["ncu"]:
         for name in ("composed", "fused", "floor-1-kernel"):
             for _ in range(3):
