@@ -43,7 +43,9 @@ start_keys = mx.random.normal((1, 1, 16, 128)).astype(mx.bfloat16)
 mx.eval(start_queries, start_keys)
 
 
-def token(path, chained):
+def build_token(path, chained):
+    """The lazy outputs of one token: LAYERS calls, each fed by the last
+    (chained) or all fed the same start inputs (independent)."""
     queries, keys = start_queries, start_keys
     outputs = []
     for _ in range(LAYERS):
@@ -51,8 +53,13 @@ def token(path, chained):
             queries, keys = path(queries, keys)
         else:
             outputs.extend(path(start_queries, start_keys))
+    return [queries, keys] if chained else outputs
+
+
+def token(path, chained):
+    results = build_token(path, chained)
     built = time.perf_counter()
-    mx.eval([queries, keys] if chained else outputs)
+    mx.eval(results)
     HELD_INPUTS.clear()
     return built
 
@@ -71,18 +78,11 @@ def measure(path, chained, tokens=300, warmup=30):
 
 def split_token(path, chained):
     """One token's (build, encode, wait) in us: mx.async_eval returns once
-    the host has encoded every node and committed the last CUDA graph, so
-    the wait after it is GPU work the host did not hide."""
-    queries, keys = start_queries, start_keys
-    outputs = []
+    the host has encoded every node and launched the CUDA graph, so the
+    wait after it is GPU work the host did not hide."""
     started = time.perf_counter()
-    for _ in range(LAYERS):
-        if chained:
-            queries, keys = path(queries, keys)
-        else:
-            outputs.extend(path(start_queries, start_keys))
+    results = build_token(path, chained)
     built = time.perf_counter()
-    results = [queries, keys] if chained else outputs
     mx.async_eval(results)
     encoded = time.perf_counter()
     mx.eval(results)
