@@ -1,17 +1,25 @@
 /* The compiled dual-output query/key head RMS normalization.
  *
  * One call returns (rms_norm(queries, query_scale_weight, eps),
- * rms_norm(keys, key_scale_weight, eps)): the gated-delta prework of
- * Qwen3-Next / Qwen3.5 linear-attention layers, built as one shapeless
- * compiled MLX graph whose primitives and order are those of two
- * mlx_fast_rms_norm calls, so the bits are the composed path's.
+ * rms_norm(keys, key_scale_weight, eps)): the q/k head prework of
+ * Qwen3-Next / Qwen3.5 layers, built as one shapeless compiled MLX graph
+ * whose primitives and order are those of two mlx_fast_rms_norm calls, so
+ * the bits are the composed path's.
  *
- * Plain C over the mlx-c API. Every fallible call returns a status
- * (mlx_dualnorm_status) and, on failure, leaves the operation and a
- * description in the calling thread's error record.
+ * Plain C over the public mlx-c API: it compiles with a C compiler against
+ * this package's mlx-c subset or upstream mlx-c, and links with
+ * `-lmlxc -lmlx`. The fused CUDA mode is a plug-in (fused/), linked in and
+ * registered only where it is built.
+ *
+ * Errors travel with the call: every fallible entry point takes an
+ * `mlx_dualnorm_error*` (NULL when the caller does not want the details)
+ * that it fills before it returns a non-zero status. Nothing is left in
+ * shared or thread-local state for the caller to collect later.
  */
 #ifndef MLX_DUALNORM_DUAL_HEAD_NORM_H
 #define MLX_DUALNORM_DUAL_HEAD_NORM_H
+
+#include <stdbool.h>
 
 #include "mlx/c/mlx.h"
 
@@ -31,7 +39,8 @@ typedef enum mlx_dualnorm_status_ {
 } mlx_dualnorm_status;
 
 /* How the dual head norm runs. AUTO resolves, at construction, to FUSED
- * where MLX has a CUDA GPU and the kernel compiles, else to COMPILED. */
+ * where a fused backend is registered, MLX has a CUDA GPU and the kernel
+ * compiles, else to COMPILED. */
 typedef enum mlx_dualnorm_mode_ {
   MLX_DUALNORM_MODE_AUTO = 0,
   /* The two rms_norm calls, built on every call (the reference path). */
@@ -43,6 +52,41 @@ typedef enum mlx_dualnorm_mode_ {
   MLX_DUALNORM_MODE_FUSED = 3,
 } mlx_dualnorm_mode;
 
+/* What a failed call reports. `operation` is a static string naming what
+ * was being done (never freed); `description` says what went wrong, for
+ * failures inside MLX MLX's own first message (the root cause). The
+ * description holds at most 1023 bytes and a terminating NUL. */
+typedef struct mlx_dualnorm_error_ {
+  mlx_dualnorm_status status;
+  const char* operation;
+  char description[1024];
+} mlx_dualnorm_error;
+
+/* The fused CUDA mode, as the composite sees it: a table of functions a
+ * fused build provides (fused/fused_dual_head_norm.h). The composite
+ * decides which calls it takes (float32/float16/bfloat16 shared by every
+ * input, rows on both sides, rank <= max_rank, fewer than 2^31 rows, the
+ * CUDA GPU as default device); the backend only launches. */
+typedef struct mlx_dualnorm_fused_backend_ {
+  /* True when the running MLX has a CUDA GPU. */
+  bool (*available)(void);
+  /* Compiles the kernel, once per process; later calls return the first
+   * outcome. 0 on success; non-zero with the reason sent to mlx_error. */
+  int (*prepare)(void);
+  /* Sets `*res` (allocated when empty, owned by the caller) to the lazy
+   * normalized queries and keys, in that order, from one launch. Inputs
+   * are borrowed; an empty weight handle means no weight. 0 on success;
+   * non-zero with the reason sent to mlx_error. */
+  int (*apply)(mlx_vector_array* res,
+               const mlx_array queries,
+               const mlx_array keys,
+               const mlx_array query_scale_weight,
+               const mlx_array key_scale_weight,
+               float rms_norm_epsilon);
+  /* Highest input rank the kernel indexes. */
+  int max_rank;
+} mlx_dualnorm_fused_backend;
+
 /* Opaque: the compiled graphs (one per weight layout) and the epsilon they
  * bake in. Created by _new, its graphs released by _close, its memory by
  * _free; the struct outlives _close so late callers get MLX_DUALNORM_CLOSED
@@ -50,24 +94,37 @@ typedef enum mlx_dualnorm_mode_ {
 typedef struct mlx_dualnorm_compiled_dual_head_norm_
     mlx_dualnorm_compiled_dual_head_norm;
 
-/* Routes every mlx-c error message into the calling thread's error record.
- * Idempotent; call once before anything else (the Python package does so at
- * import). */
+/* Installs the mlx-c error handler that keeps each thread's first MLX
+ * message for the call in flight (mlx-c's default handler exits the
+ * process). Call once before anything else; the Python package does so at
+ * import. Idempotent. */
 void mlx_dualnorm_install_error_handler(void);
 
+/* Registers the fused CUDA mode process-wide (NULL unregisters it). The
+ * table must outlive every object created while it is registered. A build
+ * without fused/ never calls this: AUTO then resolves to COMPILED. */
+void mlx_dualnorm_set_fused_backend(const mlx_dualnorm_fused_backend* backend);
+
+/* True when mode FUSED can be asked for: a backend is registered and MLX
+ * has a CUDA GPU. */
+bool mlx_dualnorm_fused_mode_available(void);
+
 /* Compiles the shapeless dual head-norm graphs with `rms_norm_epsilon`
- * baked in, for `mode` (MLX_DUALNORM_MODE_FUSED fails with an invalid
- * argument where MLX has no CUDA GPU). `*res` receives a new object the
- * caller owns (free it with mlx_dualnorm_compiled_dual_head_norm_free). */
+ * baked in, for `mode`. The epsilon must be finite, >= 0 and within
+ * float32's range (it is checked before rounding to float32, the type MLX
+ * uses). `*res` receives a new object the caller owns (free it with
+ * mlx_dualnorm_compiled_dual_head_norm_free). */
 int mlx_dualnorm_compiled_dual_head_norm_new(
     mlx_dualnorm_compiled_dual_head_norm** res,
-    float rms_norm_epsilon,
-    mlx_dualnorm_mode mode);
+    double rms_norm_epsilon,
+    mlx_dualnorm_mode mode,
+    mlx_dualnorm_error* error);
 
 /* The mode construction resolved (never AUTO). */
 mlx_dualnorm_mode mlx_dualnorm_compiled_dual_head_norm_mode(
     const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm);
 
+/* The epsilon the graphs bake in, as the float32 MLX uses. */
 float mlx_dualnorm_compiled_dual_head_norm_epsilon(
     const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm);
 
@@ -82,31 +139,22 @@ int mlx_dualnorm_apply_compiled_dual_head_norm(
     const mlx_array queries,
     const mlx_array keys,
     const mlx_array query_scale_weight,
-    const mlx_array key_scale_weight);
+    const mlx_array key_scale_weight,
+    mlx_dualnorm_error* error);
 
-/* Releases the compiled graphs and their compile-cache entries; later
- * applies fail with MLX_DUALNORM_CLOSED. Waits for applies in flight.
- * Closing twice is a no-op. */
+/* Releases the compiled graphs and their entries in every thread's compile
+ * cache (the calling thread's at once, any other thread's at that thread's
+ * next apply or its exit); later applies fail with MLX_DUALNORM_CLOSED.
+ * Waits for applies in flight. Closing twice is a no-op. */
 int mlx_dualnorm_compiled_dual_head_norm_close(
-    mlx_dualnorm_compiled_dual_head_norm* dual_head_norm);
+    mlx_dualnorm_compiled_dual_head_norm* dual_head_norm,
+    mlx_dualnorm_error* error);
 
 /* Closes (if still open) and frees. NULL is a no-op. The caller must ensure
- * no other thread still uses the pointer. */
+ * no other thread still uses the pointer. A failure to close is not
+ * reported: freeing runs in finalizers, where nobody could act on it. */
 void mlx_dualnorm_compiled_dual_head_norm_free(
     mlx_dualnorm_compiled_dual_head_norm* dual_head_norm);
-
-/* The calling thread's record of its last failure: valid until its next
- * call into this API. */
-mlx_dualnorm_status mlx_dualnorm_last_error_status(void);
-const char* mlx_dualnorm_last_error_operation(void);
-const char* mlx_dualnorm_last_error_description(void);
-
-/* Forgets the calling thread's last failure. Entry points of this API do it
- * themselves; callers of raw mlx-c functions do it before a call whose
- * message they want, since the record keeps the FIRST message it receives
- * (the root cause, when a failure inside a graph builder propagates out
- * through the closure and the compiled graph). */
-void mlx_dualnorm_clear_last_error(void);
 
 #ifdef __cplusplus
 }

@@ -1,32 +1,59 @@
-"""Process-wide set-up of the two extension modules, done once at import.
+"""Process-wide set-up of the two extension modules, done once at import,
+and the one helper that calls the cffi module.
 
 Order matters: ``mlx.core`` is imported first so libmlx.so is loaded before
 the extensions (they then reuse it: one MLX runtime per process) and MLX's
 nanobind types are registered before the bridge looks them up. Then the
-mlx-c error handler is installed, so no MLX error can ever reach the
-subset's default handler, and the bridge is bound to the composite's apply
-function exported by the cffi module.
+mlx-c error handler is installed, so no MLX error can ever reach mlx-c's
+default handler (which exits), the fused mode is registered where this
+build has it, and the bridge is bound to the composite's apply function
+exported by the cffi module, to the converter for arguments that are not
+``mx.array`` and to the package's exception types.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import mlx.core  # noqa: F401  (load libmlx.so and MLX's nanobind types first)
 
 import mlx_dualnorm._interop as _interop
+from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
 from mlx_dualnorm._native import ffi, lib
 
+__all__ = ["apply_compiled_dual_head_norm", "bind_bridge", "call_native", "ffi", "lib"]
+
 lib.mlx_dualnorm_install_error_handler()
+lib.mlx_dualnorm_set_fused_backend(lib.mlx_dualnorm_fused_backend_table())
+
+apply_compiled_dual_head_norm = _interop.apply
+
+
+def bind_bridge(convert_array: Callable[[object, str], Any]) -> None:
+    """Binds the bridge; `convert_array(value, argument_name)` turns an
+    argument that is not an ``mx.array`` into one, or raises TypeError."""
+    _interop.bind(
+        _function_address("mlx_dualnorm_apply_compiled_dual_head_norm"),
+        _function_address("mlx_vector_array_free"),
+        convert_array,
+        DualHeadNormValueError,
+        MlxCError,
+    )
+
+
+def call_native(function: Callable[..., int], *arguments: Any) -> None:
+    """Calls a fallible function of the C API with an error record of its
+    own, which the call fills before it returns: the exception is built
+    from that record, so nothing run in between (a finalizer, another
+    thread) can change what it says."""
+    error = ffi.new("mlx_dualnorm_error *")
+    if function(*arguments, error) != lib.MLX_DUALNORM_OK:
+        operation = ffi.string(error.operation).decode() if error.operation else ""
+        description = ffi.string(error.description).decode(errors="replace")
+        if error.status in (lib.MLX_DUALNORM_INVALID_ARGUMENT, lib.MLX_DUALNORM_CLOSED):
+            raise DualHeadNormValueError(operation, description)
+        raise MlxCError(operation, description)
 
 
 def _function_address(name: str) -> int:
     return int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
-
-
-_interop.bind(
-    _function_address("mlx_dualnorm_apply_compiled_dual_head_norm"),
-    _function_address("mlx_vector_array_free"),
-)
-
-apply_compiled_dual_head_norm = _interop.apply
-
-__all__ = ["apply_compiled_dual_head_norm", "ffi", "lib"]

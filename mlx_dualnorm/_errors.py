@@ -1,13 +1,13 @@
-"""Exceptions raised by mlx_dualnorm, and the one place that reads the C
-side's thread-local error record and turns it into one."""
+"""Exceptions raised by mlx_dualnorm.
+
+Every failure reads as MLX's own do, ``[operation] message``, and carries
+the two parts as attributes. The C composite fills them within the call
+that failed; the bridge raises them before control returns to Python.
+"""
 
 from __future__ import annotations
 
-from typing import NoReturn
-
-from mlx_dualnorm._binding import ffi, lib
-
-__all__ = ["DualHeadNormValueError", "MlxCError", "raise_last_error"]
+__all__ = ["DualHeadNormValueError", "MlxCError"]
 
 
 class MlxCError(RuntimeError):
@@ -21,7 +21,7 @@ class MlxCError(RuntimeError):
     """
 
     def __init__(self, operation: str, description: str) -> None:
-        super().__init__(f"{operation}: {description}")
+        super().__init__(f"[{operation}] {description}")
         self.operation = operation
         self.description = description
 
@@ -34,20 +34,3 @@ class DualHeadNormValueError(MlxCError, ValueError):
     ``mx.fast.rms_norm`` raises for the same input, that is also an
     :class:`MlxCError` carrying the operation."""
 
-
-_VALUE_ERROR_STATUSES = frozenset(
-    {lib.MLX_DUALNORM_INVALID_ARGUMENT, lib.MLX_DUALNORM_CLOSED}
-)
-
-
-def raise_last_error() -> NoReturn:
-    """Raises the calling thread's last C failure (the record is
-    thread-local, so this must run on the thread whose call failed)."""
-    status = lib.mlx_dualnorm_last_error_status()
-    operation = ffi.string(lib.mlx_dualnorm_last_error_operation()).decode()
-    description = ffi.string(lib.mlx_dualnorm_last_error_description()).decode(
-        errors="replace"
-    )
-    if status in _VALUE_ERROR_STATUSES:
-        raise DualHeadNormValueError(operation, description)
-    raise MlxCError(operation, description)

@@ -1,14 +1,20 @@
 """Types of the nanobind bridge (csrc/interop/array_bridge.cpp)."""
 
-from typing import Optional
+from typing import Callable
 
 import mlx.core as mx
 
-def bind(apply_function_address: int, free_vector_function_address: int) -> None: ...
+def bind(
+    apply_function_address: int,
+    free_vector_function_address: int,
+    convert_array: Callable[[object, str], mx.array],
+    value_error_type: type,
+    mlx_error_type: type,
+) -> None: ...
 def apply(
     dual_head_norm_address: int,
     queries: object,
     keys: object,
     query_weight: object = None,
     key_weight: object = None,
-) -> Optional[tuple[mx.array, ...]]: ...
+) -> tuple[mx.array, ...]: ...

@@ -12,22 +12,32 @@ call, lazy outputs, no copies of the inputs.
 
 from __future__ import annotations
 
+import math
 import numbers
-from typing import Any, Literal, Optional, Union
+from contextlib import contextmanager
+from typing import Any, Iterator, Literal, Optional, Union
 
 import mlx.core as mx
 import numpy as np
 
-from mlx_dualnorm._binding import apply_compiled_dual_head_norm, ffi, lib
-from mlx_dualnorm._errors import MlxCError, raise_last_error
+from mlx_dualnorm._binding import (
+    apply_compiled_dual_head_norm,
+    bind_bridge,
+    call_native,
+    ffi,
+    lib,
+)
+from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
 
 __all__ = ["CompiledDualHeadNorm", "available_modes", "composed_dual_head_norm"]
 
 APPLY_DUAL_HEAD_NORM_OPERATION = "apply the compiled MLX dual head norm"
 COMPILE_DUAL_HEAD_NORM_OPERATION = "compile the shapeless MLX dual head norm graph"
+COMPOSED_DUAL_HEAD_NORM_OPERATION = "composed dual head norm"
 
 ArrayLike = Union[mx.array, np.ndarray]
 Mode = Literal["auto", "composed", "compiled", "fused"]
+StreamLike = Union[mx.Stream, mx.Device, None]
 
 _MODES: dict[str, int] = {
     "auto": lib.MLX_DUALNORM_MODE_AUTO,
@@ -39,10 +49,10 @@ _MODE_NAMES = {value: name for name, value in _MODES.items()}
 
 
 def available_modes() -> tuple[str, ...]:
-    """The modes that can run here: ``"fused"`` needs MLX's CUDA backend."""
+    """The modes that can run here: ``"fused"`` needs a build with the fused
+    mode and MLX's CUDA backend with a GPU."""
     modes = ("composed", "compiled")
-    return modes + ("fused",) if lib.mlx_dualnorm_fused_backend_available() else modes
-StreamLike = Union[mx.Stream, mx.Device, None]
+    return modes + ("fused",) if lib.mlx_dualnorm_fused_mode_available() else modes
 
 
 def composed_dual_head_norm(
@@ -55,9 +65,10 @@ def composed_dual_head_norm(
     stream: StreamLike = None,
 ) -> tuple[mx.array, mx.array]:
     """The reference path: two ``mx.fast.rms_norm`` calls."""
+    rms_norm_epsilon = _as_epsilon(eps, COMPOSED_DUAL_HEAD_NORM_OPERATION)
     return (
-        mx.fast.rms_norm(queries, query_weight, eps, stream=stream),
-        mx.fast.rms_norm(keys, key_weight, eps, stream=stream),
+        mx.fast.rms_norm(queries, query_weight, rms_norm_epsilon, stream=stream),
+        mx.fast.rms_norm(keys, key_weight, rms_norm_epsilon, stream=stream),
     )
 
 
@@ -65,8 +76,9 @@ class CompiledDualHeadNorm:
     """Query/key head RMS normalization as one compiled dual-output graph.
 
     Args:
-        eps: the RMS epsilon, baked into the compiled graph. Must be finite
-            and >= 0 (it is used as float32, as ``mx.fast.rms_norm`` does).
+        eps: the RMS epsilon, baked into the compiled graph. Must be finite,
+            >= 0 and within float32's range, checked as given; it is then
+            used as float32, as ``mx.fast.rms_norm`` does.
         mode: ``"compiled"``: one replay of the compiled dual-output graph
             (calls with more than 48 rows in all build the composed graph,
             which MLX runs faster at that size).
@@ -92,26 +104,21 @@ class CompiledDualHeadNorm:
     _address: int  # the same pointer, as the bridge takes it
 
     def __init__(self, eps: float = 1e-6, mode: Mode = "auto") -> None:
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        rms_norm_epsilon = _as_epsilon(eps, COMPILE_DUAL_HEAD_NORM_OPERATION)
+        if not isinstance(mode, str):
             raise TypeError(
-                f"{COMPILE_DUAL_HEAD_NORM_OPERATION}: eps must be a real number, "
-                f"not {type(eps).__name__}"
+                f"[{COMPILE_DUAL_HEAD_NORM_OPERATION}] mode must be a str, "
+                f"not {type(mode).__name__}"
             )
         if mode not in _MODES:
-            raise ValueError(
-                f"{COMPILE_DUAL_HEAD_NORM_OPERATION}: mode must be one of "
-                f"{', '.join(map(repr, _MODES))}, not {mode!r}"
+            raise DualHeadNormValueError(
+                COMPILE_DUAL_HEAD_NORM_OPERATION,
+                f"mode must be one of {', '.join(map(repr, _MODES))}, not {mode!r}",
             )
-        try:
-            eps_value = float(eps)
-        except OverflowError:  # an int or Fraction beyond a double
-            raise ValueError(
-                f"{COMPILE_DUAL_HEAD_NORM_OPERATION}: the RMS epsilon must be finite "
-                f"and >= 0, got {eps!r:.40}"
-            ) from None
         created = ffi.new("mlx_dualnorm_compiled_dual_head_norm **")
-        if lib.mlx_dualnorm_compiled_dual_head_norm_new(created, eps_value, _MODES[mode]) != 0:
-            raise_last_error()
+        call_native(
+            lib.mlx_dualnorm_compiled_dual_head_norm_new, created, rms_norm_epsilon, _MODES[mode]
+        )
         # Owned by this object: freed (closing first) when it is collected.
         self._native = ffi.gc(created[0], lib.mlx_dualnorm_compiled_dual_head_norm_free)
         self._address = int(ffi.cast("uintptr_t", self._native))
@@ -155,27 +162,11 @@ class CompiledDualHeadNorm:
             MlxCError: MLX failed while building the graph.
         """
         if stream is not None:
-            if not isinstance(stream, _STREAM_TYPES):
-                raise TypeError(
-                    f"{APPLY_DUAL_HEAD_NORM_OPERATION}: stream must be a stream or a "
-                    f"device (what mx.stream takes) or None, not {type(stream).__name__}"
-                )
-            with mx.stream(stream):
+            with _default_stream(stream):
                 return self(queries, keys, query_weight, key_weight)
-        try:
-            graph_outputs = apply_compiled_dual_head_norm(
-                self._address, queries, keys, query_weight, key_weight
-            )
-        except TypeError:
-            graph_outputs = apply_compiled_dual_head_norm(
-                self._address,
-                _as_mx_array(queries, "queries"),
-                _as_mx_array(keys, "keys"),
-                _as_optional_mx_array(query_weight, "query_weight"),
-                _as_optional_mx_array(key_weight, "key_weight"),
-            )
-        if graph_outputs is None:
-            raise_last_error()
+        graph_outputs = apply_compiled_dual_head_norm(
+            self._address, queries, keys, query_weight, key_weight
+        )
         # Output order is the C builder's ABI: queries first, keys second.
         if len(graph_outputs) != 2:
             raise MlxCError(
@@ -189,8 +180,7 @@ class CompiledDualHeadNorm:
     def close(self) -> None:
         """Releases the compiled graphs and their compile-cache entries.
         Later calls raise ``DualHeadNormValueError``; closing twice is fine."""
-        if lib.mlx_dualnorm_compiled_dual_head_norm_close(self._native) != 0:
-            raise_last_error()
+        call_native(lib.mlx_dualnorm_compiled_dual_head_norm_close, self._native)
 
     def __enter__(self) -> "CompiledDualHeadNorm":
         return self
@@ -206,24 +196,63 @@ class CompiledDualHeadNorm:
 _STREAM_TYPES = (mx.Stream, mx.ThreadLocalStream, mx.Device, mx.DeviceType)
 
 
+@contextmanager
+def _default_stream(stream: object) -> Iterator[None]:
+    """``mx.stream(stream)``, with a stream or device MLX cannot use here
+    (``mx.gpu`` on a CPU-only MLX) reported as bad input of this call."""
+    if not isinstance(stream, _STREAM_TYPES):
+        raise TypeError(
+            f"[{APPLY_DUAL_HEAD_NORM_OPERATION}] stream must be a stream or a device "
+            f"(what mx.stream takes) or None, not {type(stream).__name__}"
+        )
+    try:
+        scope = mx.stream(stream)
+        scope.__enter__()
+    except (ValueError, RuntimeError) as error:
+        raise DualHeadNormValueError(
+            APPLY_DUAL_HEAD_NORM_OPERATION, f"stream {stream} cannot be used here: {error}"
+        ) from None
+    try:
+        yield
+    finally:
+        scope.__exit__(None, None, None)
+
+
+def _as_epsilon(eps: object, operation: str) -> float:
+    """eps as the double the C API checks (finite, >= 0, within float32's
+    range, before rounding); a number beyond a double becomes inf, which
+    that check rejects."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"[{operation}] eps must be a real number, not {type(eps).__name__}")
+    try:
+        return float(eps)
+    except OverflowError:  # an int or Fraction beyond a double
+        # Either sign is refused alike; the sign only keeps the message true.
+        negative = str(eps).lstrip().startswith("-")
+        return -math.inf if negative else math.inf
+
+
 def _as_mx_array(value: object, argument_name: str) -> mx.array:
-    """The slow path for non-mx.array inputs: numpy arrays are copied in."""
-    if isinstance(value, mx.array):
-        return value
-    if isinstance(value, np.ndarray):
-        # MLX holds booleans, integers and floating/complex numbers only;
-        # mx.array() of any other numpy dtype raises an unnamed std::bad_cast.
-        if value.dtype.kind not in "biufc":
-            raise TypeError(
-                f"{APPLY_DUAL_HEAD_NORM_OPERATION}: {argument_name} has numpy dtype "
-                f"{value.dtype}, which MLX cannot hold"
-            )
-        return mx.array(value)
-    raise TypeError(
-        f"{APPLY_DUAL_HEAD_NORM_OPERATION}: {argument_name} must be an "
-        f"mlx.core.array or numpy.ndarray, not {type(value).__name__}"
-    )
+    """The bridge's converter for arguments that are not ``mx.array``:
+    numpy arrays are copied in (as ``mx.array(...)`` does), in native byte
+    order; anything else is a TypeError."""
+    if not isinstance(value, np.ndarray):
+        raise TypeError(
+            f"[{APPLY_DUAL_HEAD_NORM_OPERATION}] {argument_name} must be an "
+            f"mlx.core.array or numpy.ndarray, not {type(value).__name__}"
+        )
+    dtype = value.dtype
+    # MLX holds booleans, integers and floating/complex numbers of at most
+    # 8 bytes (16 for complex); anything else would end in std::bad_cast.
+    widest = 16 if dtype.kind == "c" else 8
+    if dtype.kind not in "biufc" or dtype.itemsize > widest:
+        raise TypeError(
+            f"[{APPLY_DUAL_HEAD_NORM_OPERATION}] {argument_name} has numpy dtype "
+            f"{dtype}, which MLX cannot hold"
+        )
+    if not dtype.isnative:
+        value = value.astype(dtype.newbyteorder("="))
+    return mx.array(value)
 
 
-def _as_optional_mx_array(value: object, argument_name: str) -> Optional[mx.array]:
-    return None if value is None else _as_mx_array(value, argument_name)
+bind_bridge(_as_mx_array)

@@ -18,3 +18,24 @@ def assert_bit_identical(actual: mx.array, expected: mx.array) -> None:
 @pytest.fixture
 def rng_key() -> mx.array:
     return mx.random.key(20261129)
+
+
+@pytest.fixture
+def mlx_c_messages():
+    """The messages mlx-c hands its error handler during the test, in order,
+    caught by a handler of the test's own; the package's handler is put back
+    afterwards. For tests of raw mlx-c calls, whose messages the package's
+    handler keeps only for its own calls."""
+    from mlx_dualnorm._native import ffi, lib
+
+    messages: list[str] = []
+
+    def keep(message, data) -> None:
+        messages.append(ffi.string(message).decode(errors="replace"))
+
+    handler = ffi.callback("mlx_error_handler_func", keep)
+    lib.mlx_set_error_handler(handler, ffi.NULL, ffi.NULL)
+    try:
+        yield messages
+    finally:
+        lib.mlx_dualnorm_install_error_handler()

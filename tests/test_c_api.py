@@ -17,10 +17,6 @@ BUILDER_SIGNATURE = "int(mlx_vector_array*, const mlx_vector_array)"
 PAYLOAD_BUILDER_SIGNATURE = "int(mlx_vector_array*, const mlx_vector_array, void*)"
 
 
-def last_error_description() -> str:
-    return ffi.string(lib.mlx_dualnorm_last_error_description()).decode()
-
-
 def new_float32_array(values: np.ndarray):
     """A new owned mlx_array holding a copy of `values` (float32)."""
     values = np.ascontiguousarray(values, dtype=np.float32)
@@ -94,34 +90,31 @@ def test_int32_round_trip_and_dtype_sizes():
     assert lib.mlx_array_free(handle) == 0
 
 
-def test_data_accessor_of_the_wrong_dtype_reports_instead_of_reinterpreting():
+def test_data_accessor_of_the_wrong_dtype_reports_instead_of_reinterpreting(mlx_c_messages):
     handle = new_float32_array(np.ones(3))
     assert lib.mlx_array_eval(handle) == 0
-    lib.mlx_dualnorm_clear_last_error()
     assert lib.mlx_array_data_int32(handle) == ffi.NULL
-    assert "dtype does not match" in last_error_description()
+    assert "dtype does not match" in mlx_c_messages[0]
     assert lib.mlx_array_free(handle) == 0
 
 
-def test_empty_handles_fail_with_a_message_and_do_not_exit():
+def test_empty_handles_fail_with_a_message_and_do_not_exit(mlx_c_messages):
     empty = lib.mlx_array_new()
-    lib.mlx_dualnorm_clear_last_error()
     assert lib.mlx_array_eval(empty) == 1
-    assert "[mlx_array_eval] received an empty handle" in last_error_description()
+    assert "[mlx_array_eval] received an empty handle" in mlx_c_messages[0]
     assert lib.mlx_array_free(empty) == 0  # freeing an empty handle is a no-op
     new_vector = lib.mlx_vector_array_new()
     assert lib.mlx_vector_array_size(new_vector) == 0
     assert lib.mlx_vector_array_free(new_vector) == 0
 
 
-def test_vector_get_out_of_range_fails():
+def test_vector_get_out_of_range_fails(mlx_c_messages):
     handle = new_float32_array(np.ones(2))
     vector = vector_of(handle)
     assert lib.mlx_vector_array_size(vector) == 1
     item = ffi.new("mlx_array*", lib.mlx_array_new())
-    lib.mlx_dualnorm_clear_last_error()
     assert lib.mlx_vector_array_get(item, vector, 1) == 1
-    assert "out of range" in last_error_description()
+    assert "out of range" in mlx_c_messages[0]
     assert lib.mlx_vector_array_append_value(vector, handle) == 0
     assert lib.mlx_vector_array_size(vector) == 2
     assert lib.mlx_vector_array_free(vector) == 0
@@ -146,14 +139,13 @@ def test_fast_rms_norm_matches_mlx_bit_for_bit():
     assert lib.mlx_stream_free(stream) == 0
 
 
-def test_fast_rms_norm_reports_mlx_argument_errors():
+def test_fast_rms_norm_reports_mlx_argument_errors(mlx_c_messages):
     x = new_float32_array(np.ones((2, 8)))
     short_weight = new_float32_array(np.ones(3))
     stream = default_stream()
     result = ffi.new("mlx_array*", lib.mlx_array_new())
-    lib.mlx_dualnorm_clear_last_error()
     assert lib.mlx_fast_rms_norm(result, x, short_weight, 1e-6, stream) == 1
-    assert last_error_description().startswith("[rms_norm]")
+    assert mlx_c_messages[0].startswith("[rms_norm]")
     assert result[0].ctx == ffi.NULL
     for handle in (x, short_weight):
         assert lib.mlx_array_free(handle) == 0
@@ -174,11 +166,10 @@ def test_default_device_and_cpu_stream():
 
 
 @pytest.mark.skipif(mx.is_available(mx.gpu), reason="needs a CPU-only MLX")
-def test_gpu_stream_on_cpu_only_mlx_is_an_error_not_an_exit():
-    lib.mlx_dualnorm_clear_last_error()
+def test_gpu_stream_on_cpu_only_mlx_is_an_error_not_an_exit(mlx_c_messages):
     stream = lib.mlx_default_gpu_stream_new()
     assert stream.ctx == ffi.NULL
-    assert "Cannot get gpu stream without gpu backend" in last_error_description()
+    assert "Cannot get gpu stream without gpu backend" in mlx_c_messages[0]
 
 
 class CountingRmsNormBuilder:
@@ -237,14 +228,13 @@ def test_closure_calls_the_c_function_and_returns_its_outputs():
     assert lib.mlx_array_free(x) == 0
 
 
-def test_a_failing_c_function_fails_the_apply_without_exiting():
+def test_a_failing_c_function_fails_the_apply_without_exiting(mlx_c_messages):
     builder = CountingRmsNormBuilder(status=7)
     closure = lib.mlx_closure_new_func(builder.callback)
     x = new_float32_array(np.ones(4))
-    lib.mlx_dualnorm_clear_last_error()
     status, outputs = apply_closure(closure, x)
     assert status == 1
-    assert "returned status 7" in last_error_description()
+    assert "returned status 7" in mlx_c_messages[0]
     assert lib.mlx_vector_array_free(outputs) == 0
     assert lib.mlx_closure_free(closure) == 0
     assert lib.mlx_array_free(x) == 0

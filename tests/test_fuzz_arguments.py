@@ -240,15 +240,18 @@ epsilons = st.one_of(
 
 def expected_epsilon(eps):
     """The package's own contract (not the composed path's, which accepts
-    any float): a real number, not a bool, whose float32 is finite and not
-    negative. Returns the float32 value as a float, or the error class."""
+    any float): a real number, not a bool, that is finite, not negative and
+    within float32's range as given (before rounding to float32). Returns
+    the float32 value as a float, or the error class."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float, fractions.Fraction, np.floating)):
         return TypeError
-    with np.errstate(over="ignore"):
-        as_float32 = np.float32(float(eps))
-    if not math.isfinite(as_float32) or as_float32 < 0:
+    try:
+        as_double = float(eps)
+    except OverflowError:
         return ValueError
-    return float(as_float32)
+    if not math.isfinite(as_double) or as_double < 0 or as_double > float(np.finfo(np.float32).max):
+        return ValueError
+    return float(np.float32(as_double))
 
 
 @FUZZ_SETTINGS

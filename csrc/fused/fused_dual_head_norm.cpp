@@ -1,4 +1,4 @@
-/* The fused dual head norm's C API: availability, one-time kernel
+/* The fused dual head norm's backend table: availability, one-time kernel
  * compilation with NVRTC, and the launch through the FusedDualRmsNorm
  * primitive (fused_dual_rms_norm_primitive.cpp, CUDA builds only).
  *
@@ -13,18 +13,21 @@
 
 #include <limits>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <variant>
+#include <vector>
 
 #include "mlx/device.h"
 
 #include "fused/dual_rms_norm_kernel.cuh"
 #include "fused/fused_dual_rms_norm_primitive.h"
-#include "mlx/c/private/mlx.h"
 
 namespace {
 
-using namespace mlx_c_private;
+namespace mx = mlx::core;
+
+#ifdef MLX_DUALNORM_WITH_CUDA
 
 /* The NVRTC entry points used, resolved with dlsym (nvrtcProgram is an
  * opaque pointer; nvrtcResult an int enum, 0 on success). */
@@ -134,6 +137,8 @@ std::string compile_kernel_cubin() {
   return cubin;
 }
 
+#endif // MLX_DUALNORM_WITH_CUDA
+
 struct PreparedKernel {
   std::once_flag once;
   std::string failure;
@@ -158,17 +163,36 @@ PreparedKernel& prepared_kernel() {
   return kernel;
 }
 
-bool is_fused_dtype(mx::Dtype dtype) {
-  return dtype == mx::float32 || dtype == mx::float16 || dtype == mx::bfloat16;
+#ifdef MLX_DUALNORM_WITH_CUDA
+/* The two facts of mlx-c's handle layout this file relies on, as every
+ * mlx-c does (the subset and upstream alike): an mlx_array's ctx is a heap
+ * mlx::core::array the handle owns, and mlx_array_free deletes it. */
+const mx::array& borrowed_array(const mlx_array handle) {
+  return *static_cast<const mx::array*>(handle.ctx);
 }
 
-const mx::array* weight_or_null(const mlx_array weight) {
+const mx::array* borrowed_weight_or_null(const mlx_array weight) {
   return static_cast<const mx::array*>(weight.ctx);
 }
 
-} // namespace
+#endif // MLX_DUALNORM_WITH_CUDA
 
-extern "C" bool mlx_dualnorm_fused_backend_available(void) {
+/* Runs `body`; 0 on success, 1 with the message sent to mlx-c's error
+ * handler on any throw (no exception crosses the C boundary). */
+template <typename Body>
+int report_failures(Body&& body) {
+  try {
+    body();
+    return 0;
+  } catch (const std::exception& e) {
+    mlx_error("%s", e.what());
+  } catch (...) {
+    mlx_error("[fused dual head norm] unknown C++ exception");
+  }
+  return 1;
+}
+
+bool fused_backend_available() {
 #ifdef MLX_DUALNORM_WITH_CUDA
   try {
     return mx::is_available(mx::Device::gpu) &&
@@ -181,8 +205,8 @@ extern "C" bool mlx_dualnorm_fused_backend_available(void) {
 #endif
 }
 
-extern "C" int mlx_dualnorm_fused_prepare(void) {
-  return guarded([] {
+int prepare_fused_kernel() {
+  return report_failures([] {
     PreparedKernel& kernel = prepared_kernel();
     if (!kernel.failure.empty()) {
       throw std::runtime_error(kernel.failure);
@@ -190,65 +214,55 @@ extern "C" int mlx_dualnorm_fused_prepare(void) {
   });
 }
 
-extern "C" bool mlx_dualnorm_fused_supports(
-    const mlx_array queries,
-    const mlx_array keys,
-    const mlx_array query_scale_weight,
-    const mlx_array key_scale_weight) {
-  try {
-    const char* c_function = "mlx_dualnorm_fused_supports";
-    const mx::array& query_array = held<mx::array>(queries, c_function);
-    const mx::array& key_array = held<mx::array>(keys, c_function);
-    const mx::Dtype dtype = query_array.dtype();
-    if (!is_fused_dtype(dtype) || key_array.dtype() != dtype || query_array.size() == 0 ||
-        key_array.size() == 0 || query_array.ndim() > mlx_dualnorm_fused::kMaxRank ||
-        key_array.ndim() > mlx_dualnorm_fused::kMaxRank ||
-        mx::default_device() != mx::Device::gpu) {
-      return false;
-    }
-    // One block per row, rows counted in int (the kernel's 32-bit row
-    // index, CUDA's grid limit): larger calls take the compiled graph.
-    const size_t rows = query_array.size() / static_cast<size_t>(query_array.shape().back()) +
-                        key_array.size() / static_cast<size_t>(key_array.shape().back());
-    if (rows > static_cast<size_t>(std::numeric_limits<int>::max())) {
-      return false;
-    }
-    for (const mx::array* weight : {weight_or_null(query_scale_weight),
-                                    weight_or_null(key_scale_weight)}) {
-      if (weight != nullptr && weight->dtype() != dtype) {
-        return false;
-      }
-    }
-    return true;
-  } catch (const std::exception& e) {
-    report_exception(e);
-  }
-  return false;
-}
-
-extern "C" int mlx_dualnorm_fused_apply(
+/* The outputs, handed over as new mlx_array handles (owned here until
+ * mlx_vector_array_set_data has copied them, then freed). */
+int apply_fused_kernel(
     mlx_vector_array* res,
     const mlx_array queries,
     const mlx_array keys,
     const mlx_array query_scale_weight,
     const mlx_array key_scale_weight,
     float rms_norm_epsilon) {
-  return guarded([&] {
-    const char* c_function = "mlx_dualnorm_fused_apply";
+  std::vector<mx::array> outputs;
+  int status = report_failures([&] {
     PreparedKernel& kernel = prepared_kernel();
     if (!kernel.failure.empty()) {
       throw std::runtime_error(kernel.failure);
     }
 #ifdef MLX_DUALNORM_WITH_CUDA
-    assign(res,
-        mlx_dualnorm_fused::fused_dual_rms_norm(
-            held<mx::array>(queries, c_function), held<mx::array>(keys, c_function),
-            weight_or_null(query_scale_weight), weight_or_null(key_scale_weight),
-            rms_norm_epsilon),
-        c_function);
+    outputs = mlx_dualnorm_fused::fused_dual_rms_norm(
+        borrowed_array(queries), borrowed_array(keys),
+        borrowed_weight_or_null(query_scale_weight), borrowed_weight_or_null(key_scale_weight),
+        rms_norm_epsilon);
 #else
-    (void)res, (void)queries, (void)keys, (void)query_scale_weight, (void)key_scale_weight;
-    (void)rms_norm_epsilon, (void)c_function;
+    (void)queries, (void)keys, (void)query_scale_weight, (void)key_scale_weight;
+    (void)rms_norm_epsilon;
 #endif
   });
+  if (status != 0) {
+    return status;
+  }
+  mlx_array handles[2] = {mlx_array_new(), mlx_array_new()};
+  status = report_failures([&] {
+    for (size_t index = 0; index < outputs.size() && index < 2; ++index) {
+      handles[index].ctx = new mx::array(std::move(outputs[index]));
+    }
+  });
+  status = status != 0 || mlx_vector_array_set_data(res, handles, 2) != 0;
+  status |= mlx_array_free(handles[0]);
+  status |= mlx_array_free(handles[1]);
+  return status;
+}
+
+const mlx_dualnorm_fused_backend fused_backend = {
+    fused_backend_available,
+    prepare_fused_kernel,
+    apply_fused_kernel,
+    MLX_DUALNORM_MAX_RANK,
+};
+
+} // namespace
+
+extern "C" const mlx_dualnorm_fused_backend* mlx_dualnorm_fused_backend_table(void) {
+  return &fused_backend;
 }

@@ -1,18 +1,24 @@
 /* mlx_dualnorm._interop: mlx.core.array objects in and out of the C
- * composite, with no copy and no evaluation.
+ * composite, with no copy and no evaluation, and its errors out as Python
+ * exceptions raised by the same call.
  *
  * cffi has no PyObject* type, so mx.array arguments cannot cross a cffi call.
  * This nanobind module, built in MLX's nanobind domain ("mlx", the same
  * nanobind ABI as mlx.core), sees mx.array objects as the mlx::core::array
  * they hold. It hands them to the composite as BORROWED mlx_array handles
  * whose ctx points into the Python objects (alive for the whole call, since
- * the caller holds references), and wraps the two lazy outputs as new
- * mx.array objects. One Python-to-C crossing per call; the composite itself
- * is reached through the function pointer the cffi module exports (bind),
- * so the process has one epsilon slot, one trace lock, one error record.
+ * the caller and this frame hold references), and wraps the lazy outputs as
+ * new mx.array objects. One Python-to-C crossing per call; the composite
+ * itself is reached through the function pointer the cffi module exports
+ * (bind), so the process has one epsilon slot and one trace lock.
+ *
+ * A failing call fills an mlx_dualnorm_error on this frame's stack, and the
+ * exception is raised from it before control returns to Python: no
+ * finalizer or other thread can run in between and touch the report.
  */
 #include <cstdint>
-#include <memory>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -28,64 +34,103 @@ namespace {
 
 const char APPLY_DUAL_HEAD_NORM_OPERATION[] = "apply the compiled MLX dual head norm";
 
-/* Both live in the cffi module (this module links no mlx-c): the handles
- * it creates are freed by the same implementation that made them. */
-using ApplyCompiledDualHeadNorm = decltype(&mlx_dualnorm_apply_compiled_dual_head_norm);
-using FreeVectorArray = decltype(&mlx_vector_array_free);
-ApplyCompiledDualHeadNorm apply_compiled_dual_head_norm = nullptr;
-FreeVectorArray free_vector_array = nullptr;
+/* What bind() received. The composite's functions live in the cffi module
+ * (this module links no mlx-c), so the handles it creates are freed by the
+ * same implementation that made them. The Python objects are kept for the
+ * life of the process: one reference each, never released, so nothing here
+ * runs Python code during interpreter teardown. */
+struct BoundFunctions {
+  decltype(&mlx_dualnorm_apply_compiled_dual_head_norm) apply = nullptr;
+  decltype(&mlx_vector_array_free) free_vector = nullptr;
+  nb::handle convert_array;    // (value, argument_name) -> mx.array, or raises
+  nb::handle value_error_type; // bad input or a closed object
+  nb::handle mlx_error_type;   // MLX failed
+};
+BoundFunctions bound;
 
 /* The output vector handle, freed on every path out of apply. */
 struct OwnedOutputVector {
   mlx_vector_array vector{nullptr};
   ~OwnedOutputVector() {
-    free_vector_array(vector);
+    bound.free_vector(vector);
   }
 };
 
-/* A borrowed handle onto the array inside `object` (never freed here); an
- * empty handle for None where `optional`. */
-mlx_array borrow_array(nb::handle object, const char* argument_name, bool optional) {
+[[noreturn]] void raise_type_error(const std::string& message) {
+  throw nb::type_error(
+      (std::string("[") + APPLY_DUAL_HEAD_NORM_OPERATION + "] " + message).c_str());
+}
+
+/* A borrowed handle onto the array inside `object`, never freed here; an
+ * empty handle for None where `optional`. Anything but an mx.array goes
+ * through the facade's converter (numpy arrays, clear TypeErrors), whose
+ * result `converted` keeps alive for the call. An mx.array whose __init__
+ * never ran holds no array: reading it would crash, so it is refused. */
+mlx_array borrow_array(nb::handle object, const char* argument_name, bool optional,
+                       nb::object& converted) {
   if (optional && object.is_none()) {
     return mlx_array{nullptr};
   }
   if (!nb::isinstance<mx::array>(object)) {
-    throw nb::type_error(
-        (std::string("[") + APPLY_DUAL_HEAD_NORM_OPERATION + "] " + argument_name +
-         " must be an mlx.core.array" + (optional ? " or None" : "") + ", not " +
-         nb::type_name(object.type()).c_str())
-            .c_str());
+    converted = bound.convert_array(object, argument_name);
+    object = converted;
+    if (!nb::isinstance<mx::array>(object)) {
+      raise_type_error(std::string("the converter returned no mlx.core.array for ") +
+                       argument_name);
+    }
+  }
+  if (!nb::inst_ready(object)) {
+    raise_type_error(std::string(argument_name) +
+                     " is an mlx.core.array that was never initialized (its __init__ "
+                     "did not run)");
   }
   return mlx_array{nb::inst_ptr<mx::array>(object)};
 }
 
+[[noreturn]] void raise_dual_head_norm_error(const mlx_dualnorm_error& error) {
+  bool bad_input =
+      error.status == MLX_DUALNORM_INVALID_ARGUMENT || error.status == MLX_DUALNORM_CLOSED;
+  nb::handle error_type = bad_input ? bound.value_error_type : bound.mlx_error_type;
+  // A description cut at its capacity may end inside a UTF-8 sequence.
+  nb::object description = nb::steal(PyUnicode_DecodeUTF8(
+      error.description, static_cast<Py_ssize_t>(std::strlen(error.description)), "replace"));
+  if (!description.is_valid()) {
+    throw nb::python_error();
+  }
+  nb::object exception = error_type(nb::str(error.operation ? error.operation : ""),
+                                    description);
+  PyErr_SetObject(error_type.ptr(), exception.ptr());
+  throw nb::python_error();
+}
+
 /* Returns a tuple of every array the composite produced (the facade checks
- * there are exactly two and unpacks them in order), or None when the
- * composite failed; its thread-local error record then says why. */
-nb::object apply(
-    std::uintptr_t dual_head_norm_address,
-    nb::handle queries,
-    nb::handle keys,
-    nb::handle query_scale_weight,
-    nb::handle key_scale_weight) {
-  if (apply_compiled_dual_head_norm == nullptr || free_vector_array == nullptr) {
+ * there are exactly two and unpacks them in order), or raises the
+ * composite's error. */
+nb::tuple apply(std::uintptr_t dual_head_norm_address, nb::handle queries, nb::handle keys,
+                nb::handle query_scale_weight, nb::handle key_scale_weight) {
+  if (bound.apply == nullptr) {
     throw std::runtime_error("mlx_dualnorm._interop.bind was never called");
   }
-  mlx_array borrowed_queries = borrow_array(queries, "queries", false);
-  mlx_array borrowed_keys = borrow_array(keys, "keys", false);
-  mlx_array borrowed_query_weight = borrow_array(query_scale_weight, "query_weight", true);
-  mlx_array borrowed_key_weight = borrow_array(key_scale_weight, "key_weight", true);
+  nb::object converted[4];
+  mlx_array borrowed_queries = borrow_array(queries, "queries", false, converted[0]);
+  mlx_array borrowed_keys = borrow_array(keys, "keys", false, converted[1]);
+  mlx_array borrowed_query_weight =
+      borrow_array(query_scale_weight, "query_weight", true, converted[2]);
+  mlx_array borrowed_key_weight =
+      borrow_array(key_scale_weight, "key_weight", true, converted[3]);
 
   OwnedOutputVector outputs;
-  int status = apply_compiled_dual_head_norm(
+  mlx_dualnorm_error error{};
+  int status = bound.apply(
       &outputs.vector,
       reinterpret_cast<mlx_dualnorm_compiled_dual_head_norm*>(dual_head_norm_address),
-      borrowed_queries, borrowed_keys, borrowed_query_weight, borrowed_key_weight);
+      borrowed_queries, borrowed_keys, borrowed_query_weight, borrowed_key_weight, &error);
   if (status != MLX_DUALNORM_OK) {
-    return nb::none();
+    raise_dual_head_norm_error(error);
   }
   /* mlx-c's vector handle owns a std::vector<mlx::core::array> (the one
-   * layout fact this bridge relies on); the arrays are moved out, lazily. */
+   * layout fact this bridge relies on, shared by the subset and upstream);
+   * the arrays are moved out, lazily. */
   auto& output_arrays = *static_cast<std::vector<mx::array>*>(outputs.vector.ctx);
   nb::object graph_outputs = nb::steal(PyTuple_New(output_arrays.size()));
   if (!graph_outputs.is_valid()) {
@@ -95,13 +140,18 @@ nb::object apply(
     nb::object output = nb::cast(std::move(output_arrays[index]), nb::rv_policy::move);
     PyTuple_SET_ITEM(graph_outputs.ptr(), index, output.release().ptr());
   }
-  return graph_outputs;
+  return nb::borrow<nb::tuple>(graph_outputs);
 }
 
-void bind(std::uintptr_t apply_function_address, std::uintptr_t free_vector_function_address) {
-  apply_compiled_dual_head_norm =
-      reinterpret_cast<ApplyCompiledDualHeadNorm>(apply_function_address);
-  free_vector_array = reinterpret_cast<FreeVectorArray>(free_vector_function_address);
+void bind(std::uintptr_t apply_function_address, std::uintptr_t free_vector_function_address,
+          nb::callable convert_array, nb::type_object value_error_type,
+          nb::type_object mlx_error_type) {
+  bound.apply =
+      reinterpret_cast<decltype(bound.apply)>(apply_function_address);
+  bound.free_vector = reinterpret_cast<decltype(bound.free_vector)>(free_vector_function_address);
+  bound.convert_array = convert_array.release();
+  bound.value_error_type = value_error_type.release();
+  bound.mlx_error_type = mlx_error_type.release();
 }
 
 } // namespace
@@ -109,9 +159,11 @@ void bind(std::uintptr_t apply_function_address, std::uintptr_t free_vector_func
 NB_MODULE(_interop, module) {
   module.doc() = "mx.array <-> mlx_array bridge for the compiled dual head norm.";
   module.def("bind", &bind, nb::arg("apply_function_address"),
-      nb::arg("free_vector_function_address"),
-      "Binds the composite's apply and mlx_vector_array_free, exported by the cffi module.");
-  module.def("apply", &apply, nb::arg("dual_head_norm_address"), nb::arg("queries"),
-      nb::arg("keys"), nb::arg("query_weight").none(), nb::arg("key_weight").none(),
-      "Applies the compiled dual head norm; a tuple of outputs, or None on failure.");
+      nb::arg("free_vector_function_address"), nb::arg("convert_array"),
+      nb::arg("value_error_type"), nb::arg("mlx_error_type"),
+      "Binds the composite's apply and mlx_vector_array_free (exported by the cffi "
+      "module), the converter for non-mx.array arguments and the exception types.");
+  module.def("apply", &apply, nb::arg("dual_head_norm_address"), nb::arg("queries").none(),
+      nb::arg("keys").none(), nb::arg("query_weight").none(), nb::arg("key_weight").none(),
+      "Applies the compiled dual head norm: a tuple of its outputs, or the error raised.");
 }
