@@ -21,7 +21,7 @@ cd "${repository_root}"
 # the cores with MLX's CPU stream.
 export OPENBLAS_NUM_THREADS=1
 
-"${python}" -m mlx_dualnorm.benchmark --device cpu --output-dir "${output_dir}" \
+"${python}" -m mlx_dualnorm.tools.benchmark --device cpu --output-dir "${output_dir}" \
     --all-metrics "$@" | tee "${output_dir}/benchmark.txt"
 
 "${python}" bench/profile_host_path.py --output-dir "${output_dir}" \

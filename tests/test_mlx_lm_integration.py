@@ -18,16 +18,17 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 import mlx_lm.models.gated_delta as gated_delta  # noqa: E402
+from conftest import assert_bit_identical as assert_same_bits  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.integrations import mlx_lm_bench, mlx_lm_check  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm_check import (  # noqa: E402
+from mlx_dualnorm.tools import mlx_lm_bench, mlx_lm_check  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_check import (  # noqa: E402
     compare_traces,
     count_normalize_qk_calls,
     greedy_generate,
 )
-from mlx_dualnorm.integrations.mlx_lm_synthetic import (  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     build_synthetic_model,
     prompt_token_ids,
     synthetic_model_config,
@@ -42,19 +43,7 @@ GATED_DELTA_MODEL_MODULES = (
     "mlx_lm.models.olmo_hybrid",
     "mlx_lm.models.bailing_moe_v3",
 )
-SAME_WIDTH_UNSIGNED = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16}
 GENERATED_TOKENS = 64
-
-
-def assert_same_bits(actual: mx.array, expected: mx.array) -> None:
-    """Dtype, shape and every bit (NaN payloads and signed zeros too)."""
-    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    unsigned = SAME_WIDTH_UNSIGNED.get(actual.dtype)
-    if unsigned is None:
-        assert mx.array_equal(actual, expected, equal_nan=True).item()
-    else:
-        assert mx.array_equal(actual.view(unsigned), expected.view(unsigned)).item()
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from a patch that changes results.
 The model is a LOCAL mlx-lm folder (``--model PATH``: config.json and
 model*.safetensors, loaded with ``mlx_lm.utils.load_model``; nothing is ever
 downloaded) or one of the small random models of
-:mod:`~mlx_dualnorm.integrations.mlx_lm_synthetic` (``--synthetic NAME``).
+:mod:`~mlx_dualnorm.tools.mlx_lm_synthetic` (``--synthetic NAME``).
 
 Exit status: 0 identical, 1 diverged, 2 bad arguments or an unloadable model.
 """
@@ -33,9 +33,10 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm_synthetic import (
+from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DEFAULT_SEED,
     SYNTHETIC_MODEL_TYPES,
     build_synthetic_model,
@@ -139,13 +140,13 @@ def compare_traces(reference: GreedyTrace, candidate: GreedyTrace) -> TraceCompa
         reference.token_ids, candidate.token_ids, lambda expected, actual: expected == actual
     )
     first_logits_divergence = _first_difference(
-        reference.step_logits, candidate.step_logits, _bit_identical
+        reference.step_logits, candidate.step_logits, same_bits
     )
     max_abs_difference = 0.0
     for expected, actual in zip(reference.step_logits, candidate.step_logits):
         if expected.shape != actual.shape:
             max_abs_difference = float("inf")
-        elif not _bit_identical(expected, actual):
+        elif not same_bits(expected, actual):
             difference = mx.abs(expected.astype(mx.float32) - actual.astype(mx.float32))
             max_abs_difference = max(max_abs_difference, float(mx.max(difference)))
     return TraceComparison(
@@ -165,22 +166,6 @@ def _first_difference(expected_items, actual_items, same) -> Optional[int]:
     if len(expected_items) != len(actual_items):
         return min(len(expected_items), len(actual_items))
     return None
-
-
-_SAME_WIDTH_UNSIGNED = {
-    mx.float32: mx.uint32,
-    mx.float16: mx.uint16,
-    mx.bfloat16: mx.uint16,
-}
-
-
-def _bit_identical(expected: mx.array, actual: mx.array) -> bool:
-    if expected.dtype != actual.dtype or expected.shape != actual.shape:
-        return False
-    unsigned = _SAME_WIDTH_UNSIGNED.get(expected.dtype)
-    if unsigned is None:
-        return bool(mx.array_equal(expected, actual, equal_nan=True).item())
-    return bool(mx.array_equal(expected.view(unsigned), actual.view(unsigned)).item())
 
 
 # ---- Which path each normalize_qk call took --------------------------------

@@ -12,12 +12,12 @@ alike), reported as the median over rounds with the per-round ratio
   graph build and evaluation together. Qwen3-Next-80B has 48 layers, 36 of
   them gated-delta.
 * generation: milliseconds per decode token of the small random models of
-  :mod:`~mlx_dualnorm.integrations.mlx_lm_synthetic`, greedy through mlx-lm's
+  :mod:`~mlx_dualnorm.tools.mlx_lm_synthetic`, greedy through mlx-lm's
   ``generate_step`` (median over the decode tokens of a round). These models
   are tiny, so the prework is a larger share of a token than in a real one.
 
 ``main(argv)`` is the command line (``python -m
-mlx_dualnorm.integrations.mlx_lm_bench``); ``run_prework`` and
+mlx_dualnorm.tools.mlx_lm_bench``); ``run_prework`` and
 ``run_generation`` the programmatic API.
 """
 
@@ -40,8 +40,8 @@ import mlx_lm.models.gated_delta as gated_delta_module
 
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm_check import greedy_generate
-from mlx_dualnorm.integrations.mlx_lm_synthetic import (
+from mlx_dualnorm.tools.mlx_lm_check import greedy_generate
+from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DEFAULT_DTYPES,
     SYNTHETIC_MODEL_TYPES,
     build_synthetic_model,
@@ -231,7 +231,7 @@ def _mlx_lm_version() -> str:
 
 def _parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_dualnorm.integrations.mlx_lm_bench",
+        prog="python -m mlx_dualnorm.tools.mlx_lm_bench",
         description="mlx-lm's normalize_qk vs the mlx_dualnorm patch: q/k prework "
         "at the Qwen3-Next decode shape and per-token generation time.",
     )
