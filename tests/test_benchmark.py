@@ -164,3 +164,39 @@ def test_chart_is_a_png(tmp_path):
     chart = benchmark.write_chart(report, tmp_path)
     assert chart is not None
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def load_bench_targets():
+    """bench/targets.py: the project's goals, judged outside the package."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    location = pathlib.Path(__file__).resolve().parents[1] / "bench" / "targets.py"
+    spec = importlib.util.spec_from_file_location("bench_targets", location)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_goals_are_judged_on_their_device_type_by_ratio_or_by_value():
+    targets = load_bench_targets()
+    report = benchmark.run_benchmark(tiny_config(paths=("compiled",))).to_json()
+    here = report["metadata"]["device_type"]
+    elsewhere = "cpu" if here == "gpu" else "gpu"
+    metric = "host_us_per_call/decode_gated_delta"
+    goals = (
+        targets.Goal(here, metric, "compiled", max_value=1e9),  # always met
+        targets.Goal(here, metric, "compiled", max_value=0.0),  # never met
+        targets.Goal(here, metric, "compiled", max_ratio=1e9),
+        targets.Goal(elsewhere, metric, "compiled", max_ratio=0.0),  # not judged here
+        targets.Goal(here, metric, "no_such_path", max_ratio=1.0),
+    )
+    lines, all_met = targets.format_verdicts(report, goals)
+    assert not all_met
+    assert [line.split("]")[0].strip() for line in lines[1:]] == [
+        "[met", "[NOT MET", "[met", "[NOT MEASURED"
+    ]
+    with pytest.raises(ValueError, match="exactly one"):
+        targets.Goal(here, metric, "compiled")

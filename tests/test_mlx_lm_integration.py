@@ -491,6 +491,7 @@ def test_check_passes_on_a_synthetic_model(capsys):
     output = capsys.readouterr().out
     assert "RESULT: identical" in output
     assert "bit-identical at all 9 steps" in output
+    assert "patched / unpatched" in output and "lower is better" in output
 
 
 def test_check_loads_a_local_model_folder(tmp_path, capsys):
@@ -530,4 +531,12 @@ def test_check_refuses_bad_arguments(tmp_path, monkeypatch, capsys, arguments, m
 def test_bench_runs(capsys):
     arguments = ["--quick", "--layers", "2", "--models", "", "--prework-tokens", "3"]
     assert mlx_lm_bench.main(arguments) == 0
-    assert "prework_2_layers" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "prework_2_layers" in printed
+    assert "patched time / unpatched time" in printed and "lower is better" in printed
+
+
+def test_bench_ratio_is_patched_time_over_unpatched_time():
+    timing = mlx_lm_bench.PairedTiming("twice as fast", "us/token", [2.0, 4.0], [1.0, 1.0])
+    assert timing.time_ratios == [0.5, 0.25]
+    assert timing.summary()["time_ratio_patched_over_unpatched"]["median"] == 0.375
