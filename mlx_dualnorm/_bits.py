@@ -56,7 +56,7 @@ def count_bit_differences(
         bit_difference_mask(actual, expected)  # still rejects a dtype or shape mismatch
         return 0
     mask = bit_difference_mask(actual, expected, nan_payloads_may_differ=nan_payloads_may_differ)
-    return int(mx.sum(mask).item())
+    return int(mx.sum(mask))
 
 
 def same_bits(
@@ -78,4 +78,4 @@ def count_value_differences(actual: mx.array, expected: mx.array) -> int:
     if actual.size == 0 or expected.size == 0:
         return 0
     both_nan = mx.logical_and(mx.isnan(actual), mx.isnan(expected))
-    return int(mx.sum(mx.logical_not(mx.logical_or(mx.equal(actual, expected), both_nan))).item())
+    return int(mx.sum(mx.logical_not(mx.logical_or(mx.equal(actual, expected), both_nan))))
