@@ -50,7 +50,7 @@ import mlx.core as mx
 
 from mlx_dualnorm import CompiledDualHeadNorm
 from mlx_dualnorm._binding import apply_compiled_dual_head_norm, ffi, lib
-from mlx_dualnorm.benchmark import (
+from mlx_dualnorm.tools.benchmark import (
     GATED_DELTA_DECODE,
     ScenarioInputs,
     make_inputs,
@@ -269,7 +269,7 @@ def primitives_per_call(call: Callable, inputs: ScenarioInputs) -> Optional[int]
 
 
 def graph_sizes() -> dict[str, dict[str, Optional[int]]]:
-    from mlx_dualnorm.benchmark import DECODE_SCENARIOS, PATH_REGISTRY, PathUnavailable
+    from mlx_dualnorm.tools.benchmark import DECODE_SCENARIOS, PATH_REGISTRY, PathUnavailable
 
     sizes: dict[str, dict[str, Optional[int]]] = {}
     for scenario in DECODE_SCENARIOS:

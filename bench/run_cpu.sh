@@ -21,8 +21,10 @@ cd "${repository_root}"
 # the cores with MLX's CPU stream.
 export OPENBLAS_NUM_THREADS=1
 
-"${python}" -m mlx_dualnorm.benchmark --device cpu --output-dir "${output_dir}" \
+"${python}" -m mlx_dualnorm bench --device cpu --output-dir "${output_dir}" \
     --all-metrics "$@" | tee "${output_dir}/benchmark.txt"
+"${python}" bench/targets.py "${output_dir}/benchmark.json" \
+    | tee -a "${output_dir}/benchmark.txt" || true
 
 "${python}" bench/profile_host_path.py --output-dir "${output_dir}" \
     | tee "${output_dir}/host_path_profile.txt"

@@ -1,10 +1,8 @@
 """Bit-level comparison for the reliability tests.
 
-``conftest.assert_bit_identical`` compares values (``array_equal`` with NaN
-matching NaN), which cannot tell ``-0.0`` from ``0.0`` or one NaN payload
-from another. The reliability suite promises the composed path's BITS, so
-it compares the raw integer view of each element: same dtype, same shape,
-same bit pattern everywhere.
+The reliability suite promises the composed path's BITS: same dtype, same
+shape, same bit pattern everywhere, through the package's one comparison
+(``mlx_dualnorm._bits``), with context in each failure message.
 """
 
 from __future__ import annotations
@@ -15,14 +13,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_dualnorm import composed_dual_head_norm
-
-# The unsigned view of each floating dtype the dual head norm can return.
-BIT_VIEW_DTYPES = {
-    mx.float16: mx.uint16,
-    mx.bfloat16: mx.uint16,
-    mx.float32: mx.uint32,
-    mx.float64: mx.uint64,
-}
+from mlx_dualnorm._bits import count_bit_differences
 
 
 def mismatched_elements(
@@ -30,13 +21,9 @@ def mismatched_elements(
 ) -> int:
     """How many elements differ in their bits (arrays of one dtype and
     shape); with ``nan_payloads_may_differ``, a NaN matches any NaN."""
-    if actual.size == 0:
-        return 0  # no elements (and MLX's GPU reductions cannot launch on none)
-    view_dtype = BIT_VIEW_DTYPES[actual.dtype]
-    differ = actual.view(view_dtype) != expected.view(view_dtype)
-    if nan_payloads_may_differ:
-        differ = mx.logical_and(differ, mx.logical_not(mx.logical_and(mx.isnan(actual), mx.isnan(expected))))
-    return int(mx.sum(differ).item())
+    return count_bit_differences(
+        actual, expected, nan_payloads_may_differ=nan_payloads_may_differ
+    )
 
 
 ON_GPU = mx.default_device() == mx.gpu

@@ -5,14 +5,16 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from mlx_dualnorm._bits import count_bit_differences
+
 
 def assert_bit_identical(actual: mx.array, expected: mx.array) -> None:
-    """Same dtype, same shape, same bits (NaN matching NaN)."""
+    """Same dtype, same shape, same bits in every element (signed zeros and
+    NaN payloads included): the package's one comparison rule."""
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    if actual.size == 0:
-        return  # no values (and MLX's GPU kernels cannot launch on none)
-    assert mx.array_equal(actual, expected, equal_nan=True).item(), "values differ"
+    differing = count_bit_differences(actual, expected)
+    assert differing == 0, f"{differing} of {actual.size} elements differ in bits"
 
 
 @pytest.fixture

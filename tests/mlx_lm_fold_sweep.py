@@ -20,6 +20,7 @@ import time
 
 import mlx.core as mx
 
+from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.integrations import mlx_lm as integration
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -30,7 +31,6 @@ VALUE_RANGES = ("normal", "wide", "tiny", "huge", "special", "zeros")
 LAYOUTS = ("contiguous", "transposed", "sliced", "reversed", "broadcast_heads", "broadcast_last")
 SHAPES = ((1, 1, 16), (2, 7, 4), (3, 1, 2))  # leading axes; the width is appended
 LARGE_WIDTH = 512  # above it, only every third (shape, values, layout) case runs
-SAME_WIDTH_UNSIGNED = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16}
 
 
 def values(shape: tuple[int, ...], value_range: str, key: mx.array) -> mx.array:
@@ -70,13 +70,6 @@ def laid_out(array: mx.array, layout: str) -> mx.array:
     if layout == "broadcast_last":
         return mx.broadcast_to(array[..., :1], array.shape)
     raise ValueError(layout)
-
-
-def same_bits(actual: mx.array, expected: mx.array) -> bool:
-    if actual.dtype != expected.dtype or actual.shape != expected.shape:
-        return False
-    unsigned = SAME_WIDTH_UNSIGNED[actual.dtype]
-    return bool(mx.array_equal(actual.view(unsigned), expected.view(unsigned)).item())
 
 
 def sweep(widths, quick: bool) -> tuple[int, int, int, list]:

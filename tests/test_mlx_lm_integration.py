@@ -18,16 +18,17 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 import mlx_lm.models.gated_delta as gated_delta  # noqa: E402
+from conftest import assert_bit_identical as assert_same_bits  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.integrations import mlx_lm_bench, mlx_lm_check  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm_check import (  # noqa: E402
+from mlx_dualnorm.tools import mlx_lm_bench, mlx_lm_check  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_check import (  # noqa: E402
     compare_traces,
     count_normalize_qk_calls,
     greedy_generate,
 )
-from mlx_dualnorm.integrations.mlx_lm_synthetic import (  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     build_synthetic_model,
     prompt_token_ids,
     synthetic_model_config,
@@ -42,19 +43,7 @@ GATED_DELTA_MODEL_MODULES = (
     "mlx_lm.models.olmo_hybrid",
     "mlx_lm.models.bailing_moe_v3",
 )
-SAME_WIDTH_UNSIGNED = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16}
 GENERATED_TOKENS = 64
-
-
-def assert_same_bits(actual: mx.array, expected: mx.array) -> None:
-    """Dtype, shape and every bit (NaN payloads and signed zeros too)."""
-    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    unsigned = SAME_WIDTH_UNSIGNED.get(actual.dtype)
-    if unsigned is None:
-        assert mx.array_equal(actual, expected, equal_nan=True).item()
-    else:
-        assert mx.array_equal(actual.view(unsigned), expected.view(unsigned)).item()
 
 
 @pytest.fixture(autouse=True)
@@ -248,7 +237,11 @@ def assert_same_outcome(expected, actual):
         assert actual is expected
     else:
         for a, e in zip(actual, expected):
-            assert_same_bits(a, e)
+            if isinstance(e, mx.array):
+                assert_same_bits(a, e)
+            else:  # a numpy inv_scale makes numpy results: same type, dtype, shape, bytes
+                assert type(a) is type(e) and a.dtype == e.dtype and a.shape == e.shape
+                assert np.asarray(a).tobytes() == np.asarray(e).tobytes()
 
 
 def _pair(shape=(2, 64), dtype=mx.float32, **options):
@@ -502,6 +495,7 @@ def test_check_passes_on_a_synthetic_model(capsys):
     output = capsys.readouterr().out
     assert "RESULT: identical" in output
     assert "bit-identical at all 9 steps" in output
+    assert "patched / unpatched" in output and "lower is better" in output
 
 
 def test_check_loads_a_local_model_folder(tmp_path, capsys):
@@ -541,4 +535,12 @@ def test_check_refuses_bad_arguments(tmp_path, monkeypatch, capsys, arguments, m
 def test_bench_runs(capsys):
     arguments = ["--quick", "--layers", "2", "--models", "", "--prework-tokens", "3"]
     assert mlx_lm_bench.main(arguments) == 0
-    assert "prework_2_layers" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "prework_2_layers" in printed
+    assert "patched time / unpatched time" in printed and "lower is better" in printed
+
+
+def test_bench_ratio_is_patched_time_over_unpatched_time():
+    timing = mlx_lm_bench.PairedTiming("twice as fast", "us/token", [2.0, 4.0], [1.0, 1.0])
+    assert timing.time_ratios == [0.5, 0.25]
+    assert timing.summary()["time_ratio_patched_over_unpatched"]["median"] == 0.375

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import assert_bit_identical
 from mlx_dualnorm import CompiledDualHeadNorm, available_modes, composed_dual_head_norm
-from mlx_dualnorm import parity
-from mlx_dualnorm.parity import (
+from mlx_dualnorm.tools import parity
+from mlx_dualnorm.tools.parity import (
     BATCH_SIZES,
     DTYPE_CONFIGURATIONS,
     FAMILY_NAMES,
@@ -130,7 +130,7 @@ def test_compiled_path_matches_composed_bit_patterns_over_full_matrix() -> None:
 
 
 def test_mx_compile_path_matches_composed_over_full_matrix() -> None:
-    report = check_path_parity(parity.make_mx_compile_path, path_name="mx.compile")
+    report = check_path_parity(parity.make_mx_compile_path, path_name="mx_compile")
 
     assert report.mismatches == [], parity.format_parity_report(report)
     assert set(report.cases_per_family) == set(FAMILY_NAMES)
@@ -141,7 +141,7 @@ def test_quick_matrix_passes_for_every_registered_path() -> None:
         parity.PATH_FACTORIES, build_quick_parity_matrix(), matrix_name="quick"
     )
 
-    assert set(reports) == {"compiled", "mx.compile", *FUSED_WHERE_AVAILABLE}
+    assert set(reports) == {"compiled", "mx_compile", *FUSED_WHERE_AVAILABLE}
     for report in reports.values():
         assert report.passed, parity.format_parity_report(report)
 
@@ -339,7 +339,7 @@ def test_main_prints_a_table_and_returns_zero_for_the_compiled_path(capsys) -> N
     printed = capsys.readouterr().out
     assert exit_status == 0
     assert "'compiled'" in printed and "PASS" in printed
-    assert "'mx.compile'" not in printed
+    assert "'mx_compile'" not in printed
     for family in FAMILY_NAMES:
         assert family in printed
 
@@ -360,7 +360,7 @@ def test_main_runs_as_a_command() -> None:
         [
             sys.executable,
             "-c",
-            "import sys; from mlx_dualnorm.parity import main; sys.exit(main(sys.argv[1:]))",
+            "import sys; from mlx_dualnorm.tools.parity import main; sys.exit(main(sys.argv[1:]))",
             "--quick",
             "--family",
             "mixed_dtypes",

@@ -55,6 +55,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx_lm.models.gated_delta as gated_delta_module
 
+from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm, Mode
 
 __all__ = [
@@ -82,13 +83,6 @@ PLAIN_SCALAR_TYPES = (float, int)
 # original instead of growing the cache.
 MAX_CACHED_FOLDS = 256
 PROBE_ROWS = 3
-
-_SAME_WIDTH_UNSIGNED = {
-    mx.float32: mx.uint32,
-    mx.float16: mx.uint16,
-    mx.bfloat16: mx.uint16,
-}
-
 
 def _unwrap_replacement(function):
     while getattr(function, REPLACEMENT_MARKER, False) is True:
@@ -230,16 +224,7 @@ def _probe_matches_original(folded, dtype, width, query_rank, key_rank, eps, inv
     expected = ORIGINAL_NORMALIZE_QK(probe_queries, probe_keys, inv_scale=inv_scale, eps=eps)
     actual = folded(probe_queries, probe_keys)
     mx.eval(expected, actual)
-    return all(_same_bits(a, e) for a, e in zip(actual, expected))
-
-
-def _same_bits(actual: mx.array, expected: mx.array) -> bool:
-    if actual.dtype != expected.dtype or actual.shape != expected.shape:
-        return False
-    unsigned = _SAME_WIDTH_UNSIGNED.get(actual.dtype)
-    if unsigned is None:
-        return False
-    return bool(mx.array_equal(actual.view(unsigned), expected.view(unsigned)).item())
+    return all(same_bits(a, e) for a, e in zip(actual, expected))
 
 
 def _fall_back(queries, keys, inv_scale, eps):

@@ -2,8 +2,8 @@
 
 Two measurements on the default MLX device, each as ``repeats`` rounds with
 both paths interleaved (order alternating per round, so drift hits both
-alike), reported as the median over rounds with the per-round ratio
-``unpatched / patched`` (above 1: the patch is faster):
+alike), reported as the median over rounds with the per-round time ratio
+``patched / unpatched`` (lower is better; below 1 the patch is faster):
 
 * prework: only the q/k normalization at the Qwen3-Next decode shape, q and
   k ``(1, 1, 16, 128)`` bfloat16, ``inv_scale = 128**-0.5``, ``eps = 1e-6``,
@@ -12,13 +12,12 @@ alike), reported as the median over rounds with the per-round ratio
   graph build and evaluation together. Qwen3-Next-80B has 48 layers, 36 of
   them gated-delta.
 * generation: milliseconds per decode token of the small random models of
-  :mod:`~mlx_dualnorm.integrations.mlx_lm_synthetic`, greedy through mlx-lm's
+  :mod:`~mlx_dualnorm.tools.mlx_lm_synthetic`, greedy through mlx-lm's
   ``generate_step`` (median over the decode tokens of a round). These models
   are tiny, so the prework is a larger share of a token than in a real one.
 
-``main(argv)`` is the command line (``python -m
-mlx_dualnorm.integrations.mlx_lm_bench``); ``run_prework`` and
-``run_generation`` the programmatic API.
+``main(argv)`` is the command line (``python -m mlx_dualnorm
+mlx-lm-bench``); ``run_prework`` and ``run_generation`` the programmatic API.
 """
 
 from __future__ import annotations
@@ -40,8 +39,9 @@ import mlx_lm.models.gated_delta as gated_delta_module
 
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm_check import greedy_generate
-from mlx_dualnorm.integrations.mlx_lm_synthetic import (
+from mlx_dualnorm.tools import cli
+from mlx_dualnorm.tools.mlx_lm_check import greedy_generate
+from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DEFAULT_DTYPES,
     SYNTHETIC_MODEL_TYPES,
     build_synthetic_model,
@@ -56,7 +56,7 @@ __all__ = [
     "run_prework",
 ]
 
-REPORT_SCHEMA = "mlx_dualnorm.mlx_lm_bench/1"
+REPORT_SCHEMA = "mlx_dualnorm.mlx_lm_bench/2"
 DECODE_SHAPE = (1, 1, 16, 128)
 DECODE_DTYPE = mx.bfloat16
 HEAD_WIDTH = DECODE_SHAPE[-1]
@@ -80,8 +80,9 @@ class PairedTiming:
     patched: list[float]
 
     @property
-    def ratios(self) -> list[float]:
-        return [u / p for u, p in zip(self.unpatched, self.patched) if p > 0]
+    def time_ratios(self) -> list[float]:
+        """Per round, patched time / unpatched time: lower is better."""
+        return [p / u for u, p in zip(self.unpatched, self.patched) if u > 0]
 
     def summary(self) -> dict:
         def spread(values: list[float]) -> dict:
@@ -95,9 +96,9 @@ class PairedTiming:
             "name": self.name,
             "unit": self.unit,
             "rounds": len(self.patched),
-            UNPATCHED: spread(self.unpatched),
-            PATCHED: spread(self.patched),
-            "ratio_unpatched_over_patched": spread(self.ratios),
+            "unpatched_time": spread(self.unpatched),
+            "patched_time": spread(self.patched),
+            "time_ratio_patched_over_unpatched": spread(self.time_ratios),
         }
 
 
@@ -196,18 +197,28 @@ def _vocabulary_size(model_type: str) -> int:
 
 def format_table(timings: list[PairedTiming]) -> str:
     lines = [
-        f"{'measurement':<34} {'unit':<9} {UNPATCHED:>10} {PATCHED:>10} {'ratio':>7}"
+        f"{'measurement':<34} {'unit':<9} {'unpatched':>10} {PATCHED:>10} {'ratio':>7}"
         "  (min..max ratio)",
     ]
     for timing in timings:
         summary = timing.summary()
-        ratio = summary["ratio_unpatched_over_patched"]
+        ratio = summary["time_ratio_patched_over_unpatched"]
         lines.append(
             f"{timing.name:<34} {timing.unit:<9} "
-            f"{summary[UNPATCHED]['median']:>10.3f} {summary[PATCHED]['median']:>10.3f} "
+            f"{summary['unpatched_time']['median']:>10.3f} "
+            f"{summary['patched_time']['median']:>10.3f} "
             f"{ratio['median']:>6.2f}x  ({ratio['min']:.2f}..{ratio['max']:.2f}, "
             f"{summary['rounds']} rounds)"
         )
+    lines += [
+        "columns: median time per round, unpatched (mlx-lm's normalize_qk) and patched "
+        "(mlx_dualnorm.integrations.mlx_lm.patch());",
+        "  ratio = patched time / unpatched time, per round (median, then min..max): "
+        "lower is better, below 1.00x the patch is faster",
+        f"  prework_N_layers: N chained q/k normalizations at {DECODE_SHAPE} bfloat16, "
+        "one eval per token",
+        "  generation_MODEL_DTYPE: ms per decode token of a small random mlx-lm model",
+    ]
     return "\n".join(lines)
 
 
@@ -229,46 +240,47 @@ def _mlx_lm_version() -> str:
     return __version__
 
 
-def _parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m mlx_dualnorm.integrations.mlx_lm_bench",
-        description="mlx-lm's normalize_qk vs the mlx_dualnorm patch: q/k prework "
-        "at the Qwen3-Next decode shape and per-token generation time.",
+def _bench_parser() -> argparse.ArgumentParser:
+    parser = cli.tool_parser(
+        "mlx-lm-bench",
+        "mlx-lm's normalize_qk against the mlx_dualnorm patch: q/k prework at the "
+        "Qwen3-Next decode shape and per-token generation time of small random models. "
+        "Ratios are patched time / unpatched time: lower is better.",
     )
     parser.add_argument(
-        "--layers", default="36,48", help="chained layers for the prework (default 36,48)"
+        "--layers", default="36,48", help="comma-separated chained layer counts for the prework"
     )
-    parser.add_argument("--prework-tokens", type=int, help="tokens per prework round (200)")
-    parser.add_argument("--prework-repeats", type=int, help="prework rounds (7)")
+    parser.add_argument("--prework-tokens", type=int,
+                        help="tokens per prework round (default: 200, or 50 with --quick)")
+    parser.add_argument("--prework-repeats", type=int,
+                        help="prework rounds (default: 7, or 3 with --quick)")
     parser.add_argument(
         "--models",
         default=",".join(SYNTHETIC_MODEL_TYPES),
-        help="synthetic models to generate with ('' for none)",
+        help="comma-separated synthetic models to generate with ('' for none)",
     )
-    parser.add_argument("--tokens", type=int, help="greedy tokens per generation round (64)")
-    parser.add_argument("--generation-repeats", type=int, help="generation rounds (5)")
-    parser.add_argument("--mode", default=None, help="mode for patch()")
-    parser.add_argument(
-        "--quick", action="store_true", help="defaults of 50 / 3 / 32 / 2 for the four above"
-    )
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    return parser.parse_args(list(argv))
+    parser.add_argument("--tokens", type=int,
+                        help="greedy tokens per generation round (default: 64, or 32 with --quick)")
+    parser.add_argument("--generation-repeats", type=int,
+                        help="generation rounds (default: 5, or 2 with --quick)")
+    parser.add_argument("--mode", default=None, help="mode for patch() (None: its own default)")
+    parser.add_argument("--quick", action="store_true", help="the smaller defaults above")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    return parser
 
 
-def main(argv: Sequence[str]) -> int:
+def _checked_arguments(
+    arguments: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[list[int], list[str]]:
+    """Layer counts and model names, defaults filled in; bad usage exits 2."""
     try:
-        arguments = _parse_arguments(argv)
         layer_counts = [int(text) for text in arguments.layers.split(",") if text.strip()]
-        model_types = [text.strip() for text in arguments.models.split(",") if text.strip()]
-    except SystemExit as exit_request:
-        return exit_request.code if isinstance(exit_request.code, int) else 2
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        parser.error(f"--layers: {error}")
+    model_types = [text.strip() for text in arguments.models.split(",") if text.strip()]
     unknown = sorted(set(model_types) - set(SYNTHETIC_MODEL_TYPES))
     if unknown or any(layers < 1 for layers in layer_counts):
-        print(f"error: unknown models {unknown} or a layer count below 1", file=sys.stderr)
-        return 2
+        parser.error(f"unknown models {unknown} or a layer count below 1")
     defaults = QUICK_DEFAULTS if arguments.quick else FULL_DEFAULTS
     for name, default in defaults.items():
         if getattr(arguments, name) is None:
@@ -277,10 +289,13 @@ def main(argv: Sequence[str]) -> int:
         with integration.patch(arguments.mode):
             pass  # a mode that cannot run here fails before any measurement
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        parser.error(str(error))
+    return layer_counts, model_types
 
-    started = time.perf_counter()
+
+def _measure(
+    arguments: argparse.Namespace, layer_counts: list[int], model_types: list[str]
+) -> list[PairedTiming]:
     timings: list[PairedTiming] = []
     for layers in layer_counts:
         print(f"prework, {layers} layers ...", file=sys.stderr, flush=True)
@@ -294,6 +309,13 @@ def main(argv: Sequence[str]) -> int:
                 model_type, arguments.tokens, arguments.generation_repeats, arguments.mode
             )
         )
+    return timings
+
+
+def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    layer_counts, model_types = _checked_arguments(arguments, parser)
+    started = time.perf_counter()
+    timings = _measure(arguments, layer_counts, model_types)
     environment = _environment()
     print(
         f"mlx-lm patch benchmark on {environment['device']} (MLX {environment['mlx']}, "
@@ -311,6 +333,11 @@ def main(argv: Sequence[str]) -> int:
         Path(arguments.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {arguments.json}", file=sys.stderr)
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m mlx_dualnorm mlx-lm-bench``; see the module doc."""
+    return cli.run_tool(_bench_parser(), _run, argv)
 
 
 if __name__ == "__main__":

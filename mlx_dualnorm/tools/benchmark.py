@@ -21,10 +21,13 @@ machine falls on all of them alike. The ratio to the baseline path
 (``composed``) is computed per repeat, and values and ratios are reported
 as min / median / max over the repeats.
 
-Paths live in a registry, ``name -> factory(eps) -> callable(q, k, wq, wk)``;
-adding one (a fused mode, an mlx-lm comparison) is one ``register_path``
-call. A factory, or a call, that raises :class:`PathUnavailable` marks the
-path (or that path at that shape) as skipped instead of failing the run.
+A ratio is always ``value(path) / value(composed)`` (time, or peak memory):
+lower is better, below 1 the path beats the composed path.
+
+The paths are those of :mod:`mlx_dualnorm.tools.paths`, by the names every
+tool uses; adding one is one ``register_path`` call. A factory, or a call,
+that raises :class:`PathUnavailable` marks the path (or that path at that
+shape) as skipped instead of failing the run.
 
 ``main(argv)`` is the command line (``python -m mlx_dualnorm bench``);
 ``run_benchmark(config)`` the programmatic API; ``summary_table`` the short
@@ -36,7 +39,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import gc
 import json
 import os
@@ -49,11 +51,18 @@ from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from mlx_dualnorm.dual_head_norm import (
-    CompiledDualHeadNorm,
-    Mode,
-    available_modes,
-    composed_dual_head_norm,
+from mlx_dualnorm.tools import cli
+from mlx_dualnorm.tools.paths import (
+    COMPILED_PATH,
+    FUSED_PATH,
+    PATH_REGISTRY,
+    PYTHON_COMPILE_PATH,
+    PYTHON_COMPILE_SHAPED_PATH,
+    REFERENCE_PATH,
+    PathUnavailable,
+    describe_paths,
+    package_mode_factory,
+    register_path,
 )
 
 __all__ = [
@@ -62,7 +71,6 @@ __all__ = [
     "PATH_REGISTRY",
     "PathUnavailable",
     "Scenario",
-    "Target",
     "format_report_table",
     "main",
     "package_mode_factory",
@@ -73,109 +81,20 @@ __all__ = [
     "write_json",
 ]
 
-REPORT_SCHEMA = "mlx_dualnorm.benchmark/1"
+REPORT_SCHEMA = "mlx_dualnorm.benchmark/2"
 JSON_FILE_NAME = "benchmark.json"
 CHART_FILE_NAME = "benchmark.png"
-BASELINE_PATH = "composed"
-COMPILED_PATH = "compiled"
-FUSED_PATH = "fused"
-PYTHON_COMPILE_PATH = "mx_compile"
+BASELINE_PATH = REFERENCE_PATH  # every ratio is to this path's value
+RATIO_DEFINITION = f"this path's value / {BASELINE_PATH}'s value, per repeat; lower is better"
 
 DualHeadNormCall = Callable[
     [mx.array, mx.array, Optional[mx.array], Optional[mx.array]],
     "tuple[mx.array, mx.array]",
 ]
-PathFactory = Callable[[float], DualHeadNormCall]
 # Host timing only keeps a call's outputs, so it also takes calls that return
 # something else (the empty-loop baseline returns None).
 TimedCall = Callable[[mx.array, mx.array, Optional[mx.array], Optional[mx.array]], object]
 
-
-# ---- The path registry -----------------------------------------------------
-
-
-class PathUnavailable(RuntimeError):
-    """Raised by a path factory (or by a path's call, for one shape) when the
-    path cannot run here: its package is missing, its mode is not built, it
-    takes no weights. The benchmark records the reason and skips it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchmarkPath:
-    """One way of computing ``(rms_norm(q, wq, eps), rms_norm(k, wk, eps))``."""
-
-    name: str
-    factory: PathFactory
-    description: str
-
-
-PATH_REGISTRY: dict[str, BenchmarkPath] = {}
-
-
-def register_path(name: str, factory: PathFactory, description: str = "") -> None:
-    """Adds (or replaces) a benchmarked path.
-
-    ``factory(eps)`` returns a callable taking ``(queries, keys,
-    query_weight, key_weight)`` positionally (weights may be None) and
-    returning the two normalized arrays, lazily. If the callable has a
-    ``close()`` method, the benchmark calls it when done. For example::
-
-        register_path("fused", lambda eps: CompiledDualHeadNorm(eps, mode="fused"))
-    """
-    PATH_REGISTRY[name] = BenchmarkPath(name, factory, description)
-
-
-def _two_rms_norms(eps: float) -> DualHeadNormCall:
-    def two_rms_norms(queries, keys, query_weight, key_weight):
-        return (
-            mx.fast.rms_norm(queries, query_weight, eps),
-            mx.fast.rms_norm(keys, key_weight, eps),
-        )
-
-    return two_rms_norms
-
-
-register_path(
-    BASELINE_PATH,
-    lambda eps: functools.partial(composed_dual_head_norm, eps=eps),
-    "two mx.fast.rms_norm calls (mlx_dualnorm.composed_dual_head_norm)",
-)
-register_path(
-    PYTHON_COMPILE_PATH,
-    lambda eps: mx.compile(_two_rms_norms(eps), shapeless=True),
-    "Python mx.compile(shapeless=True) of the same two calls",
-)
-register_path(
-    "mx_compile_shaped",
-    lambda eps: mx.compile(_two_rms_norms(eps)),
-    "Python mx.compile (shape-specialized) of the same two calls",
-)
-
-
-def package_mode_factory(mode: Mode) -> PathFactory:
-    """``CompiledDualHeadNorm(eps, mode=mode)``, or PathUnavailable where
-    this build or device lacks the mode."""
-
-    def factory(eps: float) -> DualHeadNormCall:
-        if mode not in available_modes():
-            raise PathUnavailable(
-                f"mode {mode!r} is not available here (available: {', '.join(available_modes())})"
-            )
-        return CompiledDualHeadNorm(eps, mode=mode)
-
-    return factory
-
-
-register_path(
-    COMPILED_PATH,
-    package_mode_factory("compiled"),
-    "mlx_dualnorm.CompiledDualHeadNorm(mode='compiled'): shapeless C-compiled graph",
-)
-register_path(
-    FUSED_PATH,
-    package_mode_factory("fused"),
-    "mlx_dualnorm.CompiledDualHeadNorm(mode='fused'): one kernel for both inputs (CUDA)",
-)
 
 
 # ---- What is measured --------------------------------------------------------
@@ -243,79 +162,6 @@ PREFILL_PEAK = MetricKind(
 
 def metric_key(kind: MetricKind, scenario: Scenario) -> str:
     return f"{kind.name}/{scenario.name}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """An issue's bound on ``path``'s metric, judged on the device type the
-    issue stated it for: at most ``max_ratio`` times ``reference``'s value
-    (the median over repeats of the per-repeat ratio), or, where
-    ``max_value`` is set instead, at most that many of the metric's unit
-    (the median over repeats)."""
-
-    issue: int
-    device_type: str  # "cpu" or "gpu": where the bound applies
-    metric: str
-    path: str
-    reference: str = BASELINE_PATH
-    max_ratio: Optional[float] = None
-    max_value: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        if (self.max_ratio is None) == (self.max_value is None):
-            raise ValueError(f"a target sets exactly one of max_ratio and max_value: {self}")
-
-    @property
-    def absolute(self) -> bool:
-        """Whether the bound is on the value itself, not on the ratio."""
-        return self.max_value is not None
-
-    @property
-    def bound(self) -> float:
-        bound = self.max_value if self.absolute else self.max_ratio
-        assert bound is not None  # __post_init__ sets exactly one
-        return bound
-
-    @property
-    def name(self) -> str:
-        if self.absolute:
-            return f"{self.metric}: {self.path} <= {self.bound:g} (absolute)"
-        return f"{self.metric}: {self.path} <= {self.bound:g}x {self.reference}"
-
-
-# The targets of the issues, per device type. Issue 4 ("Performance") bounds
-# the compiled path on both; issue 5 (the fused mode) the fused path on
-# the GPU at the gated-delta decode shape.
-ISSUE_TARGETS = (
-    *(
-        Target(4, "cpu", metric_key(DECODE_TOKEN, scenario), COMPILED_PATH, max_ratio=0.3)
-        for scenario in DECODE_SCENARIOS
-    ),
-    *(
-        Target(4, "cpu", metric_key(DECODE_TOKEN, scenario), COMPILED_PATH,
-               PYTHON_COMPILE_PATH, max_ratio=1.0)
-        for scenario in DECODE_SCENARIOS
-    ),
-    *(
-        Target(4, "cpu", metric_key(HOST_CALL, scenario), COMPILED_PATH, max_ratio=1.0)
-        for scenario in DECODE_SCENARIOS
-    ),
-    *(
-        Target(4, "gpu", metric_key(DECODE_TOKEN, scenario), COMPILED_PATH, max_ratio=1.0)
-        for scenario in DECODE_SCENARIOS
-    ),
-    *(
-        Target(4, "gpu", metric_key(HOST_CALL, scenario), COMPILED_PATH, max_value=0.6)
-        for scenario in DECODE_SCENARIOS
-    ),
-    *(
-        Target(4, device_type, metric_key(PREFILL_PEAK, GATED_DELTA_PREFILL), COMPILED_PATH,
-               max_ratio=1.0)
-        for device_type in ("cpu", "gpu")
-    ),
-    Target(5, "gpu", metric_key(DECODE_TOKEN, GATED_DELTA_DECODE), FUSED_PATH, max_ratio=0.5),
-    Target(5, "gpu", metric_key(HOST_CALL, GATED_DELTA_DECODE), FUSED_PATH, max_value=1.0),
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,50 +244,16 @@ class MetricResult:
             entry = {"samples": values, **spread(values)}
             ratios = self.ratio_samples(path)
             if ratios is not None:
-                entry["ratio_to_baseline"] = {"samples": ratios, **spread(ratios)}
+                entry["ratio_to_composed"] = {"samples": ratios, **spread(ratios)}
             paths[path] = entry
         return {
             "kind": self.kind.name,
             "scenario": self.scenario.name,
             "title": self.kind.title,
             "unit": self.kind.unit,
-            "baseline": BASELINE_PATH,
+            "reference_path": BASELINE_PATH,
+            "ratio_definition": RATIO_DEFINITION,
             "paths": paths,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class TargetResult:
-    target: Target
-    # min / median / max over repeats of the ratio to the reference, and of
-    # the value itself; None where the path did not run.
-    ratio: Optional[dict[str, float]]
-    value: Optional[dict[str, float]]
-
-    @property
-    def judged(self) -> Optional[dict[str, float]]:
-        """The spread the bound applies to: the value's for an absolute
-        bound, the ratio's otherwise (None where the path did not run)."""
-        return self.value if self.target.absolute else self.ratio
-
-    @property
-    def met(self) -> Optional[bool]:
-        judged = self.judged
-        return None if judged is None else judged["median"] <= self.target.bound
-
-    def to_json(self) -> dict:
-        return {
-            "name": self.target.name,
-            "issue": self.target.issue,
-            "device_type": self.target.device_type,
-            "metric": self.target.metric,
-            "path": self.target.path,
-            "reference": self.target.reference,
-            "max_ratio": self.target.max_ratio,
-            "max_value": self.target.max_value,
-            "ratio": self.ratio,
-            "value": self.value,
-            "met": self.met,
         }
 
 
@@ -453,7 +265,6 @@ class BenchmarkReport:
     metadata: dict
     path_status: dict[str, dict]
     metrics: dict[str, MetricResult]
-    targets: list[TargetResult]
     elapsed_s: float = 0.0
 
     def metric(self, kind: MetricKind, scenario: Scenario) -> MetricResult:
@@ -474,7 +285,6 @@ class BenchmarkReport:
                 for scenario in (*DECODE_SCENARIOS, GATED_DELTA_PREFILL)
             },
             "metrics": {key: metric.to_json() for key, metric in self.metrics.items()},
-            "targets": [target.to_json() for target in self.targets],
         }
 
 
@@ -725,10 +535,101 @@ def _warm_up(
     return skipped
 
 
+class _Measurement:
+    """The state of one run between its steps: the paths built, their
+    inputs, the scenarios each cannot run, and the samples so far."""
+
+    def __init__(self, config: BenchmarkConfig, progress: Optional[Callable[[str], None]]):
+        self.config = config
+        path_names = config.selected_paths()
+        self.calls, self.path_status = _build_paths(path_names, config.eps)
+        if BASELINE_PATH not in self.calls:
+            raise RuntimeError(f"the baseline path {BASELINE_PATH!r} did not build")
+        self.running_paths = [name for name in path_names if name in self.calls]
+        self.inputs = {
+            scenario.name: make_inputs(scenario, config.seed + index)
+            for index, scenario in enumerate((*DECODE_SCENARIOS, GATED_DELTA_PREFILL))
+        }
+        _progress(f"warming up {len(self.running_paths)} paths (tracing, kernel JIT)", progress)
+        self.unavailable = _warm_up(self.calls, self.path_status, self.inputs)
+        self.metrics: dict[str, MetricResult] = {}
+
+    def record(self, kind: MetricKind, scenario: Scenario, path: str, value: float) -> None:
+        key = metric_key(kind, scenario)
+        metric = self.metrics.setdefault(key, MetricResult(key, kind, scenario))
+        metric.samples.setdefault(path, []).append(value)
+
+    def paths_for(self, scenario: Scenario, repeat: int) -> dict[str, DualHeadNormCall]:
+        """The paths that run at ``scenario``, the first one rotating per repeat."""
+        return {
+            name: self.calls[name]
+            for name in _rotated(self.running_paths, repeat)
+            if scenario.name not in self.unavailable[name]
+        }
+
+    def host_loop_overhead_us(self) -> float:
+        """What the timing loop costs with a call that does nothing."""
+        return time_graph_builds(
+            lambda queries, keys, query_weight, key_weight: None,
+            self.inputs[GATED_DELTA_DECODE.name],
+            self.config.host_batches,
+            self.config.host_calls_per_batch,
+        )[0]
+
+    def measure_host_calls(self, repeat: int) -> None:
+        for scenario in DECODE_SCENARIOS:
+            scenario_inputs = self.inputs[scenario.name]
+            batches = interleaved_samples(
+                self.paths_for(scenario, repeat),
+                lambda call: build_batch(call, scenario_inputs, self.config.host_calls_per_batch),
+                self.config.host_batches,
+                warmup=1,
+            )
+            for name, samples in batches.items():
+                self.record(HOST_CALL, scenario, name, statistics.median(b for b, _ in samples))
+                self.record(HOST_RELEASE, scenario, name, statistics.median(r for _, r in samples))
+
+    def measure_decode_tokens(self, repeat: int) -> None:
+        for scenario in DECODE_SCENARIOS:
+            scenario_inputs = self.inputs[scenario.name]
+            tokens = interleaved_samples(
+                self.paths_for(scenario, repeat),
+                lambda call: run_decode_token(call, scenario_inputs, self.config.layers),
+                self.config.decode_tokens,
+                warmup=self.config.decode_warmup_tokens,
+            )
+            for name, samples in tokens.items():
+                total_us = statistics.median(total for _, total in samples) / 1e3
+                build_us = statistics.median(build for build, _ in samples) / 1e3
+                self.record(DECODE_TOKEN, scenario, name, total_us)
+                self.record(DECODE_BUILD, scenario, name, build_us)
+
+    def measure_prefill(self, repeat: int) -> None:
+        # Same buffer cache for every path: emptied once, then one warm-up
+        # call each refills it.
+        mx.clear_cache()
+        prefill_inputs = self.inputs[GATED_DELTA_PREFILL.name]
+        prefill_calls = interleaved_samples(
+            self.paths_for(GATED_DELTA_PREFILL, repeat),
+            lambda call: run_prefill_call(call, prefill_inputs),
+            self.config.prefill_iterations,
+            warmup=1,
+        )
+        for name, samples in prefill_calls.items():
+            elapsed_us = statistics.median(elapsed for elapsed, _ in samples) / 1e3
+            self.record(PREFILL_CALL, GATED_DELTA_PREFILL, name, elapsed_us)
+            self.record(PREFILL_PEAK, GATED_DELTA_PREFILL, name, float(max(p for _, p in samples)))
+
+    def close_paths(self) -> None:
+        for call in self.calls.values():
+            close = getattr(call, "close", None)
+            if callable(close):
+                close()
+
+
 def run_benchmark(
     config: Optional[BenchmarkConfig] = None,
     *,
-    targets: Sequence[Target] = ISSUE_TARGETS,
     progress: Optional[Callable[[str], None]] = None,
 ) -> BenchmarkReport:
     """Runs every measurement on the default device; see the module doc.
@@ -741,110 +642,24 @@ def run_benchmark(
     run_started = time.perf_counter()
     load_average_at_start = _load_average()
     cpu_pressure_at_start = _cpu_pressure()
-    path_names = config.selected_paths()
-    calls, path_status = _build_paths(path_names, config.eps)
-    if BASELINE_PATH not in calls:
-        raise RuntimeError(f"the baseline path {BASELINE_PATH!r} did not build")
-    running_paths = [name for name in path_names if name in calls]
-    scenarios = (*DECODE_SCENARIOS, GATED_DELTA_PREFILL)
-    inputs = {
-        scenario.name: make_inputs(scenario, config.seed + index)
-        for index, scenario in enumerate(scenarios)
-    }
-    _progress(f"warming up {len(running_paths)} paths (tracing, kernel JIT)", progress)
-    unavailable = _warm_up(calls, path_status, inputs)
-
-    metrics: dict[str, MetricResult] = {}
-
-    def record(kind: MetricKind, scenario: Scenario, path: str, value: float) -> None:
-        key = metric_key(kind, scenario)
-        metric = metrics.setdefault(key, MetricResult(key, kind, scenario))
-        metric.samples.setdefault(path, []).append(value)
-
-    def paths_for(scenario: Scenario, repeat: int) -> dict[str, DualHeadNormCall]:
-        """The paths that run at ``scenario``, first one rotating per repeat."""
-        return {
-            name: calls[name]
-            for name in _rotated(running_paths, repeat)
-            if scenario.name not in unavailable[name]
-        }
-
-    host_loop_us = time_graph_builds(
-        lambda queries, keys, query_weight, key_weight: None,
-        inputs[GATED_DELTA_DECODE.name],
-        config.host_batches,
-        config.host_calls_per_batch,
-    )[0]
-
+    measurement = _Measurement(config, progress)
+    host_loop_us = measurement.host_loop_overhead_us()
     for repeat in range(config.repeats):
         _progress(f"repeat {repeat + 1}/{config.repeats}", progress)
-        for scenario in DECODE_SCENARIOS:
-            scenario_inputs = inputs[scenario.name]
-            batches = interleaved_samples(
-                paths_for(scenario, repeat),
-                lambda call: build_batch(call, scenario_inputs, config.host_calls_per_batch),
-                config.host_batches,
-                warmup=1,
-            )
-            for name, samples in batches.items():
-                record(HOST_CALL, scenario, name, statistics.median(b for b, _ in samples))
-                record(HOST_RELEASE, scenario, name, statistics.median(r for _, r in samples))
-        for scenario in DECODE_SCENARIOS:
-            scenario_inputs = inputs[scenario.name]
-            tokens = interleaved_samples(
-                paths_for(scenario, repeat),
-                lambda call: run_decode_token(call, scenario_inputs, config.layers),
-                config.decode_tokens,
-                warmup=config.decode_warmup_tokens,
-            )
-            for name, samples in tokens.items():
-                record(DECODE_TOKEN, scenario, name, statistics.median(t for _, t in samples) / 1e3)
-                record(DECODE_BUILD, scenario, name, statistics.median(b for b, _ in samples) / 1e3)
-        # Same buffer cache for every path: emptied once, then one warm-up
-        # call each refills it.
-        mx.clear_cache()
-        prefill_inputs = inputs[GATED_DELTA_PREFILL.name]
-        prefill_calls = interleaved_samples(
-            paths_for(GATED_DELTA_PREFILL, repeat),
-            lambda call: run_prefill_call(call, prefill_inputs),
-            config.prefill_iterations,
-            warmup=1,
-        )
-        for name, samples in prefill_calls.items():
-            record(PREFILL_CALL, GATED_DELTA_PREFILL, name,
-                   statistics.median(elapsed for elapsed, _ in samples) / 1e3)
-            record(PREFILL_PEAK, GATED_DELTA_PREFILL, name, float(max(peak for _, peak in samples)))
-
-    for name, call in calls.items():
-        close = getattr(call, "close", None)
-        if callable(close):
-            close()
+        measurement.measure_host_calls(repeat)
+        measurement.measure_decode_tokens(repeat)
+        measurement.measure_prefill(repeat)
+    measurement.close_paths()
 
     metadata = collect_metadata()
-    target_results = []
-    for target in targets:
-        if target.device_type != metadata["device_type"]:
-            continue  # stated for the other kind of device
-        metric = metrics.get(target.metric)
-        ratios = None if metric is None else metric.ratio_samples(target.path, target.reference)
-        values = None if metric is None else metric.samples.get(target.path)
-        target_results.append(
-            TargetResult(
-                target,
-                None if ratios is None else spread(ratios),
-                spread(values) if values else None,
-            )
-        )
-
     metadata["load_average_at_start"] = load_average_at_start
     metadata["cpu_pressure_some_at_start"] = cpu_pressure_at_start
     metadata["host_loop_overhead_us"] = host_loop_us
     return BenchmarkReport(
         config=config,
         metadata=metadata,
-        path_status=path_status,
-        metrics=metrics,
-        targets=target_results,
+        path_status=measurement.path_status,
+        metrics=measurement.metrics,
         elapsed_s=time.perf_counter() - run_started,
     )
 
@@ -934,36 +749,66 @@ def _format_table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _ratio_note() -> str:
+    return (
+        f"ratio = this path's time (or memory) / {BASELINE_PATH}'s, per repeat; "
+        "lower is better, below 1.00x the path beats the composed path"
+    )
+
+
+def _paths_legend(report: BenchmarkReport, paths: Sequence[str]) -> list[str]:
+    return ["paths:", *(f"  {line}" for line in describe_paths(list(paths)))]
+
+
+def _run_heading(report: BenchmarkReport) -> str:
+    metadata, config = report.metadata, report.config
+    return (
+        f"mlx_dualnorm benchmark: {metadata['device']}, {metadata['cpu_model']} "
+        f"({metadata['cpu_cores']} cores), MLX {metadata['mlx_version']}, "
+        f"{config.repeats} repeats{' (quick)' if config.quick_mode else ''}, "
+        f"{config.layers} layers/token"
+    )
+
+
+def _metric_cell(
+    metric: Optional[MetricResult], path: str, unit: str, with_range: bool
+) -> str:
+    """The median over repeats, and for a path other than the baseline its
+    ratio to the baseline (with the min-max range over repeats)."""
+    values = None if metric is None else metric.samples.get(path)
+    if metric is None or not values:
+        return "-"
+    cell = _format_value(statistics.median(values), unit)
+    ratios = metric.ratio_samples(path)
+    if ratios is not None and path != BASELINE_PATH:
+        cell += f" ({statistics.median(ratios):.2f}x"
+        cell += f" [{min(ratios):.2f}-{max(ratios):.2f}])" if with_range else ")"
+    return cell
+
+
 def format_report_table(report: BenchmarkReport, *, all_metrics: bool = False) -> str:
     """The full text table: per metric and path, the median over repeats and
-    the ratio to the baseline (median [min-max]); then the targets."""
+    the ratio to the baseline (median [min-max] over repeats), then what
+    each path is."""
     paths = [name for name in report.path_status if report.ran(name)]
     rows = [["metric / scenario", *paths]]
     for metric in report.metrics.values():
-        if not (all_metrics or metric.kind.headline):
-            continue
-        label = f"{metric.kind.name} {metric.scenario.name}"
-        cells = []
-        for path in paths:
-            values = metric.samples.get(path)
-            if not values:
-                cells.append("-")
-                continue
-            cell = _format_value(statistics.median(values), metric.kind.unit)
-            ratios = metric.ratio_samples(path)
-            if ratios is not None and path != BASELINE_PATH:
-                cell += f" ({statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}])"
-            cells.append(cell)
-        rows.append([label, *cells])
-    metadata = report.metadata
-    heading = (
-        f"mlx_dualnorm benchmark: {metadata['device']}, {metadata['cpu_model']} "
-        f"({metadata['cpu_cores']} cores), MLX {metadata['mlx_version']}, "
-        f"{report.config.repeats} repeats{' (quick)' if report.config.quick_mode else ''}, "
-        f"{report.config.layers} layers/token\n"
-        f"median over repeats (ratio to {BASELINE_PATH}: median [min-max])"
-    )
-    lines = [heading, _format_table(rows)]
+        if all_metrics or metric.kind.headline:
+            cells = [_metric_cell(metric, path, metric.kind.unit, True) for path in paths]
+            rows.append([f"{metric.kind.name} {metric.scenario.name}", *cells])
+    lines = [
+        _run_heading(report),
+        f"median over repeats (ratio to {BASELINE_PATH}: median [min-max]); {_ratio_note()}",
+        _format_table(rows),
+        "metrics:",
+        *(
+            f"  {metric.kind.name} {metric.scenario.name}: {metric.kind.title}, "
+            f"{metric.scenario.description}"
+            for metric in report.metrics.values()
+            if all_metrics or metric.kind.headline
+        ),
+        *_paths_legend(report, paths),
+    ]
     skipped = [
         f"  {name}: {entry.get('reason', '')}"
         for name, entry in report.path_status.items()
@@ -971,103 +816,89 @@ def format_report_table(report: BenchmarkReport, *, all_metrics: bool = False) -
     ]
     if skipped:
         lines += ["skipped paths:", *skipped]
-    lines.append(f"targets (issues, for the {report.metadata['device_type'].upper()}):")
-    for result in report.targets:
-        judged = result.judged
-        if judged is None or result.met is None:
-            verdict, measured = "NOT MEASURED", " a path did not run"
-        else:
-            verdict = "met" if result.met else "NOT MET"
-            unit = "" if result.target.absolute else "x"
-            measured = (
-                f" measured {judged['median']:.2f}{unit} "
-                f"[{judged['min']:.2f}-{judged['max']:.2f}]"
-            )
-        lines.append(f"  [{verdict}] issue {result.target.issue}, {result.target.name}:{measured}")
     return "\n".join(lines)
+
+
+SUMMARY_COLUMNS = (
+    (HOST_CALL, GATED_DELTA_DECODE, "host us/call",
+     "host us to build one dual call's graph (no evaluation), gated-delta decode shape"),
+    (DECODE_TOKEN, GATED_DELTA_DECODE, "us/token gated-delta",
+     "us per decode token of {layers} chained dual calls and one eval: " + GATED_DELTA_DECODE.description),
+    (DECODE_TOKEN, FULL_ATTENTION_DECODE, "us/token full-attn",
+     "the same at the " + FULL_ATTENTION_DECODE.description),
+)
+"""(kind, scenario, column title, what the column means) of the summary."""
 
 
 def summary_table(report: Optional[BenchmarkReport] = None, *, eps: float = 1e-6) -> str:
     """A short per-path table (host us/call and us/token at both decode
-    shapes, with ratios to the baseline). Without a report, runs the quick
-    benchmark first (a few seconds): what ``python -m mlx_dualnorm``
-    prints after its parity check."""
+    shapes, with ratios to the baseline), then what each column and path
+    means. Without a report, runs the quick benchmark first (a few
+    seconds): what ``python -m mlx_dualnorm`` prints after its parity check."""
     if report is None:
         report = run_benchmark(BenchmarkConfig.quick(eps=eps))
-    columns = [
-        (HOST_CALL, GATED_DELTA_DECODE, "host us/call"),
-        (DECODE_TOKEN, GATED_DELTA_DECODE, "us/token gated-delta"),
-        (DECODE_TOKEN, FULL_ATTENTION_DECODE, "us/token full-attn"),
-    ]
-    rows = [["path", *(title for _, _, title in columns)]]
-    for path in report.path_status:
-        if not report.ran(path):
-            continue
-        cells = []
-        for kind, scenario, _ in columns:
-            metric = report.metrics.get(metric_key(kind, scenario))
-            values = None if metric is None else metric.samples.get(path)
-            if metric is None or not values:
-                cells.append("-")
-                continue
-            cell = _format_value(statistics.median(values), kind.unit)
-            ratios = metric.ratio_samples(path)
-            if ratios is not None:
-                cell += f" ({statistics.median(ratios):.2f}x)"
-            cells.append(cell)
+    rows = [["path", *(title for _, _, title, _ in SUMMARY_COLUMNS)]]
+    paths = [path for path in report.path_status if report.ran(path)]
+    for path in paths:
+        cells = [
+            _metric_cell(report.metrics.get(metric_key(kind, scenario)), path, kind.unit, False)
+            for kind, scenario, _, _ in SUMMARY_COLUMNS
+        ]
         rows.append([path, *cells])
     metadata = report.metadata
     heading = (
-        f"performance ({metadata['device']}, MLX {metadata['mlx_version']}, "
-        f"{report.config.layers} layers/token, ratios to {BASELINE_PATH}, "
-        f"{'quick' if report.config.quick_mode else 'full'} run):"
+        f"performance on {metadata['device']} (MLX {metadata['mlx_version']}, "
+        f"{'quick' if report.config.quick_mode else 'full'} run, median of "
+        f"{report.config.repeats} repeats), time per path and its ratio to {BASELINE_PATH}:"
     )
-    return heading + "\n" + _format_table(rows)
+    legend = [
+        "columns (lower is better):",
+        *(
+            f"  {title}: {meaning.format(layers=report.config.layers)}"
+            for _, _, title, meaning in SUMMARY_COLUMNS
+        ),
+        f"  (N.NNx): {_ratio_note()}",
+    ]
+    return "\n".join([heading, _format_table(rows), *legend, *_paths_legend(report, paths)])
 
 
 # ---- Command line -----------------------------------------------------------------------
 
 
-def _parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m mlx_dualnorm bench",
-        description=(
-            "Benchmarks the compiled dual head norm against two mx.fast.rms_norm "
-            "calls and Python mx.compile: host us per call, us per decode token, "
-            "prefill time and peak memory."
-        ),
+def progress_to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _benchmark_parser() -> argparse.ArgumentParser:
+    parser = cli.tool_parser(
+        "bench",
+        "Time every path against the composed path (two mx.fast.rms_norm calls): host us "
+        "per call, us per decode token, prefill time and peak memory. Every ratio is "
+        "time(path) / time(composed): lower is better.",
     )
     parser.add_argument("--output-dir", type=pathlib.Path, default=None,
-                        help=f"write {JSON_FILE_NAME} and {CHART_FILE_NAME} here")
+                        help=f"write {JSON_FILE_NAME} and {CHART_FILE_NAME} into this folder")
     parser.add_argument("--quick", action="store_true",
                         help="a few-second smoke run (fewer repeats and samples)")
-    parser.add_argument("--repeats", type=int, default=None, help="repeats (default 11, quick 3)")
-    parser.add_argument("--layers", type=int, default=48, help="layers per decode token")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="repeats (default: 11, or 3 with --quick)")
+    parser.add_argument("--layers", type=int, default=48,
+                        help="chained dual calls per decode token")
     parser.add_argument("--paths", default=None,
-                        help=f"comma-separated paths (registered: {', '.join(PATH_REGISTRY)}); "
+                        help=f"comma-separated paths (default: all of {', '.join(PATH_REGISTRY)}); "
                              f"{BASELINE_PATH} is always added")
     parser.add_argument("--eps", type=float, default=1e-6, help="RMS epsilon")
-    parser.add_argument("--device", choices=("cpu", "gpu"), default=None,
-                        help="MLX default device (default: MLX's default)")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    cli.add_device_argument(parser)
+    parser.add_argument("--no-plot", action="store_true",
+                        help="with --output-dir, skip the PNG chart")
     parser.add_argument("--all-metrics", action="store_true",
-                        help="also print the secondary metrics (release, build part)")
-    parser.add_argument("--check-targets", action="store_true",
-                        help="exit with status 1 if a measured target is not met")
-    return parser.parse_args(list(argv))
+                        help="also print the secondary metrics (release time, build part)")
+    return parser
 
 
-def main(argv: Sequence[str]) -> int:
-    try:
-        arguments = _parse_arguments(argv)
-    except SystemExit as exit_request:
-        return exit_request.code if isinstance(exit_request.code, int) else 2
-    if arguments.device is not None:
-        try:
-            mx.set_default_device(mx.gpu if arguments.device == "gpu" else mx.cpu)
-        except ValueError as no_device:
-            print(f"error: {no_device}", file=sys.stderr)
-            return 2
+def _config_from_arguments(
+    arguments: argparse.Namespace, parser: argparse.ArgumentParser
+) -> BenchmarkConfig:
     overrides: dict[str, Any] = {"eps": arguments.eps, "layers": arguments.layers}
     if arguments.repeats is not None:
         overrides["repeats"] = arguments.repeats
@@ -1077,27 +908,36 @@ def main(argv: Sequence[str]) -> int:
     try:
         config.selected_paths()
     except ValueError as bad_paths:
-        print(f"error: {bad_paths}", file=sys.stderr)
-        return 2
+        parser.error(str(bad_paths))
+    return config
 
-    def to_stderr(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
 
-    report = run_benchmark(config, progress=to_stderr)
+def _write_files(report: BenchmarkReport, output_dir: pathlib.Path, plot: bool) -> None:
+    progress_to_stderr(f"wrote {write_json(report, output_dir)}")
+    if not plot:
+        return
+    chart = write_chart(report, output_dir)
+    if chart is None:
+        progress_to_stderr("matplotlib is not installed: no PNG chart "
+                           "(pip install 'mlx_dualnorm[plot]')")
+    else:
+        progress_to_stderr(f"wrote {chart}")
+
+
+def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    cli.select_device(arguments.device, parser)
+    config = _config_from_arguments(arguments, parser)
+    report = run_benchmark(config, progress=progress_to_stderr)
     if arguments.output_dir is not None:
-        to_stderr(f"wrote {write_json(report, arguments.output_dir)}")
-        if not arguments.no_plot:
-            chart = write_chart(report, arguments.output_dir)
-            if chart is None:
-                to_stderr("matplotlib is not installed: no PNG chart "
-                          "(pip install 'mlx_dualnorm[plot]')")
-            else:
-                to_stderr(f"wrote {chart}")
-    to_stderr(f"benchmark took {report.elapsed_s:.1f} s")
+        _write_files(report, arguments.output_dir, plot=not arguments.no_plot)
+    progress_to_stderr(f"benchmark took {report.elapsed_s:.1f} s")
     print(format_report_table(report, all_metrics=arguments.all_metrics))
-    if arguments.check_targets and any(result.met is False for result in report.targets):
-        return 1
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m mlx_dualnorm bench``: prints the table; 2 on bad usage."""
+    return cli.run_tool(_benchmark_parser(), _run, argv)
 
 
 if __name__ == "__main__":

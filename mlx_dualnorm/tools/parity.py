@@ -43,9 +43,9 @@ kernel (g++, about half a second each on a cold kernel cache), so spreading
 epsilons over every family would multiply the cold-start time without
 covering anything new.
 
-A future path (e.g. ``CompiledDualHeadNorm(eps, mode="fused")``) joins by
-adding a factory to :data:`PATH_FACTORIES`, or by passing a mapping of
-factories to :func:`run_parity_matrix` or :func:`main`.
+The paths are those of :mod:`mlx_dualnorm.tools.paths`, by the names every
+tool uses; another path joins by ``register_path``, or by passing a mapping
+of factories to :func:`run_parity_matrix` or :func:`main`.
 """
 
 from __future__ import annotations
@@ -62,10 +62,19 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import mlx.core as mx
 
-from mlx_dualnorm.dual_head_norm import (
-    CompiledDualHeadNorm,
-    available_modes,
-    composed_dual_head_norm,
+from mlx_dualnorm._bits import count_bit_differences, count_value_differences
+from mlx_dualnorm.dual_head_norm import composed_dual_head_norm
+from mlx_dualnorm.tools import cli
+from mlx_dualnorm.tools.paths import (
+    PATH_REGISTRY,
+    REFERENCE_PATH,
+    DualNormPath,
+    DualNormPathFactory,
+    describe_paths,
+    make_compiled_path,
+    make_composed_path,
+    make_mx_compile_path,
+    routinely_checked_paths,
 )
 
 __all__ = [
@@ -96,72 +105,14 @@ __all__ = [
     "make_composed_path",
     "make_mx_compile_path",
     "run_parity_matrix",
-    "select_default_device",
 ]
-
-DualNormPath = Callable[
-    [mx.array, mx.array, Optional[mx.array], Optional[mx.array]],
-    tuple[mx.array, mx.array],
-]
-"""``path(queries, keys, query_weight, key_weight) -> (normalized_queries,
-normalized_keys)``; the weights may be None."""
-
-DualNormPathFactory = Callable[[float], DualNormPath]
-"""Builds the path for one RMS epsilon; called once per epsilon per run."""
 
 DEFAULT_PARITY_SEED = 20261129
 PRODUCTION_RMS_NORM_EPSILON = 1e-6
 
-# ---- Paths ------------------------------------------------------------------
-
-
-def make_composed_path(eps: float) -> DualNormPath:
-    """The reference: two ``mx.fast.rms_norm`` calls, nothing compiled."""
-
-    def composed_path(
-        queries: mx.array,
-        keys: mx.array,
-        query_weight: Optional[mx.array],
-        key_weight: Optional[mx.array],
-    ) -> tuple[mx.array, mx.array]:
-        return composed_dual_head_norm(queries, keys, query_weight, key_weight, eps)
-
-    return composed_path
-
-
-def make_compiled_path(eps: float) -> DualNormPath:
-    """The package's compiled dual head norm (the C core's compiled graph)."""
-    return CompiledDualHeadNorm(eps, mode="compiled")
-
-
-def make_fused_path(eps: float) -> DualNormPath:
-    """The package's fused CUDA kernel (one launch for both inputs)."""
-    return CompiledDualHeadNorm(eps, mode="fused")
-
-
-def make_mx_compile_path(eps: float) -> DualNormPath:
-    """Python ``mx.compile`` (shapeless) of the two calls: the baseline the C
-    core replaces, held to the same contract. MLX keys its trace on which
-    weights are None, so one compiled function serves all four weightings."""
-
-    def two_rms_norms(
-        queries: mx.array,
-        keys: mx.array,
-        query_weight: Optional[mx.array],
-        key_weight: Optional[mx.array],
-    ) -> tuple[mx.array, mx.array]:
-        return composed_dual_head_norm(queries, keys, query_weight, key_weight, eps)
-
-    return mx.compile(two_rms_norms, shapeless=True)
-
-
-PATH_FACTORIES: dict[str, DualNormPathFactory] = {
-    "compiled": make_compiled_path,
-    "mx.compile": make_mx_compile_path,
-    **({"fused": make_fused_path} if "fused" in available_modes() else {}),
-}
-"""The paths the command line can check, by name: every mode this build
-and device can run, and Python's mx.compile for comparison."""
+PATH_FACTORIES: dict[str, DualNormPathFactory] = routinely_checked_paths()
+"""The paths checked when none is named: every mode this build and device
+can run, and Python's mx.compile for comparison (see tools.paths)."""
 
 # ---- The axes of the matrix ---------------------------------------------------
 
@@ -873,15 +824,6 @@ class OutputDifference:
         return f"{self.output_name}: {self.reason} differ, {counted}{suffix}"
 
 
-_UNSIGNED_VIEW_DTYPES = {2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
-
-
-def _count_value_differences(actual: mx.array, expected: mx.array) -> int:
-    """Elements that differ, NaN matching NaN (the ``array_equal`` rule)."""
-    both_nan = mx.isnan(actual) & mx.isnan(expected)
-    return int(mx.sum(~((actual == expected) | both_nan)))
-
-
 def _compare_output(
     output_name: str, actual: mx.array, expected: mx.array, bitwise: bool
 ) -> Optional[OutputDifference]:
@@ -897,19 +839,15 @@ def _compare_output(
         return OutputDifference(
             output_name,
             "dtype",
-            _count_value_differences(actual, expected),
+            count_value_differences(actual, expected),
             expected.size,
             f"{actual.dtype} instead of {expected.dtype}",
         )
-    if not mx.array_equal(actual, expected, equal_nan=True).item():
-        return OutputDifference(
-            output_name, "values", _count_value_differences(actual, expected), expected.size
-        )
+    differing_values = count_value_differences(actual, expected)
+    if differing_values:
+        return OutputDifference(output_name, "values", differing_values, expected.size)
     if bitwise:
-        unsigned_dtype = _UNSIGNED_VIEW_DTYPES[expected.dtype.size]
-        differing_bits = int(
-            mx.sum(mx.view(actual, unsigned_dtype) != mx.view(expected, unsigned_dtype))
-        )
+        differing_bits = count_bit_differences(actual, expected)
         if differing_bits:
             return OutputDifference(
                 output_name,
@@ -1087,8 +1025,9 @@ def format_parity_report(report: ParityReport) -> str:
     mismatches with their case descriptions."""
     contract = "bit patterns" if report.bitwise else "array_equal(equal_nan)"
     lines = [
-        f"parity of {report.path_name!r} against 2 x mx.fast.rms_norm "
-        f"({report.matrix_name} matrix, seed {report.seed}, dtype + shape + {contract})",
+        f"parity of {report.path_name!r} against {REFERENCE_PATH!r} (2 x mx.fast.rms_norm), "
+        f"{report.matrix_name} matrix, seed {report.seed}: dtype + shape + {contract}",
+        *(f"  {line}" for line in describe_paths([report.path_name])),
         f"  {'family':<20} {'cases':>6} {'mismatched':>11}",
     ]
     families = [family for family in FAMILY_NAMES if family in report.cases_per_family]
@@ -1111,71 +1050,82 @@ def format_parity_report(report: ParityReport) -> str:
     return "\n".join(lines)
 
 
-def select_default_device(device_name: str, parser: argparse.ArgumentParser) -> None:
-    """``--device``: "default" leaves MLX's choice; "gpu" without a GPU
-    backend is a usage error, not a traceback. Shared with the replay."""
-    if device_name == "cpu":
-        mx.set_default_device(mx.cpu)
-    elif device_name == "gpu":
-        if not mx.is_available(mx.gpu):
-            parser.error("--device gpu: this MLX has no GPU backend")
-        mx.set_default_device(mx.gpu)
-
-
-def main(
-    argv: Optional[Sequence[str]] = None,
-    *,
-    path_factories: Mapping[str, DualNormPathFactory] = PATH_FACTORIES,
-) -> int:
-    """``python -m mlx_dualnorm parity``: prints one report per path; exits
-    non-zero when any path mismatches anywhere."""
-    parser = argparse.ArgumentParser(
-        prog="mlx_dualnorm parity",
-        description="Check dual head norm paths against two mx.fast.rms_norm calls, bit for bit.",
+def _parity_parser(path_names: Sequence[str]) -> argparse.ArgumentParser:
+    parser = cli.tool_parser(
+        "parity",
+        "Check dual head norm paths against two mx.fast.rms_norm calls: same shape, "
+        "same dtype, equal values (NaN matching NaN); with --bitwise, the same bits. "
+        "Exit status 1 if any path mismatches.",
     )
     parser.add_argument(
         "--path",
         dest="path_names",
         action="append",
-        choices=sorted(path_factories),
-        help="path to check (repeatable; default: all of them)",
+        choices=list(path_names),
+        help="path to check (repeatable; default: "
+        + ", ".join(name for name in path_names if name in PATH_FACTORIES)
+        + ")",
     )
-    parser.add_argument("--quick", action="store_true", help="run the small quick matrix")
-    parser.add_argument("--seed", type=int, default=DEFAULT_PARITY_SEED)
+    parser.add_argument(
+        "--quick", action="store_true", help="run the quick matrix (about 50 small cases)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=DEFAULT_PARITY_SEED, help="seed of the matrix and its values"
+    )
     parser.add_argument(
         "--family",
         dest="families",
         action="append",
         choices=FAMILY_NAMES,
-        help="only this family of cases (repeatable)",
+        help="only this family of cases (repeatable; default: all)",
     )
     parser.add_argument(
         "--bitwise",
         action="store_true",
         help="also require identical bit patterns (signed zeros, NaN payloads)",
     )
-    parser.add_argument("--device", choices=("default", "cpu", "gpu"), default="default")
-    arguments = parser.parse_args(list(argv) if argv is not None else None)
+    cli.add_device_argument(parser)
+    return parser
 
-    select_default_device(arguments.device, parser)
-    path_names = arguments.path_names or list(path_factories)
-    cases = (
-        build_quick_parity_matrix(arguments.seed)
-        if arguments.quick
-        else build_full_parity_matrix(arguments.seed)
-    )
-    if arguments.families:
-        cases = [case for case in cases if case.family in arguments.families]
-    reports = run_parity_matrix(
-        {path_name: path_factories[path_name] for path_name in path_names},
-        cases,
-        seed=arguments.seed,
-        matrix_name="quick" if arguments.quick else "full",
-        bitwise=arguments.bitwise,
-    )
-    for report in reports.values():
-        print(format_parity_report(report))
-    return 0 if all(report.passed for report in reports.values()) else 1
+
+def main(
+    argv: Optional[Sequence[str]] = None,
+    *,
+    path_factories: Optional[Mapping[str, DualNormPathFactory]] = None,
+) -> int:
+    """``python -m mlx_dualnorm parity``: prints one report per path; exits
+    1 when any path mismatches anywhere. ``path_factories`` replaces the
+    registered paths (a test's deliberately broken path, say)."""
+    if path_factories is None:
+        selectable = {
+            name: path.factory for name, path in PATH_REGISTRY.items() if name != REFERENCE_PATH
+        }
+        default_names = list(PATH_FACTORIES)
+    else:
+        selectable, default_names = dict(path_factories), list(path_factories)
+
+    def run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+        cli.select_device(arguments.device, parser)
+        path_names = arguments.path_names or default_names
+        cases = (
+            build_quick_parity_matrix(arguments.seed)
+            if arguments.quick
+            else build_full_parity_matrix(arguments.seed)
+        )
+        if arguments.families:
+            cases = [case for case in cases if case.family in arguments.families]
+        reports = run_parity_matrix(
+            {path_name: selectable[path_name] for path_name in path_names},
+            cases,
+            seed=arguments.seed,
+            matrix_name="quick" if arguments.quick else "full",
+            bitwise=arguments.bitwise,
+        )
+        for report in reports.values():
+            print(format_parity_report(report))
+        return 0 if all(report.passed for report in reports.values()) else 1
+
+    return cli.run_tool(_parity_parser(list(selectable)), run, argv)
 
 
 if __name__ == "__main__":

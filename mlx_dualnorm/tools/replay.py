@@ -38,12 +38,16 @@ from typing import Mapping, Optional, Sequence, cast
 
 import mlx.core as mx
 
-from mlx_dualnorm.parity import (
-    PATH_FACTORIES,
+from mlx_dualnorm._bits import bit_difference_mask
+from mlx_dualnorm.tools import cli
+from mlx_dualnorm.tools.paths import (
+    PATH_REGISTRY,
+    REFERENCE_PATH,
     DualNormPath,
     DualNormPathFactory,
+    describe_paths,
     make_composed_path,
-    select_default_device,
+    routinely_checked_paths,
 )
 
 __all__ = [
@@ -61,7 +65,8 @@ __all__ = [
 ]
 
 DEFAULT_DECODE_STEPS = 128
-REFERENCE_PATH_NAME = "composed"
+PATH_FACTORIES: dict[str, DualNormPathFactory] = routinely_checked_paths()
+"""The paths replayed when none is named (see tools.paths)."""
 GATED_DELTA_LAYER = "gated_delta"
 FULL_ATTENTION_LAYER = "full_attention"
 
@@ -416,9 +421,6 @@ class ReplayComparison:
         return min(steps) if steps else None
 
 
-_UNSIGNED_VIEW_DTYPES = {2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
-
-
 def compare_decode_traces(
     trace: GreedyDecodeTrace, reference: GreedyDecodeTrace
 ) -> ReplayComparison:
@@ -440,13 +442,11 @@ def compare_decode_traces(
         trace.step_hidden_states.shape == reference.step_hidden_states.shape
         and trace.step_hidden_states.dtype == reference.step_hidden_states.dtype
     ):
-        unsigned_dtype = _UNSIGNED_VIEW_DTYPES[reference.step_hidden_states.dtype.size]
         # The hidden states are (steps, width): one flag per step.
         rows_differ = cast(
             list[bool],
             mx.any(
-                mx.view(trace.step_hidden_states, unsigned_dtype)
-                != mx.view(reference.step_hidden_states, unsigned_dtype),
+                bit_difference_mask(trace.step_hidden_states, reference.step_hidden_states),
                 axis=-1,
             ).tolist(),
         )
@@ -492,7 +492,7 @@ def run_replay(
         parameters,
         config,
         steps=steps,
-        path_name=REFERENCE_PATH_NAME,
+        path_name=REFERENCE_PATH,
     )
     report = ReplayReport(config, steps, reference)
     for path_name, path_factory in path_factories.items():
@@ -516,7 +516,7 @@ def format_replay_report(report: ReplayReport) -> str:
         f"{str(config.dtype).removeprefix('mlx.core.')}, "
         f"{config.prompt_length}-token prompt + {report.steps} greedy tokens, "
         f"seed {config.seed}",
-        f"  {REFERENCE_PATH_NAME + ' (reference)':<24} {reference.elapsed_seconds:6.2f} s  "
+        f"  {REFERENCE_PATH + ' (reference)':<24} {reference.elapsed_seconds:6.2f} s  "
         f"{len(set(reference.token_ids))} distinct tokens, first {list(reference.token_ids[:8])}",
     ]
     for comparison in report.comparisons:
@@ -537,6 +537,8 @@ def format_replay_report(report: ReplayReport) -> str:
         else:
             verdict = "tokens identical, every hidden state bit-identical"
         lines.append(f"  {comparison.path_name:<24} {comparison.elapsed_seconds:6.2f} s  {verdict}")
+    path_names = [REFERENCE_PATH, *(comparison.path_name for comparison in report.comparisons)]
+    lines += ["  paths:", *(f"    {line}" for line in describe_paths(path_names))]
     lines.append("  PASS" if report.passed else "  FAIL")
     return "\n".join(lines)
 
@@ -544,42 +546,63 @@ def format_replay_report(report: ReplayReport) -> str:
 _DTYPES_BY_NAME = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 
-def main(
-    argv: Optional[Sequence[str]] = None,
-    *,
-    path_factories: Mapping[str, DualNormPathFactory] = PATH_FACTORIES,
-) -> int:
-    """``python -m mlx_dualnorm replay``: exits non-zero if any path's
-    decode differs from the composed path's in any token or hidden bit."""
-    parser = argparse.ArgumentParser(
-        prog="mlx_dualnorm replay",
-        description="Greedy-decode a small gated-delta model with each dual head norm path "
-        "and compare against two mx.fast.rms_norm calls.",
+def _replay_parser(path_names: Sequence[str], default_names: Sequence[str]) -> argparse.ArgumentParser:
+    parser = cli.tool_parser(
+        "replay",
+        "Greedy-decode a small gated-delta + attention model with each dual head norm "
+        "path and compare its tokens and hidden-state bits with the composed path's. "
+        "Exit status 1 if any path diverges.",
     )
     parser.add_argument(
         "--path",
         dest="path_names",
         action="append",
-        choices=sorted(path_factories),
-        help="path to replay (repeatable; default: all of them)",
+        choices=list(path_names),
+        help=f"path to replay (repeatable; default: {', '.join(default_names)})",
     )
-    parser.add_argument("--steps", type=int, default=DEFAULT_DECODE_STEPS)
-    parser.add_argument("--seed", type=int, default=ReplayModelConfig.seed)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES_BY_NAME), default="bfloat16")
-    parser.add_argument("--device", choices=("default", "cpu", "gpu"), default="default")
-    arguments = parser.parse_args(list(argv) if argv is not None else None)
-    if arguments.steps < 1:
-        parser.error("--steps must be >= 1")
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_DECODE_STEPS, help="greedy tokens to decode"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=ReplayModelConfig.seed, help="seed of the weights and prompt"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(_DTYPES_BY_NAME), default="bfloat16", help="model dtype"
+    )
+    cli.add_device_argument(parser)
+    return parser
 
-    select_default_device(arguments.device, parser)
-    path_names = arguments.path_names or list(path_factories)
-    report = run_replay(
-        {path_name: path_factories[path_name] for path_name in path_names},
-        config=ReplayModelConfig(seed=arguments.seed, dtype=_DTYPES_BY_NAME[arguments.dtype]),
-        steps=arguments.steps,
-    )
-    print(format_replay_report(report))
-    return 0 if report.passed else 1
+
+def main(
+    argv: Optional[Sequence[str]] = None,
+    *,
+    path_factories: Optional[Mapping[str, DualNormPathFactory]] = None,
+) -> int:
+    """``python -m mlx_dualnorm replay``: exits 1 if any path's decode
+    differs from the composed path's in any token or hidden bit.
+    ``path_factories`` replaces the registered paths (for tests)."""
+    if path_factories is None:
+        selectable = {
+            name: path.factory for name, path in PATH_REGISTRY.items() if name != REFERENCE_PATH
+        }
+        default_names = list(PATH_FACTORIES)
+    else:
+        selectable, default_names = dict(path_factories), list(path_factories)
+
+    def run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+        if arguments.steps < 1:
+            parser.error("--steps must be >= 1")
+        cli.select_device(arguments.device, parser)
+        path_names = arguments.path_names or default_names
+        report = run_replay(
+            {path_name: selectable[path_name] for path_name in path_names},
+            config=ReplayModelConfig(seed=arguments.seed, dtype=_DTYPES_BY_NAME[arguments.dtype]),
+            steps=arguments.steps,
+        )
+        print(format_replay_report(report))
+        return 0 if report.passed else 1
+
+    return cli.run_tool(_replay_parser(list(selectable), default_names), run, argv)
 
 
 if __name__ == "__main__":

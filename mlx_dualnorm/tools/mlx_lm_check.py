@@ -14,7 +14,7 @@ from a patch that changes results.
 The model is a LOCAL mlx-lm folder (``--model PATH``: config.json and
 model*.safetensors, loaded with ``mlx_lm.utils.load_model``; nothing is ever
 downloaded) or one of the small random models of
-:mod:`~mlx_dualnorm.integrations.mlx_lm_synthetic` (``--synthetic NAME``).
+:mod:`~mlx_dualnorm.tools.mlx_lm_synthetic` (``--synthetic NAME``).
 
 Exit status: 0 identical, 1 diverged, 2 bad arguments or an unloadable model.
 """
@@ -33,9 +33,11 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import Mode
+from mlx_dualnorm.tools import cli
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm_synthetic import (
+from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DEFAULT_SEED,
     SYNTHETIC_MODEL_TYPES,
     build_synthetic_model,
@@ -139,13 +141,13 @@ def compare_traces(reference: GreedyTrace, candidate: GreedyTrace) -> TraceCompa
         reference.token_ids, candidate.token_ids, lambda expected, actual: expected == actual
     )
     first_logits_divergence = _first_difference(
-        reference.step_logits, candidate.step_logits, _bit_identical
+        reference.step_logits, candidate.step_logits, same_bits
     )
     max_abs_difference = 0.0
     for expected, actual in zip(reference.step_logits, candidate.step_logits):
         if expected.shape != actual.shape:
             max_abs_difference = float("inf")
-        elif not _bit_identical(expected, actual):
+        elif not same_bits(expected, actual):
             difference = mx.abs(expected.astype(mx.float32) - actual.astype(mx.float32))
             max_abs_difference = max(max_abs_difference, float(mx.max(difference)))
     return TraceComparison(
@@ -165,22 +167,6 @@ def _first_difference(expected_items, actual_items, same) -> Optional[int]:
     if len(expected_items) != len(actual_items):
         return min(len(expected_items), len(actual_items))
     return None
-
-
-_SAME_WIDTH_UNSIGNED = {
-    mx.float32: mx.uint32,
-    mx.float16: mx.uint16,
-    mx.bfloat16: mx.uint16,
-}
-
-
-def _bit_identical(expected: mx.array, actual: mx.array) -> bool:
-    if expected.dtype != actual.dtype or expected.shape != actual.shape:
-        return False
-    unsigned = _SAME_WIDTH_UNSIGNED.get(expected.dtype)
-    if unsigned is None:
-        return bool(mx.array_equal(expected, actual, equal_nan=True).item())
-    return bool(mx.array_equal(expected.view(unsigned), actual.view(unsigned)).item())
 
 
 # ---- Which path each normalize_qk call took --------------------------------
@@ -283,7 +269,9 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
         f"{result.counts.folded} folded, {result.counts.original} ran mlx-lm's function",
         f"  ms per token:   unpatched {result.reference.median_decode_ms:.3f}, "
         f"patched {result.patched.median_decode_ms:.3f} (median over decode tokens; "
-        f"speed-up {_ratio(result.reference.median_decode_ms, result.patched.median_decode_ms)})",
+        f"patched / unpatched "
+        f"{_time_ratio(result.patched.median_decode_ms, result.reference.median_decode_ms)}, "
+        "lower is better)",
         f"  first token:    unpatched {1e3 * result.reference.first_token_seconds:.1f} ms, "
         f"patched {1e3 * result.patched.first_token_seconds:.1f} ms (includes prompt processing)",
     ]
@@ -305,10 +293,10 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
     return "\n".join(lines)
 
 
-def _ratio(unpatched_ms: float, patched_ms: float) -> str:
+def _time_ratio(patched_ms: float, unpatched_ms: float) -> str:
     if not (patched_ms > 0 and unpatched_ms > 0):
         return "n/a"
-    return f"{unpatched_ms / patched_ms:.2f}x"
+    return f"{patched_ms / unpatched_ms:.2f}x"
 
 
 def _load_local_model(path_text: str) -> tuple[nn.Module, dict, Path]:
@@ -344,10 +332,11 @@ def _vocabulary_size(config: dict) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROGRAM,
-        description="Greedy generation with and without the mlx_dualnorm patch: "
-        "identical token ids and bit-identical logits, or a non-zero exit.",
+    parser = cli.tool_parser(
+        "mlx-lm-check",
+        "Greedy generation through mlx-lm with and without the mlx_dualnorm patch: "
+        "identical token ids and bit-identical logits (exit 0), a divergence (exit 1), "
+        "or bad arguments / an unloadable model (exit 2).",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -360,16 +349,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SYNTHETIC_MODEL_TYPES,
         help="a small random model with real gated-delta head widths",
     )
-    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens (default 64)")
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens to generate")
     parser.add_argument(
         "--prompt",
         help="prompt text, encoded with the model folder's tokenizer (--model only); "
         "default: a fixed prompt of token ids",
     )
     parser.add_argument(
-        "--prompt-tokens", type=int, default=12, help="length of the fixed prompt (default 12)"
+        "--prompt-tokens", type=int, default=12, help="length of the fixed prompt"
     )
-    parser.add_argument("--mode", default=None, help="mode for patch() (default: its default)")
+    parser.add_argument(
+        "--mode", default=None, help="mode for patch() (None: patch()'s own default)"
+    )
     parser.add_argument(
         "--dtype", choices=tuple(DTYPES), help="--synthetic only: weight dtype (default per model)"
     )
@@ -379,12 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str]) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(list(argv))
-    except SystemExit as exit_request:  # argparse exits 2 on bad usage, 0 on --help
-        return int(exit_request.code or 0)
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m mlx_dualnorm mlx-lm-check``; see the module doc."""
+    return cli.run_tool(build_parser(), _run, argv)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         if args.tokens < 1 or args.prompt_tokens < 1:
             raise _UsageError("--tokens and --prompt-tokens must be at least 1")

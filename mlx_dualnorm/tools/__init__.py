@@ -1,0 +1,19 @@
+"""The tools around the product: they check and measure it, they are not it.
+
+The product is :mod:`mlx_dualnorm` itself (``CompiledDualHeadNorm``,
+``composed_dual_head_norm``) and the mlx-lm patch,
+:mod:`mlx_dualnorm.integrations.mlx_lm`. Everything here serves
+``python -m mlx_dualnorm`` and the tests:
+
+* :mod:`~mlx_dualnorm.tools.paths`: the paths compared, named once;
+* :mod:`~mlx_dualnorm.tools.parity`: each path against the composed path,
+  bit for bit, over a designed matrix of shapes, dtypes, layouts and values;
+* :mod:`~mlx_dualnorm.tools.replay`: each path inside a small greedy decoder;
+* :mod:`~mlx_dualnorm.tools.benchmark`: time and memory of each path;
+* :mod:`~mlx_dualnorm.tools.mlx_lm_check`, :mod:`~mlx_dualnorm.tools.mlx_lm_bench`
+  and :mod:`~mlx_dualnorm.tools.mlx_lm_synthetic`: the mlx-lm patch checked
+  and timed on mlx-lm's own models (these import mlx-lm);
+* :mod:`~mlx_dualnorm.tools.cli`: the command line.
+
+Importing this package imports none of them.
+"""

@@ -1,0 +1,202 @@
+"""The dual head norm paths the tools compare, named once.
+
+Every tool (parity, replay, bench, the main job) speaks of the same paths by
+the same names, and prints the same one-line description of each:
+
+* ``composed``: the reference, two ``mx.fast.rms_norm`` calls;
+* ``compiled``: the package, ``CompiledDualHeadNorm(eps, mode="compiled")``;
+* ``fused``: the package's one-kernel mode, where this build and device run it;
+* ``mx_compile``: Python ``mx.compile(shapeless=True)`` of the two calls, the
+  baseline the C core replaces;
+* ``mx_compile_shaped``: Python ``mx.compile`` of the two calls, specialized
+  to each input shape (it retraces for every new shape).
+
+A path is a factory ``make_path(eps)`` returning a callable
+``path(queries, keys, query_weight, key_weight) -> (normalized_queries,
+normalized_keys)``, weights possibly None. A factory (or a call, for one
+shape) raises :class:`PathUnavailable` where the path cannot run here; the
+tools then skip it and say why. :func:`register_path` adds a path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from mlx_dualnorm.dual_head_norm import (
+    CompiledDualHeadNorm,
+    Mode,
+    available_modes,
+    composed_dual_head_norm,
+)
+
+__all__ = [
+    "COMPILED_PATH",
+    "DualNormPath",
+    "DualNormPathFactory",
+    "FUSED_PATH",
+    "PATH_REGISTRY",
+    "PYTHON_COMPILE_PATH",
+    "PYTHON_COMPILE_SHAPED_PATH",
+    "PathUnavailable",
+    "REFERENCE_PATH",
+    "RegisteredPath",
+    "describe_paths",
+    "make_compiled_path",
+    "make_composed_path",
+    "make_fused_path",
+    "make_mx_compile_path",
+    "make_mx_compile_shaped_path",
+    "package_mode_factory",
+    "register_path",
+    "routinely_checked_paths",
+]
+
+DualNormPath = Callable[
+    [mx.array, mx.array, Optional[mx.array], Optional[mx.array]],
+    tuple[mx.array, mx.array],
+]
+"""``path(queries, keys, query_weight, key_weight) -> (normalized_queries,
+normalized_keys)``; the weights may be None."""
+
+DualNormPathFactory = Callable[[float], DualNormPath]
+"""Builds the path for one RMS epsilon; called once per epsilon per run."""
+
+REFERENCE_PATH = "composed"
+COMPILED_PATH = "compiled"
+FUSED_PATH = "fused"
+PYTHON_COMPILE_PATH = "mx_compile"
+PYTHON_COMPILE_SHAPED_PATH = "mx_compile_shaped"
+
+
+class PathUnavailable(RuntimeError):
+    """Raised by a path factory (or by a path's call, for one shape) when the
+    path cannot run here: its mode is not built, it takes no weights. The
+    tools record the reason and skip the path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisteredPath:
+    """One way of computing ``(rms_norm(q, wq, eps), rms_norm(k, wk, eps))``.
+
+    ``routinely_checked``: whether parity and replay check it when no path
+    is named (a path that retraces per shape would compile once per parity
+    case, minutes on a CPU, and checks nothing ``mx_compile`` does not)."""
+
+    name: str
+    factory: DualNormPathFactory
+    description: str
+    routinely_checked: bool = True
+    available: Callable[[], bool] = lambda: True  # whether this build and device run it
+
+
+PATH_REGISTRY: dict[str, RegisteredPath] = {}
+"""Every path, by name, in the order the tools print them."""
+
+
+def register_path(
+    name: str,
+    factory: DualNormPathFactory,
+    description: str = "",
+    *,
+    routinely_checked: bool = True,
+    available: Callable[[], bool] = lambda: True,
+) -> None:
+    """Adds (or replaces) a path. If the callable ``factory(eps)`` returns
+    has a ``close()`` method, the benchmark calls it when done."""
+    PATH_REGISTRY[name] = RegisteredPath(name, factory, description, routinely_checked, available)
+
+
+def make_composed_path(eps: float) -> DualNormPath:
+    """The reference: two ``mx.fast.rms_norm`` calls, nothing compiled."""
+
+    def composed_path(
+        queries: mx.array,
+        keys: mx.array,
+        query_weight: Optional[mx.array],
+        key_weight: Optional[mx.array],
+    ) -> tuple[mx.array, mx.array]:
+        return composed_dual_head_norm(queries, keys, query_weight, key_weight, eps)
+
+    return composed_path
+
+
+def _python_compile_path(shapeless: bool) -> DualNormPathFactory:
+    """MLX keys its trace on which weights are None, so one compiled
+    function serves all four weightings."""
+
+    def factory(eps: float) -> DualNormPath:
+        return mx.compile(make_composed_path(eps), shapeless=shapeless)
+
+    return factory
+
+
+def package_mode_factory(mode: Mode) -> DualNormPathFactory:
+    """``CompiledDualHeadNorm(eps, mode=mode)``, or PathUnavailable where
+    this build or device lacks the mode."""
+
+    def factory(eps: float) -> DualNormPath:
+        if mode not in available_modes():
+            raise PathUnavailable(
+                f"mode {mode!r} is not available here (available: {', '.join(available_modes())})"
+            )
+        return CompiledDualHeadNorm(eps, mode=mode)
+
+    return factory
+
+
+make_compiled_path = package_mode_factory("compiled")
+make_fused_path = package_mode_factory("fused")
+make_mx_compile_path = _python_compile_path(shapeless=True)
+make_mx_compile_shaped_path = _python_compile_path(shapeless=False)
+
+register_path(
+    REFERENCE_PATH,
+    make_composed_path,
+    "the reference: two mx.fast.rms_norm calls, nothing compiled",
+)
+register_path(
+    COMPILED_PATH,
+    make_compiled_path,
+    "mlx_dualnorm.CompiledDualHeadNorm(mode='compiled'): one shapeless graph compiled in C",
+    available=lambda: "compiled" in available_modes(),
+)
+register_path(
+    FUSED_PATH,
+    make_fused_path,
+    "mlx_dualnorm.CompiledDualHeadNorm(mode='fused'): one kernel for both inputs (CUDA)",
+    available=lambda: "fused" in available_modes(),
+)
+register_path(
+    PYTHON_COMPILE_PATH,
+    make_mx_compile_path,
+    "Python mx.compile(shapeless=True) of the two mx.fast.rms_norm calls",
+)
+register_path(
+    PYTHON_COMPILE_SHAPED_PATH,
+    make_mx_compile_shaped_path,
+    "Python mx.compile of the two calls, traced again for every new input shape",
+    routinely_checked=False,
+)
+
+
+def routinely_checked_paths() -> dict[str, DualNormPathFactory]:
+    """The paths parity and replay check by default: every routinely checked
+    path but the reference, less those this build or device cannot run."""
+    return {
+        name: path.factory
+        for name, path in PATH_REGISTRY.items()
+        if name != REFERENCE_PATH and path.routinely_checked and path.available()
+    }
+
+
+def describe_paths(names: "list[str] | tuple[str, ...]") -> list[str]:
+    """``name: description`` lines for the paths named (unknown names, such
+    as a test's own path, are listed bare)."""
+    lines = []
+    for name in names:
+        path = PATH_REGISTRY.get(name)
+        lines.append(f"{name}: {path.description}" if path and path.description else name)
+    return lines
