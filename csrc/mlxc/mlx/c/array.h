@@ -7,8 +7,8 @@
  * mlx_array_free; freeing drops one reference, never the data under other
  * references.
  */
-#ifndef MLX_C_ARRAY_H
-#define MLX_C_ARRAY_H
+#ifndef MLX_ARRAY_H
+#define MLX_ARRAY_H
 
 #include <stdbool.h>
 #include <stddef.h>

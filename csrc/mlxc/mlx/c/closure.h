@@ -10,8 +10,8 @@
  * (mlx_closure_apply, a compiled closure, ...) with a message naming
  * mlx_closure (mlx_vector_array for an empty result).
  */
-#ifndef MLX_C_CLOSURE_H
-#define MLX_C_CLOSURE_H
+#ifndef MLX_CLOSURE_H
+#define MLX_CLOSURE_H
 
 #include "mlx/c/array.h"
 #include "mlx/c/vector.h"

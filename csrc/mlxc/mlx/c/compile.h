@@ -6,8 +6,8 @@
  * unless shapeless). Compiled closures own a cache entry that is erased when
  * the last copy of the compiled closure is freed.
  */
-#ifndef MLX_C_COMPILE_H
-#define MLX_C_COMPILE_H
+#ifndef MLX_COMPILE_H
+#define MLX_COMPILE_H
 
 #include <stdbool.h>
 #include <stddef.h>

@@ -6,8 +6,8 @@
  * reported) appended, and the DEFAULT handler prints it and EXITS the
  * process: a library must install its own handler before its first call.
  */
-#ifndef MLX_C_ERROR_H
-#define MLX_C_ERROR_H
+#ifndef MLX_ERROR_H
+#define MLX_ERROR_H
 
 #ifdef __cplusplus
 extern "C" {

@@ -3,8 +3,8 @@
  * ctx owns a heap std::vector<mlx::core::array>. Elements are stored by
  * reference (no data copies); getters hand out new handles the caller frees.
  */
-#ifndef MLX_C_VECTOR_H
-#define MLX_C_VECTOR_H
+#ifndef MLX_VECTOR_H
+#define MLX_VECTOR_H
 
 #include <stddef.h>
 

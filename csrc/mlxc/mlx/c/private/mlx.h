@@ -14,9 +14,15 @@
  *   - free_object() deletes the object (an empty handle is a no-op).
  * The C functions wrap each C++ call in try/catch, report what MLX threw
  * through mlx_error (error.h) and return 1 or an empty handle, as upstream.
+ *
+ * Where upstream's behaviour is undefined (it dereferences or indexes
+ * unchecked), the subset reports an error instead: a NULL out-parameter, a
+ * NULL data/shape/function/constants pointer with a non-zero count, a
+ * negative extent, a dtype outside mlx_dtype, reading the data of an array
+ * that is not evaluated. A mutex guards the error handler slot.
  */
-#ifndef MLX_C_PRIVATE_MLX_H
-#define MLX_C_PRIVATE_MLX_H
+#ifndef BUNDLED_MLX_C_PRIVATE_H
+#define BUNDLED_MLX_C_PRIVATE_H
 
 #include <functional>
 #include <stdexcept>
