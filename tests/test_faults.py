@@ -386,5 +386,5 @@ def test_interpreter_exit_is_clean(scenario):
     )
     assert process.returncode == 0, describe(process)
     assert "exiting" in process.stdout
-    assert "mlx-c error" not in process.stderr, process.stderr
+    assert "MLX error" not in process.stdout, process.stdout
     assert "Fatal Python error" not in process.stderr, process.stderr

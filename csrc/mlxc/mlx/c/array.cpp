@@ -1,15 +1,17 @@
-/* mlx_array over mlx::core::array. */
+/* mlx_array over mlx::core::array, behaving as upstream's array.cpp. */
 #include <complex>
 
 #include "mlx/c/array.h"
 #include "mlx/c/private/mlx.h"
 #include "mlx/types/half_types.h"
 
+using namespace bundled_mlx_c;
+
 namespace {
 
-using namespace mlx_c_private;
-
-/* MLX's Dtype::Val and mlx_dtype list the same types in the same order. */
+/* MLX's Dtype::Val and mlx_dtype list the same types in the same order.
+ * Upstream indexes a table with the value (undefined past the end); here an
+ * unknown value is a reported error. */
 mx::Dtype to_cpp_dtype(mlx_dtype dtype) {
   switch (dtype) {
     case MLX_BOOL: return mx::bool_;
@@ -27,7 +29,7 @@ mx::Dtype to_cpp_dtype(mlx_dtype dtype) {
     case MLX_BFLOAT16: return mx::bfloat16;
     case MLX_COMPLEX64: return mx::complex64;
   }
-  throw std::invalid_argument("[mlx_dtype] unknown dtype value");
+  throw std::invalid_argument("unknown mlx_dtype " + std::to_string(static_cast<int>(dtype)));
 }
 
 mlx_dtype to_c_dtype(mx::Dtype dtype) {
@@ -35,39 +37,75 @@ mlx_dtype to_c_dtype(mx::Dtype dtype) {
 }
 
 template <typename Element>
-mx::array copied_array(const void* data, mx::Shape shape, mx::Dtype dtype) {
-  return mx::array(static_cast<const Element*>(data), std::move(shape), dtype);
+mx::array copied_array(const void* data, const mx::Shape& shape, mx::Dtype dtype) {
+  return mx::array(static_cast<const Element*>(data), shape, dtype);
 }
 
-/* Borrowed pointer to an evaluated array's data of the requested dtype. */
-template <typename Element>
-const Element* evaluated_data(const mlx_array arr, mx::Dtype dtype, const char* c_function) {
-  try {
-    const mx::array& array = held<mx::array>(arr, c_function);
-    if (array.dtype() != dtype) {
-      throw std::invalid_argument(
-          std::string("[") + c_function + "] the array's dtype does not match");
+/* A new array holding a copy of `data`. Upstream reads `data` and `shape`
+ * unchecked; NULLs and negative extents are reported errors here. */
+mx::array copied_array_of_dtype(const void* data, const int* shape, int dim, mlx_dtype dtype) {
+  if (dim < 0 || (dim > 0 && shape == nullptr)) {
+    throw std::invalid_argument("[mlx_array_new_data] invalid shape");
+  }
+  const mx::Shape cpp_shape(shape, shape + dim);
+  size_t count = 1;
+  for (int extent : cpp_shape) {
+    if (extent < 0) {
+      throw std::invalid_argument("[mlx_array_new_data] negative extent");
     }
+    count *= static_cast<size_t>(extent);
+  }
+  if (count > 0 && data == nullptr) {
+    throw std::invalid_argument("[mlx_array_new_data] NULL data");
+  }
+  const mx::Dtype cpp_dtype = to_cpp_dtype(dtype);
+  switch (dtype) {
+    case MLX_BOOL: return copied_array<bool>(data, cpp_shape, cpp_dtype);
+    case MLX_UINT8: return copied_array<uint8_t>(data, cpp_shape, cpp_dtype);
+    case MLX_UINT16: return copied_array<uint16_t>(data, cpp_shape, cpp_dtype);
+    case MLX_UINT32: return copied_array<uint32_t>(data, cpp_shape, cpp_dtype);
+    case MLX_UINT64: return copied_array<uint64_t>(data, cpp_shape, cpp_dtype);
+    case MLX_INT8: return copied_array<int8_t>(data, cpp_shape, cpp_dtype);
+    case MLX_INT16: return copied_array<int16_t>(data, cpp_shape, cpp_dtype);
+    case MLX_INT32: return copied_array<int32_t>(data, cpp_shape, cpp_dtype);
+    case MLX_INT64: return copied_array<int64_t>(data, cpp_shape, cpp_dtype);
+    case MLX_FLOAT16: return copied_array<mx::float16_t>(data, cpp_shape, cpp_dtype);
+    case MLX_FLOAT32: return copied_array<float>(data, cpp_shape, cpp_dtype);
+    case MLX_FLOAT64: return copied_array<double>(data, cpp_shape, cpp_dtype);
+    case MLX_BFLOAT16: return copied_array<mx::bfloat16_t>(data, cpp_shape, cpp_dtype);
+    case MLX_COMPLEX64: return copied_array<mx::complex64_t>(data, cpp_shape, cpp_dtype);
+  }
+  throw std::invalid_argument("unknown mlx_dtype " + std::to_string(static_cast<int>(dtype)));
+}
+
+/* The data of an evaluated array, REINTERPRETED as Element whatever its
+ * dtype (as upstream: the caller picks the accessor that fits). Upstream
+ * crashes on an array that is not evaluated; here that is a reported error. */
+template <typename Element>
+const Element* evaluated_data(const mlx_array arr, const char* c_function) {
+  try {
+    const mx::array& array = object_of(arr);
     if (!array.is_available()) {
       throw std::invalid_argument(
           std::string("[") + c_function + "] the array is not evaluated");
     }
     return array.data<Element>();
-  } catch (const std::exception& e) {
-    report_exception(e);
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return nullptr;
   }
-  return nullptr;
 }
 
-/* Reads a property of a held array; `fallback` (with an error) when empty. */
+/* One property of a non-empty array; `fallback` with a reported error for
+ * an empty handle (upstream returns 0, nullptr or MLX_BOOL likewise). */
 template <typename Value, typename Read>
-Value array_property(const mlx_array arr, const char* c_function, Value fallback, Read read) {
+Value array_property(const mlx_array arr, Value fallback, Read read) {
   try {
-    return read(held<mx::array>(arr, c_function));
-  } catch (const std::exception& e) {
-    report_exception(e);
+    return read(object_of(arr));
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return fallback;
   }
-  return fallback;
 }
 
 } // namespace
@@ -75,10 +113,10 @@ Value array_property(const mlx_array arr, const char* c_function, Value fallback
 extern "C" size_t mlx_dtype_size(mlx_dtype dtype) {
   try {
     return to_cpp_dtype(dtype).size();
-  } catch (const std::exception& e) {
-    report_exception(e);
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 0;
   }
-  return 0;
 }
 
 extern "C" mlx_array mlx_array_new(void) {
@@ -86,7 +124,8 @@ extern "C" mlx_array mlx_array_new(void) {
 }
 
 extern "C" int mlx_array_free(mlx_array arr) {
-  return guarded([&] { release<mx::array>(arr); });
+  free_object(arr);
+  return 0;
 }
 
 extern "C" mlx_array mlx_array_new_data(
@@ -94,100 +133,78 @@ extern "C" mlx_array mlx_array_new_data(
     const int* shape,
     int dim,
     mlx_dtype dtype) {
-  return guarded_new<mlx_array, mx::array>([&] {
-    if (dim < 0 || (dim > 0 && shape == nullptr)) {
-      throw std::invalid_argument("[mlx_array_new_data] invalid shape");
-    }
-    mx::Shape cpp_shape(shape, shape + dim);
-    mx::Dtype cpp_dtype = to_cpp_dtype(dtype);
-    size_t count = 1;
-    for (int extent : cpp_shape) {
-      if (extent < 0) {
-        throw std::invalid_argument("[mlx_array_new_data] negative extent");
-      }
-      count *= static_cast<size_t>(extent);
-    }
-    if (count > 0 && data == nullptr) {
-      throw std::invalid_argument("[mlx_array_new_data] NULL data");
-    }
-    switch (dtype) {
-      case MLX_BOOL: return copied_array<bool>(data, cpp_shape, cpp_dtype);
-      case MLX_UINT8: return copied_array<uint8_t>(data, cpp_shape, cpp_dtype);
-      case MLX_UINT16: return copied_array<uint16_t>(data, cpp_shape, cpp_dtype);
-      case MLX_UINT32: return copied_array<uint32_t>(data, cpp_shape, cpp_dtype);
-      case MLX_UINT64: return copied_array<uint64_t>(data, cpp_shape, cpp_dtype);
-      case MLX_INT8: return copied_array<int8_t>(data, cpp_shape, cpp_dtype);
-      case MLX_INT16: return copied_array<int16_t>(data, cpp_shape, cpp_dtype);
-      case MLX_INT32: return copied_array<int32_t>(data, cpp_shape, cpp_dtype);
-      case MLX_INT64: return copied_array<int64_t>(data, cpp_shape, cpp_dtype);
-      case MLX_FLOAT16: return copied_array<mx::float16_t>(data, cpp_shape, cpp_dtype);
-      case MLX_FLOAT32: return copied_array<float>(data, cpp_shape, cpp_dtype);
-      case MLX_FLOAT64: return copied_array<double>(data, cpp_shape, cpp_dtype);
-      case MLX_BFLOAT16: return copied_array<mx::bfloat16_t>(data, cpp_shape, cpp_dtype);
-      case MLX_COMPLEX64: return copied_array<mx::complex64_t>(data, cpp_shape, cpp_dtype);
-    }
-    throw std::invalid_argument("[mlx_array_new_data] unknown dtype value");
-  });
+  try {
+    return new_handle<mlx_array>(copied_array_of_dtype(data, shape, dim, dtype));
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return mlx_array{nullptr};
+  }
 }
 
 extern "C" int mlx_array_set(mlx_array* arr, const mlx_array src) {
-  return guarded([&] {
-    assign(arr, held<mx::array>(src, "mlx_array_set"), "mlx_array_set");
-  });
+  try {
+    store(arr, object_of(src));
+    return 0;
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 1;
+  }
 }
 
 extern "C" size_t mlx_array_itemsize(const mlx_array arr) {
-  return array_property<size_t>(arr, "mlx_array_itemsize", 0,
-      [](const mx::array& a) { return a.itemsize(); });
+  return array_property<size_t>(arr, 0, [](const mx::array& a) { return a.itemsize(); });
 }
 
 extern "C" size_t mlx_array_size(const mlx_array arr) {
-  return array_property<size_t>(arr, "mlx_array_size", 0,
-      [](const mx::array& a) { return a.size(); });
+  return array_property<size_t>(arr, 0, [](const mx::array& a) { return a.size(); });
 }
 
 extern "C" size_t mlx_array_nbytes(const mlx_array arr) {
-  return array_property<size_t>(arr, "mlx_array_nbytes", 0,
-      [](const mx::array& a) { return a.nbytes(); });
+  return array_property<size_t>(arr, 0, [](const mx::array& a) { return a.nbytes(); });
 }
 
 extern "C" size_t mlx_array_ndim(const mlx_array arr) {
-  return array_property<size_t>(arr, "mlx_array_ndim", 0,
-      [](const mx::array& a) { return a.ndim(); });
+  return array_property<size_t>(arr, 0, [](const mx::array& a) { return a.ndim(); });
 }
 
 extern "C" const int* mlx_array_shape(const mlx_array arr) {
-  return array_property<const int*>(arr, "mlx_array_shape", nullptr,
-      [](const mx::array& a) { return a.shape().data(); });
+  return array_property<const int*>(
+      arr, nullptr, [](const mx::array& a) { return a.shape().data(); });
 }
 
+/* A negative `dim` counts from the end, as in MLX. */
 extern "C" int mlx_array_dim(const mlx_array arr, int dim) {
-  return array_property<int>(arr, "mlx_array_dim", 0,
-      [dim](const mx::array& a) { return a.shape(dim); });
+  return array_property<int>(arr, 0, [dim](const mx::array& a) { return a.shape(dim); });
 }
 
 extern "C" mlx_dtype mlx_array_dtype(const mlx_array arr) {
-  return array_property<mlx_dtype>(arr, "mlx_array_dtype", MLX_BOOL,
-      [](const mx::array& a) { return to_c_dtype(a.dtype()); });
+  return array_property<mlx_dtype>(
+      arr, MLX_BOOL, [](const mx::array& a) { return to_c_dtype(a.dtype()); });
 }
 
 extern "C" int mlx_array_eval(mlx_array arr) {
-  return guarded([&] { held<mx::array>(arr, "mlx_array_eval").eval(); });
+  try {
+    object_of(arr).eval();
+    return 0;
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 1;
+  }
 }
 
-#define MLX_C_DATA_ACCESSOR(NAME, ELEMENT, DTYPE)                         \
-  extern "C" const ELEMENT* mlx_array_data_##NAME(const mlx_array arr) {  \
-    return evaluated_data<ELEMENT>(arr, DTYPE, "mlx_array_data_" #NAME);  \
+#define DEFINE_DATA_ACCESSOR(NAME, ELEMENT)                               \
+  extern "C" const ELEMENT* mlx_array_data_##NAME(const mlx_array arr) { \
+    return evaluated_data<ELEMENT>(arr, "mlx_array_data_" #NAME);        \
   }
 
-MLX_C_DATA_ACCESSOR(bool, bool, mx::bool_)
-MLX_C_DATA_ACCESSOR(uint8, uint8_t, mx::uint8)
-MLX_C_DATA_ACCESSOR(uint16, uint16_t, mx::uint16)
-MLX_C_DATA_ACCESSOR(uint32, uint32_t, mx::uint32)
-MLX_C_DATA_ACCESSOR(uint64, uint64_t, mx::uint64)
-MLX_C_DATA_ACCESSOR(int8, int8_t, mx::int8)
-MLX_C_DATA_ACCESSOR(int16, int16_t, mx::int16)
-MLX_C_DATA_ACCESSOR(int32, int32_t, mx::int32)
-MLX_C_DATA_ACCESSOR(int64, int64_t, mx::int64)
-MLX_C_DATA_ACCESSOR(float32, float, mx::float32)
-MLX_C_DATA_ACCESSOR(float64, double, mx::float64)
+DEFINE_DATA_ACCESSOR(bool, bool)
+DEFINE_DATA_ACCESSOR(uint8, uint8_t)
+DEFINE_DATA_ACCESSOR(uint16, uint16_t)
+DEFINE_DATA_ACCESSOR(uint32, uint32_t)
+DEFINE_DATA_ACCESSOR(uint64, uint64_t)
+DEFINE_DATA_ACCESSOR(int8, int8_t)
+DEFINE_DATA_ACCESSOR(int16, int16_t)
+DEFINE_DATA_ACCESSOR(int32, int32_t)
+DEFINE_DATA_ACCESSOR(int64, int64_t)
+DEFINE_DATA_ACCESSOR(float32, float)
+DEFINE_DATA_ACCESSOR(float64, double)

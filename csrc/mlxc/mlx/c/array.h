@@ -7,8 +7,8 @@
  * mlx_array_free; freeing drops one reference, never the data under other
  * references.
  */
-#ifndef MLX_C_ARRAY_H
-#define MLX_C_ARRAY_H
+#ifndef MLX_ARRAY_H
+#define MLX_ARRAY_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -36,7 +36,8 @@ typedef enum mlx_dtype_ {
   MLX_COMPLEX64,
 } mlx_dtype;
 
-/* Size in bytes of one element of `dtype`. */
+/* Size in bytes of one element of `dtype` (0, with an error reported, for
+ * a value outside the enum). */
 size_t mlx_dtype_size(mlx_dtype dtype);
 
 typedef struct mlx_array_ {
@@ -60,6 +61,8 @@ mlx_array mlx_array_new_data(
 /* Makes `*arr` refer to the same graph node as `src` (no copy). */
 int mlx_array_set(mlx_array* arr, const mlx_array src);
 
+/* Properties of a non-empty array. For an empty handle they report an
+ * error and return 0 (NULL for the shape, MLX_BOOL for the dtype). */
 size_t mlx_array_itemsize(const mlx_array arr);
 size_t mlx_array_size(const mlx_array arr);
 size_t mlx_array_nbytes(const mlx_array arr);
@@ -73,8 +76,10 @@ mlx_dtype mlx_array_dtype(const mlx_array arr);
 /* Evaluates the graph behind `arr` (blocking). */
 int mlx_array_eval(mlx_array arr);
 
-/* Borrowed pointers to the data of an EVALUATED array whose dtype matches
- * the accessor; NULL (with an error reported) otherwise. The data of a
+/* Borrowed pointer to the data of an EVALUATED array, read as the
+ * accessor's element type WHATEVER the array's dtype (as upstream: pick the
+ * accessor that matches mlx_array_dtype). NULL, with an error reported, for
+ * an empty handle or an array that is not evaluated. The data of a
  * non-contiguous array follows its strides, as in MLX. */
 const bool* mlx_array_data_bool(const mlx_array arr);
 const uint8_t* mlx_array_data_uint8(const mlx_array arr);

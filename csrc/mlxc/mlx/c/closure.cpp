@@ -1,42 +1,35 @@
-/* mlx_closure over std::function, calling back into C. */
+/* mlx_closure over std::function, calling back into C; behaves as
+ * upstream's closure.cpp. */
 #include <memory>
 
 #include "mlx/c/closure.h"
 #include "mlx/c/private/mlx.h"
 
+using namespace bundled_mlx_c;
+
 namespace {
 
-using namespace mlx_c_private;
-using ArrayVector = std::vector<mx::array>;
+/* A vector handle freed when it goes out of scope, on every path. */
+struct OwnedVectorHandle {
+  mlx_vector_array handle{nullptr};
+  ~OwnedVectorHandle() { free_object(handle); }
+};
 
 /* Calls `call_c_function(&result, input)` with handles the closure owns:
- * the input vector is freed after the call, the result is moved out and
- * freed, on every path. */
+ * a fresh input vector (the C function must not free it) and an empty
+ * result handle the C function fills. As upstream, a non-zero status throws,
+ * and so does a result the C function left empty. */
 template <typename CallCFunction>
 ArrayVector call_into_c(const ArrayVector& inputs, CallCFunction call_c_function) {
-  mlx_vector_array input{new ArrayVector(inputs)};
-  mlx_vector_array result{nullptr};
-  int status = 1;
-  try {
-    status = call_c_function(&result, input);
-  } catch (...) {
-    release<ArrayVector>(input);
-    release<ArrayVector>(result);
-    throw;
-  }
-  release<ArrayVector>(input);
+  OwnedVectorHandle input{new_handle<mlx_vector_array>(inputs)};
+  OwnedVectorHandle result;
+  const int status = call_c_function(&result.handle, input.handle);
   if (status != 0) {
-    release<ArrayVector>(result);
     throw std::runtime_error(
-        "[mlx_closure_apply] the closure's C function returned status " +
-        std::to_string(status));
+        "[mlx_closure] the closure's C function returned " + std::to_string(status) +
+        " (non-zero)");
   }
-  ArrayVector outputs;
-  if (result.ctx != nullptr) {
-    outputs = std::move(*static_cast<ArrayVector*>(result.ctx));
-  }
-  release<ArrayVector>(result);
-  return outputs;
+  return std::move(object_of(result.handle));
 }
 
 } // namespace
@@ -46,54 +39,64 @@ extern "C" mlx_closure mlx_closure_new(void) {
 }
 
 extern "C" int mlx_closure_free(mlx_closure cls) {
-  return guarded([&] { release<ArrayFunction>(cls); });
+  free_object(cls);
+  return 0;
 }
 
+/* Upstream wraps a NULL `fun` and crashes when the closure is called; here
+ * it is a reported error and an empty handle. */
 extern "C" mlx_closure mlx_closure_new_func(
     int (*fun)(mlx_vector_array*, const mlx_vector_array)) {
-  return guarded_new<mlx_closure, ArrayFunction>([&] {
+  try {
     if (fun == nullptr) {
-      throw std::invalid_argument("[mlx_closure_new_func] NULL function");
+      throw std::invalid_argument("[mlx_closure_new_func] expected a non-NULL function");
     }
-    return ArrayFunction([fun](const ArrayVector& inputs) {
+    return new_handle<mlx_closure>([fun](const ArrayVector& inputs) {
       return call_into_c(inputs, [fun](mlx_vector_array* result, mlx_vector_array input) {
         return fun(result, input);
       });
     });
-  });
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return mlx_closure{nullptr};
+  }
 }
 
 extern "C" mlx_closure mlx_closure_new_func_payload(
     int (*fun)(mlx_vector_array*, const mlx_vector_array, void*),
     void* payload,
     void (*dtor)(void*)) {
-  return guarded_new<mlx_closure, ArrayFunction>([&] {
+  try {
     if (fun == nullptr) {
-      throw std::invalid_argument("[mlx_closure_new_func_payload] NULL function");
+      throw std::invalid_argument("[mlx_closure_new_func_payload] expected a non-NULL function");
     }
     /* Every copy of the std::function (MLX's compiled wrappers keep some)
-     * shares this owner; the dtor runs when the last copy is destroyed. */
-    std::shared_ptr<void> shared_payload(payload, [dtor](void* owned) {
-      if (dtor != nullptr) {
-        dtor(owned);
-      }
-    });
-    return ArrayFunction([fun, shared_payload](const ArrayVector& inputs) {
+     * shares this owner; `dtor`, when given, runs when the last copy is
+     * destroyed. */
+    std::shared_ptr<void> shared_payload = dtor != nullptr
+        ? std::shared_ptr<void>(payload, dtor)
+        : std::shared_ptr<void>(payload, [](void*) {});
+    return new_handle<mlx_closure>([fun, shared_payload](const ArrayVector& inputs) {
       return call_into_c(inputs,
           [fun, &shared_payload](mlx_vector_array* result, mlx_vector_array input) {
             return fun(result, input, shared_payload.get());
           });
     });
-  });
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return mlx_closure{nullptr};
+  }
 }
 
 extern "C" int mlx_closure_apply(
     mlx_vector_array* res,
     mlx_closure cls,
     const mlx_vector_array input) {
-  return guarded([&] {
-    const char* c_function = "mlx_closure_apply";
-    const ArrayFunction& function = held<ArrayFunction>(cls, c_function);
-    assign(res, function(held<ArrayVector>(input, c_function)), c_function);
-  });
+  try {
+    store(res, object_of(cls)(object_of(input)));
+    return 0;
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 1;
+  }
 }

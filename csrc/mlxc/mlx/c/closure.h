@@ -4,12 +4,14 @@
  * ctx owns a heap std::function<std::vector<array>(const std::vector<array>&)>.
  * When MLX calls the closure, the C function receives a fresh input vector
  * it must NOT free (the closure frees it) and a pointer to an empty result
- * handle it fills (the closure takes it over). A non-zero return makes the
- * call fail: the closure throws, and the failure surfaces as the return code
- * of whatever applied it (mlx_closure_apply, a compiled closure, ...).
+ * handle it fills (the closure takes it over). A non-zero return, or a
+ * result left empty, makes the call fail: the closure throws, and the
+ * failure surfaces as the return code of whatever applied it
+ * (mlx_closure_apply, a compiled closure, ...) with a message naming
+ * mlx_closure (mlx_vector_array for an empty result).
  */
-#ifndef MLX_C_CLOSURE_H
-#define MLX_C_CLOSURE_H
+#ifndef MLX_CLOSURE_H
+#define MLX_CLOSURE_H
 
 #include "mlx/c/array.h"
 #include "mlx/c/vector.h"

@@ -6,8 +6,8 @@
  * unless shapeless). Compiled closures own a cache entry that is erased when
  * the last copy of the compiled closure is freed.
  */
-#ifndef MLX_C_COMPILE_H
-#define MLX_C_COMPILE_H
+#ifndef MLX_COMPILE_H
+#define MLX_COMPILE_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -33,9 +33,9 @@ int mlx_detail_compile(
     const uint64_t* constants,
     size_t num_constants);
 
-/* Drops the cache entries for `fun_id`: the calling thread's, and those of
- * every other live thread where a closure compiled under `fun_id` by
- * mlx_detail_compile traced (MLX's caches are per thread). */
+/* Drops the CALLING THREAD's cache entry for `fun_id`. MLX's compile
+ * caches are per thread: entries other threads traced stay until those
+ * threads erase them or exit. */
 int mlx_detail_compile_erase(uintptr_t fun_id);
 
 /* Drops every entry of the calling thread's compile cache. */

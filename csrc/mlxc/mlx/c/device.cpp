@@ -1,33 +1,48 @@
-/* mlx_device over mlx::core::Device. */
+/* mlx_device over mlx::core::Device, behaving as upstream's device.cpp. */
 #include "mlx/c/device.h"
 #include "mlx/c/private/mlx.h"
 
-using namespace mlx_c_private;
+using namespace bundled_mlx_c;
 
 extern "C" mlx_device mlx_device_new(void) {
   return mlx_device{nullptr};
 }
 
 extern "C" mlx_device mlx_device_new_type(mlx_device_type type, int index) {
-  return guarded_new<mlx_device, mx::Device>([&] {
-    return mx::Device(type == MLX_GPU ? mx::Device::gpu : mx::Device::cpu, index);
-  });
+  try {
+    return new_handle<mlx_device>(
+        mx::Device(type == MLX_GPU ? mx::Device::gpu : mx::Device::cpu, index));
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return mlx_device{nullptr};
+  }
 }
 
 extern "C" int mlx_device_free(mlx_device dev) {
-  return guarded([&] { release<mx::Device>(dev); });
+  free_object(dev);
+  return 0;
 }
 
 extern "C" int mlx_get_default_device(mlx_device* dev) {
-  return guarded([&] { assign(dev, mx::default_device(), "mlx_get_default_device"); });
+  try {
+    store(dev, mx::default_device());
+    return 0;
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 1;
+  }
 }
 
+/* Upstream dereferences a NULL `type`; here it is a reported error. */
 extern "C" int mlx_device_get_type(mlx_device_type* type, mlx_device dev) {
-  return guarded([&] {
-    const char* c_function = "mlx_device_get_type";
+  try {
     if (type == nullptr) {
-      throw std::invalid_argument("[mlx_device_get_type] NULL result pointer");
+      throw std::invalid_argument("expected a non-NULL mlx_device_type*");
     }
-    *type = held<mx::Device>(dev, c_function).type == mx::Device::gpu ? MLX_GPU : MLX_CPU;
-  });
+    *type = object_of(dev).type == mx::Device::gpu ? MLX_GPU : MLX_CPU;
+    return 0;
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 1;
+  }
 }

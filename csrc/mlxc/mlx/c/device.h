@@ -1,6 +1,6 @@
 /* MLX devices (upstream mlx-c v0.6.0 names and signatures). */
-#ifndef MLX_C_DEVICE_H
-#define MLX_C_DEVICE_H
+#ifndef MLX_DEVICE_H
+#define MLX_DEVICE_H
 
 #ifdef __cplusplus
 extern "C" {

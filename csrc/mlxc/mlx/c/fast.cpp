@@ -1,4 +1,5 @@
-/* mlx_fast_rms_norm over mlx::core::fast::rms_norm. */
+/* mlx_fast_rms_norm over mlx::core::fast::rms_norm, behaving as
+ * upstream's fast.cpp. */
 #include <optional>
 
 #include "mlx/fast.h"
@@ -6,7 +7,7 @@
 #include "mlx/c/fast.h"
 #include "mlx/c/private/mlx.h"
 
-using namespace mlx_c_private;
+using namespace bundled_mlx_c;
 
 extern "C" int mlx_fast_rms_norm(
     mlx_array* res,
@@ -14,15 +15,15 @@ extern "C" int mlx_fast_rms_norm(
     const mlx_array weight,
     float eps,
     const mlx_stream s) {
-  return guarded([&] {
-    const char* c_function = "mlx_fast_rms_norm";
+  try {
     std::optional<mx::array> optional_weight;
     if (weight.ctx != nullptr) {
-      optional_weight = *static_cast<const mx::array*>(weight.ctx);
+      optional_weight = object_of(weight);
     }
-    assign(res,
-        mx::fast::rms_norm(held<mx::array>(x, c_function), optional_weight, eps,
-            held<mx::Stream>(s, c_function)),
-        c_function);
-  });
+    store(res, mx::fast::rms_norm(object_of(x), optional_weight, eps, object_of(s)));
+    return 0;
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 1;
+  }
 }

@@ -1,6 +1,6 @@
 /* Fused MLX operations (upstream mlx-c v0.6.0 names and signatures). */
-#ifndef MLX_C_FAST_H
-#define MLX_C_FAST_H
+#ifndef MLX_FAST_H
+#define MLX_FAST_H
 
 #include "mlx/c/array.h"
 #include "mlx/c/stream.h"

@@ -1,7 +1,10 @@
 /* The mlx-c subset this project carries: every header, as upstream's
- * mlx/c/mlx.h includes them all. */
-#ifndef MLX_C_MLX_H
-#define MLX_C_MLX_H
+ * mlx/c/mlx.h includes them all. Names, signatures, include guards and
+ * behaviour follow upstream mlx-c v0.6.0; csrc/mlxc/mlx/c/private/mlx.h
+ * lists where the subset reports an error where upstream's behaviour is
+ * undefined. */
+#ifndef MLX_ALL_H
+#define MLX_ALL_H
 
 #include "mlx/c/array.h"
 #include "mlx/c/closure.h"

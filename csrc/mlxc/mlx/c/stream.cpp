@@ -1,28 +1,42 @@
-/* mlx_stream over mlx::core::Stream. */
+/* mlx_stream over mlx::core::Stream, behaving as upstream's stream.cpp. */
 #include "mlx/c/stream.h"
 #include "mlx/c/private/mlx.h"
 
-using namespace mlx_c_private;
+using namespace bundled_mlx_c;
 
 extern "C" mlx_stream mlx_stream_new(void) {
   return mlx_stream{nullptr};
 }
 
 extern "C" int mlx_stream_free(mlx_stream stream) {
-  return guarded([&] { release<mx::Stream>(stream); });
+  free_object(stream);
+  return 0;
 }
 
 extern "C" int mlx_get_default_stream(mlx_stream* stream, mlx_device dev) {
-  return guarded([&] {
-    const char* c_function = "mlx_get_default_stream";
-    assign(stream, mx::default_stream(held<mx::Device>(dev, c_function)), c_function);
-  });
+  try {
+    store(stream, mx::default_stream(object_of(dev)));
+    return 0;
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 1;
+  }
 }
 
 extern "C" mlx_stream mlx_default_cpu_stream_new(void) {
-  return guarded_new<mlx_stream, mx::Stream>([] { return mx::default_stream(mx::Device::cpu); });
+  try {
+    return new_handle<mlx_stream>(mx::default_stream(mx::Device::cpu));
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return mlx_stream{nullptr};
+  }
 }
 
 extern "C" mlx_stream mlx_default_gpu_stream_new(void) {
-  return guarded_new<mlx_stream, mx::Stream>([] { return mx::default_stream(mx::Device::gpu); });
+  try {
+    return new_handle<mlx_stream>(mx::default_stream(mx::Device::gpu));
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return mlx_stream{nullptr};
+  }
 }

@@ -1,6 +1,6 @@
 /* MLX streams (upstream mlx-c v0.6.0 names and signatures). */
-#ifndef MLX_C_STREAM_H
-#define MLX_C_STREAM_H
+#ifndef MLX_STREAM_H
+#define MLX_STREAM_H
 
 #include "mlx/c/device.h"
 

@@ -1,69 +1,92 @@
-/* mlx_vector_array over std::vector<mlx::core::array>. */
+/* mlx_vector_array over std::vector<mlx::core::array>, behaving as
+ * upstream's vector.cpp. */
 #include "mlx/c/vector.h"
 #include "mlx/c/private/mlx.h"
 
+using namespace bundled_mlx_c;
+
 namespace {
 
-using namespace mlx_c_private;
-using ArrayVector = std::vector<mx::array>;
-
-ArrayVector arrays_of(const mlx_array* data, size_t n, const char* c_function) {
+/* The arrays behind `n` handles. Upstream reads `data` unchecked; a NULL
+ * `data` with n > 0 is a reported error here. */
+ArrayVector arrays_of(const mlx_array* data, size_t n) {
   if (n > 0 && data == nullptr) {
-    throw std::invalid_argument(std::string("[") + c_function + "] NULL data");
+    throw std::invalid_argument("expected a non-NULL mlx_array* for a non-zero count");
   }
   ArrayVector arrays;
   arrays.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    arrays.push_back(held<mx::array>(data[i], c_function));
+    arrays.push_back(object_of(data[i]));
   }
   return arrays;
 }
 
 } // namespace
 
+/* As upstream, a NEW vector is a non-empty handle holding no arrays. */
 extern "C" mlx_vector_array mlx_vector_array_new(void) {
-  return guarded_new<mlx_vector_array, ArrayVector>([] { return ArrayVector{}; });
+  try {
+    return new_handle<mlx_vector_array>(ArrayVector{});
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return mlx_vector_array{nullptr};
+  }
 }
 
 extern "C" int mlx_vector_array_free(mlx_vector_array vec) {
-  return guarded([&] { release<ArrayVector>(vec); });
+  free_object(vec);
+  return 0;
 }
 
 extern "C" mlx_vector_array mlx_vector_array_new_data(const mlx_array* data, size_t n) {
-  return guarded_new<mlx_vector_array, ArrayVector>(
-      [&] { return arrays_of(data, n, "mlx_vector_array_new_data"); });
+  try {
+    return new_handle<mlx_vector_array>(arrays_of(data, n));
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return mlx_vector_array{nullptr};
+  }
 }
 
 extern "C" int mlx_vector_array_set_data(
     mlx_vector_array* vec,
     const mlx_array* data,
     size_t n) {
-  return guarded([&] {
-    assign(vec, arrays_of(data, n, "mlx_vector_array_set_data"),
-        "mlx_vector_array_set_data");
-  });
+  try {
+    store(vec, arrays_of(data, n));
+    return 0;
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 1;
+  }
 }
 
 extern "C" int mlx_vector_array_append_value(mlx_vector_array vec, const mlx_array val) {
-  return guarded([&] {
-    const char* c_function = "mlx_vector_array_append_value";
-    held<ArrayVector>(vec, c_function).push_back(held<mx::array>(val, c_function));
-  });
+  try {
+    object_of(vec).push_back(object_of(val));
+    return 0;
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 1;
+  }
 }
 
 extern "C" size_t mlx_vector_array_size(mlx_vector_array vec) {
-  return vec.ctx == nullptr ? 0 : static_cast<ArrayVector*>(vec.ctx)->size();
+  try {
+    return object_of(vec).size();
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 0;
+  }
 }
 
+/* An index past the end is the std::out_of_range of std::vector::at,
+ * reported with its message, as upstream. */
 extern "C" int mlx_vector_array_get(mlx_array* res, const mlx_vector_array vec, size_t idx) {
-  return guarded([&] {
-    const char* c_function = "mlx_vector_array_get";
-    const ArrayVector& arrays = held<ArrayVector>(vec, c_function);
-    if (idx >= arrays.size()) {
-      throw std::out_of_range(
-          std::string("[") + c_function + "] index " + std::to_string(idx) +
-          " is out of range for a vector of " + std::to_string(arrays.size()));
-    }
-    assign(res, arrays[idx], c_function);
-  });
+  try {
+    store(res, object_of(vec).at(idx));
+    return 0;
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 1;
+  }
 }

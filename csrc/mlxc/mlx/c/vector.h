@@ -3,8 +3,8 @@
  * ctx owns a heap std::vector<mlx::core::array>. Elements are stored by
  * reference (no data copies); getters hand out new handles the caller frees.
  */
-#ifndef MLX_C_VECTOR_H
-#define MLX_C_VECTOR_H
+#ifndef MLX_VECTOR_H
+#define MLX_VECTOR_H
 
 #include <stddef.h>
 
@@ -18,7 +18,7 @@ typedef struct mlx_vector_array_ {
   void* ctx;
 } mlx_vector_array;
 
-/* A new vector holding no arrays. */
+/* A new (non-empty) handle to a vector holding no arrays. */
 mlx_vector_array mlx_vector_array_new(void);
 
 /* Frees the vector and its references. An empty handle is a no-op. */
@@ -35,10 +35,11 @@ int mlx_vector_array_set_data(
 
 int mlx_vector_array_append_value(mlx_vector_array vec, const mlx_array val);
 
-/* Number of arrays; 0 for an empty handle. */
+/* Number of arrays; 0, with an error reported, for an empty handle. */
 size_t mlx_vector_array_size(mlx_vector_array vec);
 
-/* Sets `*res` to the array at `idx`; fails when idx is out of range. */
+/* Sets `*res` to the array at `idx`; fails (status 1, error reported)
+ * when idx is out of range. */
 int mlx_vector_array_get(mlx_array* res, const mlx_vector_array vec, size_t idx);
 
 #ifdef __cplusplus

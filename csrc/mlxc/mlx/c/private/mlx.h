@@ -1,18 +1,29 @@
-/* Private C++ side of the mlx-c subset: how handles map to MLX objects.
+/* Private C++ side of the bundled mlx-c subset: how handles map to MLX
+ * objects. Upstream keeps the same knowledge in mlx/c/private/ and does not
+ * install it, so nothing outside csrc/mlxc may include this header: code
+ * that did would not build against the real mlx-c.
  *
- * Every handle is `{ void* ctx; }` with ctx a heap C++ object that the
- * handle owns (see each public header for which). These helpers are the only
- * place that casts ctx, so ownership rules live in one file:
- *   - held()    borrows the object behind a handle, failing on an empty one;
- *   - assign()  stores a value into an out-parameter handle, allocating when
- *               it is empty and overwriting (not leaking) when it is not;
- *   - release() deletes the object and leaves the handle empty.
- * guarded()/guarded_new() are the C boundary: no exception crosses it.
+ * Every handle is `{ void* ctx; }` with ctx a heap C++ object the handle
+ * owns (HandleTraits says which). These helpers are the only place that
+ * casts ctx, and they behave as upstream's per-type helpers do:
+ *   - object_of()  borrows the object; an empty handle throws
+ *                  "expected a non-empty <handle type>";
+ *   - new_handle() wraps a value in a new handle;
+ *   - store()      sets an out-parameter: overwrites the object of a
+ *                  non-empty handle, allocates one for an empty handle;
+ *   - free_object() deletes the object (an empty handle is a no-op).
+ * The C functions wrap each C++ call in try/catch, report what MLX threw
+ * through mlx_error (error.h) and return 1 or an empty handle, as upstream.
+ *
+ * Where upstream's behaviour is undefined (it dereferences or indexes
+ * unchecked), the subset reports an error instead: a NULL out-parameter, a
+ * NULL data/shape/function/constants pointer with a non-zero count, a
+ * negative extent, a dtype outside mlx_dtype, reading the data of an array
+ * that is not evaluated. A mutex guards the error handler slot.
  */
-#ifndef MLX_C_PRIVATE_MLX_H
-#define MLX_C_PRIVATE_MLX_H
+#ifndef BUNDLED_MLX_C_PRIVATE_H
+#define BUNDLED_MLX_C_PRIVATE_H
 
-#include <exception>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -23,74 +34,93 @@
 #include "mlx/device.h"
 #include "mlx/stream.h"
 
+#include "mlx/c/array.h"
+#include "mlx/c/closure.h"
+#include "mlx/c/device.h"
 #include "mlx/c/error.h"
+#include "mlx/c/stream.h"
+#include "mlx/c/vector.h"
 
-namespace mlx_c_private {
+namespace bundled_mlx_c {
 
 namespace mx = mlx::core;
 
+using ArrayVector = std::vector<mx::array>;
+
 /* The C++ object behind an mlx_closure. */
-using ArrayFunction =
-    std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
+using ArrayFunction = std::function<ArrayVector(const ArrayVector&)>;
 
-/* Hands `e.what()` to the installed error handler. */
-void report_exception(const std::exception& e);
+/* Which C++ object each handle type owns, and the handle's C name (used in
+ * the empty-handle message, as upstream words it). */
+template <typename Handle>
+struct HandleTraits;
 
-template <typename Object, typename Handle>
-Object& held(const Handle& handle, const char* c_function) {
+template <>
+struct HandleTraits<mlx_array> {
+  using Object = mx::array;
+  static constexpr const char* name = "mlx_array";
+};
+
+template <>
+struct HandleTraits<mlx_vector_array> {
+  using Object = ArrayVector;
+  static constexpr const char* name = "mlx_vector_array";
+};
+
+template <>
+struct HandleTraits<mlx_closure> {
+  using Object = ArrayFunction;
+  static constexpr const char* name = "mlx_closure";
+};
+
+template <>
+struct HandleTraits<mlx_device> {
+  using Object = mx::Device;
+  static constexpr const char* name = "mlx_device";
+};
+
+template <>
+struct HandleTraits<mlx_stream> {
+  using Object = mx::Stream;
+  static constexpr const char* name = "mlx_stream";
+};
+
+template <typename Handle>
+using ObjectOf = typename HandleTraits<Handle>::Object;
+
+template <typename Handle>
+ObjectOf<Handle>& object_of(Handle handle) {
   if (handle.ctx == nullptr) {
-    throw std::invalid_argument(
-        std::string("[") + c_function + "] received an empty handle");
+    throw std::runtime_error(
+        std::string("expected a non-empty ") + HandleTraits<Handle>::name);
   }
-  return *static_cast<Object*>(handle.ctx);
+  return *static_cast<ObjectOf<Handle>*>(handle.ctx);
 }
 
-template <typename Object, typename Handle>
-void assign(Handle* handle, Object value, const char* c_function) {
-  if (handle == nullptr) {
+template <typename Handle>
+Handle new_handle(ObjectOf<Handle> value) {
+  return Handle{new ObjectOf<Handle>(std::move(value))};
+}
+
+/* Upstream dereferences a NULL out-parameter; here it is a reported error. */
+template <typename Handle>
+void store(Handle* out, ObjectOf<Handle> value) {
+  if (out == nullptr) {
     throw std::invalid_argument(
-        std::string("[") + c_function + "] received a NULL result pointer");
+        std::string("expected a non-NULL ") + HandleTraits<Handle>::name + "*");
   }
-  if (handle->ctx != nullptr) {
-    *static_cast<Object*>(handle->ctx) = std::move(value);
+  if (out->ctx != nullptr) {
+    *static_cast<ObjectOf<Handle>*>(out->ctx) = std::move(value);
   } else {
-    handle->ctx = new Object(std::move(value));
+    out->ctx = new ObjectOf<Handle>(std::move(value));
   }
 }
 
-template <typename Object, typename Handle>
-void release(Handle& handle) {
-  delete static_cast<Object*>(handle.ctx);
-  handle.ctx = nullptr;
+template <typename Handle>
+void free_object(Handle handle) {
+  delete static_cast<ObjectOf<Handle>*>(handle.ctx);
 }
 
-/* Runs `body`; 0 on success, 1 with the message reported on any throw. */
-template <typename Body>
-int guarded(Body&& body) {
-  try {
-    body();
-    return 0;
-  } catch (const std::exception& e) {
-    report_exception(e);
-  } catch (...) {
-    report_exception(std::runtime_error("unknown C++ exception"));
-  }
-  return 1;
-}
-
-/* Runs `body` returning a heap Object; an empty Handle on any throw. */
-template <typename Handle, typename Object, typename Body>
-Handle guarded_new(Body&& body) {
-  try {
-    return Handle{new Object(body())};
-  } catch (const std::exception& e) {
-    report_exception(e);
-  } catch (...) {
-    report_exception(std::runtime_error("unknown C++ exception"));
-  }
-  return Handle{nullptr};
-}
-
-} // namespace mlx_c_private
+} // namespace bundled_mlx_c
 
 #endif
