@@ -183,11 +183,11 @@ def run_ladder(batches: int, calls_per_batch: int, rounds: int) -> dict[str, flo
         shapeless=True,
     )
 
+    error = ffi.new("mlx_dualnorm_error *")
+
     def check(status: int) -> int:
         if status != 0:
-            raise RuntimeError(
-                ffi.string(lib.mlx_dualnorm_last_error_description()).decode()
-            )
+            raise RuntimeError(ffi.string(error.description).decode())
         return status
 
     python_rungs: dict[str, Callable] = {
@@ -211,7 +211,7 @@ def run_ladder(batches: int, calls_per_batch: int, rounds: int) -> dict[str, flo
     cffi_rungs: dict[str, Callable[[object], object]] = {
         "empty cffi call (floor)": lambda slot: epsilon_getter(native),
         "C apply: mlx_dualnorm_apply_... (cffi)": lambda slot: apply(
-            slot, native, query_handle, key_handle, empty, empty
+            slot, native, query_handle, key_handle, empty, empty, error
         ),
         "replay: mlx_closure_apply (cffi)": lambda slot: closure_apply(
             slot, compiled_graph, input_vector
@@ -479,6 +479,7 @@ def main(argv: list[str]) -> int:
             "primitives_per_call": sizes,
             "sampling_profile": profile,
         }
+        arguments.output_dir.mkdir(parents=True, exist_ok=True)
         destination = arguments.output_dir / "host_path_profile.json"
         destination.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         print(f"\nwrote {destination}")
