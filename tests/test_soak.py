@@ -52,8 +52,12 @@ def test_building_and_freeing_objects_leaves_memory_flat():
 
 
 def test_objects_called_on_a_worker_and_freed_elsewhere_leave_memory_flat():
-    """The serving pattern: a long-lived thread makes the calls, objects
-    are built and freed on the main thread."""
+    """The serving pattern: a long-lived thread makes the calls (and so
+    traces), objects are built and freed on the main thread. Upstream
+    mlx-c's erase clears only the calling thread's cache; before closing
+    queued erasure on the tracing thread, this grew by 1600 B of MLX active
+    memory and 1.9 MiB RSS over 400 objects. Now: 0 B, and RSS within
+    allocator noise."""
     report = soak.run_soak(
         calls=4_000, samples=2, warmup_calls=200, churn_every=10, caller_thread=True
     )
