@@ -208,6 +208,11 @@ def assemble_cdef() -> str:
     return "\n".join(header_declarations(CSRC / header) for header in CDEF_HEADERS)
 
 
+def composite_sources() -> list[str]:
+    """The plain-C composite: every .c file directly in csrc/."""
+    return sorted(str(path.relative_to(ROOT)) for path in CSRC.glob("*.c"))
+
+
 def make_ffibuilder() -> FFI:
     mlx = find_mlx_install()
     mlx_c = find_mlx_c()
@@ -218,7 +223,7 @@ def make_ffibuilder() -> FFI:
         NATIVE_MODULE,
         '#include "dual_head_norm.h"\n#include "fused/fused_dual_head_norm.h"\n',
         sources=[
-            "csrc/dual_head_norm.c",
+            *composite_sources(),
             "csrc/fused/fused_dual_head_norm.cpp",
             *cuda_primitive.sources,
             *mlx_c.sources,
