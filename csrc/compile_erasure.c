@@ -6,6 +6,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* Compile ids: a tag above every user-space address (MLX's own ids are
  * addresses), then a process-wide serial. */
@@ -34,7 +35,11 @@ static _Thread_local applying_thread* this_applying_thread = NULL;
 static pthread_key_t applying_thread_key;
 static pthread_once_t applying_thread_key_once = PTHREAD_ONCE_INIT;
 
-/* Runs at a registered thread's exit: unlinks and frees its record. */
+/* Signalled whenever a registered thread is forgotten. */
+static pthread_cond_t applying_thread_forgotten = PTHREAD_COND_INITIALIZER;
+
+/* Runs at a registered thread's exit, after its C++ thread_local
+ * destructors (MLX's among them): unlinks and frees its record. */
 static void forget_applying_thread(void* record) {
   applying_thread* exiting = record;
   pthread_mutex_lock(&applying_threads_lock);
@@ -44,6 +49,7 @@ static void forget_applying_thread(void* record) {
       break;
     }
   }
+  pthread_cond_broadcast(&applying_thread_forgotten);
   pthread_mutex_unlock(&applying_threads_lock);
   free(exiting->queued_ids);
   free(exiting);
@@ -121,4 +127,33 @@ int dualnorm_erase_compile_ids_everywhere(const uintptr_t* ids, size_t count) {
   }
   pthread_mutex_unlock(&applying_threads_lock);
   return status;
+}
+
+/* The registered threads other than the caller; the caller holds the lock. */
+static size_t other_applying_threads(void) {
+  size_t count = 0;
+  for (applying_thread* record = applying_threads; record != NULL; record = record->next) {
+    count += record != this_applying_thread;
+  }
+  return count;
+}
+
+size_t mlx_dualnorm_await_thread_exits(unsigned timeout_ms) {
+  struct timespec deadline;
+  timespec_get(&deadline, TIME_UTC); /* the clock pthread_cond_timedwait reads */
+  deadline.tv_sec += timeout_ms / 1000;
+  deadline.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+  if (deadline.tv_nsec >= 1000000000L) {
+    deadline.tv_sec += 1;
+    deadline.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&applying_threads_lock);
+  size_t remaining = other_applying_threads();
+  while (remaining > 0 &&
+         pthread_cond_timedwait(&applying_thread_forgotten, &applying_threads_lock, &deadline) == 0) {
+    remaining = other_applying_threads();
+  }
+  remaining = other_applying_threads();
+  pthread_mutex_unlock(&applying_threads_lock);
+  return remaining;
 }

@@ -20,6 +20,7 @@
 #define MLX_DUALNORM_DUAL_HEAD_NORM_H
 
 #include <stdbool.h>
+#include <stddef.h>
 
 #include "mlx/c/mlx.h"
 
@@ -99,6 +100,15 @@ typedef struct mlx_dualnorm_compiled_dual_head_norm_
  * process). Call once before anything else; the Python package does so at
  * import. Idempotent. */
 void mlx_dualnorm_install_error_handler(void);
+
+/* Waits, at most `timeout_ms`, until every other thread that applied an
+ * object of this package has finished exiting (its thread-local
+ * destructors, MLX's included, have run); returns how many have not. For
+ * an interpreter's exit hook: a thread's exit runs MLX's thread-local
+ * destructors, and those of MLX's Python module take the GIL, which aborts
+ * the process once interpreter finalization has begun. Waiting for them
+ * before finalization (with the GIL released) lets them finish. */
+size_t mlx_dualnorm_await_thread_exits(unsigned timeout_ms);
 
 /* Registers the fused CUDA mode process-wide (NULL unregisters it). The
  * table must outlive every object created while it is registered. A build

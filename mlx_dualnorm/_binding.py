@@ -13,6 +13,8 @@ exported by the cffi module, to the converter for arguments that are not
 
 from __future__ import annotations
 
+import atexit
+import threading
 from typing import Any, Callable
 
 import mlx.core  # noqa: F401  (load libmlx.so and MLX's nanobind types first)
@@ -27,6 +29,27 @@ lib.mlx_dualnorm_install_error_handler()
 lib.mlx_dualnorm_set_fused_backend(lib.mlx_dualnorm_fused_backend_table())
 
 apply_compiled_dual_head_norm = _interop.apply
+
+# How long the exit hook waits for threads that used the package to finish
+# exiting: they have already returned to the OS, so this is their C++
+# thread-local destructors' time, normally microseconds.
+_THREAD_EXIT_WAIT_MS = 500
+
+
+def _let_exiting_threads_finish() -> None:
+    """At interpreter exit, before finalization: joined Python threads may
+    still be running their C++ thread-local destructors, and those of MLX's
+    Python module take the GIL, which aborts the process once finalization
+    has begun. Waits (GIL released, as cffi calls do) for the threads that
+    applied this package's objects. Skipped while other Python threads are
+    still alive (daemon threads never exit, so waiting would only delay)."""
+    current = threading.current_thread()
+    if any(thread.is_alive() for thread in threading.enumerate() if thread is not current):
+        return
+    lib.mlx_dualnorm_await_thread_exits(_THREAD_EXIT_WAIT_MS)
+
+
+atexit.register(_let_exiting_threads_finish)
 
 
 def bind_bridge(convert_array: Callable[[object, str], Any]) -> None:
