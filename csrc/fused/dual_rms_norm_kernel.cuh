@@ -195,7 +195,9 @@ __device__ __forceinline__ Chunk<Storage> load_chunk(
 
 /* Inlined (as is dual_rms_norm) so that `layout` stays a reference into
  * the kernel's parameter space rather than a per-thread copy in local
- * memory. */
+ * memory. Kept whole, at about 75 lines: the sum pass and the write pass
+ * share the row's first chunk, held in registers, and the summation order
+ * (which must be MLX's, element for element) reads in one place. */
 template <typename Storage>
 __device__ __forceinline__ void normalize_row(
     const typename Storage::storage* input,
