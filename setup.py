@@ -2,6 +2,7 @@
 bridge from build_ffi.make_interop_extension; C and C++ sources get their own
 language standard (one Extension mixes both)."""
 
+import os
 import pathlib
 import sys
 
@@ -27,8 +28,14 @@ class BuildExtWithLanguageFlags(build_ext):
         super().build_extensions()
 
 
+# The import guard's record of the MLX compiled against (every build).
+build_ffi.record_mlx_build()
+
 setup(
     cffi_modules=["build_ffi.py:ffibuilder"],
     ext_modules=[build_ffi.make_interop_extension()],
     cmdclass={"build_ext": BuildExtWithLanguageFlags},
+    # The two extension modules compile side by side (each is one long
+    # compiler run or several, on machines with few cores).
+    options={"build_ext": {"parallel": max(1, min(2, os.cpu_count() or 1))}},
 )
