@@ -51,13 +51,16 @@ class MlxBuild(NamedTuple):
 
 
 def _mlx_site_directory() -> Optional[str]:
-    """The folder that holds the importable ``mlx`` package (found without
-    importing it), so the metadata read is that install's, not another on
-    the path."""
-    spec = importlib.util.find_spec("mlx")
-    if spec is None or not spec.submodule_search_locations:
+    """The folder that holds the importable ``mlx.core`` (found, not loaded),
+    so the metadata read is that install's. ``mlx`` is a namespace package:
+    any folder named mlx on the path joins it, so ask for ``mlx.core``."""
+    try:
+        spec = importlib.util.find_spec("mlx.core")
+    except ImportError:
         return None
-    return str(pathlib.Path(next(iter(spec.submodule_search_locations))).parent)
+    if spec is None or not spec.origin:
+        return None
+    return str(pathlib.Path(spec.origin).resolve().parent.parent)
 
 
 def _installed_version(distribution_name: str, site_directory: str) -> Optional[str]:
