@@ -25,6 +25,10 @@ class BuildExtWithLanguageFlags(build_ext):
             compile_one(obj, src, ext, cc_args, [*extra_postargs, *language_flags], pp_opts)
 
         self.compiler._compile = compile_with_language_flags
+        # A build against another MLX (release or backend) rewrites the record,
+        # so extensions left in build/ by the previous one are rebuilt.
+        for extension in self.extensions:
+            extension.depends = [*extension.depends, str(build_ffi.BUILD_RECORD)]
         super().build_extensions()
 
 
