@@ -61,7 +61,11 @@ def _copy_with_record(tmp_path: pathlib.Path, record: str | None) -> pathlib.Pat
 def _import_in_fresh_interpreter(site: pathlib.Path) -> str:
     process = subprocess.run(
         [sys.executable, "-c", IMPORT_AND_REPORT],
-        env={**os.environ, "PYTHONPATH": str(site)},
+        # The copy first; the rest of the path as it is (MLX may be found through it).
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+        },
         cwd=str(site),
         capture_output=True,
         text=True,
