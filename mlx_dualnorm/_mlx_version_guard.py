@@ -15,7 +15,7 @@ loads it by path to describe the MLX it builds against in the same terms.
 
 from __future__ import annotations
 
-import importlib
+import ast
 import importlib.metadata
 import importlib.util
 import pathlib
@@ -23,6 +23,7 @@ from typing import NamedTuple, Optional
 
 CHECK_OPERATION = "import mlx_dualnorm"
 BUILD_RECORD_MODULE = "mlx_dualnorm._built_against"
+BUILD_RECORD_FILE = pathlib.Path(__file__).with_name("_built_against.py")
 
 # The distributions that install libmlx.so into the mlx package on Linux,
 # by the pip extra that selects each (``mlx[cpu]``, ``mlx[cuda13]``, ...).
@@ -95,13 +96,20 @@ def installed_mlx() -> Optional[MlxBuild]:
 
 
 def _recorded_build() -> Optional[MlxBuild]:
+    """The record beside this very file (read by path, not imported: an
+    import could be answered by another copy of the package, an editable
+    install's finder for one, whose record would not describe these
+    extension modules); None where there is none."""
     try:
-        record = importlib.import_module(BUILD_RECORD_MODULE)
-    except ModuleNotFoundError as error:
-        if error.name != BUILD_RECORD_MODULE:
-            raise
+        source = BUILD_RECORD_FILE.read_text()
+    except FileNotFoundError:
         return None
-    return MlxBuild(record.MLX_VERSION, record.MLX_BACKEND)
+    values = {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+    }
+    return MlxBuild(values["MLX_VERSION"], values["MLX_BACKEND"])
 
 
 REBUILD_HINT = (
