@@ -31,6 +31,9 @@ from typing import NamedTuple
 
 from cffi import FFI
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import build_backend  # noqa: E402  (the backend setting and MLX release, one place)
+
 ROOT = pathlib.Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
 BUNDLED_MLX_C = CSRC / "mlxc"
@@ -113,12 +116,20 @@ def find_mlx_c() -> MlxCSource:
 
 class CudaPrimitiveBuild(NamedTuple):
     """What compiling the fused mode's MLX primitive takes: MLX's CUDA
-    backend headers (shipped by the mlx[cuda13] wheel), the CUDA toolkit's
+    backend headers (shipped by the mlx[cuda13] wheel), the CUDA runtime's
     headers and fmt's headers (MLX's CUDA headers include both)."""
 
     sources: list[str]
     compile_args: list[str]
     define_macros: list[tuple[str, str]]
+
+
+# What MLX's CUDA headers include from the CUDA toolkit: cuda_runtime.h
+# (which includes crt/host_config.h) and cuda.h.
+CUDA_HEADERS_NEEDED = ("cuda_runtime.h", "crt/host_config.h", "cuda.h")
+# MLX's mlx/backend/cuda/lru_cache.h (included by device.h, which declares
+# the command encoder the primitive records its launch into) includes it.
+FMT_HEADER_NEEDED = "fmt/format.h"
 
 
 def _first_dir_with(candidates: list[str | None], relative_file: str) -> pathlib.Path | None:
@@ -132,39 +143,136 @@ def mlx_has_cuda_backend() -> bool:
     """Whether the installed MLX is a CUDA build (mlx[cuda12] / mlx[cuda13]
     install an mlx-cuda-* distribution). The CPU wheel ships the CUDA
     headers too, so the headers alone do not tell."""
-    import importlib.metadata
+    return installed_mlx_build().backend.startswith("cuda")
 
-    return any(
-        (distribution.metadata["Name"] or "").lower().replace("_", "-").startswith("mlx-cuda")
-        for distribution in importlib.metadata.distributions()
-    )
+
+def _site_dirs_with(relative_dir: str) -> list[str]:
+    """Each import-path folder's ``relative_dir``, where it exists (the
+    registry packages that carry headers install them under site-packages)."""
+    return [
+        str(pathlib.Path(entry) / relative_dir)
+        for entry in sys.path
+        if entry and (pathlib.Path(entry) / relative_dir).is_dir()
+    ]
+
+
+def cuda_include_candidates() -> list[str]:
+    """Where the CUDA runtime's headers may be, in order: CUDA_HOME (or
+    CUDA_PATH) when set, NVIDIA's header wheels (nvidia-cuda-runtime, a
+    dependency of mlx[cuda13], and nvidia-cuda-crt), the usual toolkit."""
+    explicit_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    return [
+        *([f"{explicit_home}/include"] if explicit_home else []),
+        *_site_dirs_with("nvidia/cu13/include"),
+        "/usr/local/cuda/include",
+    ]
+
+
+def fmt_include_candidates() -> list[str]:
+    """Where fmt's headers may be: MLX_DUALNORM_FMT_INCLUDE, the cmeel-fmt
+    wheel (PyPI's fmt headers), then the OS (libfmt-dev)."""
+    return [
+        os.environ.get("MLX_DUALNORM_FMT_INCLUDE") or "",
+        *_site_dirs_with("cmeel.prefix/include"),
+        "/usr/include",
+        "/usr/local/include",
+    ]
+
+
+def missing_cuda_build_pieces() -> tuple[list[str], pathlib.Path | None, pathlib.Path | None]:
+    """(what is missing, in words; the CUDA include dir; the fmt include dir)."""
+    missing = []
+    cuda_candidates = cuda_include_candidates()
+    cuda_include = None
+    for candidate in cuda_candidates:
+        if all((pathlib.Path(candidate) / header).exists() for header in CUDA_HEADERS_NEEDED):
+            cuda_include = pathlib.Path(candidate)
+            break
+    if cuda_include is None:
+        missing.append(
+            "the CUDA runtime's headers (" + ", ".join(CUDA_HEADERS_NEEDED) + ") in none of "
+            + ", ".join(cuda_candidates)
+            + ": pip install 'nvidia-cuda-runtime==13.*' 'nvidia-cuda-crt==13.*', or set CUDA_HOME"
+        )
+    fmt_include = _first_dir_with(fmt_include_candidates(), FMT_HEADER_NEEDED)
+    if fmt_include is None:
+        missing.append(
+            f"fmt's headers ({FMT_HEADER_NEEDED}): pip install cmeel-fmt, or apt install "
+            "libfmt-dev, or set MLX_DUALNORM_FMT_INCLUDE"
+        )
+    return missing, cuda_include, fmt_include
 
 
 def find_cuda_primitive_build(mlx: MlxInstall) -> CudaPrimitiveBuild | None:
     """The fused-mode build where everything it needs is found, else None
-    (the package then reports mode 'fused' unavailable; 'auto' compiles)."""
-    if not mlx_has_cuda_backend() or not (
-        mlx.include_dir / "mlx" / "backend" / "cuda" / "device.h"
-    ).exists():
+    (the package then reports mode 'fused' unavailable; 'auto' compiles).
+    With MLX_DUALNORM_BACKEND=cuda13 the fused mode is required: anything
+    missing stops the build with what to install, before any compiler runs."""
+    requested = build_backend.requested_backend()
+    if requested == "cpu":
         return None
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    cuda_include = _first_dir_with(
-        [cuda_home and f"{cuda_home}/include", "/usr/local/cuda/include"], "cuda_runtime.h"
-    )
-    fmt_include = _first_dir_with(
-        [os.environ.get("MLX_DUALNORM_FMT_INCLUDE"), "/usr/include", "/usr/local/include"],
-        "fmt/format.h",
-    )
-    if cuda_include is None or fmt_include is None:
-        missing = "CUDA toolkit headers (CUDA_HOME)" if cuda_include is None else "fmt headers"
-        print(f"mlx_dualnorm: MLX has a CUDA backend but {missing} were not found: "
-              "building without the fused mode", file=sys.stderr)
+    cuda_mlx = mlx_has_cuda_backend() and (
+        mlx.include_dir / "mlx" / "backend" / "cuda" / "device.h"
+    ).exists()
+    if not cuda_mlx:
+        if requested is not None:
+            raise RuntimeError(
+                f"[build mlx_dualnorm] {build_backend.BACKEND_SETTING}={requested}, but the MLX "
+                f"found is {installed_mlx_build().describe()}: install "
+                f"'mlx[{requested}]=={build_backend.MLX_VERSION}' (an isolated pip build does)"
+            )
+        return None
+    missing, cuda_include, fmt_include = missing_cuda_build_pieces()
+    if missing:
+        problem = "MLX has a CUDA backend, but the fused mode needs " + "; and ".join(missing)
+        if requested is not None:
+            raise RuntimeError(f"[build mlx_dualnorm] {problem}")
+        print(f"mlx_dualnorm: {problem}. Building without the fused mode.", file=sys.stderr)
         return None
     return CudaPrimitiveBuild(
         sources=["csrc/fused/fused_dual_rms_norm_primitive.cpp"],
         compile_args=["-isystem", str(cuda_include), "-isystem", str(fmt_include)],
         define_macros=[("MLX_DUALNORM_WITH_CUDA", "1"), ("FMT_HEADER_ONLY", "1")],
     )
+
+
+# ---- The record of the MLX this build compiles against ---------------------
+# mlx_dualnorm/_mlx_version_guard.py compares it with the installed MLX at
+# import, before any extension module loads.
+
+BUILD_RECORD = ROOT / "mlx_dualnorm" / "_built_against.py"
+VERSION_GUARD_SOURCE = ROOT / "mlx_dualnorm" / "_mlx_version_guard.py"
+
+
+def _load_version_guard():
+    """The package's guard module, loaded by path (importing the package
+    would load the very extensions being built)."""
+    spec = importlib.util.spec_from_file_location("_mlx_dualnorm_version_guard", VERSION_GUARD_SOURCE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def installed_mlx_build():
+    """The MLX being compiled against, as the import guard describes it."""
+    installed = _load_version_guard().installed_mlx()
+    if installed is None:
+        find_mlx_install()  # raises its message on how to install MLX
+    return installed
+
+
+def record_mlx_build() -> None:
+    """Writes mlx_dualnorm/_built_against.py (git-ignored, in every wheel and
+    in-place build) with the MLX release and backend being compiled against."""
+    installed = installed_mlx_build()
+    record = (
+        '"""The MLX this build of mlx_dualnorm compiled against; written by\n'
+        'build_ffi.py at build time (see _mlx_version_guard.py)."""\n\n'
+        f"MLX_VERSION = {installed.version!r}\n"
+        f"MLX_BACKEND = {installed.backend!r}\n"
+    )
+    if not BUILD_RECORD.exists() or BUILD_RECORD.read_text() != record:
+        BUILD_RECORD.write_text(record)
 
 
 # The headers cffi reads, in dependency order: each C area is declared once,

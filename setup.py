@@ -2,6 +2,7 @@
 bridge from build_ffi.make_interop_extension; C and C++ sources get their own
 language standard (one Extension mixes both)."""
 
+import os
 import pathlib
 import sys
 
@@ -24,11 +25,21 @@ class BuildExtWithLanguageFlags(build_ext):
             compile_one(obj, src, ext, cc_args, [*extra_postargs, *language_flags], pp_opts)
 
         self.compiler._compile = compile_with_language_flags
+        # A build against another MLX (release or backend) rewrites the record,
+        # so extensions left in build/ by the previous one are rebuilt.
+        for extension in self.extensions:
+            extension.depends = [*extension.depends, str(build_ffi.BUILD_RECORD)]
         super().build_extensions()
 
+
+# The import guard's record of the MLX compiled against (every build).
+build_ffi.record_mlx_build()
 
 setup(
     cffi_modules=["build_ffi.py:ffibuilder"],
     ext_modules=[build_ffi.make_interop_extension()],
     cmdclass={"build_ext": BuildExtWithLanguageFlags},
+    # The two extension modules compile side by side (each is one long
+    # compiler run or several, on machines with few cores).
+    options={"build_ext": {"parallel": max(1, min(2, os.cpu_count() or 1))}},
 )

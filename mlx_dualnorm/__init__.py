@@ -11,9 +11,15 @@ bit-identical to ``mx.fast.rms_norm(q, None, 1e-6)`` and
 ``mx.fast.rms_norm(k, None, 1e-6)``.
 """
 
+# Before any extension module loads: an MLX other than the one this build
+# compiled against fails there with an unreadable linker error.
+from mlx_dualnorm._mlx_version_guard import check_installed_mlx  # isort: skip
+
+check_installed_mlx()
+
 # _binding first: it loads mlx.core (and so libmlx.so) before the extension
 # modules, which then reuse that very runtime.
-from mlx_dualnorm import _binding  # noqa: F401  (isort: skip)
+from mlx_dualnorm import _binding  # noqa: F401, E402  (isort: skip)
 from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
 from mlx_dualnorm.dual_head_norm import (
     CompiledDualHeadNorm,

@@ -53,10 +53,21 @@ import warnings
 from typing import Callable, Optional
 
 import mlx.core as mx
-import mlx_lm.models.gated_delta as gated_delta_module
 
 from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm, Mode
+
+GATED_DELTA_MODULE = "mlx_lm.models.gated_delta"
+# mlx-lm gained gated_delta.normalize_qk in 0.32.0 (0.31.x normalizes q and k
+# inside each model); the integration is tested on 0.32.2, the mlx-lm extra.
+SUPPORTED_MLX_LM = "mlx-lm 0.32.0 to 0.32.2 (tested on 0.32.2, which the mlx-lm extra installs)"
+
+try:
+    import mlx_lm.models.gated_delta as gated_delta_module
+except ModuleNotFoundError as missing:  # an mlx-lm from before gated-delta layers
+    if missing.name != GATED_DELTA_MODULE:
+        raise
+    gated_delta_module = None
 
 __all__ = [
     "MlxLmPatch",
@@ -90,8 +101,27 @@ def _unwrap_replacement(function):
     return function
 
 
-ORIGINAL_NORMALIZE_QK = _unwrap_replacement(gated_delta_module.normalize_qk)
-"""mlx-lm's own ``normalize_qk``, the function every fallback runs."""
+ORIGINAL_NORMALIZE_QK = _unwrap_replacement(getattr(gated_delta_module, "normalize_qk", None))
+"""mlx-lm's own ``normalize_qk``, the function every fallback runs (None on
+an mlx-lm without it, where :func:`patch` raises)."""
+
+
+def _check_mlx_lm_supported() -> None:
+    """Raises RuntimeError on an mlx-lm without ``gated_delta.normalize_qk``:
+    there the patch would change nothing, and saying so beats a silent no-op."""
+    if ORIGINAL_NORMALIZE_QK is not None:
+        return
+    try:
+        import mlx_lm
+
+        installed = f"mlx-lm {mlx_lm.__version__}"
+    except Exception:
+        installed = "the installed mlx-lm"
+    raise RuntimeError(
+        f"[{PATCH_OPERATION}] {installed} has no {GATED_DELTA_MODULE}.{PATCHED_ATTRIBUTE}, "
+        f"the function this integration replaces; it supports {SUPPORTED_MLX_LM}: "
+        "pip install 'mlx-lm==0.32.2'"
+    )
 
 
 # ---- The folded normalization ---------------------------------------------
@@ -336,6 +366,8 @@ def _install(mode) -> None:
     """Installs ``mode``'s replacement, or the original for ``_UNPATCHED``;
     the caller holds ``_patch_state_lock``."""
     global _installed_mode
+    if ORIGINAL_NORMALIZE_QK is None:  # nothing to point at: patch() has raised
+        return
     if mode is _UNPATCHED:
         _point_mlx_lm_at(ORIGINAL_NORMALIZE_QK)
     else:
@@ -386,7 +418,10 @@ def patch(mode: Optional[Mode] = None) -> MlxLmPatch:
 
     Raises:
         ValueError: ``mode`` cannot run here.
+        RuntimeError: the installed mlx-lm has no ``gated_delta.normalize_qk``
+            (releases before 0.32.0); the message names the supported ones.
     """
+    _check_mlx_lm_supported()
     if mode is not None:
         _check_mode(mode)
     with _patch_state_lock:

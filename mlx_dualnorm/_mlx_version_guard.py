@@ -1,0 +1,143 @@
+"""Refuses to load the extension modules under an MLX they were not built for.
+
+MLX's C++ ABI changes between releases, and its CPU and CUDA builds export
+different symbols, so an extension compiled against one ``libmlx.so`` fails
+under another with a dynamic-linker error that names a mangled symbol and
+neither version. The build records which MLX it compiled against (in the
+generated module ``mlx_dualnorm._built_against``); :func:`check_installed_mlx`
+compares that record with the installed MLX before any extension module,
+``mlx.core`` included, is loaded, and raises an ImportError that says both
+and how to fix it.
+
+This module reads package metadata only (no MLX import), so ``build_ffi.py``
+loads it by path to describe the MLX it builds against in the same terms.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import pathlib
+from typing import NamedTuple, Optional
+
+CHECK_OPERATION = "import mlx_dualnorm"
+BUILD_RECORD_MODULE = "mlx_dualnorm._built_against"
+BUILD_RECORD_FILE = pathlib.Path(__file__).with_name("_built_against.py")
+
+# The distributions that install libmlx.so into the mlx package on Linux,
+# by the pip extra that selects each (``mlx[cpu]``, ``mlx[cuda13]``, ...).
+BACKEND_DISTRIBUTIONS = {
+    "cpu": "mlx-cpu",
+    "cuda12": "mlx-cuda-12",
+    "cuda13": "mlx-cuda-13",
+}
+UNKNOWN_BACKEND = "unknown"
+
+
+class MlxBuild(NamedTuple):
+    """An MLX release and the backend its libmlx.so was built for."""
+
+    version: str
+    backend: str
+
+    def describe(self) -> str:
+        return f"mlx {self.version} ({self.backend} backend)"
+
+    def requirement(self) -> str:
+        """The pip requirement that installs exactly this MLX."""
+        if self.backend in BACKEND_DISTRIBUTIONS:
+            return f"mlx[{self.backend}]=={self.version}"
+        return f"mlx=={self.version}"
+
+
+def _mlx_site_directory() -> Optional[str]:
+    """The folder that holds the importable ``mlx.core`` (found, not loaded),
+    so the metadata read is that install's. ``mlx`` is a namespace package:
+    any folder named mlx on the path joins it, so ask for ``mlx.core``."""
+    try:
+        spec = importlib.util.find_spec("mlx.core")
+    except ImportError:
+        return None
+    if spec is None or not spec.origin:
+        return None
+    return str(pathlib.Path(spec.origin).resolve().parent.parent)
+
+
+def _installed_version(distribution_name: str, site_directory: str) -> Optional[str]:
+    for distribution in importlib.metadata.distributions(
+        name=distribution_name, path=[site_directory]
+    ):
+        return distribution.version
+    return None
+
+
+def installed_mlx() -> Optional[MlxBuild]:
+    """The importable MLX and its backend, from the metadata installed beside
+    it; None where no ``mlx`` package can be imported."""
+    site_directory = _mlx_site_directory()
+    if site_directory is None:
+        return None
+    backend_versions = {
+        backend: version
+        for backend, distribution_name in BACKEND_DISTRIBUTIONS.items()
+        if (version := _installed_version(distribution_name, site_directory)) is not None
+    }
+    # A CUDA backend installed over the CPU one overwrote its libmlx.so.
+    cuda_backends = sorted(backend for backend in backend_versions if backend.startswith("cuda"))
+    if cuda_backends:
+        backend = cuda_backends[-1]
+    elif backend_versions:
+        backend = next(iter(backend_versions))
+    else:
+        backend = UNKNOWN_BACKEND
+    version = _installed_version("mlx", site_directory) or backend_versions.get(backend)
+    return MlxBuild(version or UNKNOWN_BACKEND, backend)
+
+
+def _recorded_build() -> Optional[MlxBuild]:
+    """The record beside this very file (read by path, not imported: an
+    import could be answered by another copy of the package, an editable
+    install's finder for one, whose record would not describe these
+    extension modules); None where there is none."""
+    try:
+        source = BUILD_RECORD_FILE.read_text()
+    except FileNotFoundError:
+        return None
+    values = {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+    }
+    return MlxBuild(values["MLX_VERSION"], values["MLX_BACKEND"])
+
+
+REBUILD_HINT = (
+    "or rebuild mlx_dualnorm from its source against the installed MLX "
+    "(pip install --no-build-isolation --no-deps --force-reinstall <source folder or sdist>; "
+    "in a source tree: python setup.py build_ext --inplace)"
+)
+
+
+def check_installed_mlx() -> None:
+    """Raises ImportError unless the installed MLX is the one the extension
+    modules were compiled against (same release, same backend)."""
+    recorded = _recorded_build()
+    installed = installed_mlx()
+    if recorded is None:
+        raise ImportError(
+            f"[{CHECK_OPERATION}] this build of mlx_dualnorm has no record of the MLX it "
+            f"was compiled against ({BUILD_RECORD_MODULE} is missing): {REBUILD_HINT}"
+        )
+    if installed is None:
+        raise ImportError(
+            f"[{CHECK_OPERATION}] mlx_dualnorm was compiled against {recorded.describe()}, "
+            f"but no mlx package is installed: pip install \"{recorded.requirement()}\""
+        )
+    if installed != recorded:
+        raise ImportError(
+            f"[{CHECK_OPERATION}] mlx_dualnorm was compiled against {recorded.describe()}, "
+            f"but {installed.describe()} is installed, and MLX's C++ ABI differs between "
+            f"releases and backends. Install the MLX it was built for: "
+            f"pip install \"{recorded.requirement()}\"; {REBUILD_HINT}"
+        )

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Builds the package's wheel from an sdist the way the README's CUDA command
+# does (MLX_DUALNORM_BACKEND=cuda13, isolated: mlx[cuda13] and PyPI's CUDA
+# runtime and fmt headers as build requirements), on a machine with no GPU,
+# and checks the fused mode is compiled in and links against the CUDA
+# libmlx.so. The module is not imported: MLX's CUDA build cannot be imported
+# without NVIDIA's driver (libcuda.so.1), which a machine without a GPU lacks.
+#
+#   scripts/check_cuda_build.sh SDIST WORK_DIR
+set -euo pipefail
+sdist=$1
+work=$2
+python=${PYTHON:-python3}
+mkdir -p "$work"
+rm -rf "$work/cuda-venv" "$work/cuda-wheel" "$work/cuda-wheel-files" "$work/cuda-mlx"
+"$python" -m venv "$work/cuda-venv"
+pip="$work/cuda-venv/bin/pip"
+"$pip" install -q --upgrade pip
+
+echo "--- building the wheel with MLX_DUALNORM_BACKEND=cuda13 (isolated build)"
+MLX_DUALNORM_BACKEND=cuda13 "$pip" wheel -q --no-deps -w "$work/cuda-wheel" "$sdist"
+wheel=$(ls "$work"/cuda-wheel/mlx_dualnorm-*.whl)
+"$work/cuda-venv/bin/python" -m zipfile -e "$wheel" "$work/cuda-wheel-files"
+native=$(ls "$work"/cuda-wheel-files/mlx_dualnorm/_native*.so)
+
+echo "--- the build record"
+cat "$work/cuda-wheel-files/mlx_dualnorm/_built_against.py"
+grep -qx "MLX_BACKEND = 'cuda13'" "$work/cuda-wheel-files/mlx_dualnorm/_built_against.py"
+
+echo "--- the fused primitive is compiled in"
+nm -C "$native" | grep -q "FusedDualRmsNorm::eval_gpu(" \
+  || { echo "FAIL: no FusedDualRmsNorm::eval_gpu (the fused primitive) in $native"; exit 1; }
+cuda_backend_calls=$(nm -D -C --undefined-only "$native" | grep -c "mlx::core::cu::" || true)
+echo "references into MLX's CUDA backend (mlx::core::cu::): $cuda_backend_calls"
+[ "$cuda_backend_calls" -gt 0 ] || { echo "FAIL: the fused primitive calls no mlx::core::cu:: function"; exit 1; }
+
+echo "--- every MLX symbol it needs is defined by the CUDA libmlx.so"
+"$pip" download -q --no-deps -d "$work/cuda-mlx" "mlx-cuda-13==0.32.4"
+"$work/cuda-venv/bin/python" -m zipfile -e "$work"/cuda-mlx/mlx_cuda_13-*.whl "$work/cuda-mlx/unpacked"
+libmlx="$work/cuda-mlx/unpacked/mlx/lib/libmlx.so"
+nm -D --defined-only "$libmlx" | awk '{print $NF}' | sort -u > "$work/cuda-mlx/defined"
+nm -D --undefined-only "$native" | awk '{print $NF}' | grep -E '^_ZN(K)?3mlx' | sort -u > "$work/cuda-mlx/needed"
+unresolved=$(comm -23 "$work/cuda-mlx/needed" "$work/cuda-mlx/defined")
+if [ -n "$unresolved" ]; then
+  echo "FAIL: symbols libmlx.so (CUDA) does not define:"; echo "$unresolved" | c++filt; exit 1
+fi
+echo "OK: $(wc -l < "$work/cuda-mlx/needed") MLX symbols, all defined by the CUDA libmlx.so"
+rm -rf "$work/cuda-venv" "$work/cuda-mlx"
