@@ -44,7 +44,9 @@ printf '%s\0' "$SUBSET"/mlx/c/*.cpp |
       "$CXX" "$CXXFLAGS" "$SUBSET" "$MLX_DIR" {} "$OBJECTS"
 
 mkdir -p "$PREFIX/include/mlx/c" "$PREFIX/lib"
-"$CXX" -shared -o "$PREFIX/lib/libmlxc.so" "$OBJECTS"/*.o \
+# CXXFLAGS at the link as well: -fsanitize=... needs its runtime there.
+# shellcheck disable=SC2086
+"$CXX" -shared $CXXFLAGS -o "$PREFIX/lib/libmlxc.so" "$OBJECTS"/*.o \
   -L"$MLX_DIR/lib" -lmlx -Wl,-rpath,"$MLX_DIR/lib"
 install -m 644 "$SUBSET"/mlx/c/*.h "$PREFIX/include/mlx/c/"
 echo "mlx-c subset: installed to $PREFIX (libmlxc.so with rpath $MLX_DIR/lib)"
