@@ -2,9 +2,12 @@
 # Runs mlx_dualnorm's C code under AddressSanitizer (LeakSanitizer
 # included) and UndefinedBehaviorSanitizer, in two stages:
 #
-#   1. C: tests/c/dual_head_norm_c_test.c linked with csrc/ built
-#      instrumented, against the wheel's libmlx.so. No Python in the
-#      process, so every report is about this code or MLX itself.
+#   1. C: tests/c/dual_head_norm_c_test.c built as a C caller's program is
+#      (examples/dual_head_norm_example.c): the test and csrc/dual_head_norm.c
+#      compiled instrumented with a C compiler, linked with -lmlxc from the
+#      bundled subset installed instrumented (scripts/build_subset_mlx_c.sh)
+#      or, with MLX_C_DIR=PREFIX, from that (upstream, uninstrumented) mlx-c.
+#      No Python in the process, so every report is about this code or MLX.
 #   2. Python: a copy of the package built instrumented (CFLAGS/LDFLAGS)
 #      into a temporary venv, running the reliability tests with libasan
 #      preloaded. Python and libmlx are not instrumented and leave plenty
@@ -14,7 +17,8 @@
 #
 # Options: --c-only, --python-only, --valgrind (stage 1's test, built
 # without sanitizers, under valgrind memcheck as well), --keep (leave the
-# work folder). PYTHON selects the interpreter (default: python3) that has
+# work folder). MLX_C_DIR (stage 1 only): an mlx-c prefix to link instead
+# of the subset, e.g. upstream's from scripts/build_mlx_c.sh. PYTHON selects the interpreter (default: python3) that has
 # mlx[cpu]==0.32.4, cffi, nanobind 3.0.x, numpy, pytest and hypothesis.
 # The repository is never modified: the build happens in a copy.
 #
@@ -41,19 +45,12 @@ WORK="$(mktemp -d "${TMPDIR:-/tmp}/mlx_dualnorm-sanitizers.XXXXXX")"
 cleanup() { if [ "$KEEP" = 0 ]; then rm -rf "$WORK"; else echo "work folder kept: $WORK"; fi; }
 trap cleanup EXIT
 
-# The mlx folder that holds libmlx.so (mlx is a namespace package: a stray
-# "mlx" folder in the working directory, e.g. MLX's kernel cache in /tmp,
-# can be one of its portions).
-MLX_DIR="$(cd / && "$PYTHON" -c '
-import mlx, os
-print(next(os.path.realpath(p) for p in mlx.__path__ if os.path.exists(os.path.join(p, "lib", "libmlx.so"))))')"
 # libstdc++ is preloaded right after libasan: Python does not link it, and
 # ASan's __cxa_throw interceptor must find it at start-up, or the first C++
 # exception (MLX throws them for bad input) trips an ASan CHECK.
 LIBASAN="$(gcc -print-file-name=libasan.so)"
 LIBSTDCXX="$(g++ -print-file-name=libstdc++.so)"
 SANITIZE=(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -g -O1)
-INCLUDES=(-I"$REPO/csrc" -I"$REPO/csrc/mlxc")
 # halt_on_error: a memory error ends the process; exitcode=0 keeps leak
 # reports (filtered below) from failing child processes the tests start.
 ASAN_BASE="detect_leaks=1:halt_on_error=1:exitcode=0:malloc_context_size=40:alloc_dealloc_mismatch=0"
@@ -89,20 +86,17 @@ memory_errors() {
 }
 
 # ---- stage 1: the C test ------------------------------------------------------
-build_c_test() {  # $1: output binary, rest: extra flags
+build_c_test() {  # $1: output binary, rest: compiler flags (the subset's too)
   local output="$1"; shift
-  local objects="$WORK/objects-$(basename "$output")"
-  mkdir -p "$objects"
-  local pids=()
-  for source in "$REPO"/csrc/mlxc/mlx/c/*.cpp "$REPO/csrc/fused/fused_dual_head_norm.cpp"; do
-    g++ -std=c++20 "$@" "${INCLUDES[@]}" -isystem "$MLX_DIR/include" \
-      -c "$source" -o "$objects/$(basename "$source").o" &
-    pids+=($!)
-  done
-  for pid in "${pids[@]}"; do wait "$pid"; done
-  gcc -std=c11 -Wall -Wextra "$@" "${INCLUDES[@]}" -c "$REPO/csrc/dual_head_norm.c" -o "$objects/dual_head_norm.o"
-  gcc -std=c11 -Wall -Wextra "$@" "${INCLUDES[@]}" -c "$REPO/tests/c/dual_head_norm_c_test.c" -o "$objects/test.o"
-  g++ "$@" "$objects"/*.o -L"$MLX_DIR/lib" -lmlx -ldl -lpthread -Wl,-rpath,"$MLX_DIR/lib" -o "$output"
+  local prefix="${MLX_C_DIR:-$WORK/mlx-c-$(basename "$output")}"
+  if [ -z "${MLX_C_DIR:-}" ]; then
+    PYTHON="$PYTHON" CXXFLAGS="$*" "$REPO/scripts/build_subset_mlx_c.sh" "$prefix" > "$WORK/subset-build.log" \
+      || { cat "$WORK/subset-build.log"; echo "building the mlx-c subset failed"; exit 1; }
+  fi
+  # -isystem: an mlx-c's own headers are not this code's to warn about.
+  gcc -std=c11 -Wall -Wextra "$@" -I"$REPO/csrc" -isystem "$prefix/include" \
+    "$REPO/csrc/dual_head_norm.c" "$REPO/tests/c/dual_head_norm_c_test.c" \
+    -L"$prefix/lib" -lmlxc -Wl,-rpath,"$prefix/lib" -pthread -o "$output"
 }
 
 if [ "$RUN_C" = 1 ]; then

@@ -11,8 +11,14 @@
  *     compiled and composed modes;
  *   - retraces (rank and dtype changes) after another object wrote the slot;
  *   - the uncompiled paths: widths 0 and 1, many rows;
- *   - invalid arguments, use after close, double close, NULLs;
+ *   - invalid arguments, use after close, double close, NULLs, each
+ *     reported in the caller's mlx_dualnorm_error (status, operation,
+ *     description); a NULL record accepted;
+ *   - raw mlx-c failures: return codes and messages, caught by a handler
+ *     of the test's own, with no process exit;
  *   - threads calling shared objects while others build and free objects.
+ * Links only the composite and an mlx-c (libmlxc): the fused mode is a
+ * plug-in this test does not register.
  * Prints one line per failed check and a summary; exits 1 on any failure.
  */
 #include <math.h>
@@ -43,6 +49,11 @@ static pthread_mutex_t report_lock = PTHREAD_MUTEX_INITIALIZER;
   } while (0)
 
 static const float EPSILONS[] = {1e-2f, 1e-4f, 1e-6f};
+
+/* The operations the composite names in its error records. */
+static const char COMPILE_OPERATION[] = "compile the shapeless MLX dual head norm graph";
+static const char APPLY_OPERATION[] = "apply the compiled MLX dual head norm";
+static const char CLOSE_OPERATION[] = "close the compiled MLX dual head norm";
 enum { EPSILON_COUNT = 3 };
 
 /* ---- arrays ------------------------------------------------------------ */
@@ -118,7 +129,9 @@ static bool same_bits(mlx_array actual, mlx_array expected) {
          memcmp(actual_data, expected_data, bytes) == 0;
 }
 
-/* rms_norm(input, weight, eps) on the default stream: the composed path. */
+/* rms_norm(input, weight, eps) on the default stream: the composed path.
+ * A failure leaves the result empty, which same_bits reports; MLX's message
+ * goes to the composite's handler, which keeps it for its own calls only. */
 static mlx_array composed(mlx_array input, mlx_array weight, float eps) {
   mlx_device device = mlx_device_new();
   mlx_stream stream = mlx_stream_new();
@@ -126,7 +139,7 @@ static mlx_array composed(mlx_array input, mlx_array weight, float eps) {
   if (mlx_get_default_device(&device) != 0 ||
       mlx_get_default_stream(&stream, device) != 0 ||
       mlx_fast_rms_norm(&result, input, weight, eps, stream) != 0) {
-    fprintf(stderr, "composed rms_norm failed: %s\n", mlx_dualnorm_last_error_description());
+    fprintf(stderr, "composed rms_norm failed\n");
   }
   mlx_stream_free(stream);
   mlx_device_free(device);
@@ -139,10 +152,11 @@ static void check_apply(mlx_dualnorm_compiled_dual_head_norm* norm, float eps, f
                         mlx_array queries, mlx_array keys, mlx_array query_weight,
                         mlx_array key_weight, const char* context) {
   mlx_vector_array outputs = mlx_vector_array_new();
+  mlx_dualnorm_error error = {MLX_DUALNORM_OK, "", ""};
   int status = mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, keys,
-                                                          query_weight, key_weight);
-  CHECK(status == MLX_DUALNORM_OK, "%s: apply failed: %s", context,
-        mlx_dualnorm_last_error_description());
+                                                          query_weight, key_weight, &error);
+  CHECK(status == MLX_DUALNORM_OK, "%s: apply failed: [%s] %s", context, error.operation,
+        error.description);
   CHECK(mlx_vector_array_size(outputs) == 2, "%s: %zu outputs", context,
         mlx_vector_array_size(outputs));
   if (status == MLX_DUALNORM_OK && mlx_vector_array_size(outputs) == 2) {
@@ -169,9 +183,10 @@ static void check_apply(mlx_dualnorm_compiled_dual_head_norm* norm, float eps, f
 
 static mlx_dualnorm_compiled_dual_head_norm* new_norm(float eps, mlx_dualnorm_mode mode) {
   mlx_dualnorm_compiled_dual_head_norm* norm = NULL;
-  int status = mlx_dualnorm_compiled_dual_head_norm_new(&norm, eps, mode);
-  CHECK(status == MLX_DUALNORM_OK && norm != NULL, "new(%g) failed: %s", (double)eps,
-        mlx_dualnorm_last_error_description());
+  mlx_dualnorm_error error = {MLX_DUALNORM_OK, "", ""};
+  int status = mlx_dualnorm_compiled_dual_head_norm_new(&norm, eps, mode, &error);
+  CHECK(status == MLX_DUALNORM_OK && norm != NULL, "new(%g) failed: [%s] %s", (double)eps,
+        error.operation, error.description);
   return norm;
 }
 
@@ -255,12 +270,47 @@ static void test_degenerate_widths(void) {
   mlx_dualnorm_compiled_dual_head_norm_free(norm);
 }
 
-static void expect_status(int status, mlx_dualnorm_status expected, const char* fragment,
-                          const char* context) {
+/* A failed call: its return value, and the record it filled (the same
+ * status, the operation, a description holding `fragment`). */
+static void expect_failure(int status, const mlx_dualnorm_error* error,
+                           mlx_dualnorm_status expected, const char* operation,
+                           const char* fragment, const char* context) {
   CHECK(status == (int)expected, "%s: status %d, expected %d", context, status, (int)expected);
-  CHECK(strstr(mlx_dualnorm_last_error_description(), fragment) != NULL,
-        "%s: description '%s' lacks '%s'", context, mlx_dualnorm_last_error_description(),
-        fragment);
+  CHECK(error->status == expected, "%s: recorded status %d, expected %d", context,
+        (int)error->status, (int)expected);
+  CHECK(error->operation != NULL && strcmp(error->operation, operation) == 0,
+        "%s: operation '%s', expected '%s'", context,
+        error->operation != NULL ? error->operation : "(null)", operation);
+  CHECK(strstr(error->description, fragment) != NULL, "%s: description '%s' lacks '%s'",
+        context, error->description, fragment);
+}
+
+/* The raw mlx-c messages of the calls in flight, caught by the test's own
+ * handler (installed around raw calls only: the composite needs its own). */
+static char raw_mlx_message[1024];
+
+static void keep_raw_mlx_message(const char* message, void* data) {
+  (void)data;
+  snprintf(raw_mlx_message, sizeof raw_mlx_message, "%s", message);
+}
+
+/* mlx-c failures outside the composite: non-zero returns and messages to
+ * the installed handler, and the process carries on. */
+static void test_raw_mlx_c_failures(void) {
+  mlx_set_error_handler(keep_raw_mlx_message, NULL, NULL);
+  mlx_array empty = mlx_array_new();
+  mlx_array item = mlx_array_new();
+  mlx_vector_array vector = mlx_vector_array_new();
+  raw_mlx_message[0] = '\0';
+  CHECK(mlx_array_eval(empty) != 0, "eval of an empty handle succeeded");
+  CHECK(strstr(raw_mlx_message, "mlx_array") != NULL, "raw failure not reported: '%s'",
+        raw_mlx_message);
+  raw_mlx_message[0] = '\0';
+  CHECK(mlx_vector_array_get(&item, vector, 5) != 0, "out-of-range get succeeded");
+  CHECK(raw_mlx_message[0] != '\0', "out-of-range get reported nothing");
+  mlx_array_free(item);
+  mlx_vector_array_free(vector);
+  mlx_dualnorm_install_error_handler();
 }
 
 static void test_invalid_arguments_and_lifecycle(void) {
@@ -274,50 +324,79 @@ static void test_invalid_arguments_and_lifecycle(void) {
   mlx_array empty = mlx_array_new();
   mlx_vector_array outputs = mlx_vector_array_new();
 
+  mlx_dualnorm_error error;
   mlx_dualnorm_compiled_dual_head_norm* rejected = NULL;
-  expect_status(mlx_dualnorm_compiled_dual_head_norm_new(&rejected, NAN, MLX_DUALNORM_MODE_AUTO),
-                MLX_DUALNORM_INVALID_ARGUMENT, "finite", "NaN eps");
-  expect_status(mlx_dualnorm_compiled_dual_head_norm_new(&rejected, -1.0f, MLX_DUALNORM_MODE_AUTO),
-                MLX_DUALNORM_INVALID_ARGUMENT, ">= 0", "negative eps");
-  expect_status(mlx_dualnorm_compiled_dual_head_norm_new(NULL, 1e-5f, MLX_DUALNORM_MODE_AUTO),
-                MLX_DUALNORM_INVALID_ARGUMENT, "NULL", "NULL result");
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_new(&rejected, NAN, MLX_DUALNORM_MODE_AUTO,
+                                                          &error),
+                 &error, MLX_DUALNORM_INVALID_ARGUMENT, COMPILE_OPERATION, "finite", "NaN eps");
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_new(&rejected, -1.0, MLX_DUALNORM_MODE_AUTO,
+                                                          &error),
+                 &error, MLX_DUALNORM_INVALID_ARGUMENT, COMPILE_OPERATION, ">= 0", "negative eps");
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_new(&rejected, 1e39, MLX_DUALNORM_MODE_AUTO,
+                                                          &error),
+                 &error, MLX_DUALNORM_INVALID_ARGUMENT, COMPILE_OPERATION, "float32",
+                 "eps beyond float32");
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_new(NULL, 1e-5, MLX_DUALNORM_MODE_AUTO,
+                                                          &error),
+                 &error, MLX_DUALNORM_INVALID_ARGUMENT, COMPILE_OPERATION, "NULL", "NULL result");
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_new(&rejected, 1e-5,
+                                                          (mlx_dualnorm_mode)42, &error),
+                 &error, MLX_DUALNORM_INVALID_ARGUMENT, COMPILE_OPERATION, "unknown mode",
+                 "unknown mode");
+  CHECK(mlx_dualnorm_compiled_dual_head_norm_new(&rejected, NAN, MLX_DUALNORM_MODE_AUTO, NULL) ==
+            MLX_DUALNORM_INVALID_ARGUMENT,
+        "a NULL error record changed the status");
   CHECK(rejected == NULL, "a rejected new set the result");
 
   mlx_dualnorm_compiled_dual_head_norm* norm = new_norm(1e-5f, MLX_DUALNORM_MODE_AUTO);
-  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, empty, queries, empty, empty),
-                MLX_DUALNORM_INVALID_ARGUMENT, "empty array handle", "empty queries");
-  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, scalar, empty, empty),
-                MLX_DUALNORM_INVALID_ARGUMENT, "at least 1 dimension", "0-d keys");
-  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries, short_weight, empty),
-                MLX_DUALNORM_INVALID_ARGUMENT, "7 elements", "short weight");
-  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries, scalar, empty),
-                MLX_DUALNORM_INVALID_ARGUMENT, "1 dimension", "0-d weight");
-  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, integer_queries, queries, empty, empty),
-                MLX_DUALNORM_INVALID_ARGUMENT, "int32", "int32 queries");
-  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(NULL, norm, queries, queries, empty, empty),
-                MLX_DUALNORM_INVALID_ARGUMENT, "NULL", "NULL result vector");
-  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, NULL, queries, queries, empty, empty),
-                MLX_DUALNORM_INVALID_ARGUMENT, "NULL", "NULL object");
+  CHECK(mlx_dualnorm_compiled_dual_head_norm_mode(norm) == MLX_DUALNORM_MODE_COMPILED,
+        "AUTO without a fused backend resolved to %d",
+        (int)mlx_dualnorm_compiled_dual_head_norm_mode(norm));
+  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, empty, queries, empty,
+                                                            empty, &error),
+                 &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "empty array handle",
+                 "empty queries");
+  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, scalar, empty,
+                                                            empty, &error),
+                 &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "at least 1 dimension",
+                 "0-d keys");
+  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries,
+                                                            short_weight, empty, &error),
+                 &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "7 elements",
+                 "short weight");
+  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries,
+                                                            scalar, empty, &error),
+                 &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "1 dimension",
+                 "0-d weight");
+  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, integer_queries,
+                                                            queries, empty, empty, &error),
+                 &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "int32",
+                 "int32 queries");
+  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(NULL, norm, queries, queries, empty,
+                                                            empty, &error),
+                 &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "NULL",
+                 "NULL result vector");
+  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, NULL, queries, queries,
+                                                            empty, empty, &error),
+                 &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "NULL", "NULL object");
+  CHECK(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries, short_weight,
+                                                   empty, NULL) == MLX_DUALNORM_INVALID_ARGUMENT,
+        "a NULL error record changed the status of a rejected apply");
+  CHECK(mlx_vector_array_size(outputs) == 0, "a rejected apply filled the outputs");
   check_apply(norm, 1e-5f, 1e-5f, queries, queries, empty, empty, "after invalid arguments");
 
-  /* MLX failures through raw mlx-c calls: return codes, recorded, no exit. */
-  mlx_dualnorm_clear_last_error();
-  CHECK(mlx_array_eval(empty) != 0, "eval of an empty handle succeeded");
-  CHECK(strstr(mlx_dualnorm_last_error_description(), "mlx_array") != NULL,
-        "raw failure not recorded: '%s'", mlx_dualnorm_last_error_description());
-  mlx_array item = mlx_array_new();
-  CHECK(mlx_vector_array_get(&item, outputs, 5) != 0, "out-of-range get succeeded");
-  mlx_array_free(item);
-
-  CHECK(mlx_dualnorm_compiled_dual_head_norm_close(norm) == MLX_DUALNORM_OK, "close failed");
-  expect_status(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries, empty, empty),
-                MLX_DUALNORM_CLOSED, "closed", "apply after close");
-  CHECK(mlx_dualnorm_compiled_dual_head_norm_close(norm) == MLX_DUALNORM_OK, "second close failed");
+  CHECK(mlx_dualnorm_compiled_dual_head_norm_close(norm, &error) == MLX_DUALNORM_OK,
+        "close failed: [%s] %s", error.operation, error.description);
+  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries,
+                                                            empty, empty, &error),
+                 &error, MLX_DUALNORM_CLOSED, APPLY_OPERATION, "closed", "apply after close");
+  CHECK(mlx_dualnorm_compiled_dual_head_norm_close(norm, NULL) == MLX_DUALNORM_OK,
+        "second close failed");
   CHECK(mlx_dualnorm_compiled_dual_head_norm_epsilon(norm) == 1e-5f, "eps lost at close");
   mlx_dualnorm_compiled_dual_head_norm_free(norm);
   mlx_dualnorm_compiled_dual_head_norm_free(NULL);
-  expect_status(mlx_dualnorm_compiled_dual_head_norm_close(NULL), MLX_DUALNORM_INVALID_ARGUMENT,
-                "NULL", "close NULL");
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_close(NULL, &error), &error,
+                 MLX_DUALNORM_INVALID_ARGUMENT, CLOSE_OPERATION, "NULL", "close NULL");
 
   mlx_vector_array_free(outputs);
   mlx_array_free(queries);
@@ -391,6 +470,7 @@ int main(void) {
   test_interleaved_objects_and_retraces(MLX_DUALNORM_MODE_COMPOSED);
   test_degenerate_widths();
   test_invalid_arguments_and_lifecycle();
+  test_raw_mlx_c_failures();
   test_threads();
   printf("dual_head_norm_c_test: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
