@@ -3,7 +3,7 @@
 # included) and UndefinedBehaviorSanitizer, in two stages:
 #
 #   1. C: tests/c/dual_head_norm_c_test.c built as a C caller's program is
-#      (examples/dual_head_norm_example.c): the test and csrc/dual_head_norm.c
+#      (examples/dual_head_norm_example.c): the test and csrc/*.c
 #      compiled instrumented with a C compiler, linked with -lmlxc from the
 #      bundled subset installed instrumented (scripts/build_subset_mlx_c.sh)
 #      or, with MLX_C_DIR=PREFIX, from that (upstream, uninstrumented) mlx-c.
@@ -95,7 +95,7 @@ build_c_test() {  # $1: output binary, rest: compiler flags (the subset's too)
   fi
   # -isystem: an mlx-c's own headers are not this code's to warn about.
   gcc -std=c11 -Wall -Wextra "$@" -I"$REPO/csrc" -isystem "$prefix/include" \
-    "$REPO/csrc/dual_head_norm.c" "$REPO/tests/c/dual_head_norm_c_test.c" \
+    "$REPO"/csrc/*.c "$REPO/tests/c/dual_head_norm_c_test.c" \
     -L"$prefix/lib" -lmlxc -Wl,-rpath,"$prefix/lib" -pthread -o "$output"
 }
 

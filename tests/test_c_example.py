@@ -18,7 +18,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "dual_head_norm_example.c"
-COMPOSITE = REPO / "csrc" / "dual_head_norm.c"
+# The plain-C composite: every .c file directly in csrc/.
+COMPOSITE_SOURCES = sorted((REPO / "csrc").glob("*.c"))
 UPSTREAM_VARIABLE = "MLX_DUALNORM_UPSTREAM_MLX_C"
 EXAMPLE_BINARY = "dual_head_norm_example"
 
@@ -113,7 +114,7 @@ def compiler_warnings(include_flags: list[str]) -> str:
     """What a strict C11 compile of the composite and the example prints."""
     compile_run = subprocess.run(
         ["cc", "-std=c11", "-Wall", "-Wextra", "-pedantic", "-fsyntax-only",
-         f"-I{REPO / 'csrc'}", *include_flags, str(COMPOSITE), str(EXAMPLE)],
+         f"-I{REPO / 'csrc'}", *include_flags, *map(str, COMPOSITE_SOURCES), str(EXAMPLE)],
         capture_output=True,
         text=True,
         timeout=120,
