@@ -292,7 +292,7 @@ def _as_offset_array(offset: object) -> mx.array:
         )
     try:
         return mx.array(offset)
-    except (TypeError, ValueError, OverflowError) as error:
+    except (TypeError, ValueError, OverflowError, RuntimeError) as error:  # MLX: bad_cast
         raise DualHeadNormValueError(
             APPLY_NORM_ROPE_OPERATION, f"offset {offset!r} is not an MLX array value: {error}"
         ) from None
