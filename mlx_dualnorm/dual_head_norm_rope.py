@@ -283,9 +283,9 @@ def _as_offset_array(offset: object) -> mx.array:
     itself): what ``mx.fast.rope`` makes an array of (an int beyond int32,
     a numpy integer or array, a bool or a float, whose dtype the C checks
     then refuse as rope does); anything else is a TypeError."""
-    if isinstance(offset, np.ndarray):
-        return _as_mx_array(offset, "offset", APPLY_NORM_ROPE_OPERATION)
-    if not isinstance(offset, (numbers.Number, np.generic)):
+    if isinstance(offset, (np.ndarray, np.generic)):
+        return _as_mx_array(np.asarray(offset), "offset", APPLY_NORM_ROPE_OPERATION)
+    if not isinstance(offset, (int, float, complex)):  # bool is an int
         raise TypeError(
             f"[{APPLY_NORM_ROPE_OPERATION}] offset must be an int or an mlx.core.array "
             f"(what mx.fast.rope takes), not {type(offset).__name__}"
