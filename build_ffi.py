@@ -3,9 +3,10 @@
 Two extension modules, one MLX runtime:
 
 * ``mlx_dualnorm._native`` (cffi, API mode): the mlx-c subset in
-  ``csrc/mlxc`` (C++ over ``libmlx.so``), the plain-C composite in
-  ``csrc/dual_head_norm.c`` and its fused CUDA launcher in ``csrc/fused``
-  (C++, kernel compiled by NVRTC at run time), declared to cffi by
+  ``csrc/mlxc`` (C++ over ``libmlx.so``), the plain-C composites in
+  ``csrc/*.c`` (the dual head norm, and the dual head norm + RoPE), the
+  fused CUDA launcher in ``csrc/fused`` (C++, kernel compiled by NVRTC at
+  run time), declared to cffi by
   the headers themselves (``CDEF_HEADERS``).
 * ``mlx_dualnorm._interop`` (nanobind, MLX's domain): hands ``mx.array``
   objects to the composite without copies, since cffi has no ``PyObject*``.
@@ -285,8 +286,10 @@ CDEF_HEADERS = (
     "mlxc/mlx/c/stream.h",
     "mlxc/mlx/c/closure.h",
     "mlxc/mlx/c/compile.h",
+    "mlxc/mlx/c/optional.h",
     "mlxc/mlx/c/fast.h",
     "dual_head_norm.h",
+    "dual_head_norm_rope.h",
     "fused/fused_dual_head_norm.h",
 )
 
@@ -329,7 +332,8 @@ def make_ffibuilder() -> FFI:
     builder.cdef(assemble_cdef())
     builder.set_source(
         NATIVE_MODULE,
-        '#include "dual_head_norm.h"\n#include "fused/fused_dual_head_norm.h"\n',
+        '#include "dual_head_norm.h"\n#include "dual_head_norm_rope.h"\n'
+        '#include "fused/fused_dual_head_norm.h"\n',
         sources=[
             *composite_sources(),
             "csrc/fused/fused_dual_head_norm.cpp",

@@ -26,13 +26,19 @@ from mlx_dualnorm.dual_head_norm import (
     available_modes,
     composed_dual_head_norm,
 )
+from mlx_dualnorm.dual_head_norm_rope import (
+    CompiledDualHeadNormRope,
+    composed_dual_head_norm_rope,
+)
 
 __all__ = [
     "CompiledDualHeadNorm",
+    "CompiledDualHeadNormRope",
     "DualHeadNormValueError",
     "MlxCError",
     "available_modes",
     "composed_dual_head_norm",
+    "composed_dual_head_norm_rope",
 ]
 
 __version__ = "0.1.0"

@@ -18,3 +18,16 @@ def apply(
     query_weight: object = None,
     key_weight: object = None,
 ) -> tuple[mx.array, ...]: ...
+def bind_rope(
+    apply_function_address: int,
+    convert_array: Callable[[object, str], mx.array],
+    convert_offset: Callable[[object], mx.array],
+) -> None: ...
+def apply_rope(
+    norm_rope_address: int,
+    queries: object,
+    keys: object,
+    query_weight: object,
+    key_weight: object,
+    offset: object,
+) -> tuple[mx.array, ...]: ...

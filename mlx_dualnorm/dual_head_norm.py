@@ -197,12 +197,14 @@ _STREAM_TYPES = (mx.Stream, mx.ThreadLocalStream, mx.Device, mx.DeviceType)
 
 
 @contextmanager
-def _default_stream(stream: object) -> Iterator[None]:
+def _default_stream(
+    stream: object, operation: str = APPLY_DUAL_HEAD_NORM_OPERATION
+) -> Iterator[None]:
     """``mx.stream(stream)``, with a stream or device MLX cannot use here
     (``mx.gpu`` on a CPU-only MLX) reported as bad input of this call."""
     if not isinstance(stream, _STREAM_TYPES):
         raise TypeError(
-            f"[{APPLY_DUAL_HEAD_NORM_OPERATION}] stream must be a stream or a device "
+            f"[{operation}] stream must be a stream or a device "
             f"(what mx.stream takes) or None, not {type(stream).__name__}"
         )
     try:
@@ -210,7 +212,7 @@ def _default_stream(stream: object) -> Iterator[None]:
         scope.__enter__()
     except (ValueError, RuntimeError) as error:
         raise DualHeadNormValueError(
-            APPLY_DUAL_HEAD_NORM_OPERATION, f"stream {stream} cannot be used here: {error}"
+            operation, f"stream {stream} cannot be used here: {error}"
         ) from None
     try:
         yield
@@ -232,13 +234,15 @@ def _as_epsilon(eps: object, operation: str) -> float:
         return -math.inf if negative else math.inf
 
 
-def _as_mx_array(value: object, argument_name: str) -> mx.array:
+def _as_mx_array(
+    value: object, argument_name: str, operation: str = APPLY_DUAL_HEAD_NORM_OPERATION
+) -> mx.array:
     """The bridge's converter for arguments that are not ``mx.array``:
     numpy arrays are copied in (as ``mx.array(...)`` does), in native byte
     order; anything else is a TypeError."""
     if not isinstance(value, np.ndarray):
         raise TypeError(
-            f"[{APPLY_DUAL_HEAD_NORM_OPERATION}] {argument_name} must be an "
+            f"[{operation}] {argument_name} must be an "
             f"mlx.core.array or numpy.ndarray, not {type(value).__name__}"
         )
     dtype = value.dtype
@@ -247,8 +251,7 @@ def _as_mx_array(value: object, argument_name: str) -> mx.array:
     widest = 16 if dtype.kind == "c" else 8
     if dtype.kind not in "biufc" or dtype.itemsize > widest:
         raise TypeError(
-            f"[{APPLY_DUAL_HEAD_NORM_OPERATION}] {argument_name} has numpy dtype "
-            f"{dtype}, which MLX cannot hold"
+            f"[{operation}] {argument_name} has numpy dtype {dtype}, which MLX cannot hold"
         )
     if not dtype.isnative:
         value = value.astype(dtype.newbyteorder("="))

@@ -18,6 +18,7 @@
  */
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,7 @@
 #include "mlx/array.h"
 
 #include "dual_head_norm.h"
+#include "dual_head_norm_rope.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -33,6 +35,7 @@ namespace mx = mlx::core;
 namespace {
 
 const char APPLY_DUAL_HEAD_NORM_OPERATION[] = "apply the compiled MLX dual head norm";
+const char APPLY_NORM_ROPE_OPERATION[] = "apply the compiled MLX dual head norm rope";
 
 /* What bind() received. The composite's functions live in the cffi module
  * (this module links no mlx-c), so the handles it creates are freed by the
@@ -48,6 +51,16 @@ struct BoundFunctions {
 };
 BoundFunctions bound;
 
+/* What bind_rope() received, for the dual head norm + RoPE: its apply, and
+ * the facade's converters, whose messages name that operation. Kept for
+ * the life of the process, as `bound`. */
+struct BoundRopeFunctions {
+  decltype(&mlx_dualnorm_apply_dual_head_norm_rope) apply = nullptr;
+  nb::handle convert_array;  // (value, argument_name) -> mx.array, or raises
+  nb::handle convert_offset; // value -> mx.array, or raises
+};
+BoundRopeFunctions bound_rope;
+
 /* The output vector handle, freed on every path out of apply. */
 struct OwnedOutputVector {
   mlx_vector_array vector{nullptr};
@@ -56,35 +69,63 @@ struct OwnedOutputVector {
   }
 };
 
-[[noreturn]] void raise_type_error(const std::string& message) {
-  throw nb::type_error(
-      (std::string("[") + APPLY_DUAL_HEAD_NORM_OPERATION + "] " + message).c_str());
+[[noreturn]] void raise_type_error(const std::string& message,
+                                   const char* operation = APPLY_DUAL_HEAD_NORM_OPERATION) {
+  throw nb::type_error((std::string("[") + operation + "] " + message).c_str());
 }
 
 /* A borrowed handle onto the array inside `object`, never freed here; an
  * empty handle for None where `optional`. Anything but an mx.array goes
- * through the facade's converter (numpy arrays, clear TypeErrors), whose
+ * through the facade's converter (`convert_array`, or bind()'s) (numpy arrays, clear TypeErrors), whose
  * result `converted` keeps alive for the call. An mx.array whose __init__
  * never ran holds no array: reading it would crash, so it is refused. */
 mlx_array borrow_array(nb::handle object, const char* argument_name, bool optional,
-                       nb::object& converted) {
+                       nb::object& converted,
+                       const char* operation = APPLY_DUAL_HEAD_NORM_OPERATION,
+                       nb::handle convert_array = nb::handle()) {
   if (optional && object.is_none()) {
     return mlx_array{nullptr};
   }
   if (!nb::isinstance<mx::array>(object)) {
-    converted = bound.convert_array(object, argument_name);
+    nb::handle converter = convert_array.is_valid() ? convert_array : bound.convert_array;
+    converted = converter(object, argument_name);
     object = converted;
     if (!nb::isinstance<mx::array>(object)) {
-      raise_type_error(std::string("the converter returned no mlx.core.array for ") +
-                       argument_name);
+      raise_type_error(
+          std::string("the converter returned no mlx.core.array for ") + argument_name,
+          operation);
     }
   }
   if (!nb::inst_ready(object)) {
     raise_type_error(std::string(argument_name) +
-                     " is an mlx.core.array that was never initialized (its __init__ "
-                     "did not run)");
+                         " is an mlx.core.array that was never initialized (its __init__ "
+                         "did not run)",
+                     operation);
   }
   return mlx_array{nb::inst_ptr<mx::array>(object)};
+}
+
+/* The RoPE offset as a borrowed handle. A Python int (not a bool) within
+ * int32 becomes an int32 scalar made here, in `scalar`, alive for the call:
+ * what mx.fast.rope makes of such an int, without a Python object on the
+ * decode path. Anything else is what mx.fast.rope turns into an array: an
+ * mx.array as is, other values through the facade's offset converter. */
+mlx_array borrow_offset(nb::handle object, std::optional<mx::array>& scalar,
+                        nb::object& converted) {
+  if (PyLong_CheckExact(object.ptr())) {
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(object.ptr(), &overflow);
+    if (overflow == 0 && value >= INT32_MIN && value <= INT32_MAX) {
+      scalar.emplace(static_cast<int32_t>(value));
+      return mlx_array{&*scalar};
+    }
+  }
+  if (!nb::isinstance<mx::array>(object)) {
+    converted = bound_rope.convert_offset(object);
+    object = converted;
+  }
+  return borrow_array(object, "offset", false, converted, APPLY_NORM_ROPE_OPERATION,
+                      bound_rope.convert_array);
 }
 
 [[noreturn]] void raise_dual_head_norm_error(const mlx_dualnorm_error& error) {
@@ -101,6 +142,23 @@ mlx_array borrow_array(nb::handle object, const char* argument_name, bool option
                                     description);
   PyErr_SetObject(error_type.ptr(), exception.ptr());
   throw nb::python_error();
+}
+
+/* The arrays of a successful call's output vector, moved out (still lazy)
+ * into new mx.array objects, in order. mlx-c's vector handle owns a
+ * std::vector<mlx::core::array> (the one layout fact this bridge relies on,
+ * shared by the subset and upstream). */
+nb::tuple outputs_as_tuple(OwnedOutputVector& outputs) {
+  auto& output_arrays = *static_cast<std::vector<mx::array>*>(outputs.vector.ctx);
+  nb::object graph_outputs = nb::steal(PyTuple_New(output_arrays.size()));
+  if (!graph_outputs.is_valid()) {
+    throw nb::python_error();
+  }
+  for (size_t index = 0; index < output_arrays.size(); ++index) {
+    nb::object output = nb::cast(std::move(output_arrays[index]), nb::rv_policy::move);
+    PyTuple_SET_ITEM(graph_outputs.ptr(), index, output.release().ptr());
+  }
+  return nb::borrow<nb::tuple>(graph_outputs);
 }
 
 /* Returns a tuple of every array the composite produced (the facade checks
@@ -128,19 +186,40 @@ nb::tuple apply(std::uintptr_t dual_head_norm_address, nb::handle queries, nb::h
   if (status != MLX_DUALNORM_OK) {
     raise_dual_head_norm_error(error);
   }
-  /* mlx-c's vector handle owns a std::vector<mlx::core::array> (the one
-   * layout fact this bridge relies on, shared by the subset and upstream);
-   * the arrays are moved out, lazily. */
-  auto& output_arrays = *static_cast<std::vector<mx::array>*>(outputs.vector.ctx);
-  nb::object graph_outputs = nb::steal(PyTuple_New(output_arrays.size()));
-  if (!graph_outputs.is_valid()) {
-    throw nb::python_error();
+  return outputs_as_tuple(outputs);
+}
+
+/* The dual head norm + RoPE, as apply, with the offset: an int, or what
+ * mx.fast.rope takes as an array. */
+nb::tuple apply_rope(std::uintptr_t norm_rope_address, nb::handle queries, nb::handle keys,
+                     nb::handle query_scale_weight, nb::handle key_scale_weight,
+                     nb::handle offset) {
+  if (bound_rope.apply == nullptr || bound.free_vector == nullptr) {
+    throw std::runtime_error("mlx_dualnorm._interop.bind and bind_rope were not both called");
   }
-  for (size_t index = 0; index < output_arrays.size(); ++index) {
-    nb::object output = nb::cast(std::move(output_arrays[index]), nb::rv_policy::move);
-    PyTuple_SET_ITEM(graph_outputs.ptr(), index, output.release().ptr());
+  const char* operation = APPLY_NORM_ROPE_OPERATION;
+  nb::handle convert = bound_rope.convert_array;
+  nb::object converted[5];
+  mlx_array borrowed_queries =
+      borrow_array(queries, "queries", false, converted[0], operation, convert);
+  mlx_array borrowed_keys = borrow_array(keys, "keys", false, converted[1], operation, convert);
+  mlx_array borrowed_query_weight =
+      borrow_array(query_scale_weight, "query_weight", true, converted[2], operation, convert);
+  mlx_array borrowed_key_weight =
+      borrow_array(key_scale_weight, "key_weight", true, converted[3], operation, convert);
+  std::optional<mx::array> offset_scalar;
+  mlx_array borrowed_offset = borrow_offset(offset, offset_scalar, converted[4]);
+
+  OwnedOutputVector outputs;
+  mlx_dualnorm_error error{};
+  int status = bound_rope.apply(
+      &outputs.vector, reinterpret_cast<mlx_dualnorm_dual_head_norm_rope*>(norm_rope_address),
+      borrowed_queries, borrowed_keys, borrowed_query_weight, borrowed_key_weight,
+      borrowed_offset, &error);
+  if (status != MLX_DUALNORM_OK) {
+    raise_dual_head_norm_error(error);
   }
-  return nb::borrow<nb::tuple>(graph_outputs);
+  return outputs_as_tuple(outputs);
 }
 
 void bind(std::uintptr_t apply_function_address, std::uintptr_t free_vector_function_address,
@@ -152,6 +231,13 @@ void bind(std::uintptr_t apply_function_address, std::uintptr_t free_vector_func
   bound.convert_array = convert_array.release();
   bound.value_error_type = value_error_type.release();
   bound.mlx_error_type = mlx_error_type.release();
+}
+
+void bind_rope(std::uintptr_t apply_function_address, nb::callable convert_array,
+               nb::callable convert_offset) {
+  bound_rope.apply = reinterpret_cast<decltype(bound_rope.apply)>(apply_function_address);
+  bound_rope.convert_array = convert_array.release();
+  bound_rope.convert_offset = convert_offset.release();
 }
 
 } // namespace
@@ -166,4 +252,13 @@ NB_MODULE(_interop, module) {
   module.def("apply", &apply, nb::arg("dual_head_norm_address"), nb::arg("queries").none(),
       nb::arg("keys").none(), nb::arg("query_weight").none(), nb::arg("key_weight").none(),
       "Applies the compiled dual head norm: a tuple of its outputs, or the error raised.");
+  module.def("bind_rope", &bind_rope, nb::arg("apply_function_address"),
+      nb::arg("convert_array"), nb::arg("convert_offset"),
+      "Binds the dual head norm rope's apply (exported by the cffi module) and its "
+      "converters for non-mx.array arguments and offsets; bind() must be called too.");
+  module.def("apply_rope", &apply_rope, nb::arg("norm_rope_address"),
+      nb::arg("queries").none(), nb::arg("keys").none(), nb::arg("query_weight").none(),
+      nb::arg("key_weight").none(), nb::arg("offset").none(),
+      "Applies the compiled dual head norm rope: a tuple of its outputs, or the error "
+      "raised.");
 }

@@ -37,6 +37,20 @@ Each (mode, dtype, width, ranks, eps, inv_scale, device type) gets its weight
 vectors and compiled object once, under a lock taken on cache misses only,
 and a probe run of both paths that must agree bit for bit.
 
+Full-attention layers (``qwen3``, ``qwen3_moe`` and ``qwen3_next``'s
+attention): their q/k prework is ``rms_norm`` by ``q_norm`` / ``k_norm``, a
+transpose to ``(B, H, L, D)`` and ``nn.RoPE`` at ``cache.offset``, six
+graph nodes per layer. ``patch()`` also replaces those attention classes'
+``__call__`` with one written here that runs the same projections, cache
+update and attention, and makes the prework ONE call of
+:class:`~mlx_dualnorm.CompiledDualHeadNormRope` with the layer's own
+weights, epsilon and RoPE constants: the same primitives in the same order,
+so the bits are the same. A layer whose RoPE is not exactly ``nn.RoPE``
+(the scaled-RoPE classes of ``rope_utils``, frequency tables), whose norms
+are not exactly ``nn.RMSNorm`` with one epsilon, or whose call raises in the
+prework, runs the class's own ``__call__``. There is no fused RoPE kernel
+yet: under ``patch(mode="fused")`` these layers run the compiled mode.
+
     >>> from mlx_dualnorm.integrations import mlx_lm as dualnorm_mlx_lm
     >>> dualnorm_mlx_lm.patch()            # for the rest of the process
     >>> with dualnorm_mlx_lm.patch(): ...  # or for one block
@@ -46,6 +60,7 @@ Importing this module imports mlx-lm; ``import mlx_dualnorm`` does not.
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 import threading
@@ -53,9 +68,11 @@ import warnings
 from typing import Callable, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm, Mode
+from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
 
 GATED_DELTA_MODULE = "mlx_lm.models.gated_delta"
 # mlx-lm gained gated_delta.normalize_qk in 0.32.0 (0.31.x normalizes q and k
@@ -289,10 +306,13 @@ def normalize_qk(
 
 
 def clear_cache() -> None:
-    """Drops every cached fold (weights and compiled objects); the next call
-    of each key builds and probes it again."""
+    """Drops every cached fold (weights and compiled objects) and every
+    full-attention norm + RoPE object; the next call of each key builds and
+    probes it again."""
     with _folded_norms_lock:
         _folded_norms.clear()
+    with _norm_ropes_lock:
+        _norm_ropes.clear()
 
 
 # ---- Patching -------------------------------------------------------------
@@ -363,15 +383,17 @@ _installed_mode = _UNPATCHED
 
 
 def _install(mode) -> None:
-    """Installs ``mode``'s replacement, or the original for ``_UNPATCHED``;
+    """Installs ``mode``'s replacements, or the originals for ``_UNPATCHED``;
     the caller holds ``_patch_state_lock``."""
     global _installed_mode
     if ORIGINAL_NORMALIZE_QK is None:  # nothing to point at: patch() has raised
         return
     if mode is _UNPATCHED:
         _point_mlx_lm_at(ORIGINAL_NORMALIZE_QK)
+        _restore_full_attention_calls()
     else:
         _point_mlx_lm_at(_replacement_for(mode))
+        _install_full_attention_calls(mode)
     _installed_mode = mode
 
 
@@ -448,5 +470,145 @@ def unpatch() -> MlxLmPatch:
 
 
 def is_patched() -> bool:
-    """Whether mlx-lm's gated-delta layers now run through mlx_dualnorm."""
+    """Whether mlx-lm's gated-delta and full-attention layers now run
+    through mlx_dualnorm."""
     return _installed_mode is not _UNPATCHED
+
+
+# ---- Full-attention layers: q/k norm + RoPE in one call ------------------------
+
+# (module, attention class, how its __call__ is replaced). Modules that do
+# not import (an older mlx-lm) are skipped.
+FULL_ATTENTION_CLASSES = (
+    ("mlx_lm.models.qwen3", "Attention", "qwen3"),
+    ("mlx_lm.models.qwen3_moe", "Attention", "qwen3"),
+    ("mlx_lm.models.qwen3_next", "Qwen3NextAttention", "qwen3_next"),
+)
+
+# class -> its own __call__, recorded the first time it is patched.
+_original_attention_calls: dict = {}
+_norm_ropes: dict = {}
+_norm_ropes_lock = threading.Lock()
+_full_attention_mode: Optional[Mode] = None
+
+
+def _norm_rope_mode(mode: Optional[Mode]) -> Optional[Mode]:
+    # No fused RoPE kernel yet: "fused" runs these layers compiled.
+    return "compiled" if mode == "fused" else mode
+
+
+def _norm_rope_for(attention):
+    """The cached CompiledDualHeadNormRope for a layer's constants, or None
+    where the layer's norms or RoPE are not exactly what it computes."""
+    rope, query_norm, key_norm = attention.rope, attention.q_norm, attention.k_norm
+    if type(rope) is not nn.RoPE or not (type(query_norm) is type(key_norm) is nn.RMSNorm):
+        return None
+    eps = query_norm.eps
+    if type(eps) not in PLAIN_SCALAR_TYPES or type(key_norm.eps) is not type(eps):
+        return None
+    if key_norm.eps != eps or type(rope.dims) is not int or type(rope.traditional) is not bool:
+        return None
+    if type(rope.base) not in PLAIN_SCALAR_TYPES or type(rope.scale) not in PLAIN_SCALAR_TYPES:
+        return None
+    key = (_full_attention_mode, eps, rope.dims, rope.traditional, rope.base, rope.scale)
+    norm_rope = _norm_ropes.get(key)
+    if norm_rope is None:
+        with _norm_ropes_lock:
+            norm_rope = _norm_ropes.get(key)
+            if norm_rope is None:
+                if len(_norm_ropes) >= MAX_CACHED_FOLDS:
+                    return None
+                mode = _norm_rope_mode(_full_attention_mode)
+                norm_rope = CompiledDualHeadNormRope(
+                    eps, rope.dims, base=rope.base, traditional=rope.traditional,
+                    scale=rope.scale, **({} if mode is None else {"mode": mode}),
+                )
+                _norm_ropes[key] = norm_rope
+    return norm_rope
+
+
+def _rotated_queries_and_keys(attention, queries, keys, cache):
+    """(B, H, L, D) queries and keys, normalized and rotated in one call, or
+    None (the caller then runs the class's own __call__)."""
+    try:
+        norm_rope = _norm_rope_for(attention)
+        if norm_rope is None:
+            return None
+        offset = 0 if cache is None else cache.offset
+        return norm_rope(
+            queries, keys, attention.q_norm.weight, attention.k_norm.weight, offset=offset
+        )
+    except Exception:  # anything unexpected runs mlx-lm's own code instead
+        return None
+
+
+def _attention_output(attention, queries, keys, values, cache, mask, batch, length):
+    """The cache update and attention of mlx-lm's layers, as (B, L, H*D)."""
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+    attend = vars(importlib.import_module(type(attention).__module__))[
+        "scaled_dot_product_attention"
+    ]
+    attended = attend(queries, keys, values, cache=cache, scale=attention.scale, mask=mask)
+    return attended.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+
+
+def _qwen3_attention_call(self, x, mask=None, cache=None):
+    """Qwen3 / Qwen3-MoE attention with the q/k prework in one call."""
+    batch, length, _ = x.shape
+    head_queries = self.q_proj(x).reshape(batch, length, self.n_heads, -1)
+    head_keys = self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1)
+    rotated = _rotated_queries_and_keys(self, head_queries, head_keys, cache)
+    if rotated is None:
+        return _original_attention_calls[type(self)](self, x, mask, cache)
+    values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    output = _attention_output(self, *rotated, values, cache, mask, batch, length)
+    return self.o_proj(output)
+
+
+def _qwen3_next_attention_call(self, x, mask=None, cache=None):
+    """Qwen3-Next's gated full attention with the q/k prework in one call."""
+    batch, length, _ = x.shape
+    projected = self.q_proj(x).reshape(batch, length, self.num_attention_heads, -1)
+    head_queries, gate = mx.split(projected, 2, axis=-1)
+    head_keys = self.k_proj(x).reshape(batch, length, self.num_key_value_heads, -1)
+    rotated = _rotated_queries_and_keys(self, head_queries, head_keys, cache)
+    if rotated is None:
+        return _original_attention_calls[type(self)](self, x, mask, cache)
+    values = self.v_proj(x).reshape(batch, length, self.num_key_value_heads, -1)
+    values = values.transpose(0, 2, 1, 3)
+    output = _attention_output(self, *rotated, values, cache, mask, batch, length)
+    return self.o_proj(output * mx.sigmoid(gate.reshape(batch, length, -1)))
+
+
+_ATTENTION_REPLACEMENTS = {
+    "qwen3": _qwen3_attention_call,
+    "qwen3_next": _qwen3_next_attention_call,
+}
+for _replacement in _ATTENTION_REPLACEMENTS.values():
+    setattr(_replacement, REPLACEMENT_MARKER, True)
+
+
+def _full_attention_classes():
+    """(class, replacement) for every covered class mlx-lm has."""
+    for module_name, class_name, replacement_name in FULL_ATTENTION_CLASSES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        yield getattr(module, class_name), _ATTENTION_REPLACEMENTS[replacement_name]
+
+
+def _install_full_attention_calls(mode: Optional[Mode]) -> None:
+    global _full_attention_mode
+    _full_attention_mode = mode
+    for attention_class, replacement in _full_attention_classes():
+        current = attention_class.__dict__["__call__"]
+        if getattr(current, REPLACEMENT_MARKER, False) is not True:
+            _original_attention_calls[attention_class] = current
+        attention_class.__call__ = replacement
+
+
+def _restore_full_attention_calls() -> None:
+    for attention_class, original in _original_attention_calls.items():
+        attention_class.__call__ = original

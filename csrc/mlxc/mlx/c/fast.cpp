@@ -1,5 +1,5 @@
-/* mlx_fast_rms_norm over mlx::core::fast::rms_norm, behaving as
- * upstream's fast.cpp. */
+/* mlx_fast_rms_norm and mlx_fast_rope_dynamic over mlx::core::fast,
+ * behaving as upstream's fast.cpp. */
 #include <optional>
 
 #include "mlx/fast.h"
@@ -21,6 +21,35 @@ extern "C" int mlx_fast_rms_norm(
       optional_weight = object_of(weight);
     }
     store(res, mx::fast::rms_norm(object_of(x), optional_weight, eps, object_of(s)));
+    return 0;
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 1;
+  }
+}
+
+extern "C" int mlx_fast_rope_dynamic(
+    mlx_array* res,
+    const mlx_array x,
+    int dims,
+    bool traditional,
+    mlx_optional_float base,
+    float scale,
+    const mlx_array offset,
+    const mlx_array freqs /* may be null */,
+    const mlx_stream s) {
+  try {
+    std::optional<float> optional_base;
+    if (base.has_value) {
+      optional_base = base.value;
+    }
+    std::optional<mx::array> optional_freqs;
+    if (freqs.ctx != nullptr) {
+      optional_freqs = object_of(freqs);
+    }
+    store(res,
+        mx::fast::rope(object_of(x), dims, traditional, optional_base, scale,
+            object_of(offset), optional_freqs, object_of(s)));
     return 0;
   } catch (const std::exception& error) {
     mlx_error("%s", error.what());

@@ -12,6 +12,8 @@
 #include "mlx/c/device.h"
 #include "mlx/c/error.h"
 #include "mlx/c/fast.h"
+#include "mlx/c/ops.h"
+#include "mlx/c/optional.h"
 #include "mlx/c/stream.h"
 #include "mlx/c/vector.h"
 

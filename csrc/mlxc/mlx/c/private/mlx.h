@@ -17,7 +17,7 @@
  *
  * Where upstream's behaviour is undefined (it dereferences or indexes
  * unchecked), the subset reports an error instead: a NULL out-parameter, a
- * NULL data/shape/function/constants pointer with a non-zero count, a
+ * NULL data/shape/function/constants/axes pointer with a non-zero count, a
  * negative extent, a dtype outside mlx_dtype, reading the data of an array
  * that is not evaluated. A mutex guards the error handler slot.
  */

@@ -1,0 +1,114 @@
+"""q/k prework of full-attention layers per decode token: one
+CompiledDualHeadNormRope call against the composed ops.
+
+    python bench/norm_rope_prework.py                 # 28 layers, 15 rounds
+    python bench/norm_rope_prework.py --layers 36 --rounds 9 --tokens 100
+
+The composed prework of a layer is mlx-lm's Qwen3 attention's: two
+mx.fast.rms_norm, two transposes to (B, H, L, D), two mx.fast.rope at the
+token's offset. Each token runs a chain of --layers layers (each layer's
+inputs are the previous layer's outputs transposed back, a view, the same
+in both paths) and evaluates once, as a decode step does. Rounds interleave
+the two paths (alternating which goes first) in one process; each round
+times --tokens tokens per path. Prints µs per token of each path and the
+ratio compiled / composed (lower is better): medians and min-max over
+rounds. A measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+
+from mlx_dualnorm import CompiledDualHeadNormRope, composed_dual_head_norm_rope
+
+EPS = 1e-6
+BASE = 1_000_000.0
+
+
+def make_layers(layers, width, dtype):
+    weights = []
+    for index in range(layers):
+        query_key, key_key = mx.random.split(mx.random.key(index))
+        weights.append((
+            (1 + 0.1 * mx.random.normal((width,), key=query_key)).astype(dtype),
+            (1 + 0.1 * mx.random.normal((width,), key=key_key)).astype(dtype),
+        ))
+    mx.eval(weights)
+    return weights
+
+
+def composed_token(queries, keys, weights, offset, width):
+    for query_weight, key_weight in weights:
+        rotated_queries, rotated_keys = composed_dual_head_norm_rope(
+            queries, keys, query_weight, key_weight, eps=EPS, dims=width, base=BASE,
+            offset=offset,
+        )
+        queries, keys = rotated_queries.transpose(0, 2, 1, 3), rotated_keys.transpose(0, 2, 1, 3)
+    mx.eval(queries, keys)
+
+
+def compiled_token(norm_rope, queries, keys, weights, offset):
+    for query_weight, key_weight in weights:
+        rotated_queries, rotated_keys = norm_rope(
+            queries, keys, query_weight, key_weight, offset=offset
+        )
+        queries, keys = rotated_queries.transpose(0, 2, 1, 3), rotated_keys.transpose(0, 2, 1, 3)
+    mx.eval(queries, keys)
+
+
+def time_tokens(run_token, tokens, first_offset):
+    started = time.perf_counter()
+    for step in range(tokens):
+        run_token(first_offset + step)
+    return 1e6 * (time.perf_counter() - started) / tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--query-heads", type=int, default=16)
+    parser.add_argument("--key-heads", type=int, default=8)
+    parser.add_argument("--width", type=int, default=128)
+    args = parser.parse_args()
+
+    dtype = mx.bfloat16
+    width = args.width
+    queries = mx.random.normal((1, 1, args.query_heads, width), key=mx.random.key(1)).astype(dtype)
+    keys = mx.random.normal((1, 1, args.key_heads, width), key=mx.random.key(2)).astype(dtype)
+    weights = make_layers(args.layers, width, dtype)
+    mx.eval(queries, keys)
+    norm_rope = CompiledDualHeadNormRope(EPS, width, base=BASE)
+
+    paths = {
+        "composed": lambda offset: composed_token(queries, keys, weights, offset, width),
+        "compiled": lambda offset: compiled_token(norm_rope, queries, keys, weights, offset),
+    }
+    for run_token in paths.values():  # warm-up: traces, kernels
+        time_tokens(run_token, 20, 0)
+
+    per_token: dict[str, list[float]] = {name: [] for name in paths}
+    ratios = []
+    for round_index in range(args.rounds):
+        order = list(paths) if round_index % 2 == 0 else list(paths)[::-1]
+        for name in order:
+            per_token[name].append(time_tokens(paths[name], args.tokens, 100 * round_index))
+        ratios.append(per_token["compiled"][-1] / per_token["composed"][-1])
+
+    print(f"q/k norm + RoPE prework, {args.layers} layers, q (1,1,{args.query_heads},{width}) "
+          f"k (1,1,{args.key_heads},{width}) bf16, {mx.default_device()}, "
+          f"{args.rounds} interleaved rounds of {args.tokens} tokens")
+    for name, values in per_token.items():
+        print(f"  {name:9s} µs/token  median {statistics.median(values):8.1f}  "
+              f"range {min(values):8.1f} - {max(values):8.1f}")
+    print(f"  compiled / composed (lower is better)  median {statistics.median(ratios):.3f}  "
+          f"range {min(ratios):.3f} - {max(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,562 @@
+/* The q/k prework of a full-attention layer as one compiled graph:
+ * rms_norm, transpose to (B, H, L, D), then RoPE, for queries and keys.
+ *
+ * mlx-lm's Qwen3 attention builds six graph nodes per layer and token for
+ * this (two rms_norm, two transposes, two rope); one replay of a compiled
+ * dual-output graph produces both results. The builder calls
+ * mlx_fast_rms_norm, mlx_transpose_axes and mlx_fast_rope_dynamic on each
+ * side exactly as the composed calls do, on the same default stream, so
+ * MLX emits the same kernels over the same inputs: the bits are the
+ * composed path's. The RoPE offset is a graph INPUT (an integer array, as
+ * mlx_fast_rope_dynamic takes it), so a decode step at a new position
+ * replays the graph instead of tracing it again.
+ *
+ * Constants at trace time: a payload closure, not a process-wide slot.
+ * The builder needs the object's epsilon and RoPE parameters when MLX
+ * traces, which happens at an apply, on the first call and on every cache
+ * miss (new shape or dtype, new thread, new default stream, compile
+ * disabled). dual_head_norm.c keeps its epsilon in a process-wide slot and
+ * serializes every apply of every object under one trace lock so that the
+ * slot holds the right value during any trace. Here each closure carries
+ * its own copy of the constants (mlx_closure_new_func_payload; the closure
+ * and every copy MLX keeps share it, freed with the last), so a trace can
+ * only ever read the constants of the object whose closure it is running:
+ * the contract holds by construction, under any interleaving of objects,
+ * threads and dtypes, and applies of different objects need no common lock.
+ * A per-object read-write lock only keeps close() from freeing the
+ * closures under an apply in flight.
+ *
+ * Shape-specialized compile, not shapeless. On MLX's CPU backend
+ * mx.fast.rope has no kernel: it returns its op graph (arange, slices,
+ * concatenate, reshape), whose Slice primitives cannot infer output shapes,
+ * so a shapeless compile of it fails on its first call (MLX 0.32.4:
+ * "[Primitive::output_shapes] Slice cannot infer output shapes."). The
+ * graphs are therefore compiled per input shape: MLX's compile cache keeps
+ * one trace per (shapes, dtypes, stream), and a decode step, whose shapes
+ * do not change, replays its trace. Calls with more than
+ * COMPILED_GRAPH_MAX_ROWS rows in all (prefill) take the plain builder: on
+ * CPU each new shape would cost a trace (0.5-1 ms measured), and at those
+ * sizes MLX's fused CPU kernels are no faster than the composed ops (1.5
+ * against 1.4 ms at (1, 64, 16+8, 128) bf16). Empty inputs take the plain
+ * builder too, on the CPU stream (nothing to compute, as dual_head_norm.c
+ * does for rms_norm).
+ *
+ * Each object compiles under ids of its own (dualnorm_new_compile_ids) with
+ * its constants as compile constants, and closing erases those ids from
+ * every thread's cache (compile_erasure.h). Each input is read and checked
+ * once per call: rms_norm's preconditions (head_norm_input.h), the rank 4
+ * the transpose needs, and rope's own checks as MLX 0.32.4 makes them
+ * (offset of at most one dimension, with one element or one per batch
+ * entry, of an integer dtype; dims at most the last dimension), so bad
+ * input is an invalid argument naming the operation, never an MLX failure
+ * inside a trace.
+ */
+/* pthread_rwlock_t is POSIX.1-2001, hidden by a strict -std=c11. */
+#define _POSIX_C_SOURCE 200809L
+
+#include "dual_head_norm_rope.h"
+
+#include "call_errors.h"
+#include "compile_erasure.h"
+#include "head_norm_input.h"
+
+#include <float.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char COMPILE_NORM_ROPE_OPERATION[] =
+    "compile the MLX dual head norm rope graph";
+static const char APPLY_NORM_ROPE_OPERATION[] = "apply the compiled MLX dual head norm rope";
+static const char CLOSE_NORM_ROPE_OPERATION[] = "close the compiled MLX dual head norm rope";
+static const char BUILD_NORM_ROPE_GRAPH_OPERATION[] = "build the dual head norm rope graph";
+
+/* (B, L, H, D) -> (B, H, L, D), as mlx-lm's attention transposes. */
+static const int HEAD_MAJOR_AXES[4] = {0, 2, 1, 3};
+enum { ATTENTION_INPUT_RANK = 4 };
+
+/* Weight layouts, indexing the graphs: bit 0 = a query weight, bit 1 = a
+ * key weight. */
+enum {
+  QUERY_WEIGHTED_LAYOUT = 1,
+  KEY_WEIGHTED_LAYOUT = 2,
+  WEIGHT_LAYOUT_COUNT = 4,
+};
+
+enum { COMPILED_GRAPH_MAX_ROWS = 48 };
+
+/* ---- Graph builder ------------------------------------------------------- */
+
+/* What one closure's builder reads at trace time: a copy per closure,
+ * owned by the closure (freed with its last copy). */
+typedef struct graph_constants {
+  float rms_norm_epsilon;
+  mlx_dualnorm_rope_parameters rope;
+  bool has_query_weight;
+  bool has_key_weight;
+} graph_constants;
+
+/* The default device's stream, except for an empty input, which goes to
+ * the CPU: there is nothing to compute, and MLX 0.32.4's CUDA RMSNorm
+ * cannot launch on an empty grid. Empty inputs never reach a compiled
+ * trace (they take the plain builder), so this is decided per call. */
+static int select_side_stream(mlx_stream* stream, const mlx_array input,
+                              const mlx_device default_device) {
+  if (mlx_array_size(input) > 0) {
+    return mlx_get_default_stream(stream, default_device);
+  }
+  mlx_device cpu_device = mlx_device_new_type(MLX_CPU, 0);
+  int status = cpu_device.ctx == NULL || mlx_get_default_stream(stream, cpu_device) != 0;
+  status |= mlx_device_free(cpu_device);
+  return status;
+}
+
+/* rope(rms_norm(input, weight, eps).transpose(0, 2, 1, 3)) for one side,
+ * every step on the one stream select_side_stream picks. */
+static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
+                                const mlx_array scale_weight, const mlx_array rope_offset,
+                                const graph_constants* constants,
+                                const mlx_device default_device) {
+  const mlx_dualnorm_rope_parameters* rope = &constants->rope;
+  const mlx_optional_float rope_base = {.value = rope->base, .has_value = true};
+  const mlx_array no_frequencies = mlx_array_new();
+  mlx_stream stream = mlx_stream_new();
+  mlx_array normalized = mlx_array_new();
+  mlx_array head_major = mlx_array_new();
+  int status =
+      select_side_stream(&stream, input, default_device) != 0 ||
+      mlx_fast_rms_norm(&normalized, input, scale_weight, constants->rms_norm_epsilon,
+                        stream) != 0 ||
+      mlx_transpose_axes(&head_major, normalized, HEAD_MAJOR_AXES, ATTENTION_INPUT_RANK,
+                         stream) != 0 ||
+      mlx_fast_rope_dynamic(rotated, head_major, rope->dims, rope->traditional, rope_base,
+                            rope->scale, rope_offset, no_frequencies, stream) != 0;
+  status |= mlx_array_free(normalized);
+  status |= mlx_array_free(head_major);
+  status |= mlx_stream_free(stream);
+  return status;
+}
+
+/* Inputs: queries, keys, the RoPE offset, then the query weight and the key
+ * weight where the layout has them. Output order is the caller's ABI:
+ * rotated queries first, keys second, published once at the end. Every
+ * handle made here is freed on every path; the input vector belongs to the
+ * closure. */
+static int build_norm_rope_graph(mlx_vector_array* output_vector,
+                                 const mlx_vector_array input_vector, void* payload) {
+  const graph_constants* constants = payload;
+  size_t expected_inputs =
+      3 + (size_t)constants->has_query_weight + (size_t)constants->has_key_weight;
+  size_t received_inputs = mlx_vector_array_size(input_vector);
+  if (output_vector == NULL || received_inputs != expected_inputs) {
+    mlx_error("[%s] expected %zu inputs and an output vector, received %zu inputs",
+              BUILD_NORM_ROPE_GRAPH_OPERATION, expected_inputs, received_inputs);
+    return 1;
+  }
+  mlx_array queries = mlx_array_new();
+  mlx_array keys = mlx_array_new();
+  mlx_array rope_offset = mlx_array_new();
+  mlx_array query_scale_weight = mlx_array_new();
+  mlx_array key_scale_weight = mlx_array_new();
+  mlx_array rotated[2] = {mlx_array_new(), mlx_array_new()};
+  mlx_device default_device = mlx_device_new();
+  size_t next_input = 3;
+  int status =
+      mlx_vector_array_get(&queries, input_vector, 0) != 0 ||
+      mlx_vector_array_get(&keys, input_vector, 1) != 0 ||
+      mlx_vector_array_get(&rope_offset, input_vector, 2) != 0 ||
+      (constants->has_query_weight &&
+       mlx_vector_array_get(&query_scale_weight, input_vector, next_input++) != 0) ||
+      (constants->has_key_weight &&
+       mlx_vector_array_get(&key_scale_weight, input_vector, next_input++) != 0) ||
+      /* The default device's stream, as the composed calls use: the graph
+       * builds on a CPU-only MLX, and a default-device change retraces. */
+      mlx_get_default_device(&default_device) != 0 ||
+      normalize_and_rotate(&rotated[0], queries, query_scale_weight, rope_offset, constants,
+                           default_device) != 0 ||
+      normalize_and_rotate(&rotated[1], keys, key_scale_weight, rope_offset, constants,
+                           default_device) != 0 ||
+      mlx_vector_array_set_data(output_vector, rotated, 2) != 0;
+  status |= mlx_array_free(queries);
+  status |= mlx_array_free(keys);
+  status |= mlx_array_free(rope_offset);
+  status |= mlx_array_free(query_scale_weight);
+  status |= mlx_array_free(key_scale_weight);
+  status |= mlx_array_free(rotated[0]);
+  status |= mlx_array_free(rotated[1]);
+  status |= mlx_device_free(default_device);
+  return status;
+}
+
+/* ---- The object ---------------------------------------------------------- */
+
+struct mlx_dualnorm_dual_head_norm_rope_ {
+  /* Owned closures, one per weight layout: the plain builders (composed
+   * mode, prefill sizes, empty inputs) and their compiled forms (empty in
+   * composed mode). All empty once closed. Used under lifetime_lock's read
+   * side, released under its write side. */
+  mlx_closure plain_graphs[WEIGHT_LAYOUT_COUNT];
+  mlx_closure compiled_graphs[WEIGHT_LAYOUT_COUNT];
+  uintptr_t compile_ids[WEIGHT_LAYOUT_COUNT];
+  float rms_norm_epsilon;
+  mlx_dualnorm_rope_parameters rope;
+  mlx_dualnorm_mode mode;
+  /* Applies hold it shared, close exclusively: close waits for applies in
+   * flight, and applies of one object on several threads run together. */
+  pthread_rwlock_t lifetime_lock;
+  bool closed; /* written under the exclusive lock */
+};
+
+/* Frees the closures and erases their traces from every thread's cache;
+ * the caller holds lifetime_lock exclusively or is the only user. */
+static int release_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
+  int status = 0;
+  if (norm_rope->mode != MLX_DUALNORM_MODE_COMPOSED) {
+    status |= dualnorm_erase_compile_ids_everywhere(norm_rope->compile_ids, WEIGHT_LAYOUT_COUNT);
+  }
+  for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
+    status |= mlx_closure_free(norm_rope->compiled_graphs[layout]);
+    status |= mlx_closure_free(norm_rope->plain_graphs[layout]);
+    norm_rope->compiled_graphs[layout] = mlx_closure_new();
+    norm_rope->plain_graphs[layout] = mlx_closure_new();
+  }
+  norm_rope->closed = true;
+  return status;
+}
+
+/* The plain builder of one layout, carrying its own copy of the constants
+ * (an empty handle, with the reason sent to mlx_error, on failure). */
+static mlx_closure new_plain_graph(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                                   int layout) {
+  graph_constants* constants = malloc(sizeof *constants);
+  if (constants == NULL) {
+    mlx_error("[%s] out of host memory", COMPILE_NORM_ROPE_OPERATION);
+    return mlx_closure_new();
+  }
+  *constants = (graph_constants){
+      .rms_norm_epsilon = norm_rope->rms_norm_epsilon,
+      .rope = norm_rope->rope,
+      .has_query_weight = (layout & QUERY_WEIGHTED_LAYOUT) != 0,
+      .has_key_weight = (layout & KEY_WEIGHTED_LAYOUT) != 0,
+  };
+  mlx_closure plain_graph = mlx_closure_new_func_payload(build_norm_rope_graph, constants, free);
+  if (plain_graph.ctx == NULL) {
+    free(constants); /* a closure that was never made took no ownership */
+  }
+  return plain_graph;
+}
+
+static uint64_t float_bits(float value) {
+  uint32_t bits;
+  memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+
+/* Builds the plain and (unless composed) compiled closure of every layout. */
+static int compile_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
+  const mlx_dualnorm_rope_parameters* rope = &norm_rope->rope;
+  const uint64_t compile_constants[5] = {
+      float_bits(norm_rope->rms_norm_epsilon), (uint64_t)(uint32_t)rope->dims,
+      rope->traditional, float_bits(rope->base), float_bits(rope->scale),
+  };
+  dualnorm_new_compile_ids(norm_rope->compile_ids, WEIGHT_LAYOUT_COUNT);
+  for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
+    norm_rope->compiled_graphs[layout] = mlx_closure_new();
+    norm_rope->plain_graphs[layout] = new_plain_graph(norm_rope, layout);
+  }
+  for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
+    if (norm_rope->plain_graphs[layout].ctx == NULL) {
+      return 1;
+    }
+    /* Shape-specialized (see the file comment). */
+    if (norm_rope->mode != MLX_DUALNORM_MODE_COMPOSED &&
+        mlx_detail_compile(&norm_rope->compiled_graphs[layout], norm_rope->plain_graphs[layout],
+                           norm_rope->compile_ids[layout], false, compile_constants,
+                           sizeof compile_constants / sizeof compile_constants[0]) != 0) {
+      return 1;
+    }
+  }
+  return 0;
+}
+
+/* AUTO is COMPILED until a fused kernel exists; FUSED is refused. */
+static int resolve_mode(mlx_dualnorm_mode requested, mlx_dualnorm_mode* resolved,
+                        mlx_dualnorm_error* error) {
+  switch (requested) {
+    case MLX_DUALNORM_MODE_COMPOSED:
+    case MLX_DUALNORM_MODE_COMPILED:
+      *resolved = requested;
+      return MLX_DUALNORM_OK;
+    case MLX_DUALNORM_MODE_AUTO:
+      *resolved = MLX_DUALNORM_MODE_COMPILED;
+      return MLX_DUALNORM_OK;
+    case MLX_DUALNORM_MODE_FUSED:
+      return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT,
+                                COMPILE_NORM_ROPE_OPERATION,
+                                "mode 'fused' is not available for the dual head norm rope "
+                                "(no fused kernel yet); use mode 'auto' or 'compiled'");
+  }
+  return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, COMPILE_NORM_ROPE_OPERATION,
+                            "unknown mode %d", (int)requested);
+}
+
+/* The constructor's argument checks, before anything is allocated. */
+static int check_constants(double rms_norm_epsilon, const mlx_dualnorm_rope_parameters* rope,
+                           mlx_dualnorm_error* error) {
+  const char* operation = COMPILE_NORM_ROPE_OPERATION;
+  /* Checked as given, before rounding to float32, as dual_head_norm.c does. */
+  if (!isfinite(rms_norm_epsilon) || rms_norm_epsilon < 0.0 || rms_norm_epsilon > FLT_MAX) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "eps must be finite, >= 0 and within float32's range, got %g",
+                              rms_norm_epsilon);
+  }
+  /* rope's own checks on dims, made here once rather than on every call. */
+  if (rope->dims <= 0 || rope->dims % 2 != 0) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "dims must be positive and even, got %d", rope->dims);
+  }
+  return MLX_DUALNORM_OK;
+}
+
+int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
+                                         double rms_norm_epsilon,
+                                         mlx_dualnorm_rope_parameters rope,
+                                         mlx_dualnorm_mode mode, mlx_dualnorm_error* error) {
+  const char* operation = COMPILE_NORM_ROPE_OPERATION;
+  dualnorm_begin_call();
+  if (res == NULL) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "the result pointer is NULL");
+  }
+  mlx_dualnorm_mode resolved_mode = MLX_DUALNORM_MODE_COMPILED;
+  int status = check_constants(rms_norm_epsilon, &rope, error);
+  if (status == MLX_DUALNORM_OK) {
+    status = resolve_mode(mode, &resolved_mode, error);
+  }
+  if (status != MLX_DUALNORM_OK) {
+    return status;
+  }
+  mlx_dualnorm_dual_head_norm_rope* norm_rope = calloc(1, sizeof *norm_rope);
+  if (norm_rope == NULL || pthread_rwlock_init(&norm_rope->lifetime_lock, NULL) != 0) {
+    free(norm_rope);
+    return dualnorm_fail_with(error, MLX_DUALNORM_MLX_FAILURE, operation, "out of host memory");
+  }
+  norm_rope->rms_norm_epsilon = (float)rms_norm_epsilon;
+  norm_rope->rope = rope;
+  norm_rope->mode = resolved_mode;
+  if (compile_graphs(norm_rope) != 0) {
+    status = dualnorm_fail_in_mlx(error, operation);
+    release_graphs(norm_rope);
+    pthread_rwlock_destroy(&norm_rope->lifetime_lock);
+    free(norm_rope);
+    return status;
+  }
+  *res = norm_rope;
+  return MLX_DUALNORM_OK;
+}
+
+mlx_dualnorm_mode mlx_dualnorm_dual_head_norm_rope_mode(
+    const mlx_dualnorm_dual_head_norm_rope* norm_rope) {
+  return norm_rope == NULL ? MLX_DUALNORM_MODE_AUTO : norm_rope->mode;
+}
+
+float mlx_dualnorm_dual_head_norm_rope_epsilon(const mlx_dualnorm_dual_head_norm_rope* norm_rope) {
+  return norm_rope == NULL ? NAN : norm_rope->rms_norm_epsilon;
+}
+
+mlx_dualnorm_rope_parameters mlx_dualnorm_dual_head_norm_rope_parameters(
+    const mlx_dualnorm_dual_head_norm_rope* norm_rope) {
+  return norm_rope == NULL ? (mlx_dualnorm_rope_parameters){0} : norm_rope->rope;
+}
+
+/* ---- Applying ------------------------------------------------------------ */
+
+static bool is_integer_dtype(mlx_dtype dtype) {
+  return dtype >= MLX_UINT8 && dtype <= MLX_INT64; /* mlx_dtype's integer run; not bool */
+}
+
+/* rope's checks of the offset that do not depend on a side: MLX 0.32.4
+ * takes an integer array of at most one dimension. */
+static int inspect_rope_offset(const mlx_array rope_offset, size_t* offset_size,
+                               mlx_dualnorm_error* error) {
+  const char* operation = APPLY_NORM_ROPE_OPERATION;
+  if (rope_offset.ctx == NULL) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "offset is an empty array handle");
+  }
+  size_t offset_rank = mlx_array_ndim(rope_offset);
+  if (offset_rank > 1) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "offset must have at most 1 dimension but has %zu", offset_rank);
+  }
+  mlx_dtype offset_dtype = mlx_array_dtype(rope_offset);
+  if (!is_integer_dtype(offset_dtype)) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "offset must be an integer but has dtype %s",
+                              dualnorm_dtype_name(offset_dtype));
+  }
+  *offset_size = mlx_array_size(rope_offset);
+  return MLX_DUALNORM_OK;
+}
+
+/* What the transpose and rope need of one side, rms_norm's checks done:
+ * rank 4, dims within the last dimension, an offset with one element or
+ * one per batch entry (rope's rule). */
+static int check_rope_side(const head_norm_input* side, const char* input_name,
+                           const mlx_dualnorm_rope_parameters* rope, size_t offset_size,
+                           mlx_dualnorm_error* error) {
+  const char* operation = APPLY_NORM_ROPE_OPERATION;
+  if (side->rank != ATTENTION_INPUT_RANK) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "%s must have 4 dimensions (batch, sequence, heads, head dim) "
+                              "but have %zu",
+                              input_name, side->rank);
+  }
+  if (rope->dims > side->width) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "dims (%d) must not exceed the last dimension of %s (%d)",
+                              rope->dims, input_name, side->width);
+  }
+  size_t batch = (size_t)mlx_array_shape(side->array)[0];
+  if (offset_size != 1 && offset_size != batch) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "offset must be a scalar or have one element per batch entry "
+                              "of %s (%zu) but has %zu elements",
+                              input_name, batch, offset_size);
+  }
+  return MLX_DUALNORM_OK;
+}
+
+/* Reads and checks every input once, in the composed path's order. */
+static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                          dual_head_norm_call* call, const mlx_array queries,
+                          const mlx_array keys, const mlx_array query_scale_weight,
+                          const mlx_array key_scale_weight, const mlx_array rope_offset,
+                          mlx_dualnorm_error* error) {
+  const char* operation = APPLY_NORM_ROPE_OPERATION;
+  size_t offset_size = 0;
+  int status = dualnorm_inspect_head_norm_input(&call->queries, operation, "queries", queries,
+                                                "query scale weight", query_scale_weight,
+                                                error);
+  if (status == MLX_DUALNORM_OK) {
+    status = dualnorm_inspect_head_norm_input(&call->keys, operation, "keys", keys,
+                                              "key scale weight", key_scale_weight, error);
+  }
+  if (status == MLX_DUALNORM_OK) {
+    status = inspect_rope_offset(rope_offset, &offset_size, error);
+  }
+  if (status == MLX_DUALNORM_OK) {
+    status = check_rope_side(&call->queries, "queries", &norm_rope->rope, offset_size, error);
+  }
+  if (status == MLX_DUALNORM_OK) {
+    status = check_rope_side(&call->keys, "keys", &norm_rope->rope, offset_size, error);
+  }
+  if (status == MLX_DUALNORM_OK) {
+    status = dualnorm_check_float64_placement(call, operation, error);
+  }
+  return status;
+}
+
+/* The compiled graph for decode-sized, non-empty calls; the plain builder
+ * otherwise (see the file comment). */
+static bool takes_compiled_graph(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                                 const dual_head_norm_call* call) {
+  const head_norm_input* queries = &call->queries;
+  const head_norm_input* keys = &call->keys;
+  return norm_rope->mode != MLX_DUALNORM_MODE_COMPOSED && queries->size > 0 &&
+         keys->size > 0 && queries->rows + keys->rows <= COMPILED_GRAPH_MAX_ROWS;
+}
+
+/* Runs the chosen closure of the call's weight layout, the object held
+ * open for the duration. */
+static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                       const dual_head_norm_call* call, const mlx_array rope_offset,
+                       mlx_dualnorm_error* error) {
+  const char* operation = APPLY_NORM_ROPE_OPERATION;
+  bool has_query_weight = call->queries.weight.ctx != NULL;
+  bool has_key_weight = call->keys.weight.ctx != NULL;
+  int layout = (has_query_weight ? QUERY_WEIGHTED_LAYOUT : 0) |
+               (has_key_weight ? KEY_WEIGHTED_LAYOUT : 0);
+  mlx_array graph_inputs[5] = {call->queries.array, call->keys.array, rope_offset};
+  size_t input_count = 3;
+  if (has_query_weight) {
+    graph_inputs[input_count++] = call->queries.weight;
+  }
+  if (has_key_weight) {
+    graph_inputs[input_count++] = call->keys.weight;
+  }
+  /* The vector takes its own references; the caller's handles stay
+   * borrowed. Freed below on every path. */
+  mlx_vector_array input_vector = mlx_vector_array_new_data(graph_inputs, input_count);
+  if (input_vector.ctx == NULL) {
+    return dualnorm_fail_in_mlx(error, operation);
+  }
+  bool compiled = takes_compiled_graph(norm_rope, call);
+  pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
+  bool closed = norm_rope->closed;
+  int apply_status = 0;
+  if (!closed) {
+    apply_status = mlx_closure_apply(res,
+                                     compiled ? norm_rope->compiled_graphs[layout]
+                                              : norm_rope->plain_graphs[layout],
+                                     input_vector);
+  }
+  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
+  int free_status = mlx_vector_array_free(input_vector);
+  if (closed) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_CLOSED, operation,
+                              "the dual head norm rope is closed");
+  }
+  if (apply_status != 0 || free_status != 0) {
+    return dualnorm_fail_in_mlx(error, operation);
+  }
+  return MLX_DUALNORM_OK;
+}
+
+int mlx_dualnorm_apply_dual_head_norm_rope(
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+    const mlx_array queries, const mlx_array keys, const mlx_array query_scale_weight,
+    const mlx_array key_scale_weight, const mlx_array rope_offset, mlx_dualnorm_error* error) {
+  const char* operation = APPLY_NORM_ROPE_OPERATION;
+  dualnorm_begin_call();
+  if (res == NULL || norm_rope == NULL) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "the result vector or the dual head norm rope is NULL");
+  }
+  dual_head_norm_call call = {0};
+  int status = inspect_inputs(norm_rope, &call, queries, keys, query_scale_weight,
+                              key_scale_weight, rope_offset, error);
+  if (status == MLX_DUALNORM_OK && (!dualnorm_register_applying_thread() ||
+                                     dualnorm_erase_queued_compile_ids() != 0)) {
+    status = dualnorm_fail_in_mlx(error, operation);
+  }
+  if (status != MLX_DUALNORM_OK) {
+    return status;
+  }
+  return apply_graph(res, norm_rope, &call, rope_offset, error);
+}
+
+int mlx_dualnorm_dual_head_norm_rope_close(mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                                           mlx_dualnorm_error* error) {
+  dualnorm_begin_call();
+  if (norm_rope == NULL) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, CLOSE_NORM_ROPE_OPERATION,
+                              "the dual head norm rope is NULL");
+  }
+  pthread_rwlock_wrlock(&norm_rope->lifetime_lock);
+  int status = norm_rope->closed ? 0 : release_graphs(norm_rope);
+  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
+  return status == 0 ? MLX_DUALNORM_OK : dualnorm_fail_in_mlx(error, CLOSE_NORM_ROPE_OPERATION);
+}
+
+void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
+  if (norm_rope == NULL) {
+    return;
+  }
+  mlx_dualnorm_dual_head_norm_rope_close(norm_rope, NULL);
+  pthread_rwlock_destroy(&norm_rope->lifetime_lock);
+  free(norm_rope);
+}

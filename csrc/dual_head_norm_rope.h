@@ -1,0 +1,105 @@
+/* The compiled q/k head RMS normalization followed by rotary position
+ * encoding: the whole q/k prework of a full-attention layer (mlx-lm's
+ * Qwen3 family) in one call.
+ *
+ * One call returns, for queries (B, L, Hq, D) and keys (B, L, Hk, D),
+ *
+ *   rope(rms_norm(queries, query_scale_weight, eps).transpose(0, 2, 1, 3))
+ *   rope(rms_norm(keys, key_scale_weight, eps).transpose(0, 2, 1, 3))
+ *
+ * with `rope` being mlx_fast_rope_dynamic(x, dims, traditional, base,
+ * scale, offset), as one replay of a compiled MLX graph whose primitives
+ * and order are those of the six composed calls, so the bits are theirs.
+ *
+ * Plain C over the public mlx-c API, like dual_head_norm.h, whose status,
+ * mode and error types it shares. There is no fused mode yet: FUSED is
+ * refused at construction.
+ */
+#ifndef MLX_DUALNORM_DUAL_HEAD_NORM_ROPE_H
+#define MLX_DUALNORM_DUAL_HEAD_NORM_ROPE_H
+
+#include <stdbool.h>
+
+#include "dual_head_norm.h"
+#include "mlx/c/mlx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The RoPE of both outputs, as mlx_fast_rope_dynamic takes it (with a base,
+ * never frequencies). `dims` must be positive and even, and at most the
+ * inputs' last dimension (checked per call). */
+typedef struct mlx_dualnorm_rope_parameters_ {
+  int dims;
+  bool traditional;
+  float base;
+  float scale;
+} mlx_dualnorm_rope_parameters;
+
+/* Opaque: the compiled graphs (one per weight layout) and the constants
+ * they bake in. Created by _new, its graphs released by _close, its memory
+ * by _free; the struct outlives _close so late callers get
+ * MLX_DUALNORM_CLOSED instead of a dangling pointer. */
+typedef struct mlx_dualnorm_dual_head_norm_rope_ mlx_dualnorm_dual_head_norm_rope;
+
+/* Builds the graphs with `rms_norm_epsilon` and `rope` baked in, for `mode`
+ * (AUTO resolves to COMPILED; FUSED is an invalid argument for now). The
+ * epsilon must be finite, >= 0 and within float32's range (checked before
+ * rounding to float32, the type MLX uses); rope.dims positive and even.
+ * `*res` receives a new object the caller owns (free it with
+ * mlx_dualnorm_dual_head_norm_rope_free). */
+int mlx_dualnorm_dual_head_norm_rope_new(
+    mlx_dualnorm_dual_head_norm_rope** res,
+    double rms_norm_epsilon,
+    mlx_dualnorm_rope_parameters rope,
+    mlx_dualnorm_mode mode,
+    mlx_dualnorm_error* error);
+
+/* The mode construction resolved (never AUTO); AUTO for NULL. */
+mlx_dualnorm_mode mlx_dualnorm_dual_head_norm_rope_mode(
+    const mlx_dualnorm_dual_head_norm_rope* norm_rope);
+
+/* The epsilon the graphs bake in, as the float32 MLX uses; NaN for NULL. */
+float mlx_dualnorm_dual_head_norm_rope_epsilon(
+    const mlx_dualnorm_dual_head_norm_rope* norm_rope);
+
+/* The RoPE parameters the graphs bake in; all zero for NULL. */
+mlx_dualnorm_rope_parameters mlx_dualnorm_dual_head_norm_rope_parameters(
+    const mlx_dualnorm_dual_head_norm_rope* norm_rope);
+
+/* Normalizes, transposes to (B, H, L, D) and rotates queries and keys, both
+ * of rank 4, with the weights given (an empty weight handle means no weight
+ * for that side) and `rope_offset`, an integer array as mlx_fast_rope_dynamic
+ * takes it (a scalar, or one value per batch entry; mlx-lm's decode passes
+ * an int32 scalar). Inputs are BORROWED: never freed here, and only
+ * referenced by the lazy outputs. On success `*res` (allocated when empty,
+ * owned by the caller) holds exactly two lazy arrays: the rotated queries
+ * first, the rotated keys second. Thread-safe. */
+int mlx_dualnorm_apply_dual_head_norm_rope(
+    mlx_vector_array* res,
+    mlx_dualnorm_dual_head_norm_rope* norm_rope,
+    const mlx_array queries,
+    const mlx_array keys,
+    const mlx_array query_scale_weight,
+    const mlx_array key_scale_weight,
+    const mlx_array rope_offset,
+    mlx_dualnorm_error* error);
+
+/* Releases the graphs and their entries in every thread's compile cache
+ * (the calling thread's at once, any other thread's at that thread's next
+ * apply or its exit); later applies fail with MLX_DUALNORM_CLOSED. Waits
+ * for applies in flight. Closing twice is a no-op. */
+int mlx_dualnorm_dual_head_norm_rope_close(
+    mlx_dualnorm_dual_head_norm_rope* norm_rope,
+    mlx_dualnorm_error* error);
+
+/* Closes (if still open) and frees. NULL is a no-op. The caller must ensure
+ * no other thread still uses the pointer. */
+void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* norm_rope);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

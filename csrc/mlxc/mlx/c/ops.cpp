@@ -1,0 +1,31 @@
+/* mlx_transpose_axes over mlx::core::transpose, behaving as upstream's
+ * ops.cpp. */
+#include <vector>
+
+#include "mlx/ops.h"
+
+#include "mlx/c/ops.h"
+#include "mlx/c/private/mlx.h"
+
+using namespace bundled_mlx_c;
+
+/* Upstream reads `axes` unchecked; NULL with a non-zero count is a reported
+ * error here. */
+extern "C" int mlx_transpose_axes(
+    mlx_array* res,
+    const mlx_array a,
+    const int* axes,
+    size_t axes_num,
+    const mlx_stream s) {
+  try {
+    if (axes == nullptr && axes_num > 0) {
+      throw std::invalid_argument("[mlx_transpose_axes] NULL axes with a non-zero count");
+    }
+    std::vector<int> permutation(axes, axes + axes_num);
+    store(res, mx::transpose(object_of(a), std::move(permutation), object_of(s)));
+    return 0;
+  } catch (const std::exception& error) {
+    mlx_error("%s", error.what());
+    return 1;
+  }
+}

@@ -1,0 +1,305 @@
+"""The q/k head norm + RoPE of a full-attention layer, and the composed path
+it replaces.
+
+``CompiledDualHeadNormRope(eps, dims, base=...)(queries, keys, wq, wk,
+offset=offset)`` returns the same two arrays, bit for bit, as::
+
+    (mx.fast.rope(mx.fast.rms_norm(queries, wq, eps).transpose(0, 2, 1, 3),
+                  dims, traditional=, base=, scale=, offset=offset),
+     mx.fast.rope(mx.fast.rms_norm(keys, wk, eps).transpose(0, 2, 1, 3),
+                  dims, traditional=, base=, scale=, offset=offset))
+
+the q/k prework of mlx-lm's Qwen3 attention, from one replay of a compiled
+MLX graph: one crossing into C per call, lazy outputs, no copies.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_dualnorm._interop as _interop
+from mlx_dualnorm._binding import _function_address, call_native, ffi, lib
+from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
+from mlx_dualnorm.dual_head_norm import (
+    _MODE_NAMES,
+    _MODES,
+    ArrayLike,
+    Mode,
+    StreamLike,
+    _as_epsilon,
+    _as_mx_array,
+    _default_stream,
+)
+
+__all__ = ["CompiledDualHeadNormRope", "composed_dual_head_norm_rope"]
+
+APPLY_NORM_ROPE_OPERATION = "apply the compiled MLX dual head norm rope"
+COMPILE_NORM_ROPE_OPERATION = "compile the MLX dual head norm rope graph"
+COMPOSED_NORM_ROPE_OPERATION = "composed dual head norm rope"
+
+# What mx.fast.rope takes as offset: an int, or an integer mx.array (a
+# scalar, or one value per batch entry).
+Offset = Union[int, mx.array]
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def composed_dual_head_norm_rope(
+    queries: mx.array,
+    keys: mx.array,
+    query_weight: Optional[mx.array] = None,
+    key_weight: Optional[mx.array] = None,
+    *,
+    eps: float,
+    dims: int,
+    base: float,
+    traditional: bool = False,
+    scale: float = 1.0,
+    offset: Offset = 0,
+    stream: StreamLike = None,
+) -> tuple[mx.array, mx.array]:
+    """The reference path: ``rms_norm``, transpose to ``(B, H, L, D)`` and
+    ``rope``, for each side, as mlx-lm's Qwen3 attention calls them."""
+    rms_norm_epsilon = _as_epsilon(eps, COMPOSED_NORM_ROPE_OPERATION)
+
+    def normalized_and_rotated(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
+        normalized = mx.fast.rms_norm(inputs, weight, rms_norm_epsilon, stream=stream)
+        return mx.fast.rope(
+            normalized.transpose(0, 2, 1, 3, stream=stream),
+            dims,
+            traditional=traditional,
+            base=base,
+            scale=scale,
+            offset=offset,
+            stream=stream,
+        )
+
+    return normalized_and_rotated(queries, query_weight), normalized_and_rotated(keys, key_weight)
+
+
+class CompiledDualHeadNormRope:
+    """Query/key head RMS normalization, then RoPE, as one compiled graph.
+
+    Args:
+        eps: the RMS epsilon. Finite, >= 0 and within float32's range,
+            checked as given, then used as float32 (as ``mx.fast.rms_norm``).
+        dims: the features RoPE rotates (positive, even, at most the head
+            width; the rest are copied), as ``mx.fast.rope``'s ``dims``.
+        base: RoPE's base (``nn.RoPE``'s; mlx-lm's ``rope_theta``).
+        traditional: rotate consecutive pairs instead of halves.
+        scale: the scale of the positions.
+        mode: ``"compiled"``: one replay of a compiled graph, traced once
+            per input shape (calls with more than 48 rows in all, as in a
+            prefill, build the composed graph instead). ``"composed"``: the
+            six calls, rebuilt each time (the reference). ``"auto"``
+            (default): ``"compiled"``. ``"fused"`` is refused: there is no
+            fused kernel for this yet. Every mode gives the same bits.
+
+    Call it with queries ``(B, L, Hq, D)``, keys ``(B, L, Hk, D)``, optional
+    ``(D,)`` weights and the RoPE ``offset``: an int, or an integer
+    ``mx.array`` (a scalar, or one per batch entry, as ``mx.fast.rope``
+    takes). The offset is an input of the graph, not a constant: decoding
+    at successive positions replays one trace.
+
+    Thread-safe. ``close()`` (or leaving a ``with`` block) releases the
+    compiled graphs at once; garbage collection does it otherwise.
+    """
+
+    __slots__ = ("_native", "_address", "__weakref__")
+    _native: Any  # cdata: mlx_dualnorm_dual_head_norm_rope*, freed by ffi.gc
+    _address: int  # the same pointer, as the bridge takes it
+
+    def __init__(
+        self,
+        eps: float,
+        dims: int,
+        *,
+        base: float,
+        traditional: bool = False,
+        scale: float = 1.0,
+        mode: Mode = "auto",
+    ) -> None:
+        operation = COMPILE_NORM_ROPE_OPERATION
+        rms_norm_epsilon = _as_epsilon(eps, operation)
+        rope = ffi.new("mlx_dualnorm_rope_parameters *")
+        rope.dims = _as_dims(dims)
+        rope.traditional = _as_flag(traditional, "traditional")
+        rope.base = _as_float32_argument(base, "base")
+        rope.scale = _as_float32_argument(scale, "scale")
+        if not isinstance(mode, str):
+            raise TypeError(f"[{operation}] mode must be a str, not {type(mode).__name__}")
+        if mode not in _MODES:
+            raise DualHeadNormValueError(
+                operation, f"mode must be one of {', '.join(map(repr, _MODES))}, not {mode!r}"
+            )
+        created = ffi.new("mlx_dualnorm_dual_head_norm_rope **")
+        call_native(
+            lib.mlx_dualnorm_dual_head_norm_rope_new,
+            created,
+            rms_norm_epsilon,
+            rope[0],
+            _MODES[mode],
+        )
+        # Owned by this object: freed (closing first) when it is collected.
+        self._native = ffi.gc(created[0], lib.mlx_dualnorm_dual_head_norm_rope_free)
+        self._address = int(ffi.cast("uintptr_t", self._native))
+
+    @property
+    def eps(self) -> float:
+        """The RMS epsilon baked into the graphs, as the float32 MLX uses."""
+        return float(lib.mlx_dualnorm_dual_head_norm_rope_epsilon(self._native))
+
+    @property
+    def dims(self) -> int:
+        return int(lib.mlx_dualnorm_dual_head_norm_rope_parameters(self._native).dims)
+
+    @property
+    def traditional(self) -> bool:
+        return bool(lib.mlx_dualnorm_dual_head_norm_rope_parameters(self._native).traditional)
+
+    @property
+    def base(self) -> float:
+        """RoPE's base, as the float32 MLX uses."""
+        return float(lib.mlx_dualnorm_dual_head_norm_rope_parameters(self._native).base)
+
+    @property
+    def scale(self) -> float:
+        """RoPE's position scale, as the float32 MLX uses."""
+        return float(lib.mlx_dualnorm_dual_head_norm_rope_parameters(self._native).scale)
+
+    @property
+    def mode(self) -> str:
+        """The mode chosen at construction: "composed" or "compiled"."""
+        return _MODE_NAMES[lib.mlx_dualnorm_dual_head_norm_rope_mode(self._native)]
+
+    def __call__(
+        self,
+        queries: ArrayLike,
+        keys: ArrayLike,
+        query_weight: Optional[ArrayLike] = None,
+        key_weight: Optional[ArrayLike] = None,
+        *,
+        offset: Offset = 0,
+        stream: StreamLike = None,
+    ) -> tuple[mx.array, mx.array]:
+        """Normalizes, transposes and rotates queries and keys.
+
+        Args:
+            queries: ``(B, L, Hq, D)`` array.
+            keys: ``(B, L, Hk, D)`` array.
+            query_weight: optional ``(D,)`` scale of the query norm.
+            key_weight: optional ``(D,)`` scale of the key norm.
+            offset: position of the first of the ``L`` tokens: an int, or an
+                integer ``mx.array`` (scalar or ``(B,)``), as mlx-lm's
+                ``cache.offset``.
+            stream: stream or device to run on; the default stream if None.
+
+        Returns:
+            ``(rotated_queries, rotated_keys)``, lazy, of shapes
+            ``(B, Hq, L, D)`` and ``(B, Hk, L, D)``.
+
+        Raises:
+            TypeError: an argument of the wrong type.
+            DualHeadNormValueError: (a ``ValueError``) an input
+                ``mx.fast.rms_norm``, the transpose or ``mx.fast.rope``
+                rejects, or this object is closed.
+            MlxCError: MLX failed while building the graph.
+        """
+        if stream is not None:
+            with _default_stream(stream, APPLY_NORM_ROPE_OPERATION):
+                return self(queries, keys, query_weight, key_weight, offset=offset)
+        graph_outputs = _interop.apply_rope(
+            self._address, queries, keys, query_weight, key_weight, offset
+        )
+        # Output order is the C builder's ABI: queries first, keys second.
+        if len(graph_outputs) != 2:
+            raise MlxCError(
+                APPLY_NORM_ROPE_OPERATION,
+                f"compiled MLX dual head norm rope returned {len(graph_outputs)} "
+                "outputs, expected 2",
+            )
+        rotated_queries, rotated_keys = graph_outputs
+        return rotated_queries, rotated_keys
+
+    def close(self) -> None:
+        """Releases the compiled graphs and their compile-cache entries.
+        Later calls raise ``DualHeadNormValueError``; closing twice is fine."""
+        call_native(lib.mlx_dualnorm_dual_head_norm_rope_close, self._native)
+
+    def __enter__(self) -> "CompiledDualHeadNormRope":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"CompiledDualHeadNormRope(eps={self.eps!r}, dims={self.dims!r}, "
+            f"base={self.base!r}, traditional={self.traditional!r}, "
+            f"scale={self.scale!r}, mode={self.mode!r})"
+        )
+
+
+def _as_dims(dims: object) -> int:
+    """dims as the C int the constructor checks (positive, even)."""
+    if isinstance(dims, bool) or not isinstance(dims, numbers.Integral):
+        raise TypeError(
+            f"[{COMPILE_NORM_ROPE_OPERATION}] dims must be an int, not {type(dims).__name__}"
+        )
+    value = int(dims)
+    if not _INT32_MIN <= value <= _INT32_MAX:
+        raise DualHeadNormValueError(
+            COMPILE_NORM_ROPE_OPERATION, f"dims must be positive and even, got {value}"
+        )
+    return value
+
+
+def _as_flag(value: object, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"[{COMPILE_NORM_ROPE_OPERATION}] {name} must be a bool, not {type(value).__name__}"
+        )
+    return bool(value)
+
+
+def _as_float32_argument(value: object, name: str) -> float:
+    """A real number, which C rounds to float32 as MLX's binding does."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"[{COMPILE_NORM_ROPE_OPERATION}] {name} must be a real number, "
+            f"not {type(value).__name__}"
+        )
+    return float(value)
+
+
+def _as_offset_array(offset: object) -> mx.array:
+    """The bridge's converter for offsets that are neither an ``mx.array``
+    nor an int within int32 (which the bridge makes into an int32 scalar
+    itself): what ``mx.fast.rope`` makes an array of (an int beyond int32,
+    a numpy integer or array, a bool or a float, whose dtype the C checks
+    then refuse as rope does); anything else is a TypeError."""
+    if isinstance(offset, (np.ndarray, np.generic)):
+        return _as_mx_array(np.asarray(offset), "offset", APPLY_NORM_ROPE_OPERATION)
+    if not isinstance(offset, (int, float, complex)):  # bool is an int
+        raise TypeError(
+            f"[{APPLY_NORM_ROPE_OPERATION}] offset must be an int or an mlx.core.array "
+            f"(what mx.fast.rope takes), not {type(offset).__name__}"
+        )
+    try:
+        return mx.array(offset)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as error:  # MLX: bad_cast
+        raise DualHeadNormValueError(
+            APPLY_NORM_ROPE_OPERATION, f"offset {offset!r} is not an MLX array value: {error}"
+        ) from None
+
+
+_interop.bind_rope(
+    _function_address("mlx_dualnorm_apply_dual_head_norm_rope"),
+    functools.partial(_as_mx_array, operation=APPLY_NORM_ROPE_OPERATION),
+    _as_offset_array,
+)

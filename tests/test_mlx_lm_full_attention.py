@@ -1,0 +1,180 @@
+"""The mlx-lm patch of full-attention layers (q/k norm + RoPE in one call):
+greedy generation on mlx-lm's own qwen3, qwen3_moe and qwen3_next models
+with random weights is token- and logit-identical patched and unpatched;
+layers it does not cover run mlx-lm's own code; unpatch restores it all."""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from conftest import assert_bit_identical  # noqa: E402
+from mlx_lm.models.rope_utils import Llama3RoPE  # noqa: E402
+
+from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model  # noqa: E402
+
+GENERATED_TOKENS = 64
+SEED = 20261130
+
+SMALL_QWEN3 = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "rope_theta": 1_000_000.0,
+}
+CONFIGS = {
+    "qwen3": {"model_type": "qwen3", **SMALL_QWEN3},
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        **SMALL_QWEN3,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 32,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    },
+}
+# MLX 0.32's CPU gather_mm (the experts) takes float32 only.
+DTYPES = {"qwen3": mx.bfloat16, "qwen3_moe": mx.float32, "qwen3_next": mx.float32}
+
+
+@pytest.fixture(autouse=True)
+def unpatched_around_each_test():
+    integration.unpatch()
+    yield
+    integration.unpatch()
+
+
+def build_model(model_type):
+    if model_type == "qwen3_next":  # the package's synthetic model: 1 of 4 layers attends
+        return build_synthetic_model("qwen3_next", dtype=DTYPES[model_type])
+    architecture = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(SEED)
+    model = architecture.Model(architecture.ModelArgs.from_dict(CONFIGS[model_type]))
+    model.set_dtype(DTYPES[model_type])
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def attention_layers(model):
+    return [
+        layer.self_attn for layer in model.layers if getattr(layer, "self_attn", None) is not None
+    ]
+
+
+@pytest.fixture
+def prework_calls(monkeypatch):
+    """Counts the full-attention calls that went through one norm + RoPE
+    call, and those that ran mlx-lm's own __call__."""
+    counts = {"fused": 0, "original": 0}
+    rotated = integration._rotated_queries_and_keys
+
+    def counting(attention, queries, keys, cache):
+        result = rotated(attention, queries, keys, cache)
+        counts["fused" if result is not None else "original"] += 1
+        return result
+
+    monkeypatch.setattr(integration, "_rotated_queries_and_keys", counting)
+    return counts
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen3_next"])
+def test_greedy_generation_is_bit_identical(model_type, prework_calls):
+    model = build_model(model_type)
+    layers = attention_layers(model)
+    assert layers and all(type(layer.rope) is nn.RoPE for layer in layers)
+    prompt = mx.array([(37 * position + 11) % 512 for position in range(12)])
+
+    reference = greedy_generate(model, prompt, GENERATED_TOKENS)
+    assert prework_calls == {"fused": 0, "original": 0}
+    with integration.patch():
+        patched = greedy_generate(model, prompt, GENERATED_TOKENS)
+
+    assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
+    comparison = compare_traces(reference, patched)
+    assert patched.token_ids == reference.token_ids
+    assert comparison.tokens_identical and comparison.logits_bit_identical, comparison
+    assert len(patched.step_logits) == GENERATED_TOKENS + 1
+    for actual, expected in zip(patched.step_logits, reference.step_logits):
+        assert_bit_identical(actual, expected)
+    # Every attention layer, at the prompt and every generated step.
+    assert prework_calls == {"fused": len(layers) * (GENERATED_TOKENS + 2), "original": 0}
+
+
+def test_layers_with_other_ropes_run_their_own_code(prework_calls):
+    """A scaled-RoPE layer (Llama3RoPE, with its frequency table) keeps
+    mlx-lm's own __call__; the other layer still goes through the patch."""
+    model = build_model("qwen3")
+    first, second = attention_layers(model)
+    second.rope = Llama3RoPE(128, max_position_embeddings=4096, base=1e6,
+                             scaling_config={"factor": 8.0, "original_max_position_embeddings":
+                                             1024, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0})
+    prompt = mx.array(list(range(3, 15)))
+    reference = greedy_generate(model, prompt, 8)
+    with integration.patch():
+        patched = greedy_generate(model, prompt, 8)
+    assert compare_traces(reference, patched).identical
+    assert prework_calls == {"fused": 10, "original": 10}
+
+
+def test_a_raising_prework_runs_the_original(monkeypatch):
+    model = build_model("qwen3")
+    prompt = mx.array(list(range(5, 17)))
+    reference = greedy_generate(model, prompt, 4)
+
+    def broken(attention):
+        raise RuntimeError("broken")
+
+    monkeypatch.setattr(integration, "_norm_rope_for", broken)
+    with integration.patch():
+        patched = greedy_generate(model, prompt, 4)
+    assert compare_traces(reference, patched).identical
+
+
+def test_patch_replaces_and_unpatch_restores_every_class():
+    classes = {
+        name: getattr(importlib.import_module(module), class_name)
+        for module, class_name, name in integration.FULL_ATTENTION_CLASSES
+    }
+    originals = {key: cls.__dict__["__call__"] for key, cls in classes.items()}
+    with integration.patch():
+        for key, cls in classes.items():
+            assert cls.__call__ is not originals[key]
+            assert getattr(cls.__call__, integration.REPLACEMENT_MARKER) is True
+        integration.patch()  # twice: the originals are still what unpatch restores
+    for key, cls in classes.items():
+        assert cls.__dict__["__call__"] is originals[key]
+    integration.patch(mode="composed")
+    integration.unpatch()
+    for key, cls in classes.items():
+        assert cls.__dict__["__call__"] is originals[key]
+
+
+def test_modes_reach_the_norm_rope(prework_calls):
+    model = build_model("qwen3")
+    prompt = mx.array(list(range(2, 9)))
+    reference = greedy_generate(model, prompt, 3)
+    integration.clear_cache()
+    with integration.patch(mode="composed"):
+        patched = greedy_generate(model, prompt, 3)
+    assert compare_traces(reference, patched).identical
+    modes = {norm_rope.mode for norm_rope in integration._norm_ropes.values()}
+    assert modes == {"composed"}
+    integration.clear_cache()
