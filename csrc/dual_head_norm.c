@@ -51,6 +51,7 @@
 #include "call_errors.h"
 #include "compile_erasure.h"
 #include "head_norm_input.h"
+#include "layout_graphs.h"
 
 #include <float.h>
 #include <limits.h>
@@ -105,16 +106,6 @@ bool mlx_dualnorm_fused_mode_available(void) {
 }
 
 /* ---- Graph builders ------------------------------------------------------ */
-
-/* Weight layouts, indexing the compiled graphs: bit 0 = a query weight,
- * bit 1 = a key weight. */
-enum {
-  WEIGHTLESS_LAYOUT = 0,
-  QUERY_WEIGHTED_LAYOUT = 1,
-  KEY_WEIGHTED_LAYOUT = 2,
-  WEIGHTED_LAYOUT = 3,
-  WEIGHT_LAYOUT_COUNT = 4,
-};
 
 /* The stream that normalizes `input`: the default device's, except for an
  * empty input, which goes to the CPU: there is nothing to compute, and MLX
@@ -228,9 +219,7 @@ struct mlx_dualnorm_compiled_dual_head_norm_ {
    * composed mode and for widths <= 1) and their compiled forms (empty in
    * composed mode). All empty once closed. Read and released only under
    * trace_lock. */
-  mlx_closure plain_graphs[WEIGHT_LAYOUT_COUNT];
-  mlx_closure compiled_graphs[WEIGHT_LAYOUT_COUNT];
-  uintptr_t compile_ids[WEIGHT_LAYOUT_COUNT];
+  dualnorm_layout_graphs graphs;
   float rms_norm_epsilon;
   mlx_dualnorm_mode mode;
   /* In FUSED mode, the backend resolved at construction (never NULL). */
@@ -242,16 +231,8 @@ struct mlx_dualnorm_compiled_dual_head_norm_ {
 /* Frees the compiled graphs and erases their traces from every thread's
  * cache; the caller holds trace_lock or is the only user. */
 static int release_compiled_graphs(mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
-  int status = 0;
-  if (dual_head_norm->mode != MLX_DUALNORM_MODE_COMPOSED) {
-    status |= dualnorm_erase_compile_ids_everywhere(dual_head_norm->compile_ids, WEIGHT_LAYOUT_COUNT);
-  }
-  for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
-    status |= mlx_closure_free(dual_head_norm->compiled_graphs[layout]);
-    status |= mlx_closure_free(dual_head_norm->plain_graphs[layout]);
-    dual_head_norm->compiled_graphs[layout] = mlx_closure_new();
-    dual_head_norm->plain_graphs[layout] = mlx_closure_new();
-  }
+  int status = dualnorm_release_layout_graphs(&dual_head_norm->graphs,
+                                              dual_head_norm->mode != MLX_DUALNORM_MODE_COMPOSED);
   dual_head_norm->closed = true;
   return status;
 }
@@ -302,19 +283,19 @@ static int compile_graphs(mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) 
   uint32_t epsilon_bits;
   memcpy(&epsilon_bits, &rms_norm_epsilon, sizeof epsilon_bits);
   const uint64_t compile_constants[1] = {epsilon_bits};
-  dualnorm_new_compile_ids(dual_head_norm->compile_ids, WEIGHT_LAYOUT_COUNT);
+  dualnorm_new_compile_ids(dual_head_norm->graphs.compile_ids, WEIGHT_LAYOUT_COUNT);
   for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
-    dual_head_norm->compiled_graphs[layout] = mlx_closure_new();
-    dual_head_norm->plain_graphs[layout] = mlx_closure_new_func(graph_builders[layout]);
+    dual_head_norm->graphs.compiled[layout] = mlx_closure_new();
+    dual_head_norm->graphs.plain[layout] = mlx_closure_new_func(graph_builders[layout]);
   }
   for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
-    if (dual_head_norm->plain_graphs[layout].ctx == NULL) {
+    if (dual_head_norm->graphs.plain[layout].ctx == NULL) {
       return 1;
     }
     if (dual_head_norm->mode != MLX_DUALNORM_MODE_COMPOSED &&
-        mlx_detail_compile(&dual_head_norm->compiled_graphs[layout],
-                           dual_head_norm->plain_graphs[layout],
-                           dual_head_norm->compile_ids[layout], true, compile_constants,
+        mlx_detail_compile(&dual_head_norm->graphs.compiled[layout],
+                           dual_head_norm->graphs.plain[layout],
+                           dual_head_norm->graphs.compile_ids[layout], true, compile_constants,
                            1) != 0) {
       return 1;
     }
@@ -448,8 +429,7 @@ static int apply_graph(mlx_vector_array* res, mlx_dualnorm_compiled_dual_head_no
   const char* operation = APPLY_DUAL_HEAD_NORM_OPERATION;
   bool has_query_weight = call->queries.weight.ctx != NULL;
   bool has_key_weight = call->keys.weight.ctx != NULL;
-  int layout = (has_query_weight ? QUERY_WEIGHTED_LAYOUT : 0) |
-               (has_key_weight ? KEY_WEIGHTED_LAYOUT : 0);
+  int layout = dualnorm_weight_layout(has_query_weight, has_key_weight);
   mlx_array graph_inputs[4] = {call->queries.array, call->keys.array};
   size_t input_count = 2;
   if (has_query_weight) {
@@ -471,8 +451,8 @@ static int apply_graph(mlx_vector_array* res, mlx_dualnorm_compiled_dual_head_no
     store_baked_rms_norm_epsilon(dual_head_norm->rms_norm_epsilon);
     apply_status = mlx_closure_apply(res,
                                      route == PLAIN_GRAPH_ROUTE
-                                         ? dual_head_norm->plain_graphs[layout]
-                                         : dual_head_norm->compiled_graphs[layout],
+                                         ? dual_head_norm->graphs.plain[layout]
+                                         : dual_head_norm->graphs.compiled[layout],
                                      input_vector);
   }
   pthread_mutex_unlock(&trace_lock);

@@ -59,6 +59,7 @@
 #include "call_errors.h"
 #include "compile_erasure.h"
 #include "head_norm_input.h"
+#include "layout_graphs.h"
 
 #include <float.h>
 #include <math.h>
@@ -77,14 +78,6 @@ static const char BUILD_NORM_ROPE_GRAPH_OPERATION[] = "build the dual head norm 
 /* (B, L, H, D) -> (B, H, L, D), as mlx-lm's attention transposes. */
 static const int HEAD_MAJOR_AXES[4] = {0, 2, 1, 3};
 enum { ATTENTION_INPUT_RANK = 4 };
-
-/* Weight layouts, indexing the graphs: bit 0 = a query weight, bit 1 = a
- * key weight. */
-enum {
-  QUERY_WEIGHTED_LAYOUT = 1,
-  KEY_WEIGHTED_LAYOUT = 2,
-  WEIGHT_LAYOUT_COUNT = 4,
-};
 
 enum { COMPILED_GRAPH_MAX_ROWS = 48 };
 
@@ -198,9 +191,7 @@ struct mlx_dualnorm_dual_head_norm_rope_ {
    * mode, prefill sizes, empty inputs) and their compiled forms (empty in
    * composed mode). All empty once closed. Used under lifetime_lock's read
    * side, released under its write side. */
-  mlx_closure plain_graphs[WEIGHT_LAYOUT_COUNT];
-  mlx_closure compiled_graphs[WEIGHT_LAYOUT_COUNT];
-  uintptr_t compile_ids[WEIGHT_LAYOUT_COUNT];
+  dualnorm_layout_graphs graphs;
   float rms_norm_epsilon;
   mlx_dualnorm_rope_parameters rope;
   mlx_dualnorm_mode mode;
@@ -213,16 +204,8 @@ struct mlx_dualnorm_dual_head_norm_rope_ {
 /* Frees the closures and erases their traces from every thread's cache;
  * the caller holds lifetime_lock exclusively or is the only user. */
 static int release_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  int status = 0;
-  if (norm_rope->mode != MLX_DUALNORM_MODE_COMPOSED) {
-    status |= dualnorm_erase_compile_ids_everywhere(norm_rope->compile_ids, WEIGHT_LAYOUT_COUNT);
-  }
-  for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
-    status |= mlx_closure_free(norm_rope->compiled_graphs[layout]);
-    status |= mlx_closure_free(norm_rope->plain_graphs[layout]);
-    norm_rope->compiled_graphs[layout] = mlx_closure_new();
-    norm_rope->plain_graphs[layout] = mlx_closure_new();
-  }
+  int status = dualnorm_release_layout_graphs(&norm_rope->graphs,
+                                              norm_rope->mode != MLX_DUALNORM_MODE_COMPOSED);
   norm_rope->closed = true;
   return status;
 }
@@ -262,19 +245,19 @@ static int compile_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
       float_bits(norm_rope->rms_norm_epsilon), (uint64_t)(uint32_t)rope->dims,
       rope->traditional, float_bits(rope->base), float_bits(rope->scale),
   };
-  dualnorm_new_compile_ids(norm_rope->compile_ids, WEIGHT_LAYOUT_COUNT);
+  dualnorm_new_compile_ids(norm_rope->graphs.compile_ids, WEIGHT_LAYOUT_COUNT);
   for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
-    norm_rope->compiled_graphs[layout] = mlx_closure_new();
-    norm_rope->plain_graphs[layout] = new_plain_graph(norm_rope, layout);
+    norm_rope->graphs.compiled[layout] = mlx_closure_new();
+    norm_rope->graphs.plain[layout] = new_plain_graph(norm_rope, layout);
   }
   for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
-    if (norm_rope->plain_graphs[layout].ctx == NULL) {
+    if (norm_rope->graphs.plain[layout].ctx == NULL) {
       return 1;
     }
     /* Shape-specialized (see the file comment). */
     if (norm_rope->mode != MLX_DUALNORM_MODE_COMPOSED &&
-        mlx_detail_compile(&norm_rope->compiled_graphs[layout], norm_rope->plain_graphs[layout],
-                           norm_rope->compile_ids[layout], false, compile_constants,
+        mlx_detail_compile(&norm_rope->graphs.compiled[layout], norm_rope->graphs.plain[layout],
+                           norm_rope->graphs.compile_ids[layout], false, compile_constants,
                            sizeof compile_constants / sizeof compile_constants[0]) != 0) {
       return 1;
     }
@@ -478,8 +461,7 @@ static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* 
   const char* operation = APPLY_NORM_ROPE_OPERATION;
   bool has_query_weight = call->queries.weight.ctx != NULL;
   bool has_key_weight = call->keys.weight.ctx != NULL;
-  int layout = (has_query_weight ? QUERY_WEIGHTED_LAYOUT : 0) |
-               (has_key_weight ? KEY_WEIGHTED_LAYOUT : 0);
+  int layout = dualnorm_weight_layout(has_query_weight, has_key_weight);
   mlx_array graph_inputs[5] = {call->queries.array, call->keys.array, rope_offset};
   size_t input_count = 3;
   if (has_query_weight) {
@@ -500,8 +482,8 @@ static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* 
   int apply_status = 0;
   if (!closed) {
     apply_status = mlx_closure_apply(res,
-                                     compiled ? norm_rope->compiled_graphs[layout]
-                                              : norm_rope->plain_graphs[layout],
+                                     compiled ? norm_rope->graphs.compiled[layout]
+                                              : norm_rope->graphs.plain[layout],
                                      input_vector);
   }
   pthread_rwlock_unlock(&norm_rope->lifetime_lock);

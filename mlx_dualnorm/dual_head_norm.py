@@ -167,15 +167,7 @@ class CompiledDualHeadNorm:
         graph_outputs = apply_compiled_dual_head_norm(
             self._address, queries, keys, query_weight, key_weight
         )
-        # Output order is the C builder's ABI: queries first, keys second.
-        if len(graph_outputs) != 2:
-            raise MlxCError(
-                APPLY_DUAL_HEAD_NORM_OPERATION,
-                f"compiled MLX dual head norm returned {len(graph_outputs)} "
-                "outputs, expected 2",
-            )
-        normalized_queries, normalized_keys = graph_outputs
-        return normalized_queries, normalized_keys
+        return _queries_then_keys(graph_outputs, APPLY_DUAL_HEAD_NORM_OPERATION)
 
     def close(self) -> None:
         """Releases the compiled graphs and their compile-cache entries.
@@ -190,6 +182,19 @@ class CompiledDualHeadNorm:
 
     def __repr__(self) -> str:
         return f"CompiledDualHeadNorm(eps={self.eps!r}, mode={self.mode!r})"
+
+
+def _queries_then_keys(
+    graph_outputs: tuple[mx.array, ...], operation: str
+) -> tuple[mx.array, mx.array]:
+    """Checks the graph gave exactly two outputs and unpacks them in the C
+    builders' fixed order: queries first, keys second."""
+    if len(graph_outputs) != 2:
+        raise MlxCError(
+            operation, f"the compiled graph returned {len(graph_outputs)} outputs, expected 2"
+        )
+    queries_output, keys_output = graph_outputs
+    return queries_output, keys_output
 
 
 # What mx.stream() takes.

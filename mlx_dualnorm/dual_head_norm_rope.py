@@ -24,7 +24,7 @@ import numpy as np
 
 import mlx_dualnorm._interop as _interop
 from mlx_dualnorm._binding import _function_address, call_native, ffi, lib
-from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
+from mlx_dualnorm._errors import DualHeadNormValueError
 from mlx_dualnorm.dual_head_norm import (
     _MODE_NAMES,
     _MODES,
@@ -34,6 +34,7 @@ from mlx_dualnorm.dual_head_norm import (
     _as_epsilon,
     _as_mx_array,
     _default_stream,
+    _queries_then_keys,
 )
 
 __all__ = ["CompiledDualHeadNormRope", "composed_dual_head_norm_rope"]
@@ -216,15 +217,7 @@ class CompiledDualHeadNormRope:
         graph_outputs = _interop.apply_rope(
             self._address, queries, keys, query_weight, key_weight, offset
         )
-        # Output order is the C builder's ABI: queries first, keys second.
-        if len(graph_outputs) != 2:
-            raise MlxCError(
-                APPLY_NORM_ROPE_OPERATION,
-                f"compiled MLX dual head norm rope returned {len(graph_outputs)} "
-                "outputs, expected 2",
-            )
-        rotated_queries, rotated_keys = graph_outputs
-        return rotated_queries, rotated_keys
+        return _queries_then_keys(graph_outputs, APPLY_NORM_ROPE_OPERATION)
 
     def close(self) -> None:
         """Releases the compiled graphs and their compile-cache entries.

@@ -130,3 +130,8 @@ def test_c_sources_compile_without_warnings_against_subset_headers() -> None:
 def test_c_sources_compile_without_warnings_against_upstream_headers() -> None:
     # -isystem: upstream's own headers are not this project's to warn about.
     assert compiler_warnings(["-isystem", str(upstream_prefix() / "include")]) == ""
+
+
+def test_the_readme_documents_the_same_build_line() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert documented_build_line() in readme.splitlines()

@@ -1,0 +1,41 @@
+/* An object's graphs, one per weight layout (internal).
+ *
+ * Both composites keep, per weight layout (which of the two sides has a
+ * scale weight), a plain builder closure, its compiled form (empty in
+ * composed mode) and the compile id it was compiled under. This is how they
+ * are indexed and released.
+ */
+#ifndef MLX_DUALNORM_LAYOUT_GRAPHS_H
+#define MLX_DUALNORM_LAYOUT_GRAPHS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "mlx/c/mlx.h"
+
+/* Weight layouts, indexing the graphs: bit 0 = a query weight, bit 1 = a
+ * key weight. */
+enum {
+  WEIGHTLESS_LAYOUT = 0,
+  QUERY_WEIGHTED_LAYOUT = 1,
+  KEY_WEIGHTED_LAYOUT = 2,
+  WEIGHTED_LAYOUT = 3,
+  WEIGHT_LAYOUT_COUNT = 4,
+};
+
+/* Owned closures and their ids; every handle empty once released. */
+typedef struct dualnorm_layout_graphs {
+  mlx_closure plain[WEIGHT_LAYOUT_COUNT];
+  mlx_closure compiled[WEIGHT_LAYOUT_COUNT];
+  uintptr_t compile_ids[WEIGHT_LAYOUT_COUNT];
+} dualnorm_layout_graphs;
+
+/* The layout of a call with (or without) each weight. */
+int dualnorm_weight_layout(bool has_query_weight, bool has_key_weight);
+
+/* Frees every closure, leaving empty handles, and, where the graphs were
+ * compiled, erases their traces from every thread's compile cache
+ * (compile_erasure.h). Non-zero when a free or an erase failed. */
+int dualnorm_release_layout_graphs(dualnorm_layout_graphs* graphs, bool were_compiled);
+
+#endif
