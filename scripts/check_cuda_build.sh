@@ -28,7 +28,10 @@ cat "$work/cuda-wheel-files/mlx_dualnorm/_built_against.py"
 grep -qx "MLX_BACKEND = 'cuda13'" "$work/cuda-wheel-files/mlx_dualnorm/_built_against.py"
 
 echo "--- the fused primitive is compiled in"
-nm -C "$native" | grep -q "FusedDualRmsNorm::eval_gpu(" \
+# Symbols go to a file first: `nm | grep -q` would fail under pipefail
+# whenever grep stops reading early and nm dies of SIGPIPE.
+nm -C "$native" > "$work/native-symbols"
+grep -q "FusedDualRmsNorm::eval_gpu(" "$work/native-symbols" \
   || { echo "FAIL: no FusedDualRmsNorm::eval_gpu (the fused primitive) in $native"; exit 1; }
 cuda_backend_calls=$(nm -D -C --undefined-only "$native" | grep -c "mlx::core::cu::" || true)
 echo "references into MLX's CUDA backend (mlx::core::cu::): $cuda_backend_calls"
