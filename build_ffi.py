@@ -231,7 +231,11 @@ def find_cuda_primitive_build(mlx: MlxInstall) -> CudaPrimitiveBuild | None:
         print(f"mlx_dualnorm: {problem}. Building without the fused mode.", file=sys.stderr)
         return None
     return CudaPrimitiveBuild(
-        sources=["csrc/fused/fused_dual_rms_norm_primitive.cpp"],
+        sources=[
+            "csrc/fused/fused_kernel_host.cpp",
+            "csrc/fused/fused_dual_rms_norm_primitive.cpp",
+            "csrc/fused/fused_dual_rms_norm_rope_primitive.cpp",
+        ],
         compile_args=["-isystem", str(cuda_include), "-isystem", str(fmt_include)],
         define_macros=[("MLX_DUALNORM_WITH_CUDA", "1"), ("FMT_HEADER_ONLY", "1")],
     )

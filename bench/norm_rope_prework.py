@@ -9,9 +9,10 @@ mx.fast.rms_norm, two transposes to (B, H, L, D), two mx.fast.rope at the
 token's offset. Each token runs a chain of --layers layers (each layer's
 inputs are the previous layer's outputs transposed back, a view, the same
 in both paths) and evaluates once, as a decode step does. Rounds interleave
-the two paths (alternating which goes first) in one process; each round
-times --tokens tokens per path. Prints µs per token of each path and the
-ratio compiled / composed (lower is better): medians and min-max over
+the paths (composed, compiled, and fused where the CUDA kernel is
+available; the order rotates each round) in one process; each round times
+--tokens tokens per path. Prints µs per token of each path and each
+path's ratio to composed (lower is better): medians and min-max over
 rounds. A measurement, not a test.
 """
 
@@ -23,7 +24,11 @@ import time
 
 import mlx.core as mx
 
-from mlx_dualnorm import CompiledDualHeadNormRope, composed_dual_head_norm_rope
+from mlx_dualnorm import (
+    CompiledDualHeadNormRope,
+    available_modes,
+    composed_dual_head_norm_rope,
+)
 
 EPS = 1e-6
 BASE = 1_000_000.0
@@ -83,22 +88,26 @@ def main() -> None:
     keys = mx.random.normal((1, 1, args.key_heads, width), key=mx.random.key(2)).astype(dtype)
     weights = make_layers(args.layers, width, dtype)
     mx.eval(queries, keys)
-    norm_rope = CompiledDualHeadNormRope(EPS, width, base=BASE)
+    modes = [mode for mode in ("compiled", "fused") if mode in available_modes()]
+    norm_ropes = {mode: CompiledDualHeadNormRope(EPS, width, base=BASE, mode=mode)
+                  for mode in modes}
 
-    paths = {
-        "composed": lambda offset: composed_token(queries, keys, weights, offset, width),
-        "compiled": lambda offset: compiled_token(norm_rope, queries, keys, weights, offset),
-    }
+    paths = {"composed": lambda offset: composed_token(queries, keys, weights, offset, width)}
+    for mode, norm_rope in norm_ropes.items():
+        paths[mode] = (lambda offset, norm_rope=norm_rope:
+                       compiled_token(norm_rope, queries, keys, weights, offset))
     for run_token in paths.values():  # warm-up: traces, kernels
         time_tokens(run_token, 20, 0)
 
     per_token: dict[str, list[float]] = {name: [] for name in paths}
-    ratios = []
+    ratios: dict[str, list[float]] = {mode: [] for mode in modes}
+    names = list(paths)
     for round_index in range(args.rounds):
-        order = list(paths) if round_index % 2 == 0 else list(paths)[::-1]
-        for name in order:
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
             per_token[name].append(time_tokens(paths[name], args.tokens, 100 * round_index))
-        ratios.append(per_token["compiled"][-1] / per_token["composed"][-1])
+        for mode in modes:
+            ratios[mode].append(per_token[mode][-1] / per_token["composed"][-1])
 
     print(f"q/k norm + RoPE prework, {args.layers} layers, q (1,1,{args.query_heads},{width}) "
           f"k (1,1,{args.key_heads},{width}) bf16, {mx.default_device()}, "
@@ -106,8 +115,9 @@ def main() -> None:
     for name, values in per_token.items():
         print(f"  {name:9s} µs/token  median {statistics.median(values):8.1f}  "
               f"range {min(values):8.1f} - {max(values):8.1f}")
-    print(f"  compiled / composed (lower is better)  median {statistics.median(ratios):.3f}  "
-          f"range {min(ratios):.3f} - {max(ratios):.3f}")
+    for mode, values in ratios.items():
+        print(f"  {mode} / composed (lower is better)  median {statistics.median(values):.3f}  "
+              f"range {min(values):.3f} - {max(values):.3f}")
 
 
 if __name__ == "__main__":

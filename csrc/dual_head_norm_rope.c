@@ -50,6 +50,14 @@
  * entry, of an integer dtype; dims at most the last dimension), so bad
  * input is an invalid argument naming the operation, never an MLX failure
  * inside a trace.
+ *
+ * In FUSED mode, the calls the registered fused backend takes skip the
+ * graph: one CUDA kernel launch, its constants kernel arguments. Which
+ * calls it takes is decided here, from the facts read once per call (the
+ * backend only launches); the others run the compiled graph, same bits.
+ * An offset of shape (1,) with more than one batch entry is one of those:
+ * MLX 0.32.4's CUDA RoPE reads it with a stride of 1 per batch entry, past
+ * its end, so only MLX's own kernel gives MLX's answer there.
  */
 /* pthread_rwlock_t is POSIX.1-2001, hidden by a strict -std=c11. */
 #define _POSIX_C_SOURCE 200809L
@@ -62,8 +70,10 @@
 #include "layout_graphs.h"
 
 #include <float.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -80,6 +90,19 @@ static const int HEAD_MAJOR_AXES[4] = {0, 2, 1, 3};
 enum { ATTENTION_INPUT_RANK = 4 };
 
 enum { COMPILED_GRAPH_MAX_ROWS = 48 };
+
+/* ---- The fused backend --------------------------------------------------- */
+
+static const mlx_dualnorm_fused_rope_backend* _Atomic registered_fused_rope_backend = NULL;
+
+void mlx_dualnorm_set_fused_rope_backend(const mlx_dualnorm_fused_rope_backend* backend) {
+  atomic_store(&registered_fused_rope_backend, backend);
+}
+
+bool mlx_dualnorm_fused_rope_mode_available(void) {
+  const mlx_dualnorm_fused_rope_backend* backend = atomic_load(&registered_fused_rope_backend);
+  return backend != NULL && backend->available();
+}
 
 /* ---- Graph builder ------------------------------------------------------- */
 
@@ -195,6 +218,8 @@ struct mlx_dualnorm_dual_head_norm_rope_ {
   float rms_norm_epsilon;
   mlx_dualnorm_rope_parameters rope;
   mlx_dualnorm_mode mode;
+  /* In FUSED mode, the backend resolved at construction (never NULL). */
+  const mlx_dualnorm_fused_rope_backend* fused_backend;
   /* Applies hold it shared, close exclusively: close waits for applies in
    * flight, and applies of one object on several threads run together. */
   pthread_rwlock_t lifetime_lock;
@@ -265,25 +290,44 @@ static int compile_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
   return 0;
 }
 
-/* AUTO is COMPILED until a fused kernel exists; FUSED is refused. */
+/* Resolves AUTO, and checks FUSED can run here (compiling its kernel). */
 static int resolve_mode(mlx_dualnorm_mode requested, mlx_dualnorm_mode* resolved,
+                        const mlx_dualnorm_fused_rope_backend** fused_backend,
                         mlx_dualnorm_error* error) {
+  const char* operation = COMPILE_NORM_ROPE_OPERATION;
+  const mlx_dualnorm_fused_rope_backend* backend = atomic_load(&registered_fused_rope_backend);
+  bool fused_available = backend != NULL && backend->available();
+  *fused_backend = NULL;
   switch (requested) {
     case MLX_DUALNORM_MODE_COMPOSED:
     case MLX_DUALNORM_MODE_COMPILED:
       *resolved = requested;
       return MLX_DUALNORM_OK;
     case MLX_DUALNORM_MODE_AUTO:
-      *resolved = MLX_DUALNORM_MODE_COMPILED;
+      /* A kernel that fails to compile leaves AUTO on the compiled graph. */
+      if (fused_available && backend->prepare() == 0) {
+        *resolved = MLX_DUALNORM_MODE_FUSED;
+        *fused_backend = backend;
+      } else {
+        *resolved = MLX_DUALNORM_MODE_COMPILED;
+      }
+      dualnorm_begin_call(); /* forget a failed preparation's message */
       return MLX_DUALNORM_OK;
     case MLX_DUALNORM_MODE_FUSED:
-      return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT,
-                                COMPILE_NORM_ROPE_OPERATION,
-                                "mode 'fused' is not available for the dual head norm rope "
-                                "(no fused kernel yet); use mode 'auto' or 'compiled'");
+      if (!fused_available) {
+        return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                                  "mode 'fused' needs a build with the fused mode and MLX's "
+                                  "CUDA backend with a GPU; use mode 'auto' or 'compiled'");
+      }
+      if (backend->prepare() != 0) {
+        return dualnorm_fail_in_mlx(error, operation);
+      }
+      *resolved = MLX_DUALNORM_MODE_FUSED;
+      *fused_backend = backend;
+      return MLX_DUALNORM_OK;
   }
-  return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, COMPILE_NORM_ROPE_OPERATION,
-                            "unknown mode %d", (int)requested);
+  return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation, "unknown mode %d",
+                            (int)requested);
 }
 
 /* The constructor's argument checks, before anything is allocated. */
@@ -315,9 +359,10 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
                               "the result pointer is NULL");
   }
   mlx_dualnorm_mode resolved_mode = MLX_DUALNORM_MODE_COMPILED;
+  const mlx_dualnorm_fused_rope_backend* fused_backend = NULL;
   int status = check_constants(rms_norm_epsilon, &rope, error);
   if (status == MLX_DUALNORM_OK) {
-    status = resolve_mode(mode, &resolved_mode, error);
+    status = resolve_mode(mode, &resolved_mode, &fused_backend, error);
   }
   if (status != MLX_DUALNORM_OK) {
     return status;
@@ -330,6 +375,7 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
   norm_rope->rms_norm_epsilon = (float)rms_norm_epsilon;
   norm_rope->rope = rope;
   norm_rope->mode = resolved_mode;
+  norm_rope->fused_backend = fused_backend;
   if (compile_graphs(norm_rope) != 0) {
     status = dualnorm_fail_in_mlx(error, operation);
     release_graphs(norm_rope);
@@ -361,9 +407,15 @@ static bool is_integer_dtype(mlx_dtype dtype) {
   return dtype >= MLX_UINT8 && dtype <= MLX_INT64; /* mlx_dtype's integer run; not bool */
 }
 
+/* What one call knows about the RoPE offset, read once. */
+typedef struct rope_offset_input {
+  size_t rank;
+  size_t size;
+} rope_offset_input;
+
 /* rope's checks of the offset that do not depend on a side: MLX 0.32.4
  * takes an integer array of at most one dimension. */
-static int inspect_rope_offset(const mlx_array rope_offset, size_t* offset_size,
+static int inspect_rope_offset(const mlx_array rope_offset, rope_offset_input* offset,
                                mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_OPERATION;
   if (rope_offset.ctx == NULL) {
@@ -381,7 +433,8 @@ static int inspect_rope_offset(const mlx_array rope_offset, size_t* offset_size,
                               "offset must be an integer but has dtype %s",
                               dualnorm_dtype_name(offset_dtype));
   }
-  *offset_size = mlx_array_size(rope_offset);
+  offset->rank = offset_rank;
+  offset->size = mlx_array_size(rope_offset);
   return MLX_DUALNORM_OK;
 }
 
@@ -415,12 +468,11 @@ static int check_rope_side(const head_norm_input* side, const char* input_name,
 
 /* Reads and checks every input once, in the composed path's order. */
 static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                          dual_head_norm_call* call, const mlx_array queries,
-                          const mlx_array keys, const mlx_array query_scale_weight,
-                          const mlx_array key_scale_weight, const mlx_array rope_offset,
-                          mlx_dualnorm_error* error) {
+                          dual_head_norm_call* call, rope_offset_input* offset,
+                          const mlx_array queries, const mlx_array keys,
+                          const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+                          const mlx_array rope_offset, mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_OPERATION;
-  size_t offset_size = 0;
   int status = dualnorm_inspect_head_norm_input(&call->queries, operation, "queries", queries,
                                                 "query scale weight", query_scale_weight,
                                                 error);
@@ -429,13 +481,13 @@ static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
                                               "key scale weight", key_scale_weight, error);
   }
   if (status == MLX_DUALNORM_OK) {
-    status = inspect_rope_offset(rope_offset, &offset_size, error);
+    status = inspect_rope_offset(rope_offset, offset, error);
   }
   if (status == MLX_DUALNORM_OK) {
-    status = check_rope_side(&call->queries, "queries", &norm_rope->rope, offset_size, error);
+    status = check_rope_side(&call->queries, "queries", &norm_rope->rope, offset->size, error);
   }
   if (status == MLX_DUALNORM_OK) {
-    status = check_rope_side(&call->keys, "keys", &norm_rope->rope, offset_size, error);
+    status = check_rope_side(&call->keys, "keys", &norm_rope->rope, offset->size, error);
   }
   if (status == MLX_DUALNORM_OK) {
     status = dualnorm_check_float64_placement(call, operation, error);
@@ -451,6 +503,58 @@ static bool takes_compiled_graph(const mlx_dualnorm_dual_head_norm_rope* norm_ro
   const head_norm_input* keys = &call->keys;
   return norm_rope->mode != MLX_DUALNORM_MODE_COMPOSED && queries->size > 0 &&
          keys->size > 0 && queries->rows + keys->rows <= COMPILED_GRAPH_MAX_ROWS;
+}
+
+static bool is_fused_dtype(mlx_dtype dtype) {
+  return dtype == MLX_FLOAT32 || dtype == MLX_FLOAT16 || dtype == MLX_BFLOAT16;
+}
+
+/* Whether MLX's RoPE reads the offset of this side in bounds: a scalar, or
+ * one value per batch entry (see the file comment for shape (1,)). */
+static bool offset_fits_side(const head_norm_input* side, const rope_offset_input* offset) {
+  return offset->rank == 0 || offset->size == (size_t)mlx_array_shape(side->array)[0];
+}
+
+/* Whether the fused kernel computes exactly what the composed calls would:
+ * one float dtype for every input and weight, rows on both sides, widths
+ * it stages, rows that fit its 32-bit row index, an offset MLX reads in
+ * bounds, the CUDA GPU by default. */
+static int fused_kernel_takes(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                              dual_head_norm_call* call, const rope_offset_input* offset,
+                              bool* takes, mlx_dualnorm_error* error) {
+  const head_norm_input* queries = &call->queries;
+  const head_norm_input* keys = &call->keys;
+  int max_width = norm_rope->fused_backend->max_width;
+  mlx_dtype dtype = queries->dtype;
+  *takes = is_fused_dtype(dtype) && queries->weight_dtype == dtype && keys->dtype == dtype &&
+           keys->weight_dtype == dtype && queries->size > 0 && keys->size > 0 &&
+           queries->width <= max_width && keys->width <= max_width &&
+           queries->rows + keys->rows <= (size_t)INT_MAX && offset_fits_side(queries, offset) &&
+           offset_fits_side(keys, offset);
+  return *takes ? dualnorm_default_device_is_gpu(call, APPLY_NORM_ROPE_OPERATION, takes, error)
+                : MLX_DUALNORM_OK;
+}
+
+/* One launch of the fused backend, the object held open for the duration:
+ * no graph, so no trace; the constants are kernel arguments. */
+static int apply_fused_kernel(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                              const dual_head_norm_call* call, const mlx_array rope_offset,
+                              mlx_dualnorm_error* error) {
+  const char* operation = APPLY_NORM_ROPE_OPERATION;
+  pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
+  bool closed = norm_rope->closed;
+  int apply_status = 0;
+  if (!closed) {
+    apply_status = norm_rope->fused_backend->apply(
+        res, call->queries.array, call->keys.array, call->queries.weight, call->keys.weight,
+        rope_offset, norm_rope->rms_norm_epsilon, norm_rope->rope);
+  }
+  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
+  if (closed) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_CLOSED, operation,
+                              "the dual head norm rope is closed");
+  }
+  return apply_status != 0 ? dualnorm_fail_in_mlx(error, operation) : MLX_DUALNORM_OK;
 }
 
 /* Runs the chosen closure of the call's weight layout, the object held
@@ -509,16 +613,22 @@ int mlx_dualnorm_apply_dual_head_norm_rope(
                               "the result vector or the dual head norm rope is NULL");
   }
   dual_head_norm_call call = {0};
-  int status = inspect_inputs(norm_rope, &call, queries, keys, query_scale_weight,
+  rope_offset_input offset = {0};
+  bool fused = false;
+  int status = inspect_inputs(norm_rope, &call, &offset, queries, keys, query_scale_weight,
                               key_scale_weight, rope_offset, error);
   if (status == MLX_DUALNORM_OK && (!dualnorm_register_applying_thread() ||
                                      dualnorm_erase_queued_compile_ids() != 0)) {
     status = dualnorm_fail_in_mlx(error, operation);
   }
+  if (status == MLX_DUALNORM_OK && norm_rope->mode == MLX_DUALNORM_MODE_FUSED) {
+    status = fused_kernel_takes(norm_rope, &call, &offset, &fused, error);
+  }
   if (status != MLX_DUALNORM_OK) {
     return status;
   }
-  return apply_graph(res, norm_rope, &call, rope_offset, error);
+  return fused ? apply_fused_kernel(res, norm_rope, &call, rope_offset, error)
+               : apply_graph(res, norm_rope, &call, rope_offset, error);
 }
 
 int mlx_dualnorm_dual_head_norm_rope_close(mlx_dualnorm_dual_head_norm_rope* norm_rope,

@@ -12,8 +12,10 @@
  * and order are those of the six composed calls, so the bits are theirs.
  *
  * Plain C over the public mlx-c API, like dual_head_norm.h, whose status,
- * mode and error types it shares. There is no fused mode yet: FUSED is
- * refused at construction.
+ * mode and error types it shares. The fused CUDA mode is a plug-in
+ * (fused/), as for the dual head norm: one kernel launch normalizes,
+ * rotates and transposes every row of both inputs, with the bits of the
+ * six composed calls.
  */
 #ifndef MLX_DUALNORM_DUAL_HEAD_NORM_ROPE_H
 #define MLX_DUALNORM_DUAL_HEAD_NORM_ROPE_H
@@ -37,6 +39,43 @@ typedef struct mlx_dualnorm_rope_parameters_ {
   float scale;
 } mlx_dualnorm_rope_parameters;
 
+/* The fused CUDA mode, as the composite sees it: a table of functions a
+ * fused build provides (fused/fused_dual_head_norm.h). The composite
+ * decides which calls it takes (one float dtype for every input and
+ * weight, rows on both sides, widths up to max_width, fewer than 2^31
+ * rows, an offset MLX reads per batch entry or as a scalar, the CUDA GPU
+ * as default device); the backend only launches. */
+typedef struct mlx_dualnorm_fused_rope_backend_ {
+  /* True when the running MLX has a CUDA GPU. */
+  bool (*available)(void);
+  /* Compiles the kernel, once per process; later calls return the first
+   * outcome. 0 on success; non-zero with the reason sent to mlx_error. */
+  int (*prepare)(void);
+  /* Sets `*res` (allocated when empty, owned by the caller) to the lazy
+   * rotated queries and keys, in that order, from one launch. Inputs are
+   * borrowed; an empty weight handle means no weight. 0 on success;
+   * non-zero with the reason sent to mlx_error. */
+  int (*apply)(mlx_vector_array* res,
+               const mlx_array queries,
+               const mlx_array keys,
+               const mlx_array query_scale_weight,
+               const mlx_array key_scale_weight,
+               const mlx_array rope_offset,
+               float rms_norm_epsilon,
+               mlx_dualnorm_rope_parameters rope);
+  /* Widest rows (last dimension) the kernel takes. */
+  int max_width;
+} mlx_dualnorm_fused_rope_backend;
+
+/* Registers the fused CUDA mode of the norm + RoPE process-wide (NULL
+ * unregisters it). The table must outlive every object created while it
+ * is registered. Without one, AUTO resolves to COMPILED. */
+void mlx_dualnorm_set_fused_rope_backend(const mlx_dualnorm_fused_rope_backend* backend);
+
+/* True when mode FUSED can be asked for: a backend is registered and MLX
+ * has a CUDA GPU. */
+bool mlx_dualnorm_fused_rope_mode_available(void);
+
 /* Opaque: the compiled graphs (one per weight layout) and the constants
  * they bake in. Created by _new, its graphs released by _close, its memory
  * by _free; the struct outlives _close so late callers get
@@ -44,7 +83,10 @@ typedef struct mlx_dualnorm_rope_parameters_ {
 typedef struct mlx_dualnorm_dual_head_norm_rope_ mlx_dualnorm_dual_head_norm_rope;
 
 /* Builds the graphs with `rms_norm_epsilon` and `rope` baked in, for `mode`
- * (AUTO resolves to COMPILED; FUSED is an invalid argument for now). The
+ * (AUTO resolves to FUSED where a fused backend is registered, MLX has a
+ * CUDA GPU and the kernel compiles, else to COMPILED; FUSED where it
+ * cannot run is an invalid argument). In FUSED mode, calls the kernel does
+ * not take run the compiled graph, with the same bits. The
  * epsilon must be finite, >= 0 and within float32's range (checked before
  * rounding to float32, the type MLX uses); rope.dims positive and even.
  * `*res` receives a new object the caller owns (free it with

@@ -5,8 +5,8 @@ Order matters: ``mlx.core`` is imported first so libmlx.so is loaded before
 the extensions (they then reuse it: one MLX runtime per process) and MLX's
 nanobind types are registered before the bridge looks them up. Then the
 mlx-c error handler is installed, so no MLX error can ever reach mlx-c's
-default handler (which exits), the fused mode is registered where this
-build has it, and the bridge is bound to the composite's apply function
+default handler (which exits), the fused modes are registered where this
+build has them, and the bridge is bound to the composite's apply function
 exported by the cffi module, to the converter for arguments that are not
 ``mx.array`` and to the package's exception types.
 """
@@ -27,6 +27,7 @@ __all__ = ["apply_compiled_dual_head_norm", "bind_bridge", "call_native", "ffi",
 
 lib.mlx_dualnorm_install_error_handler()
 lib.mlx_dualnorm_set_fused_backend(lib.mlx_dualnorm_fused_backend_table())
+lib.mlx_dualnorm_set_fused_rope_backend(lib.mlx_dualnorm_fused_rope_backend_table())
 
 apply_compiled_dual_head_norm = _interop.apply
 

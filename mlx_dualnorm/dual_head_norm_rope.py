@@ -97,9 +97,11 @@ class CompiledDualHeadNormRope:
         mode: ``"compiled"``: one replay of a compiled graph, traced once
             per input shape (calls with more than 48 rows in all, as in a
             prefill, build the composed graph instead). ``"composed"``: the
-            six calls, rebuilt each time (the reference). ``"auto"``
-            (default): ``"compiled"``. ``"fused"`` is refused: there is no
-            fused kernel for this yet. Every mode gives the same bits.
+            six calls, rebuilt each time (the reference). ``"fused"``: one
+            CUDA kernel launch for every row of queries and keys (MLX's CUDA
+            backend with a GPU only; calls it does not take run the compiled
+            graph). ``"auto"`` (default): ``"fused"`` where it can run, else
+            ``"compiled"``. Every mode gives the same bits.
 
     Call it with queries ``(B, L, Hq, D)``, keys ``(B, L, Hk, D)``, optional
     ``(D,)`` weights and the RoPE ``offset``: an int, or an integer
@@ -175,7 +177,7 @@ class CompiledDualHeadNormRope:
 
     @property
     def mode(self) -> str:
-        """The mode chosen at construction: "composed" or "compiled"."""
+        """The mode chosen at construction: "composed", "compiled" or "fused"."""
         return _MODE_NAMES[lib.mlx_dualnorm_dual_head_norm_rope_mode(self._native)]
 
     def __call__(

@@ -16,6 +16,7 @@ from conftest import assert_bit_identical
 from mlx_dualnorm import (
     CompiledDualHeadNormRope,
     DualHeadNormValueError,
+    available_modes,
     composed_dual_head_norm_rope,
 )
 from mlx_dualnorm._bits import count_bit_differences
@@ -24,7 +25,11 @@ from mlx_dualnorm._native import ffi, lib
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 WIDTHS = (64, 128, 256)
 OFFSETS = (0, 7, 4096, "array")
-MODES = ("compiled", "composed")
+# "fused" where this build and MLX have the CUDA kernel and a GPU.
+FUSED_AVAILABLE = "fused" in available_modes()
+MODES = ("compiled", "composed") + (("fused",) if FUSED_AVAILABLE else ())
+# What "auto" resolves to here.
+AUTO_MODE = "fused" if FUSED_AVAILABLE else "compiled"
 
 
 def random_inputs(shape_queries, shape_keys, dtype, seed, weighted=True):
@@ -59,7 +64,8 @@ def assert_matches_composed(outputs, inputs, *, eps, dims, base, traditional, sc
 def test_bit_identical_to_the_composed_path(dtype, width):
     """Every combination of partial rotary, traditional, base, scale,
     offset (ints and an mx.array), sequence length 1 and 5, weights or
-    none, with 4 query and 2 key heads (compiled route) and both modes."""
+    none, with 4 query and 2 key heads (compiled route) and every mode
+    available here (the fused kernel on a CUDA GPU)."""
     cases = itertools.product(
         (width, width // 4), (False, True), (1e4, 1e6), (1.0, 0.25), OFFSETS, (1, 5),
         (True, False),
@@ -114,6 +120,21 @@ def test_offsets_as_mlx_rope_takes_them():
         outputs = norm_rope(*inputs, offset=offset)
         assert_matches_composed(outputs, inputs, eps=1e-5, dims=64, base=1e4, traditional=True,
                                 scale=1.0, offset=offset, context=repr(offset))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("batch, length", [(1, 1), (1, 3), (2, 1), (2, 3)])
+def test_negative_offsets(mode, batch, length):
+    """MLX's RoPE turns the position into a float two ways (its one-row
+    kernel for B == 1 and L == 1 from the signed offset, its general
+    kernel from the unsigned sum of position and offset); negative offsets
+    tell them apart, and every mode must follow MLX's choice."""
+    inputs = random_inputs((batch, length, 4, 64), (batch, length, 2, 64), mx.bfloat16, 12)
+    norm_rope = CompiledDualHeadNormRope(1e-6, 64, base=1e4, mode=mode)
+    for offset in (-1, -7, mx.array([-3] * batch, dtype=mx.int32)):
+        outputs = norm_rope(*inputs, offset=offset)
+        assert_matches_composed(outputs, inputs, eps=1e-6, dims=64, base=1e4, traditional=False,
+                                scale=1.0, offset=offset, context=f"{mode} offset={offset}")
 
 
 def test_strided_views_and_mixed_layouts():
@@ -369,7 +390,8 @@ def test_wrong_argument_types(arguments, error, message):
         (dict(base="1e4"), TypeError, "base must be a real number"),
         (dict(scale=None), TypeError, "scale must be a real number"),
         (dict(traditional=1), TypeError, "traditional must be a bool"),
-        (dict(mode="fused"), DualHeadNormValueError, "mode 'fused' is not available"),
+        *(() if FUSED_AVAILABLE else (
+            (dict(mode="fused"), DualHeadNormValueError, "mode 'fused' needs a build with"),)),
         (dict(mode="fast"), DualHeadNormValueError, "mode must be one of"),
         (dict(mode=2), TypeError, "mode must be a str"),
     ],
@@ -413,11 +435,12 @@ def test_properties_and_repr():
     assert norm_rope.eps == float(np.float32(1e-6))
     assert (norm_rope.dims, norm_rope.traditional, norm_rope.base, norm_rope.scale) == (
         32, True, 1e6, 0.25)
-    assert norm_rope.mode == "compiled"
-    assert CompiledDualHeadNormRope(1e-6, 32, base=1e4, mode="composed").mode == "composed"
+    assert norm_rope.mode == AUTO_MODE
+    for mode in MODES:
+        assert CompiledDualHeadNormRope(1e-6, 32, base=1e4, mode=mode).mode == mode
     assert repr(norm_rope) == (
         "CompiledDualHeadNormRope(eps=9.999999974752427e-07, dims=32, base=1000000.0, "
-        "traditional=True, scale=0.25, mode='compiled')"
+        f"traditional=True, scale=0.25, mode={AUTO_MODE!r})"
     )
 
 

@@ -16,6 +16,7 @@ pytest.importorskip("mlx_lm")
 from conftest import assert_bit_identical  # noqa: E402
 from mlx_lm.models.rope_utils import Llama3RoPE  # noqa: E402
 
+from mlx_dualnorm import available_modes  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model  # noqa: E402
@@ -103,9 +104,11 @@ def test_greedy_generation_is_bit_identical(model_type, prework_calls):
 
     reference = greedy_generate(model, prompt, GENERATED_TOKENS)
     assert prework_calls == {"fused": 0, "original": 0}
-    with integration.patch():
+    with integration.patch():  # mode "auto": the fused kernel on a CUDA GPU
         patched = greedy_generate(model, prompt, GENERATED_TOKENS)
+        prework_modes = {norm_rope.mode for norm_rope in integration._norm_ropes.values()}
 
+    assert prework_modes == {"fused" if "fused" in available_modes() else "compiled"}
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
     comparison = compare_traces(reference, patched)
     assert patched.token_ids == reference.token_ids

@@ -61,7 +61,9 @@
 
 namespace mlx_dualnorm_fused {
 
-inline constexpr const char* kDualRmsNormKernelSource =
+/* The row layout, the storage types and normalize_row: the part of the
+ * kernel the fused norm + RoPE (dual_rms_norm_rope_kernel.cuh) shares. */
+inline constexpr const char kRowNormalizationSource[] =
     MLX_DUALNORM_STRINGIFY(MLX_DUALNORM_KERNEL_PARAMS) R"cuda(
 typedef unsigned short bits16;
 
@@ -193,7 +195,9 @@ __device__ __forceinline__ Chunk<Storage> load_chunk(
   return chunk;
 }
 
-/* Inlined (as is dual_rms_norm) so that `layout` stays a reference into
+/* Writes the normalized row `row_index` of `input` to `out` (`width`
+ * elements, contiguous: an output row, or shared memory for the RoPE).
+ * Inlined (as is dual_rms_norm) so that `layout` stays a reference into
  * the kernel's parameter space rather than a per-thread copy in local
  * memory. Kept whole, at about 75 lines: the sum pass and the write pass
  * share the row's first chunk, held in registers, and the summation order
@@ -202,14 +206,13 @@ template <typename Storage>
 __device__ __forceinline__ void normalize_row(
     const typename Storage::storage* input,
     const typename Storage::storage* weight,
-    typename Storage::storage* output,
+    typename Storage::storage* out,
     const RowLayout& layout, unsigned int row_index, float eps) {
   typedef Chunk<Storage> RowChunk;
   constexpr int READS = chunk_reads<Storage>();
   const typename Storage::storage* row = input + row_start(layout, row_index);
   const long long element_stride = layout.strides[layout.rank - 1];
   const int width = layout.width;
-  typename Storage::storage* out = output + static_cast<long long>(row_index) * width;
   const int row_block = layout.block;
   const bool has_weight = layout.has_weight != 0;
   const int thread = threadIdx.x;
@@ -281,6 +284,18 @@ __device__ __forceinline__ void normalize_row(
   }
 }
 
+)cuda";
+
+/* The fused dual RMS norm's entry points; its program is
+ * kRowNormalizationSource followed by this. */
+inline constexpr const char kDualRmsNormEntrySource[] = R"cuda(
+/* Output rows are contiguous, `width` apart. */
+template <typename Storage>
+__device__ __forceinline__ typename Storage::storage* output_row(
+    typename Storage::storage* output, const RowLayout& layout, unsigned int row_index) {
+  return output + static_cast<long long>(row_index) * layout.width;
+}
+
 template <typename Storage>
 __device__ __forceinline__ void dual_rms_norm(
     const typename Storage::storage* queries, const typename Storage::storage* keys,
@@ -289,11 +304,14 @@ __device__ __forceinline__ void dual_rms_norm(
     const DualRmsNormParams& params) {
   const unsigned int block_row = blockIdx.x;
   if (block_row < static_cast<unsigned int>(params.queries.rows)) {
-    normalize_row<Storage>(queries, query_weight, normalized_queries, params.queries,
-                           block_row, params.eps);
+    normalize_row<Storage>(queries, query_weight,
+                           output_row<Storage>(normalized_queries, params.queries, block_row),
+                           params.queries, block_row, params.eps);
   } else {
-    normalize_row<Storage>(keys, key_weight, normalized_keys, params.keys,
-                           block_row - static_cast<unsigned int>(params.queries.rows), params.eps);
+    const unsigned int key_row = block_row - static_cast<unsigned int>(params.queries.rows);
+    normalize_row<Storage>(keys, key_weight,
+                           output_row<Storage>(normalized_keys, params.keys, key_row),
+                           params.keys, key_row, params.eps);
   }
 }
 

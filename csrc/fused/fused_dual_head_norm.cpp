@@ -1,6 +1,8 @@
-/* The fused dual head norm's backend table: availability, one-time kernel
- * compilation with NVRTC, and the launch through the FusedDualRmsNorm
- * primitive (fused_dual_rms_norm_primitive.cpp, CUDA builds only).
+/* The fused backend tables of the dual head norm and of the dual head
+ * norm + RoPE: availability, one-time kernel compilation with NVRTC, and
+ * the launch through the FusedDualRmsNorm and FusedDualRmsNormRope
+ * primitives (fused_dual_rms_norm_primitive.cpp and
+ * fused_dual_rms_norm_rope_primitive.cpp, CUDA builds only).
  *
  * NVRTC is found in the process (MLX's CUDA backend links it) and compiles
  * the kernel once, for the GPU's own architecture, at the first
@@ -21,7 +23,9 @@
 #include "mlx/device.h"
 
 #include "fused/dual_rms_norm_kernel.cuh"
+#include "fused/dual_rms_norm_rope_kernel.cuh"
 #include "fused/fused_dual_rms_norm_primitive.h"
+#include "fused/fused_dual_rms_norm_rope_primitive.h"
 
 namespace {
 
@@ -93,17 +97,17 @@ size_t device_info_number(const char* key) {
   return std::get<size_t>(entry->second);
 }
 
-/* The cubin of the kernel for this GPU's architecture. The program is
- * destroyed on every path. */
-std::string compile_kernel_cubin() {
+/* The cubin of `source` for this GPU's architecture; `operation` prefixes
+ * the errors. The program is destroyed on every path. */
+std::string compile_kernel_cubin(const std::string& source, const char* program_name,
+                                 const std::string& operation) {
   NvrtcLibrary nvrtc = open_nvrtc();
   std::string architecture = "--gpu-architecture=sm_" +
                              std::to_string(device_info_number("compute_capability_major")) +
                              std::to_string(device_info_number("compute_capability_minor"));
   NvrtcLibrary::Program program = nullptr;
-  if (nvrtc.create_program(&program, mlx_dualnorm_fused::kDualRmsNormKernelSource,
-                           "mlx_dualnorm_dual_rms_norm.cu", 0, nullptr, nullptr) != 0) {
-    throw std::runtime_error("[fused dual head norm] nvrtcCreateProgram failed");
+  if (nvrtc.create_program(&program, source.c_str(), program_name, 0, nullptr, nullptr) != 0) {
+    throw std::runtime_error("[" + operation + "] nvrtcCreateProgram failed");
   }
   std::string cubin;
   std::string failure;
@@ -117,16 +121,16 @@ std::string compile_kernel_cubin() {
         log = "(no log)";
       }
     }
-    failure = "[fused dual head norm] NVRTC could not compile the kernel (" +
+    failure = "[" + operation + "] NVRTC could not compile the kernel (" +
               architecture + "): " + log;
   } else {
     size_t cubin_size = 0;
     if (nvrtc.get_cubin_size(program, &cubin_size) != 0 || cubin_size == 0) {
-      failure = "[fused dual head norm] NVRTC produced no cubin for " + architecture;
+      failure = "[" + operation + "] NVRTC produced no cubin for " + architecture;
     } else {
       cubin.resize(cubin_size);
       if (nvrtc.get_cubin(program, cubin.data()) != 0) {
-        failure = "[fused dual head norm] nvrtcGetCUBIN failed";
+        failure = "[" + operation + "] nvrtcGetCUBIN failed";
       }
     }
   }
@@ -151,7 +155,10 @@ PreparedKernel& prepared_kernel() {
   std::call_once(kernel.once, [] {
 #ifdef MLX_DUALNORM_WITH_CUDA
     try {
-      mlx_dualnorm_fused::set_kernel_cubin(compile_kernel_cubin());
+      mlx_dualnorm_fused::set_kernel_cubin(compile_kernel_cubin(
+          std::string(mlx_dualnorm_fused::kRowNormalizationSource) +
+              mlx_dualnorm_fused::kDualRmsNormEntrySource,
+          "mlx_dualnorm_dual_rms_norm.cu", "fused dual head norm"));
     } catch (const std::exception& e) {
       kernel.failure = e.what();
     }
@@ -214,8 +221,22 @@ int prepare_fused_kernel() {
   });
 }
 
-/* The outputs, handed over as new mlx_array handles (owned here until
- * mlx_vector_array_set_data has copied them, then freed). */
+/* Sets `*res` to the two outputs, handed over as new mlx_array handles
+ * (owned here until mlx_vector_array_set_data has copied them, then
+ * freed). */
+int publish_outputs(mlx_vector_array* res, std::vector<mx::array>& outputs) {
+  mlx_array handles[2] = {mlx_array_new(), mlx_array_new()};
+  int status = report_failures([&] {
+    for (size_t index = 0; index < outputs.size() && index < 2; ++index) {
+      handles[index].ctx = new mx::array(std::move(outputs[index]));
+    }
+  });
+  status = status != 0 || mlx_vector_array_set_data(res, handles, 2) != 0;
+  status |= mlx_array_free(handles[0]);
+  status |= mlx_array_free(handles[1]);
+  return status;
+}
+
 int apply_fused_kernel(
     mlx_vector_array* res,
     const mlx_array queries,
@@ -239,19 +260,7 @@ int apply_fused_kernel(
     (void)rms_norm_epsilon;
 #endif
   });
-  if (status != 0) {
-    return status;
-  }
-  mlx_array handles[2] = {mlx_array_new(), mlx_array_new()};
-  status = report_failures([&] {
-    for (size_t index = 0; index < outputs.size() && index < 2; ++index) {
-      handles[index].ctx = new mx::array(std::move(outputs[index]));
-    }
-  });
-  status = status != 0 || mlx_vector_array_set_data(res, handles, 2) != 0;
-  status |= mlx_array_free(handles[0]);
-  status |= mlx_array_free(handles[1]);
-  return status;
+  return status != 0 ? status : publish_outputs(res, outputs);
 }
 
 const mlx_dualnorm_fused_backend fused_backend = {
@@ -261,8 +270,83 @@ const mlx_dualnorm_fused_backend fused_backend = {
     MLX_DUALNORM_MAX_RANK,
 };
 
+/* ---- The fused dual head norm + RoPE ----------------------------------- */
+
+/* Compiles the norm + RoPE kernel (its own program: the row normalization
+ * source followed by the RoPE entry points) and hands it to its primitive,
+ * once; `failure` says why not. */
+PreparedKernel& prepared_rope_kernel() {
+  static PreparedKernel kernel;
+  std::call_once(kernel.once, [] {
+#ifdef MLX_DUALNORM_WITH_CUDA
+    try {
+      mlx_dualnorm_fused::set_rope_kernel_cubin(compile_kernel_cubin(
+          std::string(mlx_dualnorm_fused::kRowNormalizationSource) +
+              mlx_dualnorm_fused::kDualRmsNormRopeEntrySource,
+          "mlx_dualnorm_dual_rms_norm_rope.cu", "fused dual head norm rope"));
+    } catch (const std::exception& e) {
+      kernel.failure = e.what();
+    }
+#else
+    kernel.failure =
+        "[fused dual head norm rope] mlx_dualnorm was built without MLX's CUDA headers";
+#endif
+  });
+  return kernel;
+}
+
+int prepare_fused_rope_kernel() {
+  return report_failures([] {
+    PreparedKernel& kernel = prepared_rope_kernel();
+    if (!kernel.failure.empty()) {
+      throw std::runtime_error(kernel.failure);
+    }
+  });
+}
+
+int apply_fused_rope_kernel(
+    mlx_vector_array* res,
+    const mlx_array queries,
+    const mlx_array keys,
+    const mlx_array query_scale_weight,
+    const mlx_array key_scale_weight,
+    const mlx_array rope_offset,
+    float rms_norm_epsilon,
+    mlx_dualnorm_rope_parameters rope) {
+  std::vector<mx::array> outputs;
+  int status = report_failures([&] {
+    PreparedKernel& kernel = prepared_rope_kernel();
+    if (!kernel.failure.empty()) {
+      throw std::runtime_error(kernel.failure);
+    }
+#ifdef MLX_DUALNORM_WITH_CUDA
+    const mlx_dualnorm_fused::RopeConstants constants{rope.dims, rope.traditional, rope.base,
+                                                      rope.scale};
+    outputs = mlx_dualnorm_fused::fused_dual_rms_norm_rope(
+        borrowed_array(queries), borrowed_array(keys),
+        borrowed_weight_or_null(query_scale_weight), borrowed_weight_or_null(key_scale_weight),
+        borrowed_array(rope_offset), rms_norm_epsilon, constants);
+#else
+    (void)queries, (void)keys, (void)query_scale_weight, (void)key_scale_weight;
+    (void)rope_offset, (void)rms_norm_epsilon, (void)rope;
+#endif
+  });
+  return status != 0 ? status : publish_outputs(res, outputs);
+}
+
+const mlx_dualnorm_fused_rope_backend fused_rope_backend = {
+    fused_backend_available,
+    prepare_fused_rope_kernel,
+    apply_fused_rope_kernel,
+    mlx_dualnorm_fused::kMaxRopeRowWidth,
+};
+
 } // namespace
 
 extern "C" const mlx_dualnorm_fused_backend* mlx_dualnorm_fused_backend_table(void) {
   return &fused_backend;
+}
+
+extern "C" const mlx_dualnorm_fused_rope_backend* mlx_dualnorm_fused_rope_backend_table(void) {
+  return &fused_rope_backend;
 }

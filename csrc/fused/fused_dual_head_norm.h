@@ -15,6 +15,7 @@
 #define MLX_DUALNORM_FUSED_DUAL_HEAD_NORM_H
 
 #include "dual_head_norm.h"
+#include "dual_head_norm_rope.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -23,6 +24,12 @@ extern "C" {
 /* The fused mode's functions, static for the process. In a build without
  * MLX's CUDA headers the table reports the mode unavailable. */
 const mlx_dualnorm_fused_backend* mlx_dualnorm_fused_backend_table(void);
+
+/* The fused mode of the dual head norm + RoPE (dual_head_norm_rope.h), one
+ * kernel launch for the rows of both inputs; registered with
+ *     mlx_dualnorm_set_fused_rope_backend(mlx_dualnorm_fused_rope_backend_table());
+ * Unavailable, like the other table, in a build without MLX's CUDA headers. */
+const mlx_dualnorm_fused_rope_backend* mlx_dualnorm_fused_rope_backend_table(void);
 
 #ifdef __cplusplus
 }

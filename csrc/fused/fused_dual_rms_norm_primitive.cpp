@@ -10,8 +10,6 @@
  */
 #include "fused/fused_dual_rms_norm_primitive.h"
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <mutex>
 #include <stdexcept>
@@ -26,124 +24,18 @@
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
 
+#include "fused/fused_kernel_host.h"
+
 namespace mlx_dualnorm_fused {
 
 namespace {
 
 namespace mx = mlx::core;
 
-/* The kernel's argument layout, from its one definition. */
-MLX_DUALNORM_KERNEL_PARAMS
-
-/* MLX's block size for rows of `width` elements of `dtype` (its
- * RMSNorm::eval_gpu dispatch), where each thread reads 16 bytes per chunk
- * (the kernel's READS). */
-void set_launch_shape(RowLayout& layout, mx::Dtype dtype) {
-  const int reads = 16 / static_cast<int>(dtype.size());
-  const int width = layout.width;
-  const int vectors = (width + reads - 1) / reads;
-  if (width > reads * 1024) {
-    layout.block = 1024;
-  } else if (width <= reads * 64) {
-    layout.block = 64;
-  } else if (vectors % 128 == 0 && vectors / 128 <= 8) {
-    layout.block = 128;
-  } else if (vectors % 64 == 0 && vectors / 64 <= 8) {
-    layout.block = 64;
-  } else {
-    layout.block = 128;
-  }
-}
-
-RowLayout row_layout(const mx::array& input, const mx::array* weight) {
-  RowLayout layout{};
-  layout.width = input.shape().back();
-  layout.rows = static_cast<int>(input.size() / layout.width);
-  if (input.flags().row_contiguous) {
-    // Rows back to back: one (rows, width) view spares the kernel the
-    // per-axis index arithmetic.
-    layout.rank = 2;
-    layout.shape[0] = layout.rows;
-    layout.shape[1] = layout.width;
-    layout.strides[0] = layout.width;
-    layout.strides[1] = 1;
-  } else {
-    layout.rank = static_cast<int>(input.ndim());
-    for (int axis = 0; axis < layout.rank; ++axis) {
-      layout.shape[axis] = input.shape(axis);
-      layout.strides[axis] = input.strides()[axis];
-    }
-  }
-  layout.has_weight = weight != nullptr ? 1 : 0;
-  layout.weight_stride = weight != nullptr ? weight->strides()[0] : 0;
-  set_launch_shape(layout, input.dtype());
-  return layout;
-}
-
-/* The cubin, and the module MLX's context loads it into at the first
- * evaluation. Driver entry points come from the libcuda MLX loaded. */
-struct KernelModule {
-  std::string cubin;
-  std::once_flag loaded;
-  std::string load_failure;
-  CUfunction float32_kernel = nullptr;
-  CUfunction float16_kernel = nullptr;
-  CUfunction bfloat16_kernel = nullptr;
-};
-
+/* The cubin's kernels: mlx_dualnorm_dual_rms_norm_float32 and so on. */
 KernelModule& kernel_module() {
-  static KernelModule module;
+  static KernelModule module("fused dual head norm", "mlx_dualnorm_dual_rms_norm");
   return module;
-}
-
-void load_module(KernelModule& module) {
-  void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  if (driver == nullptr) {
-    throw std::runtime_error("[fused dual head norm] libcuda.so.1 is not loaded");
-  }
-  auto load_data = reinterpret_cast<CUresult (*)(CUmodule*, const void*)>(
-      dlsym(driver, "cuModuleLoadData"));
-  auto get_function = reinterpret_cast<CUresult (*)(CUfunction*, CUmodule, const char*)>(
-      dlsym(driver, "cuModuleGetFunction"));
-  if (load_data == nullptr || get_function == nullptr) {
-    throw std::runtime_error("[fused dual head norm] the CUDA driver lacks module loading");
-  }
-  CUmodule loaded = nullptr;
-  // Owned by the process from here: kernels stay valid until exit.
-  if (load_data(&loaded, module.cubin.data()) != CUDA_SUCCESS ||
-      get_function(&module.float32_kernel, loaded, "mlx_dualnorm_dual_rms_norm_float32") !=
-          CUDA_SUCCESS ||
-      get_function(&module.float16_kernel, loaded, "mlx_dualnorm_dual_rms_norm_float16") !=
-          CUDA_SUCCESS ||
-      get_function(&module.bfloat16_kernel, loaded, "mlx_dualnorm_dual_rms_norm_bfloat16") !=
-          CUDA_SUCCESS) {
-    throw std::runtime_error("[fused dual head norm] the CUDA driver could not load the kernel");
-  }
-}
-
-CUfunction kernel_for(mx::Dtype dtype, mx::Device device) {
-  KernelModule& module = kernel_module();
-  std::call_once(module.loaded, [&module, device] {
-    try {
-      mx::cu::device(device).make_current();
-      load_module(module);
-    } catch (const std::exception& e) {
-      module.load_failure = e.what();
-    }
-  });
-  if (!module.load_failure.empty()) {
-    throw std::runtime_error(module.load_failure);
-  }
-  switch (dtype.val()) {
-    case mx::Dtype::Val::float32:
-      return module.float32_kernel;
-    case mx::Dtype::Val::float16:
-      return module.float16_kernel;
-    case mx::Dtype::Val::bfloat16:
-      return module.bfloat16_kernel;
-    default:
-      throw std::invalid_argument("[fused dual head norm] unsupported dtype");
-  }
 }
 
 class FusedDualRmsNorm : public mx::Primitive {
@@ -164,7 +56,7 @@ class FusedDualRmsNorm : public mx::Primitive {
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& encoder = mx::cu::get_command_encoder(stream());
     const mx::Dtype dtype = inputs[0].dtype();
-    CUfunction kernel = kernel_for(dtype, stream().device);
+    CUfunction kernel = kernel_module().kernel_for(dtype, stream().device);
     const mx::array* query_weight_input = has_query_weight_ ? &inputs[2] : nullptr;
     const mx::array* key_weight_input =
         has_key_weight_ ? &inputs[has_query_weight_ ? 3 : 2] : nullptr;
@@ -278,7 +170,7 @@ class FusedDualRmsNorm : public mx::Primitive {
 } // namespace
 
 void set_kernel_cubin(std::string cubin) {
-  kernel_module().cubin = std::move(cubin);
+  kernel_module().set_cubin(std::move(cubin));
 }
 
 std::vector<mx::array> fused_dual_rms_norm(

@@ -1,0 +1,156 @@
+/* CUDA source of the fused dual RMS norm + RoPE, compiled at run time by
+ * NVRTC like dual_rms_norm_kernel.cuh, whose row normalization it reuses
+ * as text (its program is kRowNormalizationSource followed by this file's
+ * parameters and entry points).
+ *
+ * One launch, one block per input row: blocks [0, query_rows) take query
+ * rows, the rest key rows, each side with MLX's RMSNorm block size for its
+ * width. A block
+ *   1. normalizes its row exactly as MLX 0.32.x's RMSNorm kernel does
+ *      (normalize_row: the value rounded to T before the weight multiply,
+ *      which is done in T), into shared memory;
+ *   2. rotates it with the arithmetic of MLX 0.32.x's CUDA RoPE kernel
+ *      (mlx/backend/cuda/rope.cu), all float32 with the compiler's default
+ *      contraction, no fast math, as MLX builds it:
+ *        d        = float(i) / float(dims / 2)           (IEEE division)
+ *        inv_freq = exp2f(-d * log2_base)
+ *        theta    = (scale * position) * inv_freq
+ *        x1 * cosf(theta) - x2 * sinf(theta),  x1 * sinf(theta) + x2 * cosf(theta)
+ *      each rounded to T; pairs (2i, 2i+1) when traditional, else
+ *      (i, i + dims/2); elements from `dims` on are copied;
+ *   3. writes the row where transpose(0, 2, 1, 3) puts it: input row
+ *      (b, l, h) of (B, L, H, D) becomes output row (b, h, l) of the
+ *      row-contiguous (B, H, L, D).
+ * `log2_base` is computed on the host as MLX does: std::log2 of the float
+ * base, in float. The position is MLX's too: the offset is read as int32
+ * at offsets[b * offset_stride]; MLX's kernel for B == 1 and L == 1
+ * converts that int32 to float, its general kernel converts the unsigned
+ * sum (l + offset); the two differ only for negative offsets, and each
+ * side's `signed_position` says which one MLX runs for its shape.
+ *
+ * DualRmsNormRopeParams is passed by value; its one definition below is
+ * compiled into the host code (fused_dual_rms_norm_rope_primitive.cpp) and
+ * pasted, as text, into the kernel source.
+ */
+#ifndef MLX_DUALNORM_DUAL_RMS_NORM_ROPE_KERNEL_CUH
+#define MLX_DUALNORM_DUAL_RMS_NORM_ROPE_KERNEL_CUH
+
+#include "fused/dual_rms_norm_kernel.cuh"
+
+/* After MLX_DUALNORM_KERNEL_PARAMS, whose RowLayout it uses. */
+#define MLX_DUALNORM_ROPE_KERNEL_PARAMS                   \
+  struct RopeSide {                                       \
+    int heads;                                            \
+    int sequence;                                         \
+    long long offset_stride;                              \
+    int signed_position;                                  \
+  };                                                      \
+  struct DualRmsNormRopeParams {                          \
+    RowLayout queries;                                    \
+    RowLayout keys;                                       \
+    RopeSide query_rope;                                  \
+    RopeSide key_rope;                                    \
+    float eps;                                            \
+    int dims;                                             \
+    int traditional;                                      \
+    float scale;                                          \
+    float log2_base;                                      \
+  };
+
+namespace mlx_dualnorm_fused {
+
+inline constexpr const char kDualRmsNormRopeEntrySource[] =
+    MLX_DUALNORM_STRINGIFY(MLX_DUALNORM_ROPE_KERNEL_PARAMS) R"cuda(
+/* The normalized row, `width` elements of T, 16-byte aligned for
+ * normalize_row's vector stores; sized by the launch. */
+extern __shared__ __align__(16) unsigned char normalized_row_bytes[];
+
+/* Rotates the normalized row in shared memory into `out`. */
+template <typename Storage>
+__device__ __forceinline__ void rotate_row(
+    const typename Storage::storage* normalized, typename Storage::storage* out,
+    int width, float position, const DualRmsNormRopeParams& params) {
+  const int half = params.dims / 2;
+  const float scaled_position = params.scale * position;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const float d = __fdiv_rn(static_cast<float>(i), static_cast<float>(half));
+    const float inv_freq = exp2f(-d * params.log2_base);
+    const float theta = scaled_position * inv_freq;
+    const float cos_theta = cosf(theta);
+    const float sin_theta = sinf(theta);
+    const int first = params.traditional ? 2 * i : i;
+    const int second = params.traditional ? first + 1 : i + half;
+    const float x1 = Storage::to_float(normalized[first]);
+    const float x2 = Storage::to_float(normalized[second]);
+    // MLX's expressions, left to the same contraction as in its kernel.
+    const float rotated_first = x1 * cos_theta - x2 * sin_theta;
+    const float rotated_second = x1 * sin_theta + x2 * cos_theta;
+    out[first] = Storage::round(rotated_first);
+    out[second] = Storage::round(rotated_second);
+  }
+  for (int j = params.dims + threadIdx.x; j < width; j += blockDim.x) {
+    out[j] = normalized[j];
+  }
+}
+
+/* Normalizes input row `row_index` of one side, then rotates it into its
+ * transposed place. Inlined per side so `layout` and `rope` stay
+ * references into the parameter space. */
+template <typename Storage>
+__device__ __forceinline__ void normalize_and_rotate_row(
+    const typename Storage::storage* input, const typename Storage::storage* weight,
+    const int* offsets, typename Storage::storage* output, const RowLayout& layout,
+    const RopeSide& rope, unsigned int row_index, const DualRmsNormRopeParams& params) {
+  typename Storage::storage* normalized =
+      reinterpret_cast<typename Storage::storage*>(normalized_row_bytes);
+  normalize_row<Storage>(input, weight, normalized, layout, row_index, params.eps);
+  __syncthreads();
+  const unsigned int heads = static_cast<unsigned int>(rope.heads);
+  const unsigned int sequence = static_cast<unsigned int>(rope.sequence);
+  const unsigned int head = row_index % heads;
+  const unsigned int token = (row_index / heads) % sequence;
+  const unsigned int batch = row_index / heads / sequence;
+  const int batch_offset = offsets[static_cast<long long>(batch) * rope.offset_stride];
+  const float position = rope.signed_position
+      ? static_cast<float>(batch_offset)
+      : static_cast<float>(token + static_cast<unsigned int>(batch_offset));
+  const long long output_row = (static_cast<long long>(batch) * heads + head) * sequence + token;
+  rotate_row<Storage>(normalized, output + output_row * layout.width, layout.width, position,
+                      params);
+}
+
+template <typename Storage>
+__device__ __forceinline__ void dual_rms_norm_rope(
+    const typename Storage::storage* queries, const typename Storage::storage* keys,
+    const typename Storage::storage* query_weight, const typename Storage::storage* key_weight,
+    const int* offsets, typename Storage::storage* rotated_queries,
+    typename Storage::storage* rotated_keys, const DualRmsNormRopeParams& params) {
+  const unsigned int block_row = blockIdx.x;
+  if (block_row < static_cast<unsigned int>(params.queries.rows)) {
+    normalize_and_rotate_row<Storage>(queries, query_weight, offsets, rotated_queries,
+                                      params.queries, params.query_rope, block_row, params);
+  } else {
+    normalize_and_rotate_row<Storage>(
+        keys, key_weight, offsets, rotated_keys, params.keys, params.key_rope,
+        block_row - static_cast<unsigned int>(params.queries.rows), params);
+  }
+}
+
+#define MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(NAME, STORAGE)                         \
+  extern "C" __global__ void NAME(                                                   \
+      const STORAGE::storage* queries, const STORAGE::storage* keys,                 \
+      const STORAGE::storage* query_weight, const STORAGE::storage* key_weight,      \
+      const int* offsets, STORAGE::storage* rotated_queries,                         \
+      STORAGE::storage* rotated_keys, const DualRmsNormRopeParams params) {          \
+    dual_rms_norm_rope<STORAGE>(queries, keys, query_weight, key_weight, offsets,    \
+                                rotated_queries, rotated_keys, params);              \
+  }
+
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_float32, Float32Storage)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_float16, Float16Storage)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_bfloat16, BFloat16Storage)
+)cuda";
+
+} // namespace mlx_dualnorm_fused
+
+#endif

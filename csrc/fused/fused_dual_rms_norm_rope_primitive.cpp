@@ -1,0 +1,265 @@
+/* FusedDualRmsNormRope: an MLX primitive whose GPU evaluation is ONE kernel
+ * launch that normalizes, rotates and transposes every row of queries and
+ * keys (dual_rms_norm_rope_kernel.cuh), added to MLX's command encoder like
+ * FusedDualRmsNorm. It replaces six graph nodes per layer (two rms_norm,
+ * two transposes, two rope) with one.
+ *
+ * Built only where MLX's CUDA backend headers are found (build_ffi.py
+ * defines MLX_DUALNORM_WITH_CUDA), like fused_dual_rms_norm_primitive.cpp.
+ */
+#include "fused/fused_dual_rms_norm_rope_primitive.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <optional>
+#include <stdexcept>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cuda/device.h"
+#include "mlx/backend/cuda/utils.h"
+#include "mlx/fast.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/transforms.h"
+
+#include "fused/dual_rms_norm_rope_kernel.cuh"
+#include "fused/fused_kernel_host.h"
+
+namespace mlx_dualnorm_fused {
+
+namespace {
+
+namespace mx = mlx::core;
+
+/* RopeSide and DualRmsNormRopeParams, from their one definition. */
+MLX_DUALNORM_ROPE_KERNEL_PARAMS
+
+/* Inputs in this order; the weights follow where present. */
+enum { kQueriesInput = 0, kKeysInput = 1, kOffsetInput = 2, kFirstWeightInput = 3 };
+
+/* (B, L, H, D) -> (B, H, L, D), as mlx-lm's attention transposes. */
+const std::vector<int> kHeadMajorAxes = {0, 2, 1, 3};
+
+/* The cubin's kernels: mlx_dualnorm_dual_rms_norm_rope_float32 and so on. */
+KernelModule& kernel_module() {
+  static KernelModule module("fused dual head norm rope", "mlx_dualnorm_dual_rms_norm_rope");
+  return module;
+}
+
+/* Where one side's rows go, and which of MLX's RoPE kernels (hence which
+ * position conversion) its shape gets: MLX takes its single-row kernel for
+ * a row-contiguous input with B == 1 and L == 1, and the transpose of a
+ * normalized (1, 1, H, D) is row-contiguous. */
+RopeSide rope_side(const mx::array& input, const mx::array& offset) {
+  RopeSide side{};
+  side.heads = input.shape(2);
+  side.sequence = input.shape(1);
+  side.offset_stride = offset.ndim() > 0 ? offset.strides()[0] : 0;
+  side.signed_position = input.shape(0) == 1 && input.shape(1) == 1 ? 1 : 0;
+  return side;
+}
+
+mx::Shape head_major_shape(const mx::array& input) {
+  return {input.shape(0), input.shape(2), input.shape(1), input.shape(3)};
+}
+
+class FusedDualRmsNormRope : public mx::Primitive {
+ public:
+  FusedDualRmsNormRope(mx::Stream stream, float rms_norm_epsilon, const RopeConstants& rope,
+                       bool has_query_weight, bool has_key_weight)
+      : mx::Primitive(stream),
+        rms_norm_epsilon_(rms_norm_epsilon),
+        rope_(rope),
+        // As MLX's RoPE::eval_gpu: std::log2 of the float base, in float.
+        log2_base_(std::log2(rope.base)),
+        has_query_weight_(has_query_weight),
+        has_key_weight_(has_key_weight) {}
+
+  void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[fused dual head norm rope] runs on MLX's CUDA GPU only");
+  }
+
+  /* Outputs: rotated queries, rotated keys, both fresh row-contiguous
+   * (B, H, L, D) buffers (an input buffer cannot be reused: a block writes
+   * its row where another block's row was read). */
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cu::get_command_encoder(stream());
+    const mx::array& queries = inputs[kQueriesInput];
+    const mx::array& keys = inputs[kKeysInput];
+    const mx::array& offset = inputs[kOffsetInput];
+    CUfunction kernel = kernel_module().kernel_for(queries.dtype(), stream().device);
+    const mx::array* query_weight_input = has_query_weight_ ? &inputs[kFirstWeightInput] : nullptr;
+    const mx::array* key_weight_input =
+        has_key_weight_ ? &inputs[kFirstWeightInput + (has_query_weight_ ? 1 : 0)] : nullptr;
+    DualRmsNormRopeParams params{};
+    params.queries = row_layout(queries, query_weight_input);
+    params.keys = row_layout(keys, key_weight_input);
+    params.query_rope = rope_side(queries, offset);
+    params.key_rope = rope_side(keys, offset);
+    params.eps = rms_norm_epsilon_;
+    params.dims = rope_.dims;
+    params.traditional = rope_.traditional ? 1 : 0;
+    params.scale = rope_.scale;
+    params.log2_base = log2_base_;
+    for (auto& output : outputs) {
+      output.set_data(mx::allocator::malloc(output.nbytes()));
+    }
+    for (const auto& input : inputs) {
+      encoder.set_input_array(input);
+    }
+    for (const auto& output : outputs) {
+      encoder.set_output_array(output);
+    }
+    void* query_data = mx::gpu_ptr<void>(queries);
+    void* key_data = mx::gpu_ptr<void>(keys);
+    void* query_weight = query_weight_input ? mx::gpu_ptr<void>(*query_weight_input) : nullptr;
+    void* key_weight = key_weight_input ? mx::gpu_ptr<void>(*key_weight_input) : nullptr;
+    void* offsets = mx::gpu_ptr<void>(offset);
+    void* rotated_queries = mx::gpu_ptr<void>(outputs[0]);
+    void* rotated_keys = mx::gpu_ptr<void>(outputs[1]);
+    void* arguments[] = {&query_data, &key_data,        &query_weight, &key_weight,
+                         &offsets,    &rotated_queries, &rotated_keys, &params};
+    const unsigned int block =
+        static_cast<unsigned int>(std::max(params.queries.block, params.keys.block));
+    const unsigned int rows = static_cast<unsigned int>(params.queries.rows + params.keys.rows);
+    const size_t widest = static_cast<size_t>(std::max(params.queries.width, params.keys.width));
+    const uint32_t row_bytes =
+        static_cast<uint32_t>((widest * queries.itemsize() + 15) / 16 * 16);
+    encoder.add_kernel_node_raw(kernel, dim3(rows), dim3(block), dim3(), row_bytes, arguments);
+  }
+
+  /* Gradients and vectorization are those of the composed calls this
+   * primitive reproduces; the integer offset gets a zero cotangent. */
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums,
+                             const std::vector<mx::array>&) override {
+    auto input_cotangents =
+        mx::vjp(composed_over(primals[kOffsetInput]), without_offset(primals), cotangents).second;
+    std::vector<mx::array> selected;
+    for (int argument : argnums) {
+      if (argument == kOffsetInput) {
+        selected.push_back(mx::zeros_like(primals[kOffsetInput], stream()));
+      } else {
+        selected.push_back(input_cotangents[argument < kOffsetInput ? argument : argument - 1]);
+      }
+    }
+    return selected;
+  }
+
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override {
+    std::vector<mx::array> all_tangents;
+    for (const auto& primal : primals) {
+      all_tangents.push_back(mx::zeros_like(primal, stream()));
+    }
+    for (size_t i = 0; i < argnums.size(); ++i) {
+      all_tangents[argnums[i]] = tangents[i];
+    }
+    return mx::jvp(composed_over(primals[kOffsetInput]), without_offset(primals),
+                   without_offset(all_tangents))
+        .second;
+  }
+
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs, const std::vector<int>& axes) override {
+    auto composed = [this](const std::vector<mx::array>& all_inputs) {
+      return composed_over(all_inputs[kOffsetInput])(without_offset(all_inputs));
+    };
+    return {mx::vmap(composed, axes, {0, 0})(inputs), {0, 0}};
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {head_major_shape(inputs[kQueriesInput]), head_major_shape(inputs[kKeysInput])};
+  }
+
+  const char* name() const override {
+    return "FusedDualRmsNormRope";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& fused = static_cast<const FusedDualRmsNormRope&>(other);
+    return rms_norm_epsilon_ == fused.rms_norm_epsilon_ && rope_.dims == fused.rope_.dims &&
+           rope_.traditional == fused.rope_.traditional && rope_.base == fused.rope_.base &&
+           rope_.scale == fused.rope_.scale && has_query_weight_ == fused.has_query_weight_ &&
+           has_key_weight_ == fused.has_key_weight_;
+  }
+
+ private:
+  static std::vector<mx::array> without_offset(const std::vector<mx::array>& inputs) {
+    std::vector<mx::array> kept;
+    for (size_t index = 0; index < inputs.size(); ++index) {
+      if (index != kOffsetInput) {
+        kept.push_back(inputs[index]);
+      }
+    }
+    return kept;
+  }
+
+  /* The composed calls over (queries, keys, weights...), the offset fixed. */
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> composed_over(
+      const mx::array& offset) {
+    return [eps = rms_norm_epsilon_, rope = rope_, has_query_weight = has_query_weight_,
+            has_key_weight = has_key_weight_, stream = stream(),
+            offset](const std::vector<mx::array>& inputs) {
+      std::optional<mx::array> query_weight;
+      std::optional<mx::array> key_weight;
+      if (has_query_weight) {
+        query_weight = inputs[2];
+      }
+      if (has_key_weight) {
+        key_weight = inputs[has_query_weight ? 3 : 2];
+      }
+      auto side = [&](const mx::array& input, const std::optional<mx::array>& weight) {
+        mx::array head_major =
+            mx::transpose(mx::fast::rms_norm(input, weight, eps, stream), kHeadMajorAxes, stream);
+        return mx::fast::rope(head_major, rope.dims, rope.traditional, rope.base, rope.scale,
+                              offset, std::nullopt, stream);
+      };
+      return std::vector<mx::array>{side(inputs[0], query_weight), side(inputs[1], key_weight)};
+    };
+  }
+
+  float rms_norm_epsilon_;
+  RopeConstants rope_;
+  float log2_base_;
+  bool has_query_weight_;
+  bool has_key_weight_;
+};
+
+} // namespace
+
+void set_rope_kernel_cubin(std::string cubin) {
+  kernel_module().set_cubin(std::move(cubin));
+}
+
+std::vector<mx::array> fused_dual_rms_norm_rope(
+    const mx::array& queries,
+    const mx::array& keys,
+    const mx::array* query_weight,
+    const mx::array* key_weight,
+    const mx::array& offset,
+    float rms_norm_epsilon,
+    const RopeConstants& rope) {
+  const mx::Stream stream = mx::default_stream(mx::Device::gpu);
+  const mx::Dtype dtype = queries.dtype();
+  // The kernel reads int32, as MLX's RoPE does after the same conversion
+  // (fast::rope converts offsets whose dtype is not 4 bytes wide).
+  std::vector<mx::array> inputs{
+      queries, keys, offset.itemsize() == 4 ? offset : mx::astype(offset, mx::int32, stream)};
+  if (query_weight != nullptr) {
+    inputs.push_back(*query_weight);
+  }
+  if (key_weight != nullptr) {
+    inputs.push_back(*key_weight);
+  }
+  return mx::array::make_arrays(
+      {head_major_shape(queries), head_major_shape(keys)}, {dtype, dtype},
+      std::make_shared<FusedDualRmsNormRope>(stream, rms_norm_epsilon, rope,
+                                             query_weight != nullptr, key_weight != nullptr),
+      inputs);
+}
+
+} // namespace mlx_dualnorm_fused
