@@ -48,8 +48,8 @@ weights, epsilon and RoPE constants: the same primitives in the same order,
 so the bits are the same. A layer whose RoPE is not exactly ``nn.RoPE``
 (the scaled-RoPE classes of ``rope_utils``, frequency tables), whose norms
 are not exactly ``nn.RMSNorm`` with one epsilon, or whose call raises in the
-prework, runs the class's own ``__call__``. There is no fused RoPE kernel
-yet: under ``patch(mode="fused")`` these layers run the compiled mode.
+prework, runs the class's own ``__call__``. On MLX's CUDA backend the
+prework is one kernel launch (the fused mode), as the gated-delta norm is.
 
     >>> from mlx_dualnorm.integrations import mlx_lm as dualnorm_mlx_lm
     >>> dualnorm_mlx_lm.patch()            # for the rest of the process
@@ -492,11 +492,6 @@ _norm_ropes_lock = threading.Lock()
 _full_attention_mode: Optional[Mode] = None
 
 
-def _norm_rope_mode(mode: Optional[Mode]) -> Optional[Mode]:
-    # No fused RoPE kernel yet: "fused" runs these layers compiled.
-    return "compiled" if mode == "fused" else mode
-
-
 def _norm_rope_for(attention):
     """The cached CompiledDualHeadNormRope for a layer's constants, or None
     where the layer's norms or RoPE are not exactly what it computes."""
@@ -518,7 +513,7 @@ def _norm_rope_for(attention):
             if norm_rope is None:
                 if len(_norm_ropes) >= MAX_CACHED_FOLDS:
                     return None
-                mode = _norm_rope_mode(_full_attention_mode)
+                mode = _full_attention_mode
                 norm_rope = CompiledDualHeadNormRope(
                     eps, rope.dims, base=rope.base, traditional=rope.traditional,
                     scale=rope.scale, **({} if mode is None else {"mode": mode}),
