@@ -550,3 +550,17 @@ def test_memory_stays_flat_over_many_objects(caller_thread):
     assert active_after == active_before
     assert rss_after - rss_before <= 2048
 
+
+
+def test_lazy_outputs_keep_their_offset_when_the_next_call_changes_it():
+    """The bridge reuses the scalar of an unchanged int offset and replaces
+    it when the offset changes: outputs built before, still lazy, must keep
+    the offset they were built with."""
+    inputs = random_inputs((1, 1, 4, 64), (1, 1, 2, 64), mx.bfloat16, 11)
+    norm_rope = CompiledDualHeadNormRope(1e-6, 64, base=1e4)
+    offsets = (7, 7, 8, 7, 2**31 - 1, 0)
+    lazy_outputs = [norm_rope(*inputs, offset=offset) for offset in offsets]
+    for offset, outputs in zip(offsets, lazy_outputs):
+        assert_matches_composed(outputs, inputs, eps=1e-6, dims=64, base=1e4,
+                                traditional=False, scale=1.0, offset=offset,
+                                context=f"offset {offset}")
