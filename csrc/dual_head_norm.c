@@ -52,6 +52,7 @@
 #include "compile_erasure.h"
 #include "head_norm_input.h"
 #include "layout_graphs.h"
+#include "mode_choice.h"
 
 #include <float.h>
 #include <limits.h>
@@ -237,44 +238,19 @@ static int release_compiled_graphs(mlx_dualnorm_compiled_dual_head_norm* dual_he
   return status;
 }
 
-/* Resolves AUTO, and checks FUSED can run here (compiling its kernel). */
+/* Resolves the requested mode (mode_choice.h) with the registered fused
+ * backend; `*fused_backend` is that backend in FUSED mode, else NULL. */
 static int resolve_mode(mlx_dualnorm_mode requested, mlx_dualnorm_mode* resolved,
                         const mlx_dualnorm_fused_backend** fused_backend,
                         mlx_dualnorm_error* error) {
-  const char* operation = COMPILE_DUAL_HEAD_NORM_OPERATION;
   const mlx_dualnorm_fused_backend* backend = atomic_load(&registered_fused_backend);
   bool fused_available = backend != NULL && backend->available();
-  *fused_backend = NULL;
-  switch (requested) {
-    case MLX_DUALNORM_MODE_COMPOSED:
-    case MLX_DUALNORM_MODE_COMPILED:
-      *resolved = requested;
-      return MLX_DUALNORM_OK;
-    case MLX_DUALNORM_MODE_AUTO:
-      /* A kernel that fails to compile leaves AUTO on the compiled graph. */
-      if (fused_available && backend->prepare() == 0) {
-        *resolved = MLX_DUALNORM_MODE_FUSED;
-        *fused_backend = backend;
-      } else {
-        *resolved = MLX_DUALNORM_MODE_COMPILED;
-      }
-      dualnorm_begin_call(); /* forget a failed preparation's message */
-      return MLX_DUALNORM_OK;
-    case MLX_DUALNORM_MODE_FUSED:
-      if (!fused_available) {
-        return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
-                         "mode 'fused' needs a build with the fused mode and MLX's CUDA "
-                         "backend with a GPU; use mode 'auto' or 'compiled'");
-      }
-      if (backend->prepare() != 0) {
-        return dualnorm_fail_in_mlx(error, operation);
-      }
-      *resolved = MLX_DUALNORM_MODE_FUSED;
-      *fused_backend = backend;
-      return MLX_DUALNORM_OK;
-  }
-  return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation, "unknown mode %d",
-                   (int)requested);
+  int status = dualnorm_resolve_mode(requested, fused_available,
+                                     fused_available ? backend->prepare : NULL,
+                                     COMPILE_DUAL_HEAD_NORM_OPERATION, resolved, error);
+  *fused_backend = status == MLX_DUALNORM_OK && *resolved == MLX_DUALNORM_MODE_FUSED ? backend
+                                                                                     : NULL;
+  return status;
 }
 
 /* Builds the plain and (unless composed) compiled closure of every layout. */

@@ -12,7 +12,7 @@
  * scripts/build_subset_mlx_c.sh). Only a C compiler is involved, and no
  * -lmlx: libmlxc.so finds the MLX wheel's libmlx.so through its own rpath.
  *
- * cc -std=c11 -Icsrc -I"$MLX_C/include" examples/dual_head_norm_example.c csrc/dual_head_norm.c csrc/call_errors.c csrc/head_norm_input.c csrc/compile_erasure.c csrc/layout_graphs.c -L"$MLX_C/lib" -lmlxc -Wl,-rpath,"$MLX_C/lib" -pthread -o dual_head_norm_example
+ * cc -std=c11 -Icsrc -I"$MLX_C/include" examples/dual_head_norm_example.c csrc/dual_head_norm.c csrc/call_errors.c csrc/head_norm_input.c csrc/compile_erasure.c csrc/layout_graphs.c csrc/mode_choice.c -L"$MLX_C/lib" -lmlxc -Wl,-rpath,"$MLX_C/lib" -pthread -o dual_head_norm_example
  */
 #include <stdbool.h>
 #include <stdint.h>
