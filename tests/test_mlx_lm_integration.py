@@ -533,7 +533,9 @@ def test_check_refuses_bad_arguments(tmp_path, monkeypatch, capsys, arguments, m
 
 
 def test_bench_runs(capsys):
-    arguments = ["--quick", "--layers", "2", "--models", "", "--prework-tokens", "3"]
+    arguments = [
+        "--quick", "--layers", "2", "--models", "", "--decode-models", "", "--prework-tokens", "3",
+    ]
     assert mlx_lm_bench.main(arguments) == 0
     printed = capsys.readouterr().out
     assert "prework_2_layers" in printed

@@ -15,9 +15,21 @@ alike), reported as the median over rounds with the per-round time ratio
   :mod:`~mlx_dualnorm.tools.mlx_lm_synthetic`, greedy through mlx-lm's
   ``generate_step`` (median over the decode tokens of a round). These models
   are tiny, so the prework is a larger share of a token than in a real one.
+* decode: milliseconds per decode token of random bfloat16 models at the
+  dimensions of released checkpoints (``DECODE_MODELS`` of
+  :mod:`~mlx_dualnorm.tools.mlx_lm_synthetic`: Qwen3-0.6B-, Qwen3-1.7B- and
+  Qwen3-Next-like), where the patch replaces both the gated-delta
+  ``normalize_qk`` and the full-attention q/k norm + RoPE prework. Each run
+  prefills a short prompt, then decodes greedily through mlx-lm's
+  ``generate_step`` (KV cache, one evaluation per token); a round's time is
+  the median over its decode steps. Every round's greedy tokens must equal
+  those of the first unpatched round: a mismatch is reported and the command
+  exits 1. ``--quick`` keeps the per-layer shapes but fewer layers and a
+  smaller vocabulary, and says so.
 
 ``main(argv)`` is the command line (``python -m mlx_dualnorm
-mlx-lm-bench``); ``run_prework`` and ``run_generation`` the programmatic API.
+mlx-lm-bench``); ``run_prework``, ``run_generation`` and ``run_decode`` the
+programmatic API.
 """
 
 from __future__ import annotations
@@ -42,21 +54,26 @@ from mlx_dualnorm.integrations import mlx_lm as integration
 from mlx_dualnorm.tools import cli
 from mlx_dualnorm.tools.mlx_lm_check import greedy_generate
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
+    DECODE_MODELS,
     DEFAULT_DTYPES,
     SYNTHETIC_MODEL_TYPES,
+    build_model,
     build_synthetic_model,
+    decode_model_config,
     prompt_token_ids,
     synthetic_model_config,
 )
 
 __all__ = [
+    "DecodeMeasurement",
     "PairedTiming",
     "main",
+    "run_decode",
     "run_generation",
     "run_prework",
 ]
 
-REPORT_SCHEMA = "mlx_dualnorm.mlx_lm_bench/2"
+REPORT_SCHEMA = "mlx_dualnorm.mlx_lm_bench/3"
 DECODE_SHAPE = (1, 1, 16, 128)
 DECODE_DTYPE = mx.bfloat16
 HEAD_WIDTH = DECODE_SHAPE[-1]
@@ -64,8 +81,18 @@ INV_SCALE = HEAD_WIDTH**-0.5  # what qwen3_next / qwen3_5 pass
 EPS = 1e-6
 UNPATCHED = "mlx-lm"
 PATCHED = "patched"
-FULL_DEFAULTS = {"prework_tokens": 200, "prework_repeats": 7, "tokens": 64, "generation_repeats": 5}
-QUICK_DEFAULTS = {"prework_tokens": 50, "prework_repeats": 3, "tokens": 32, "generation_repeats": 2}
+FULL_DEFAULTS = {
+    "prework_tokens": 200, "prework_repeats": 7, "tokens": 64, "generation_repeats": 5,
+    "decode_steps": 32, "decode_rounds": 5,
+}
+QUICK_DEFAULTS = {
+    "prework_tokens": 50, "prework_repeats": 3, "tokens": 32, "generation_repeats": 2,
+    "decode_steps": 4, "decode_rounds": 2,
+}
+DECODE_DTYPE_OF_WEIGHTS = mx.bfloat16  # the dtype of the released checkpoints
+DECODE_PROMPT_TOKENS = 16
+QUICK_DECODE_VOCABULARY = 8192  # the real 151936 makes a quick build slow on 2 cores
+WARM_UP_DECODE_STEPS = 2
 
 NormalizeQk = Callable[..., "tuple[mx.array, mx.array]"]
 
@@ -192,6 +219,145 @@ def _vocabulary_size(model_type: str) -> int:
     return (config.get("text_config") or config)["vocab_size"]
 
 
+# ---- Decode at the dimensions of released models -----------------------------
+
+
+@dataclasses.dataclass
+class DecodeMeasurement:
+    """One decode model's paired rounds, what it was, and whether every
+    round's greedy tokens agreed."""
+
+    model: str
+    resembles: str
+    config: dict
+    quick_reduced: bool  # fewer layers and a smaller vocabulary than the real model
+    prompt_tokens: int
+    decode_steps: int
+    timing: PairedTiming
+    token_mismatch: Optional[str]  # None when every round gave the same tokens
+
+    def dimensions(self) -> dict:
+        config = self.config
+        dimensions = {
+            name: config[name]
+            for name in (
+                "hidden_size", "num_hidden_layers", "intermediate_size",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+            )
+        }
+        if config["model_type"] == "qwen3_next":
+            interval = config["full_attention_interval"]
+            dimensions["full_attention_layers"] = config["num_hidden_layers"] // interval
+            dimensions["gated_delta_layers"] = (
+                config["num_hidden_layers"] - dimensions["full_attention_layers"]
+            )
+        return dimensions
+
+    def summary(self) -> dict:
+        return {
+            **self.timing.summary(),
+            "model": self.model,
+            "model_type": self.config["model_type"],
+            "resembles": self.resembles,
+            "dimensions": self.dimensions(),
+            "weights_dtype": str(DECODE_DTYPE_OF_WEIGHTS).rsplit(".", 1)[-1],
+            "quick_reduced": self.quick_reduced,
+            "prompt_tokens": self.prompt_tokens,
+            "decode_steps_per_round": self.decode_steps,
+            "greedy_tokens_identical": self.token_mismatch is None,
+            "token_mismatch": self.token_mismatch,
+        }
+
+
+def _timed_greedy_decode(model, prompt: mx.array, steps: int) -> tuple[list[int], float]:
+    """Prefill ``prompt``, then ``steps`` greedy decode steps through
+    mlx-lm's ``generate_step``: the token ids after the prompt (``steps + 1``)
+    and the median milliseconds per decode step. The first token, which
+    carries the prefill, is not timed."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import greedy_sampler
+
+    token_ids: list[int] = []
+    step_seconds: list[float] = []
+    previous = time.perf_counter()
+    for token_id, _ in generate_step(prompt, model, max_tokens=steps + 1, sampler=greedy_sampler):
+        now = time.perf_counter()
+        if token_ids:
+            step_seconds.append(now - previous)
+        previous = now
+        token_ids.append(int(token_id))
+    return token_ids, 1e3 * statistics.median(step_seconds)
+
+
+def first_token_mismatch(expected: list[int], actual: list[int]) -> Optional[str]:
+    """None when the two greedy token lists are equal, else where they
+    first differ (or where the shorter one ends)."""
+    for step, (expected_id, actual_id) in enumerate(zip(expected, actual)):
+        if expected_id != actual_id:
+            return f"step {step}: token {actual_id}, expected {expected_id}"
+    if len(expected) != len(actual):
+        return f"{len(actual)} tokens, expected {len(expected)}"
+    return None
+
+
+def run_decode(
+    model: str,
+    steps: int = 32,
+    rounds: int = 5,
+    mode: Optional[Mode] = None,
+    quick: bool = False,
+    config: Optional[dict] = None,
+) -> DecodeMeasurement:
+    """Milliseconds per decode token of ``DECODE_MODELS[model]`` in
+    bfloat16, unpatched vs patched, ``rounds`` paired rounds of ``steps``
+    steps. ``quick`` builds the model with its ``quick_layers`` and a
+    ``QUICK_DECODE_VOCABULARY``; ``config`` (tests) replaces the config."""
+    spec = DECODE_MODELS[model]
+    if config is None:
+        config = (
+            decode_model_config(
+                model, layers=spec.quick_layers, vocab_size=QUICK_DECODE_VOCABULARY
+            )
+            if quick
+            else decode_model_config(model)
+        )
+    network = build_model(config, dtype=DECODE_DTYPE_OF_WEIGHTS)
+    prompt = prompt_token_ids(config["vocab_size"], DECODE_PROMPT_TOKENS)
+
+    def one_run(patched: bool, run_steps: int) -> tuple[list[int], float]:
+        with integration.patch(mode) if patched else integration.unpatch():
+            return _timed_greedy_decode(network, prompt, run_steps)
+
+    for patched in (False, True):  # warm-up: compiled helpers, folds, allocator
+        one_run(patched, WARM_UP_DECODE_STEPS)
+    times: dict[str, list[float]] = {UNPATCHED: [], PATCHED: []}
+    reference_tokens: Optional[list[int]] = None
+    mismatch: Optional[str] = None
+    for round_index in range(rounds):
+        order = (False, True) if round_index % 2 == 0 else (True, False)
+        for patched in order:
+            token_ids, milliseconds = one_run(patched, steps)
+            times[PATCHED if patched else UNPATCHED].append(milliseconds)
+            if reference_tokens is None:  # round 0 runs unpatched first
+                reference_tokens = token_ids
+            difference = first_token_mismatch(reference_tokens, token_ids)
+            if difference is not None and mismatch is None:
+                path = PATCHED if patched else "unpatched"
+                mismatch = f"round {round_index}, {path}: {difference}"
+    return DecodeMeasurement(
+        model=model,
+        resembles=spec.resembles,
+        config=config,
+        quick_reduced=config != decode_model_config(model),
+        prompt_tokens=DECODE_PROMPT_TOKENS,
+        decode_steps=steps,
+        timing=PairedTiming(
+            f"decode_{model}_bfloat16", "ms/token", times[UNPATCHED], times[PATCHED]
+        ),
+        token_mismatch=mismatch,
+    )
+
+
 # ---- Report ------------------------------------------------------------------
 
 
@@ -219,6 +385,56 @@ def format_table(timings: list[PairedTiming]) -> str:
         "one eval per token",
         "  generation_MODEL_DTYPE: ms per decode token of a small random mlx-lm model",
     ]
+    return "\n".join(lines)
+
+
+def _dimensions_text(dimensions: dict) -> str:
+    layers = f"{dimensions['num_hidden_layers']} layers"
+    if "gated_delta_layers" in dimensions:
+        layers += (
+            f" ({dimensions['gated_delta_layers']} gated-delta, "
+            f"{dimensions['full_attention_layers']} full-attention)"
+        )
+    return (
+        f"{layers}, hidden {dimensions['hidden_size']}, MLP {dimensions['intermediate_size']}, "
+        f"{dimensions['num_attention_heads']}/{dimensions['num_key_value_heads']} heads x "
+        f"{dimensions['head_dim']}, vocabulary {dimensions['vocab_size']}"
+    )
+
+
+def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> str:
+    if not measurements:
+        return ""
+    first = measurements[0]
+    lines = [
+        f"decode, random bfloat16 weights at released models' dimensions, on {device}: "
+        f"{first.prompt_tokens}-token prompt, then {first.decode_steps} greedy decode steps "
+        "per round (KV cache, one eval per token)",
+        f"{'model':<16} {'unit':<9} {'unpatched':>10} {PATCHED:>10} {'ratio':>7}  (min..max ratio)",
+    ]
+    for measurement in measurements:
+        summary = measurement.summary()
+        ratio = summary["time_ratio_patched_over_unpatched"]
+        lines.append(
+            f"{measurement.model:<16} {'ms/token':<9} "
+            f"{summary['unpatched_time']['median']:>10.3f} "
+            f"{summary['patched_time']['median']:>10.3f} "
+            f"{ratio['median']:>6.3f}x  ({ratio['min']:.3f}..{ratio['max']:.3f}, "
+            f"{summary['rounds']} rounds)"
+        )
+        lines.append(f"  like {measurement.resembles}: {_dimensions_text(summary['dimensions'])}")
+        if measurement.quick_reduced:
+            real = DECODE_MODELS[measurement.model].config
+            lines.append(
+                f"  QUICK: reduced from {real['num_hidden_layers']} layers and vocabulary "
+                f"{real['vocab_size']}; not the real model's time per token"
+            )
+        tokens = "identical" if measurement.token_mismatch is None else "MISMATCH"
+        lines.append(f"  greedy tokens, patched vs unpatched, every round: {tokens}")
+    lines.append(
+        "  ratio = patched time / unpatched time per decode token, per round (median, then "
+        "min..max): lower is better, below 1.000x the patch is faster"
+    )
     return "\n".join(lines)
 
 
@@ -263,16 +479,33 @@ def _bench_parser() -> argparse.ArgumentParser:
                         help="greedy tokens per generation round (default: 64, or 32 with --quick)")
     parser.add_argument("--generation-repeats", type=int,
                         help="generation rounds (default: 5, or 2 with --quick)")
+    parser.add_argument(
+        "--decode-models",
+        default=",".join(DECODE_MODELS),
+        help="comma-separated models at released dimensions to time decode tokens with "
+        f"({', '.join(DECODE_MODELS)}; '' for none)",
+    )
+    parser.add_argument("--decode-steps", type=int,
+                        help="greedy decode steps per round (default: 32, or 4 with --quick)")
+    parser.add_argument("--decode-rounds", type=int,
+                        help="decode rounds, each path once per round "
+                        "(default: 5, or 2 with --quick)")
     parser.add_argument("--mode", default=None, help="mode for patch() (None: its own default)")
-    parser.add_argument("--quick", action="store_true", help="the smaller defaults above")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the smaller defaults above; decode models keep their layer shapes but get "
+        f"fewer layers and a vocabulary of {QUICK_DECODE_VOCABULARY}",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     return parser
 
 
 def _checked_arguments(
     arguments: argparse.Namespace, parser: argparse.ArgumentParser
-) -> tuple[list[int], list[str]]:
-    """Layer counts and model names, defaults filled in; bad usage exits 2."""
+) -> tuple[list[int], list[str], list[str]]:
+    """Layer counts, small model names and decode model names, defaults
+    filled in; bad usage exits 2."""
     try:
         layer_counts = [int(text) for text in arguments.layers.split(",") if text.strip()]
     except ValueError as error:
@@ -281,16 +514,22 @@ def _checked_arguments(
     unknown = sorted(set(model_types) - set(SYNTHETIC_MODEL_TYPES))
     if unknown or any(layers < 1 for layers in layer_counts):
         parser.error(f"unknown models {unknown} or a layer count below 1")
+    decode_models = [text.strip() for text in arguments.decode_models.split(",") if text.strip()]
+    unknown = sorted(set(decode_models) - set(DECODE_MODELS))
+    if unknown:
+        parser.error(f"--decode-models: unknown {unknown}; choose from {', '.join(DECODE_MODELS)}")
     defaults = QUICK_DEFAULTS if arguments.quick else FULL_DEFAULTS
     for name, default in defaults.items():
         if getattr(arguments, name) is None:
             setattr(arguments, name, default)
+    if arguments.decode_steps < 1 or arguments.decode_rounds < 1:
+        parser.error("--decode-steps and --decode-rounds must be at least 1")
     try:
         with integration.patch(arguments.mode):
             pass  # a mode that cannot run here fails before any measurement
     except ValueError as error:
         parser.error(str(error))
-    return layer_counts, model_types
+    return layer_counts, model_types, decode_models
 
 
 def _measure(
@@ -312,27 +551,60 @@ def _measure(
     return timings
 
 
+def _measure_decode(
+    arguments: argparse.Namespace, decode_models: list[str]
+) -> list[DecodeMeasurement]:
+    measurements = []
+    for model in decode_models:
+        print(f"decode, {model} ...", file=sys.stderr, flush=True)
+        measurements.append(
+            run_decode(
+                model, arguments.decode_steps, arguments.decode_rounds, arguments.mode,
+                quick=arguments.quick,
+            )
+        )
+    return measurements
+
+
+def _report_mismatches(measurements: list[DecodeMeasurement]) -> bool:
+    """Print every decode model whose rounds gave different greedy tokens;
+    True when there was one."""
+    mismatched = [m for m in measurements if m.token_mismatch is not None]
+    for measurement in mismatched:
+        print(
+            f"TOKEN MISMATCH: {measurement.model}: greedy tokens differ from the first "
+            f"unpatched round at {measurement.token_mismatch}",
+            file=sys.stderr,
+        )
+    return bool(mismatched)
+
+
 def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    layer_counts, model_types = _checked_arguments(arguments, parser)
+    layer_counts, model_types, decode_models = _checked_arguments(arguments, parser)
     started = time.perf_counter()
     timings = _measure(arguments, layer_counts, model_types)
+    decode_measurements = _measure_decode(arguments, decode_models)
     environment = _environment()
     print(
         f"mlx-lm patch benchmark on {environment['device']} (MLX {environment['mlx']}, "
         f"mlx-lm {environment['mlx_lm']}, {environment['cpu_count']} CPUs), "
         f"{time.perf_counter() - started:.0f} s"
     )
-    print(format_table(timings))
+    if timings:
+        print(format_table(timings))
+    if decode_measurements:
+        print(format_decode_table(decode_measurements, environment["device"]))
     if arguments.json:
         report = {
             "schema": REPORT_SCHEMA,
             "environment": environment,
             "mode": arguments.mode,
             "timings": [timing.summary() for timing in timings],
+            "decode": [measurement.summary() for measurement in decode_measurements],
         }
         Path(arguments.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {arguments.json}", file=sys.stderr)
-    return 0
+    return 1 if _report_mismatches(decode_measurements) else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

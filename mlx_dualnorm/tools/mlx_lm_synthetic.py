@@ -16,11 +16,23 @@ only); ``qwen3_5`` has a dense MLP, mlx-lm's text_config nesting, and is
 built in bfloat16, the dtype of the released checkpoints. Floating weights
 are cast to the dtype except where the model's own ``cast_predicate``
 keeps them (``A_log`` stays float32, as in checkpoints).
+
+``DECODE_MODELS`` are random models at the dimensions of released
+checkpoints, for timing whole decode tokens where the q/k prework is the
+share of a token it is in practice: ``qwen3-1024`` (Qwen3-0.6B's
+dimensions), ``qwen3-2048`` (Qwen3-1.7B's) and ``qwen3_next-2048`` (24
+layers of Qwen3-Next-80B's dimensions, one full-attention layer in four).
+The last has a dense MLP of Qwen3-Next's ``intermediate_size`` (5120) in
+place of its 512-expert MoE: about the matmul work per token of the 10
+active experts plus the shared one, without 1.6 billion expert weights per
+layer. All are built in bfloat16. ``decode_model_config`` can shrink layer
+count and vocabulary (quick runs, tests) while keeping the per-layer shapes.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 from typing import Optional, cast
 
@@ -31,8 +43,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 __all__ = [
     "DEFAULT_DTYPES",
     "DEFAULT_SEED",
+    "DECODE_MODELS",
+    "DecodeModel",
+    "build_model",
     "SYNTHETIC_MODEL_TYPES",
     "build_synthetic_model",
+    "decode_model_config",
     "prompt_token_ids",
     "synthetic_model_config",
 ]
@@ -109,15 +125,92 @@ def build_synthetic_model(
     initialization drawn after ``mx.random.seed(seed)`` (this reseeds MLX's
     global generator), cast to ``dtype`` (None: the model's default in
     ``DEFAULT_DTYPES``), in eval mode, evaluated."""
-    config = synthetic_model_config(model_type)
     dtype = DEFAULT_DTYPES[model_type] if dtype is None else dtype
-    architecture = importlib.import_module(f"mlx_lm.models.{model_type}")
+    return build_model(synthetic_model_config(model_type), seed=seed, dtype=dtype)
+
+
+def build_model(config: dict, *, seed: int = DEFAULT_SEED, dtype: mx.Dtype) -> nn.Module:
+    """mlx-lm's model class for ``config["model_type"]``, randomly
+    initialized after ``mx.random.seed(seed)``, cast to ``dtype``, in eval
+    mode, evaluated."""
+    architecture = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = architecture.Model(architecture.ModelArgs.from_dict(config))
     _cast_floating_weights(model, dtype)
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeModel:
+    """A random model at a released checkpoint's dimensions."""
+
+    name: str
+    resembles: str  # the released model whose dimensions it has
+    config: dict  # config.json-style, at full size
+    quick_layers: int  # the fewest layers that keep every kind of layer
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+
+def _qwen3_dense(hidden_size: int, intermediate_size: int) -> dict:
+    return {
+        "model_type": "qwen3",
+        "hidden_size": hidden_size,
+        "num_hidden_layers": 28,
+        "intermediate_size": intermediate_size,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1_000_000.0,
+        "tie_word_embeddings": True,
+    }
+
+
+DECODE_MODELS = {
+    model.name: model
+    for model in (
+        DecodeModel("qwen3-1024", "Qwen3-0.6B", _qwen3_dense(1024, 3072), quick_layers=2),
+        DecodeModel("qwen3-2048", "Qwen3-1.7B", _qwen3_dense(2048, 6144), quick_layers=2),
+        DecodeModel(
+            "qwen3_next-2048",
+            "Qwen3-Next-80B-A3B, 24 of its 48 layers, dense MLP",
+            {
+                **_CONFIGS["qwen3_next"],
+                "hidden_size": 2048,
+                "num_hidden_layers": 24,
+                "intermediate_size": 5120,
+                "vocab_size": 151936,
+                "num_experts": 0,  # every layer takes the dense MLP
+                "num_experts_per_tok": 0,
+            },
+            quick_layers=4,  # three gated-delta layers and one full-attention
+        ),
+    )
+}
+
+
+def decode_model_config(
+    name: str, *, layers: Optional[int] = None, vocab_size: Optional[int] = None
+) -> dict:
+    """The config of ``DECODE_MODELS[name]`` (a fresh copy), with
+    ``layers`` decoder layers and a vocabulary of ``vocab_size`` where given."""
+    if name not in DECODE_MODELS:
+        raise ValueError(
+            f"unknown decode model {name!r}; choose from {', '.join(DECODE_MODELS)}"
+        )
+    config = copy.deepcopy(DECODE_MODELS[name].config)
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    if vocab_size is not None:
+        config["vocab_size"] = vocab_size
+    return config
 
 
 def _cast_floating_weights(model: nn.Module, dtype: mx.Dtype) -> None:
