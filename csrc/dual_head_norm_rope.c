@@ -539,20 +539,9 @@ static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* 
                        const dual_head_norm_call* call, const mlx_array rope_offset,
                        mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_OPERATION;
-  bool has_query_weight = call->queries.weight.ctx != NULL;
-  bool has_key_weight = call->keys.weight.ctx != NULL;
-  int layout = dualnorm_weight_layout(has_query_weight, has_key_weight);
-  mlx_array graph_inputs[5] = {call->queries.array, call->keys.array, rope_offset};
-  size_t input_count = 3;
-  if (has_query_weight) {
-    graph_inputs[input_count++] = call->queries.weight;
-  }
-  if (has_key_weight) {
-    graph_inputs[input_count++] = call->keys.weight;
-  }
-  /* The vector takes its own references; the caller's handles stay
-   * borrowed. Freed below on every path. */
-  mlx_vector_array input_vector = mlx_vector_array_new_data(graph_inputs, input_count);
+  int layout = WEIGHTLESS_LAYOUT;
+  /* Owned here, freed below on every path. */
+  mlx_vector_array input_vector = dualnorm_graph_inputs(call, &rope_offset, &layout);
   if (input_vector.ctx == NULL) {
     return dualnorm_fail_in_mlx(error, operation);
   }

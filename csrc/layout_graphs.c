@@ -3,7 +3,8 @@
 
 #include "compile_erasure.h"
 
-int dualnorm_weight_layout(bool has_query_weight, bool has_key_weight) {
+/* The layout of a call with (or without) each weight. */
+static int weight_layout(bool has_query_weight, bool has_key_weight) {
   return (has_query_weight ? QUERY_WEIGHTED_LAYOUT : 0) |
          (has_key_weight ? KEY_WEIGHTED_LAYOUT : 0);
 }
@@ -20,4 +21,23 @@ int dualnorm_release_layout_graphs(dualnorm_layout_graphs* graphs, bool were_com
     graphs->plain[layout] = mlx_closure_new();
   }
   return status;
+}
+
+mlx_vector_array dualnorm_graph_inputs(const dual_head_norm_call* call,
+                                       const mlx_array* extra_input, int* layout) {
+  bool has_query_weight = call->queries.weight.ctx != NULL;
+  bool has_key_weight = call->keys.weight.ctx != NULL;
+  mlx_array graph_inputs[5] = {call->queries.array, call->keys.array};
+  size_t input_count = 2;
+  if (extra_input != NULL) {
+    graph_inputs[input_count++] = *extra_input;
+  }
+  if (has_query_weight) {
+    graph_inputs[input_count++] = call->queries.weight;
+  }
+  if (has_key_weight) {
+    graph_inputs[input_count++] = call->keys.weight;
+  }
+  *layout = weight_layout(has_query_weight, has_key_weight);
+  return mlx_vector_array_new_data(graph_inputs, input_count);
 }

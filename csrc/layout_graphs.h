@@ -13,6 +13,8 @@
 
 #include "mlx/c/mlx.h"
 
+#include "head_norm_input.h"
+
 /* Weight layouts, indexing the graphs: bit 0 = a query weight, bit 1 = a
  * key weight. */
 enum {
@@ -30,8 +32,14 @@ typedef struct dualnorm_layout_graphs {
   uintptr_t compile_ids[WEIGHT_LAYOUT_COUNT];
 } dualnorm_layout_graphs;
 
-/* The layout of a call with (or without) each weight. */
-int dualnorm_weight_layout(bool has_query_weight, bool has_key_weight);
+/* The input vector of a call's graph: queries, keys, then `extra_input`
+ * when it is not NULL (the RoPE offset), then the query weight and the key
+ * weight where the call has them; `*layout` is the call's weight layout.
+ * The vector takes its own references (the call's handles stay borrowed)
+ * and belongs to the caller; an empty handle, with the reason sent to
+ * mlx_error, on failure. */
+mlx_vector_array dualnorm_graph_inputs(const dual_head_norm_call* call,
+                                       const mlx_array* extra_input, int* layout);
 
 /* Frees every closure, leaving empty handles, and, where the graphs were
  * compiled, erases their traces from every thread's compile cache
