@@ -3,12 +3,16 @@ CompiledDualHeadNormRope call against the composed ops.
 
     python bench/norm_rope_prework.py                 # 28 layers, 15 rounds
     python bench/norm_rope_prework.py --layers 36 --rounds 9 --tokens 100
+    python bench/norm_rope_prework.py --independent   # no chain between layers
 
 The composed prework of a layer is mlx-lm's Qwen3 attention's: two
 mx.fast.rms_norm, two transposes to (B, H, L, D), two mx.fast.rope at the
 token's offset. Each token runs a chain of --layers layers (each layer's
 inputs are the previous layer's outputs transposed back, a view, the same
-in both paths) and evaluates once, as a decode step does. Rounds interleave
+in both paths) and evaluates once, as a decode step does. With
+--independent, each layer reads inputs of its own instead (as a model's
+layers read their own projections), so a token holds the prework nodes and
+nothing else; all its outputs are evaluated once. Rounds interleave
 the paths (composed, compiled, and fused where the CUDA kernel is
 available; the order rotates each round) in one process; each round times
 --tokens tokens per path. Prints µs per token of each path and each
@@ -46,29 +50,25 @@ def make_layers(layers, width, dtype):
     return weights
 
 
-def composed_token(queries, keys, weights, offset, width):
-    for query_weight, key_weight in weights:
-        rotated_queries, rotated_keys = composed_dual_head_norm_rope(
-            queries, keys, query_weight, key_weight, eps=EPS, dims=width, base=BASE,
-            offset=offset,
-        )
+def run_token(prework, layer_inputs, weights, offset, independent):
+    """One token: `prework(queries, keys, query_weight, key_weight, offset)`
+    per layer, chained through transposes back to (B, L, H, D) or on each
+    layer's own inputs, then one evaluation."""
+    queries, keys = layer_inputs[0]
+    outputs = []
+    for layer, (query_weight, key_weight) in enumerate(weights):
+        if independent:
+            queries, keys = layer_inputs[layer]
+        rotated_queries, rotated_keys = prework(queries, keys, query_weight, key_weight, offset)
+        outputs += [rotated_queries, rotated_keys]
         queries, keys = rotated_queries.transpose(0, 2, 1, 3), rotated_keys.transpose(0, 2, 1, 3)
-    mx.eval(queries, keys)
+    mx.eval(outputs[-2:] if not independent else outputs)
 
 
-def compiled_token(norm_rope, queries, keys, weights, offset):
-    for query_weight, key_weight in weights:
-        rotated_queries, rotated_keys = norm_rope(
-            queries, keys, query_weight, key_weight, offset=offset
-        )
-        queries, keys = rotated_queries.transpose(0, 2, 1, 3), rotated_keys.transpose(0, 2, 1, 3)
-    mx.eval(queries, keys)
-
-
-def time_tokens(run_token, tokens, first_offset):
+def time_tokens(token_of, tokens, first_offset):
     started = time.perf_counter()
     for step in range(tokens):
-        run_token(first_offset + step)
+        token_of(first_offset + step)
     return 1e6 * (time.perf_counter() - started) / tokens
 
 
@@ -80,24 +80,40 @@ def main() -> None:
     parser.add_argument("--query-heads", type=int, default=16)
     parser.add_argument("--key-heads", type=int, default=8)
     parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--independent", action="store_true",
+                        help="each layer reads its own inputs: no chain between layers")
     args = parser.parse_args()
 
     dtype = mx.bfloat16
     width = args.width
-    queries = mx.random.normal((1, 1, args.query_heads, width), key=mx.random.key(1)).astype(dtype)
-    keys = mx.random.normal((1, 1, args.key_heads, width), key=mx.random.key(2)).astype(dtype)
+    layer_inputs = [
+        (mx.random.normal((1, 1, args.query_heads, width), key=mx.random.key(2 * layer + 1))
+         .astype(dtype),
+         mx.random.normal((1, 1, args.key_heads, width), key=mx.random.key(2 * layer + 2))
+         .astype(dtype))
+        for layer in range(args.layers)
+    ]
     weights = make_layers(args.layers, width, dtype)
-    mx.eval(queries, keys)
+    mx.eval(layer_inputs)
     modes = [mode for mode in ("compiled", "fused") if mode in available_modes()]
     norm_ropes = {mode: CompiledDualHeadNormRope(EPS, width, base=BASE, mode=mode)
                   for mode in modes}
 
-    paths = {"composed": lambda offset: composed_token(queries, keys, weights, offset, width)}
-    for mode, norm_rope in norm_ropes.items():
-        paths[mode] = (lambda offset, norm_rope=norm_rope:
-                       compiled_token(norm_rope, queries, keys, weights, offset))
-    for run_token in paths.values():  # warm-up: traces, kernels
-        time_tokens(run_token, 20, 0)
+    def composed(queries, keys, query_weight, key_weight, offset):
+        return composed_dual_head_norm_rope(queries, keys, query_weight, key_weight, eps=EPS,
+                                            dims=width, base=BASE, offset=offset)
+
+    def calling(norm_rope):
+        return lambda queries, keys, query_weight, key_weight, offset: norm_rope(
+            queries, keys, query_weight, key_weight, offset=offset)
+
+    preworks = {"composed": composed, **{mode: calling(norm_rope)
+                                         for mode, norm_rope in norm_ropes.items()}}
+    paths = {name: (lambda offset, prework=prework:
+                    run_token(prework, layer_inputs, weights, offset, args.independent))
+             for name, prework in preworks.items()}
+    for token_of in paths.values():  # warm-up: traces, kernels
+        time_tokens(token_of, 20, 0)
 
     per_token: dict[str, list[float]] = {name: [] for name in paths}
     ratios: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -109,7 +125,8 @@ def main() -> None:
         for mode in modes:
             ratios[mode].append(per_token[mode][-1] / per_token["composed"][-1])
 
-    print(f"q/k norm + RoPE prework, {args.layers} layers, q (1,1,{args.query_heads},{width}) "
+    layout = "independent layers" if args.independent else "layers chained through transposes"
+    print(f"q/k norm + RoPE prework, {args.layers} {layout}, q (1,1,{args.query_heads},{width}) "
           f"k (1,1,{args.key_heads},{width}) bf16, {mx.default_device()}, "
           f"{args.rounds} interleaved rounds of {args.tokens} tokens")
     for name, values in per_token.items():
