@@ -54,7 +54,6 @@
 #include "layout_graphs.h"
 #include "mode_choice.h"
 
-#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
@@ -108,22 +107,6 @@ bool mlx_dualnorm_fused_mode_available(void) {
 
 /* ---- Graph builders ------------------------------------------------------ */
 
-/* The stream that normalizes `input`: the default device's, except for an
- * empty input, which goes to the CPU: there is nothing to compute, and MLX
- * 0.32.4's CUDA RMSNorm divides by the width (SIGFPE for width 0). Empty
- * inputs never reach a compiled trace (they take the plain builder), so
- * this is decided per call. */
-static int select_stream(mlx_stream* stream, const mlx_array input,
-                         const mlx_device default_device) {
-  if (mlx_array_size(input) > 0) {
-    return mlx_get_default_stream(stream, default_device);
-  }
-  mlx_device cpu_device = mlx_device_new_type(MLX_CPU, 0);
-  int status = cpu_device.ctx == NULL || mlx_get_default_stream(stream, cpu_device) != 0;
-  status |= mlx_device_free(cpu_device);
-  return status;
-}
-
 /* One side of the graph: an input and its weight (empty: none), both
  * borrowed from the closure's input vector by handles this builder owns. */
 typedef struct graph_side {
@@ -131,11 +114,11 @@ typedef struct graph_side {
   mlx_array scale_weight;
 } graph_side;
 
-/* rms_norm of one side on the stream select_stream picks. */
+/* rms_norm of one side on the stream dualnorm_select_side_stream picks. */
 static int normalize_side(mlx_array* normalized, const graph_side side,
                           const mlx_device default_device) {
   mlx_stream stream = mlx_stream_new();
-  int status = select_stream(&stream, side.input, default_device) != 0 ||
+  int status = dualnorm_select_side_stream(&stream, side.input, default_device) != 0 ||
                mlx_fast_rms_norm(normalized, side.input, side.scale_weight,
                                  baked_rms_norm_epsilon(), stream) != 0;
   status |= mlx_stream_free(stream);
@@ -288,16 +271,13 @@ int mlx_dualnorm_compiled_dual_head_norm_new(mlx_dualnorm_compiled_dual_head_nor
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
                      "the result pointer is NULL");
   }
-  /* Checked as given, before rounding to float32: -1e-50 is negative even
-   * though it rounds to -0.0, and 1e39 is out of range though finite. */
-  if (!isfinite(rms_norm_epsilon) || rms_norm_epsilon < 0.0 || rms_norm_epsilon > FLT_MAX) {
-    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
-                     "eps must be finite, >= 0 and within float32's range, got %g",
-                     rms_norm_epsilon);
+  int status = dualnorm_check_rms_norm_epsilon(rms_norm_epsilon, operation, error);
+  if (status != MLX_DUALNORM_OK) {
+    return status;
   }
   mlx_dualnorm_mode resolved_mode = MLX_DUALNORM_MODE_COMPILED;
   const mlx_dualnorm_fused_backend* fused_backend = NULL;
-  int status = resolve_mode(mode, &resolved_mode, &fused_backend, error);
+  status = resolve_mode(mode, &resolved_mode, &fused_backend, error);
   if (status != MLX_DUALNORM_OK) {
     return status;
   }
@@ -339,10 +319,6 @@ typedef enum dual_head_norm_route {
   PLAIN_GRAPH_ROUTE,
 } dual_head_norm_route;
 
-static bool is_fused_dtype(mlx_dtype dtype) {
-  return dtype == MLX_FLOAT32 || dtype == MLX_FLOAT16 || dtype == MLX_BFLOAT16;
-}
-
 /* Whether the fused kernel computes exactly what rms_norm would: one
  * float dtype for every input, rows on both sides, ranks the kernel
  * indexes, rows that fit its 32-bit row index, the CUDA GPU by default. */
@@ -353,7 +329,7 @@ static int fused_kernel_takes(const mlx_dualnorm_compiled_dual_head_norm* dual_h
   const head_norm_input* keys = &call->keys;
   int max_rank = dual_head_norm->fused_backend->max_rank;
   mlx_dtype dtype = queries->dtype;
-  *takes = is_fused_dtype(dtype) && queries->weight_dtype == dtype && keys->dtype == dtype &&
+  *takes = dualnorm_is_fused_dtype(dtype) && queries->weight_dtype == dtype && keys->dtype == dtype &&
            keys->weight_dtype == dtype && queries->size > 0 && keys->size > 0 &&
            queries->rank <= (size_t)max_rank && keys->rank <= (size_t)max_rank &&
            queries->rows + keys->rows <= (size_t)INT_MAX;

@@ -70,7 +70,6 @@
 #include "layout_graphs.h"
 #include "mode_choice.h"
 
-#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
@@ -116,23 +115,8 @@ typedef struct graph_constants {
   bool has_key_weight;
 } graph_constants;
 
-/* The default device's stream, except for an empty input, which goes to
- * the CPU: there is nothing to compute, and MLX 0.32.4's CUDA RMSNorm
- * cannot launch on an empty grid. Empty inputs never reach a compiled
- * trace (they take the plain builder), so this is decided per call. */
-static int select_side_stream(mlx_stream* stream, const mlx_array input,
-                              const mlx_device default_device) {
-  if (mlx_array_size(input) > 0) {
-    return mlx_get_default_stream(stream, default_device);
-  }
-  mlx_device cpu_device = mlx_device_new_type(MLX_CPU, 0);
-  int status = cpu_device.ctx == NULL || mlx_get_default_stream(stream, cpu_device) != 0;
-  status |= mlx_device_free(cpu_device);
-  return status;
-}
-
 /* rope(rms_norm(input, weight, eps).transpose(0, 2, 1, 3)) for one side,
- * every step on the one stream select_side_stream picks. */
+ * every step on the one stream dualnorm_select_side_stream picks. */
 static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
                                 const mlx_array scale_weight, const mlx_array rope_offset,
                                 const graph_constants* constants,
@@ -144,7 +128,7 @@ static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
   mlx_array normalized = mlx_array_new();
   mlx_array head_major = mlx_array_new();
   int status =
-      select_side_stream(&stream, input, default_device) != 0 ||
+      dualnorm_select_side_stream(&stream, input, default_device) != 0 ||
       mlx_fast_rms_norm(&normalized, input, scale_weight, constants->rms_norm_epsilon,
                         stream) != 0 ||
       mlx_transpose_axes(&head_major, normalized, HEAD_MAJOR_AXES, ATTENTION_INPUT_RANK,
@@ -310,11 +294,9 @@ static int resolve_mode(mlx_dualnorm_mode requested, mlx_dualnorm_mode* resolved
 static int check_constants(double rms_norm_epsilon, const mlx_dualnorm_rope_parameters* rope,
                            mlx_dualnorm_error* error) {
   const char* operation = COMPILE_NORM_ROPE_OPERATION;
-  /* Checked as given, before rounding to float32, as dual_head_norm.c does. */
-  if (!isfinite(rms_norm_epsilon) || rms_norm_epsilon < 0.0 || rms_norm_epsilon > FLT_MAX) {
-    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
-                              "eps must be finite, >= 0 and within float32's range, got %g",
-                              rms_norm_epsilon);
+  int status = dualnorm_check_rms_norm_epsilon(rms_norm_epsilon, operation, error);
+  if (status != MLX_DUALNORM_OK) {
+    return status;
   }
   /* rope's own checks on dims, made here once rather than on every call. */
   if (rope->dims <= 0 || rope->dims % 2 != 0) {
@@ -481,10 +463,6 @@ static bool takes_compiled_graph(const mlx_dualnorm_dual_head_norm_rope* norm_ro
          keys->size > 0 && queries->rows + keys->rows <= COMPILED_GRAPH_MAX_ROWS;
 }
 
-static bool is_fused_dtype(mlx_dtype dtype) {
-  return dtype == MLX_FLOAT32 || dtype == MLX_FLOAT16 || dtype == MLX_BFLOAT16;
-}
-
 /* Whether MLX's RoPE reads the offset of this side in bounds: a scalar, or
  * one value per batch entry (see the file comment for shape (1,)). */
 static bool offset_fits_side(const head_norm_input* side, const rope_offset_input* offset) {
@@ -502,7 +480,7 @@ static int fused_kernel_takes(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
   const head_norm_input* keys = &call->keys;
   int max_width = norm_rope->fused_backend->max_width;
   mlx_dtype dtype = queries->dtype;
-  *takes = is_fused_dtype(dtype) && queries->weight_dtype == dtype && keys->dtype == dtype &&
+  *takes = dualnorm_is_fused_dtype(dtype) && queries->weight_dtype == dtype && keys->dtype == dtype &&
            keys->weight_dtype == dtype && queries->size > 0 && keys->size > 0 &&
            queries->width <= max_width && keys->width <= max_width &&
            queries->rows + keys->rows <= (size_t)INT_MAX && offset_fits_side(queries, offset) &&

@@ -3,6 +3,9 @@
 
 #include "call_errors.h"
 
+#include <float.h>
+#include <math.h>
+
 const char* dualnorm_dtype_name(mlx_dtype dtype) {
   static const char* const names[] = {
       [MLX_BOOL] = "bool",         [MLX_UINT8] = "uint8",     [MLX_UINT16] = "uint16",
@@ -17,6 +20,31 @@ const char* dualnorm_dtype_name(mlx_dtype dtype) {
 bool dualnorm_is_real_floating(mlx_dtype dtype) {
   return dtype == MLX_FLOAT16 || dtype == MLX_FLOAT32 || dtype == MLX_FLOAT64 ||
          dtype == MLX_BFLOAT16;
+}
+
+bool dualnorm_is_fused_dtype(mlx_dtype dtype) {
+  return dtype == MLX_FLOAT32 || dtype == MLX_FLOAT16 || dtype == MLX_BFLOAT16;
+}
+
+int dualnorm_check_rms_norm_epsilon(double rms_norm_epsilon, const char* operation,
+                                    mlx_dualnorm_error* error) {
+  if (!isfinite(rms_norm_epsilon) || rms_norm_epsilon < 0.0 || rms_norm_epsilon > FLT_MAX) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "eps must be finite, >= 0 and within float32's range, got %g",
+                              rms_norm_epsilon);
+  }
+  return MLX_DUALNORM_OK;
+}
+
+int dualnorm_select_side_stream(mlx_stream* stream, const mlx_array input,
+                                const mlx_device default_device) {
+  if (mlx_array_size(input) > 0) {
+    return mlx_get_default_stream(stream, default_device);
+  }
+  mlx_device cpu_device = mlx_device_new_type(MLX_CPU, 0);
+  int status = cpu_device.ctx == NULL || mlx_get_default_stream(stream, cpu_device) != 0;
+  status |= mlx_device_free(cpu_device);
+  return status;
 }
 
 /* Reads the facts of one side and checks rms_norm's preconditions: at least
@@ -99,7 +127,7 @@ int dualnorm_default_device_is_gpu(dual_head_norm_call* call, const char* operat
  * so rms_norm on a GPU default device rejects a float64 input or weight
  * before anything runs, even an empty input. This apply rejects it the same
  * way; otherwise the failure would surface later as an MLX error, or not at
- * all for an empty input (which runs on the CPU stream, see select_stream). */
+ * all for an empty input (which runs on the CPU stream, see dualnorm_select_side_stream). */
 int dualnorm_check_float64_placement(dual_head_norm_call* call, const char* operation,
                                      mlx_dualnorm_error* error) {
   const head_norm_input* sides[2] = {&call->queries, &call->keys};

@@ -41,6 +41,24 @@ const char* dualnorm_dtype_name(mlx_dtype dtype);
 
 bool dualnorm_is_real_floating(mlx_dtype dtype);
 
+/* The dtypes the fused CUDA kernels take: float32, float16, bfloat16. */
+bool dualnorm_is_fused_dtype(mlx_dtype dtype);
+
+/* Checks an object's RMS epsilon as given, before rounding to float32:
+ * finite, >= 0 and within float32's range (-1e-50 is negative though it
+ * rounds to -0.0; 1e39 is out of range though finite as a double). */
+int dualnorm_check_rms_norm_epsilon(double rms_norm_epsilon, const char* operation,
+                                    mlx_dualnorm_error* error);
+
+/* The stream one side's graph runs on: the default device's, except for
+ * an empty input, which goes to the CPU: there is nothing to compute, and
+ * MLX 0.32.4's CUDA kernels cannot launch on an empty grid (its RMSNorm
+ * divides by the width: SIGFPE at width 0). Empty inputs never reach a
+ * compiled trace (they take the plain builder), so this is decided per
+ * call. */
+int dualnorm_select_side_stream(mlx_stream* stream, const mlx_array input,
+                                const mlx_device default_device);
+
 /* Reads the facts of one side and checks rms_norm's preconditions: at least
  * one dimension; a weight, if any, one-dimensional and as long as the last
  * dimension; and a result dtype, MLX's promotion of the input and weight
