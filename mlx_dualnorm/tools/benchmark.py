@@ -16,7 +16,7 @@ One run measures every registered path on the default MLX device:
 
 Every number is taken once per repeat for every path, as the median of its
 samples; inside a repeat the paths take their samples in turn (one batch,
-token or call each, the order rotating), so load that comes and goes on the
+token or call each, the order rotating and reversing), so load that comes and goes on the
 machine falls on all of them alike. The ratio to the baseline path
 (``composed``) is computed per repeat, and values and ratios are reported
 as min / median / max over the repeats.
@@ -407,7 +407,8 @@ def interleaved_samples(
     warmup: int,
 ) -> dict[str, list[Sample]]:
     """``samples`` samples of every path, taken round-robin (one sample of
-    each path in turn, the order rotating each round), so load that comes
+    each path in turn, the order rotating each round and reversing every
+    other cycle), so load that comes
     and goes on the machine falls on all paths alike. ``warmup`` untimed
     samples of each path first."""
     names = list(calls)
@@ -423,8 +424,13 @@ def interleaved_samples(
 
 
 def _rotated(names: Sequence[str], offset: int) -> list[str]:
-    offset %= len(names)
-    return [*names[offset:], *names[:offset]]
+    """The order of round ``offset``: rotated by one each round, and run
+    backwards every other pair of rounds, so no path always follows the same
+    other path (a slow path's leftovers, its freed buffers and cold caches,
+    would otherwise fall on the same neighbour every time)."""
+    offset_in_cycle = offset % len(names)
+    rotated = [*names[offset_in_cycle:], *names[:offset_in_cycle]]
+    return rotated[::-1] if (offset // len(names)) % 2 else rotated
 
 
 # ---- The run ---------------------------------------------------------------------------
