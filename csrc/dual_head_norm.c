@@ -2,8 +2,7 @@
  * normalizations.
  *
  * The query/key head RMS normalizations of a layer's prework ran as two
- * graph builds; one dual-output replay of a shapeless compiled graph
- * produces both. Every primitive and its order match the composed path:
+ * graph builds; one dual-output replay of a compiled graph produces both. Every primitive and its order match the composed path:
  * the builder calls mlx_fast_rms_norm on each input exactly as two separate
  * calls would, so MLX emits the same kernels over the same inputs.
  *
@@ -11,7 +10,7 @@
  * epsilon, and mlx_fast_rms_norm bakes its epsilon into the graph at trace
  * time, so the epsilon rides in a process-wide slot. MLX traces at the first
  * APPLY, not at compile, and traces again whenever the compile cache misses
- * (a dtype or rank change, a new thread, a new default stream, or on every
+ * (a new shape or dtype, a new thread, a new default stream, or on every
  * call when compilation is disabled). Each apply therefore stores its own
  * object's epsilon in the slot and holds the trace lock across the apply, so
  * any trace that apply triggers reads that object's epsilon, whatever other
@@ -30,17 +29,30 @@
  * thread's to that thread's next apply (or its exit, which drops its cache):
  * a graph traced on a worker and closed elsewhere leaves nothing behind.
  *
+ * The graph is traced once per input shape (and dtype), not shapeless: a
+ * shapeless trace cannot fold rms_norm's element count into a constant, so
+ * it keeps two NumberOfElements primitives per call that a shaped trace
+ * drops (10 primitives against 8), and on MLX's CPU backend each one is a
+ * dispatch to the stream's worker thread (measured: 0.67x composed per
+ * decode token shapeless, 0.62x shaped, the same as Python's shaped
+ * mx.compile; docs/performance.md). Only calls of at most
+ * COMPILED_GRAPH_MAX_ROWS rows take the compiled graph, so the shapes
+ * traced stay few (decode batch sizes), each traced once per thread; the
+ * fused kernels MLX compiles for them are keyed by layout, not by shape.
+ *
  * The compiled graph pays off at decode sizes only: on CPU, MLX fuses the
  * fallback rms_norm ops into one generic kernel that is 1.6-2x slower than
  * the composed ops beyond a few dozen rows (measured at (1,512,16,128):
  * docs/performance.md). Calls with more than COMPILED_GRAPH_MAX_ROWS rows
  * in all take the uncompiled builder, which is the composed graph.
  *
- * Rows of width 0 or 1 take the uncompiled builder too:
- * MLX 0.32.4's shapeless compile returns the wrong shape for width 0 and
- * crashes in its CPU sum for width 1 at rank >= 2.
+ * Rows of width 0 or 1 take the uncompiled builder too: there is nothing
+ * to gain for them, and MLX 0.32.4's compile mishandles them (shapeless,
+ * the wrong shape for width 0 and a crash in its CPU sum for width 1 at
+ * rank >= 2).
  *
- * A shapeless replay skips rms_norm's argument checks, so the apply checks
+ * rms_norm checks its arguments when traced, never at a replay, so the
+ * apply checks
  * rms_norm's preconditions on every call (head_norm_input.h), and chooses
  * the route (fused, compiled, uncompiled) from the facts read there.
  * Failures are reported as call_errors.h says; compile ids and their
@@ -64,7 +76,7 @@
 #include <string.h>
 
 static const char COMPILE_DUAL_HEAD_NORM_OPERATION[] =
-    "compile the shapeless MLX dual head norm graph";
+    "compile the MLX dual head norm graph";
 static const char APPLY_DUAL_HEAD_NORM_OPERATION[] =
     "apply the compiled MLX dual head norm";
 static const char CLOSE_DUAL_HEAD_NORM_OPERATION[] =
@@ -254,8 +266,8 @@ static int compile_graphs(mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) 
     if (dual_head_norm->mode != MLX_DUALNORM_MODE_COMPOSED &&
         mlx_detail_compile(&dual_head_norm->graphs.compiled[layout],
                            dual_head_norm->graphs.plain[layout],
-                           dual_head_norm->graphs.compile_ids[layout], true, compile_constants,
-                           1) != 0) {
+                           dual_head_norm->graphs.compile_ids[layout],
+                           /* shapeless: */ false, compile_constants, 1) != 0) {
       return 1;
     }
   }

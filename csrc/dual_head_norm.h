@@ -2,7 +2,7 @@
  *
  * One call returns (rms_norm(queries, query_scale_weight, eps),
  * rms_norm(keys, key_scale_weight, eps)): the q/k head prework of
- * Qwen3-Next / Qwen3.5 layers, built as one shapeless compiled MLX graph
+ * Qwen3-Next / Qwen3.5 layers, built as one compiled MLX graph
  * whose primitives and order are those of two mlx_fast_rms_norm calls, so
  * the bits are the composed path's.
  *
@@ -32,8 +32,8 @@ typedef enum mlx_dualnorm_status_ {
   MLX_DUALNORM_OK = 0,
   /* MLX itself failed; the description is MLX's first message. */
   MLX_DUALNORM_MLX_FAILURE = 1,
-  /* An input the composed path would reject, or one the shapeless replay
-   * would silently misread (a weight whose length is not the width). */
+  /* An input the composed path would reject, or one a compiled replay
+   * would not check (a weight whose length is not the width). */
   MLX_DUALNORM_INVALID_ARGUMENT = 2,
   /* The dual head norm was closed. */
   MLX_DUALNORM_CLOSED = 3,
@@ -46,7 +46,8 @@ typedef enum mlx_dualnorm_mode_ {
   MLX_DUALNORM_MODE_AUTO = 0,
   /* The two rms_norm calls, built on every call (the reference path). */
   MLX_DUALNORM_MODE_COMPOSED = 1,
-  /* One replay of the shapeless compiled dual-output graph. */
+  /* One replay of the compiled dual-output graph (traced once per input
+   * shape). */
   MLX_DUALNORM_MODE_COMPILED = 2,
   /* One CUDA kernel launch for both inputs (fused/); inputs it does not
    * support take the compiled graph, with the same bits. */
@@ -119,7 +120,7 @@ void mlx_dualnorm_set_fused_backend(const mlx_dualnorm_fused_backend* backend);
  * has a CUDA GPU. */
 bool mlx_dualnorm_fused_mode_available(void);
 
-/* Compiles the shapeless dual head-norm graphs with `rms_norm_epsilon`
+/* Compiles the dual head-norm graphs with `rms_norm_epsilon`
  * baked in, for `mode`. The epsilon must be finite, >= 0 and within
  * float32's range (it is checked before rounding to float32, the type MLX
  * uses). `*res` receives a new object the caller owns (free it with

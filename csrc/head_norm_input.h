@@ -1,9 +1,9 @@
 /* One side of a q/k head normalization (an input and its optional scale
  * weight), read once per call (internal).
  *
- * A shapeless compiled replay skips rms_norm's argument checks (it only
- * recomputes output shapes), so a weight whose length is not the inputs'
- * width would be read out of bounds without a word. Each apply therefore
+ * rms_norm checks its arguments when a graph is traced, and a compiled
+ * replay checks nothing (a shapeless one would read a weight whose length
+ * is not the inputs' width out of bounds without a word). Each apply
  * checks, on every call and here only, the preconditions rms_norm checks at
  * trace time, and reports them as invalid arguments. The facts read here
  * also choose the call's route: nothing about an input is read twice.

@@ -6,8 +6,8 @@ returns the same two arrays, bit for bit, as::
     (mx.fast.rms_norm(queries, query_weight, eps),
      mx.fast.rms_norm(keys, key_weight, eps))
 
-from one replay of a shapeless compiled MLX graph: one crossing into C per
-call, lazy outputs, no copies of the inputs.
+from one replay of a compiled MLX graph: one crossing into C per call, lazy
+outputs, no copies of the inputs.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
 __all__ = ["CompiledDualHeadNorm", "available_modes", "composed_dual_head_norm"]
 
 APPLY_DUAL_HEAD_NORM_OPERATION = "apply the compiled MLX dual head norm"
-COMPILE_DUAL_HEAD_NORM_OPERATION = "compile the shapeless MLX dual head norm graph"
+COMPILE_DUAL_HEAD_NORM_OPERATION = "compile the MLX dual head norm graph"
 COMPOSED_DUAL_HEAD_NORM_OPERATION = "composed dual head norm"
 
 ArrayLike = Union[mx.array, np.ndarray]
@@ -92,8 +92,10 @@ class CompiledDualHeadNorm:
     Call it like two ``mx.fast.rms_norm`` calls sharing ``eps``; the weights
     are optional and independent (mlx-lm's gated-delta layers pass none).
     Inputs may have any rank >= 1, any head counts, and different dtypes
-    for queries and keys; the graph is shapeless, so new batch or sequence
-    sizes reuse it, while a new dtype or rank traces it once more.
+    for queries and keys. The graph is traced once per input shape and
+    dtype (a trace specialized to the shape runs faster than a shapeless
+    one), so the first call at a new decode batch size traces it; calls
+    over 48 rows, such as prefills, never trace.
 
     Thread-safe. ``close()`` (or leaving a ``with`` block) releases the
     compiled graphs at once; garbage collection does it otherwise.

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import io
 import math
+import re
 import weakref
 
 import mlx.core as mx
@@ -65,12 +67,44 @@ def test_float32_weight_promotes_half_inputs_like_the_composed_path(rng_key):
     assert_matches_composed(norm, queries, keys, weight, weight)
 
 
-def test_shapeless_graph_serves_new_batch_and_sequence_sizes(rng_key):
+def test_new_batch_and_sequence_sizes_give_the_composed_bits(rng_key):
     norm = CompiledDualHeadNorm(1e-5)
-    for batch, sequence in [(1, 1), (4, 1), (1, 33), (3, 7)]:
+    for batch, sequence in [(1, 1), (2, 1), (1, 1), (1, 2), (4, 1), (1, 33), (3, 7)]:
         queries = random_heads(rng_key, (batch, sequence, 16, 128), mx.bfloat16)
         keys = random_heads(rng_key, (batch, sequence, 4, 128), mx.bfloat16)
         assert_matches_composed(norm, queries, keys)
+
+
+def graph_primitives(*outputs: mx.array) -> list[str]:
+    """The primitive names of the graph behind `outputs`, sorted."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return sorted(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))
+
+
+def test_compiled_graph_is_traced_for_the_shape_like_a_shaped_mx_compile(rng_key):
+    """A trace for the call's shape folds rms_norm's element count into a
+    constant: the same primitives as Python's shape-specialized mx.compile,
+    none of the NumberOfElements a shapeless trace keeps (each one more
+    dispatch per call at evaluation)."""
+    queries = random_heads(rng_key, (1, 1, 16, 128), mx.bfloat16)
+    keys = random_heads(rng_key, (1, 1, 8, 128), mx.bfloat16)
+    compiled = CompiledDualHeadNorm(EPS, mode="compiled")(queries, keys)
+    shaped_peer = mx.compile(lambda q, k: composed_dual_head_norm(q, k, None, None, EPS))
+    primitives = graph_primitives(*compiled)
+    assert "NumberOfElements" not in primitives
+    assert primitives == graph_primitives(*shaped_peer(queries, keys))
+
+
+def test_each_new_shape_traces_with_its_own_objects_epsilon(rng_key):
+    """A new shape traces again, reading the epsilon slot: interleaved
+    objects with different epsilons each get their own at every new size."""
+    small, large = CompiledDualHeadNorm(1e-6, "compiled"), CompiledDualHeadNorm(1e-2, "compiled")
+    for batch in (1, 2, 3):
+        for norm in (small, large):
+            queries = random_heads(rng_key, (batch, 1, 4, 64), mx.float32)
+            keys = random_heads(rng_key, (batch, 1, 2, 64), mx.float32)
+            assert_matches_composed(norm, queries, keys)
 
 
 def test_queries_and_keys_may_differ_in_dtype_and_rank_as_in_the_composed_path(rng_key):
@@ -160,7 +194,7 @@ BAD_EPSILONS = [float("nan"), float("inf"), -1e-6, 1e300]
 
 @pytest.mark.parametrize("eps", BAD_EPSILONS)
 def test_bad_eps_is_a_value_error_naming_the_operation(eps):
-    with pytest.raises(ValueError, match="compile the shapeless MLX dual head norm graph"):
+    with pytest.raises(ValueError, match="compile the MLX dual head norm graph"):
         CompiledDualHeadNorm(eps)
 
 

@@ -160,7 +160,7 @@ register_path(
 register_path(
     COMPILED_PATH,
     make_compiled_path,
-    "mlx_dualnorm.CompiledDualHeadNorm(mode='compiled'): one shapeless graph compiled in C",
+    "mlx_dualnorm.CompiledDualHeadNorm(mode='compiled'): one graph compiled in C, traced per shape",
     available=lambda: "compiled" in available_modes(),
 )
 register_path(
