@@ -142,7 +142,7 @@ def test_a_raising_prework_runs_the_original(monkeypatch):
     prompt = mx.array(list(range(5, 17)))
     reference = greedy_generate(model, prompt, 4)
 
-    def broken(attention):
+    def broken(rope, query_norm, key_norm):
         raise RuntimeError("broken")
 
     monkeypatch.setattr(integration, "_norm_rope_for", broken)
@@ -181,3 +181,19 @@ def test_modes_reach_the_norm_rope(prework_calls):
     modes = {norm_rope.mode for norm_rope in integration._norm_ropes.values()}
     assert modes == {"composed"}
     integration.clear_cache()
+
+
+def test_constants_changed_in_place_after_patching_are_followed():
+    """A layer's constants are read at every call: changing a RoPE base and
+    the norms' eps in place between generations changes the patched output
+    exactly as it changes mlx-lm's own."""
+    model = build_model("qwen3")
+    prompt = mx.array(list(range(5, 17)))
+    with integration.patch():
+        greedy_generate(model, prompt, 2)
+        for attention in attention_layers(model):
+            attention.rope.base = 10_000.0
+            attention.q_norm.eps = attention.k_norm.eps = 1e-2
+        patched = greedy_generate(model, prompt, 8)
+    reference = greedy_generate(model, prompt, 8)
+    assert compare_traces(reference, patched).identical

@@ -492,46 +492,74 @@ _norm_ropes_lock = threading.Lock()
 _full_attention_mode: Optional[Mode] = None
 
 
-def _norm_rope_for(attention):
+_module_item = dict.get  # mlx.nn.Module is a dict of its submodules and arrays
+
+
+def _member(module, name: str):
+    """``module.name`` as mlx.nn.Module resolves a submodule or an array,
+    without its Python-level ``__getattr__`` (about 0.5 µs a lookup, several
+    per layer and token): such members are items of the Module's dict."""
+    value = _module_item(module, name)
+    return value if value is not None else getattr(module, name)
+
+
+def _norm_rope_for(rope, query_norm, key_norm):
     """The cached CompiledDualHeadNormRope for a layer's constants, or None
-    where the layer's norms or RoPE are not exactly what it computes."""
-    rope, query_norm, key_norm = attention.rope, attention.q_norm, attention.k_norm
+    where the layer's norms or RoPE are not exactly what it computes.
+
+    Runs for every layer of every decode step, so a known layer costs one
+    dict lookup: the key holds everything the result depends on, read
+    afresh each call (a module swapped or a constant changed in place gets
+    a new key), with the types that change what MLX makes of a value (an
+    int 1 is not the bool ``traditional``)."""
+    key = (
+        _full_attention_mode, type(rope), type(query_norm), type(key_norm),
+        query_norm.eps, key_norm.eps, rope.dims, type(rope.dims),
+        rope.traditional, type(rope.traditional), rope.base, rope.scale,
+    )
+    norm_rope = _norm_ropes.get(key)
+    if norm_rope is not None or not _is_plain_norm_rope(rope, query_norm, key_norm):
+        return norm_rope
+    with _norm_ropes_lock:
+        norm_rope = _norm_ropes.get(key)
+        if norm_rope is None:
+            if len(_norm_ropes) >= MAX_CACHED_FOLDS:
+                return None
+            mode = _full_attention_mode
+            norm_rope = CompiledDualHeadNormRope(
+                query_norm.eps, rope.dims, base=rope.base, traditional=rope.traditional,
+                scale=rope.scale, **({} if mode is None else {"mode": mode}),
+            )
+            _norm_ropes[key] = norm_rope
+    return norm_rope
+
+
+def _is_plain_norm_rope(rope, query_norm, key_norm) -> bool:
+    """Whether the layer computes what CompiledDualHeadNormRope does: plain
+    nn.RMSNorm on both sides with one plain eps, then plain nn.RoPE with
+    plain constants."""
     if type(rope) is not nn.RoPE or not (type(query_norm) is type(key_norm) is nn.RMSNorm):
-        return None
+        return False
     eps = query_norm.eps
     if type(eps) not in PLAIN_SCALAR_TYPES or type(key_norm.eps) is not type(eps):
-        return None
+        return False
     if key_norm.eps != eps or type(rope.dims) is not int or type(rope.traditional) is not bool:
-        return None
-    if type(rope.base) not in PLAIN_SCALAR_TYPES or type(rope.scale) not in PLAIN_SCALAR_TYPES:
-        return None
-    key = (_full_attention_mode, eps, rope.dims, rope.traditional, rope.base, rope.scale)
-    norm_rope = _norm_ropes.get(key)
-    if norm_rope is None:
-        with _norm_ropes_lock:
-            norm_rope = _norm_ropes.get(key)
-            if norm_rope is None:
-                if len(_norm_ropes) >= MAX_CACHED_FOLDS:
-                    return None
-                mode = _full_attention_mode
-                norm_rope = CompiledDualHeadNormRope(
-                    eps, rope.dims, base=rope.base, traditional=rope.traditional,
-                    scale=rope.scale, **({} if mode is None else {"mode": mode}),
-                )
-                _norm_ropes[key] = norm_rope
-    return norm_rope
+        return False
+    return type(rope.base) in PLAIN_SCALAR_TYPES and type(rope.scale) in PLAIN_SCALAR_TYPES
 
 
 def _rotated_queries_and_keys(attention, queries, keys, cache):
     """(B, H, L, D) queries and keys, normalized and rotated in one call, or
     None (the caller then runs the class's own __call__)."""
     try:
-        norm_rope = _norm_rope_for(attention)
+        query_norm, key_norm = _member(attention, "q_norm"), _member(attention, "k_norm")
+        norm_rope = _norm_rope_for(_member(attention, "rope"), query_norm, key_norm)
         if norm_rope is None:
             return None
         offset = 0 if cache is None else cache.offset
         return norm_rope(
-            queries, keys, attention.q_norm.weight, attention.k_norm.weight, offset=offset
+            queries, keys, _member(query_norm, "weight"), _member(key_norm, "weight"),
+            offset=offset,
         )
     except Exception:  # anything unexpected runs mlx-lm's own code instead
         return None
@@ -541,9 +569,8 @@ def _attention_output(attention, queries, keys, values, cache, mask, batch, leng
     """The cache update and attention of mlx-lm's layers, as (B, L, H*D)."""
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
-    attend = vars(importlib.import_module(type(attention).__module__))[
-        "scaled_dot_product_attention"
-    ]
+    # The model module's own name, looked up at each call as its code does.
+    attend = sys.modules[type(attention).__module__].scaled_dot_product_attention
     attended = attend(queries, keys, values, cache=cache, scale=attention.scale, mask=mask)
     return attended.transpose(0, 2, 1, 3).reshape(batch, length, -1)
 
