@@ -1,0 +1,211 @@
+"""Device experiment: what bounds the fused modes' ratios on MLX CUDA.
+
+Every path below is timed per token of ``--layers`` layers, round-robin
+(one token of each path in turn, the order reversed every other round), and
+each token is split into the graph build, the host's encoding
+(``mx.async_eval`` returns once every node is encoded and the CUDA graph
+launched) and the wait for the GPU after that. Ratios are per round against
+the composed path of the same case, reported as median [min-max].
+
+Beside the package's paths, each case runs a floor: one trivial MLX kernel
+per layer (``mx.negative`` of the queries), the cheapest node MLX can add.
+No single-launch replacement of the composed ops can cost less than one
+such node per layer, so floor / composed bounds every fused ratio from below.
+
+Cases:
+  gated-delta   q, k (1,1,16,128) bf16, no weights: 2 rms_norm vs 1 launch
+  full-attn     q (1,1,16,256), k (1,1,2,256) bf16, weighted: the same
+  norm-rope     q (1,1,16,128), k (1,1,8,128) bf16, weighted, RoPE at an
+                int offset: rms_norm, transpose and rope per side (the six
+                composed ops) vs 1 launch; layers independent (each reads
+                inputs of its own), since the outputs are (B, H, L, D)
+
+Then host µs per call (graph build only, batches of 100 calls): the package's
+calls and single MLX ops for scale.
+
+    python3 bench/gpu_bounds.py [--layers 28] [--rounds 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+
+from mlx_dualnorm import CompiledDualHeadNorm, CompiledDualHeadNormRope, composed_dual_head_norm
+from mlx_dualnorm.dual_head_norm_rope import composed_dual_head_norm_rope
+
+EPS = 1e-6
+ROPE = {"dims": 128, "base": 1_000_000.0, "traditional": False, "scale": 1.0}
+OFFSET = 37
+
+
+def heads(shape, seed):
+    return (mx.random.normal(shape, key=mx.random.key(seed)) * 0.5).astype(mx.bfloat16)
+
+
+class Case:
+    """One shape: its inputs per layer and the per-layer calls of each path."""
+
+    def __init__(self, name, query_shape, key_shape, weighted, rope, layers, mode):
+        self.name = name
+        self.rope = rope
+        width = query_shape[-1]
+        self.layer_inputs = [
+            (heads(query_shape, 2 * layer), heads(key_shape, 2 * layer + 1)) for layer in range(layers)
+        ]
+        self.query_weight = heads((width,), 1000) if weighted else None
+        self.key_weight = heads((width,), 1001) if weighted else None
+        mx.eval(self.layer_inputs, self.query_weight, self.key_weight)
+        if rope:
+            fused = CompiledDualHeadNormRope(EPS, mode=mode, **ROPE)
+            composed = lambda q, k: composed_dual_head_norm_rope(
+                q, k, self.query_weight, self.key_weight, eps=EPS, offset=OFFSET, **ROPE
+            )
+            self.paths = {
+                "composed": composed,
+                "fused": lambda q, k: fused(q, k, self.query_weight, self.key_weight, offset=OFFSET),
+                "floor": lambda q, k: (mx.negative(q),),
+            }
+        else:
+            fused = CompiledDualHeadNorm(EPS, mode=mode)
+            self.paths = {
+                "composed": lambda q, k: composed_dual_head_norm(
+                    q, k, self.query_weight, self.key_weight, EPS
+                ),
+                "fused": lambda q, k: fused(q, k, self.query_weight, self.key_weight),
+                "floor": lambda q, k: (mx.negative(q), k),
+            }
+
+    def build_token(self, path, chained):
+        """The lazy outputs of one token: every layer's, or the last
+        layer's where each layer feeds the next."""
+        call = self.paths[path]
+        if chained:
+            queries, keys = self.layer_inputs[0]
+            for _ in self.layer_inputs:
+                queries, keys = call(queries, keys)
+            return [queries, keys]
+        outputs = []
+        for queries, keys in self.layer_inputs:
+            outputs.extend(call(queries, keys))
+        return outputs
+
+
+def split_token(case, path, chained):
+    started = time.perf_counter()
+    outputs = case.build_token(path, chained)
+    built = time.perf_counter()
+    mx.async_eval(outputs)
+    encoded = time.perf_counter()
+    mx.eval(outputs)
+    finished = time.perf_counter()
+    return (built - started) * 1e6, (encoded - built) * 1e6, (finished - encoded) * 1e6
+
+
+def spread(values):
+    return f"{statistics.median(values):.3f}x [{min(values):.3f}-{max(values):.3f}]"
+
+
+def time_case(case, chained, rounds, tokens_per_round=20, warmup=20):
+    paths = list(case.paths)
+    for path in paths:
+        for _ in range(warmup):
+            split_token(case, path, chained)
+    samples = {path: [] for path in paths}  # per round: median (build, encode, wait)
+    for round_index in range(rounds):
+        order = paths if round_index % 2 == 0 else paths[::-1]
+        round_samples = {path: [] for path in paths}
+        for _ in range(tokens_per_round):
+            for path in order:
+                round_samples[path].append(split_token(case, path, chained))
+        for path in paths:
+            samples[path].append([statistics.median(part) for part in zip(*round_samples[path])])
+    layout = "chained" if chained else "independent"
+    print(f"\n{case.name}, {len(case.layer_inputs)} layers, {layout}: µs per token, "
+          f"median of {rounds} rounds of {tokens_per_round} tokens")
+    totals = {path: [sum(parts) for parts in samples[path]] for path in paths}
+    for path in paths:
+        parts = list(zip(*samples[path]))
+        ratios = [total / reference for total, reference in zip(totals[path], totals["composed"])]
+        print(f"  {path:9s} build {statistics.median(parts[0]):7.1f}  encode "
+              f"{statistics.median(parts[1]):7.1f}  wait {statistics.median(parts[2]):7.1f}  "
+              f"total {statistics.median(totals[path]):7.1f}  vs composed {spread(ratios)}")
+
+
+def host_us_per_call(call, batches=200, calls_per_batch=100):
+    """Median over batches of the build time of one call (outputs released
+    outside the clock)."""
+    per_call = []
+    for _ in range(batches):
+        kept = []
+        started = time.perf_counter()
+        for _ in range(calls_per_batch):
+            kept.append(call())
+        per_call.append((time.perf_counter() - started) * 1e6 / calls_per_batch)
+        del kept
+    return statistics.median(per_call)
+
+
+def time_host_calls(mode):
+    gated_q, gated_k = heads((1, 1, 16, 128), 1), heads((1, 1, 16, 128), 2)
+    attn_q, attn_k = heads((1, 1, 16, 256), 3), heads((1, 1, 2, 256), 4)
+    attn_w = heads((256,), 5)
+    rope_q, rope_k, rope_w = heads((1, 1, 16, 128), 6), heads((1, 1, 8, 128), 7), heads((128,), 8)
+    mx.eval(gated_q, gated_k, attn_q, attn_k, attn_w, rope_q, rope_k, rope_w)
+    fused = CompiledDualHeadNorm(EPS, mode=mode)
+    fused_rope = CompiledDualHeadNormRope(EPS, mode=mode, **ROPE)
+    calls = {
+        "mx.negative (one trivial op)": lambda: mx.negative(gated_q),
+        "mx.fast.rms_norm, weighted": lambda: mx.fast.rms_norm(attn_q, attn_w, EPS),
+        "mx.fast.rms_norm, no weight": lambda: mx.fast.rms_norm(gated_q, None, EPS),
+        "mx.fast.rope, int offset": lambda: mx.fast.rope(
+            rope_q, 128, traditional=False, base=1e6, scale=1.0, offset=OFFSET
+        ),
+        "composed dual norm, gated-delta": lambda: composed_dual_head_norm(
+            gated_q, gated_k, None, None, EPS
+        ),
+        "fused dual norm, gated-delta": lambda: fused(gated_q, gated_k),
+        "composed dual norm, full-attn": lambda: composed_dual_head_norm(
+            attn_q, attn_k, attn_w, attn_w, EPS
+        ),
+        "fused dual norm, full-attn": lambda: fused(attn_q, attn_k, attn_w, attn_w),
+        "composed norm + rope (6 ops)": lambda: composed_dual_head_norm_rope(
+            rope_q, rope_k, rope_w, rope_w, eps=EPS, offset=OFFSET, **ROPE
+        ),
+        "fused norm + rope": lambda: fused_rope(rope_q, rope_k, rope_w, rope_w, offset=OFFSET),
+    }
+    for call in calls.values():
+        host_us_per_call(call, batches=5)
+    print("\nhost µs per call (graph build only), median of 3 passes over every call:")
+    results = {name: [] for name in calls}
+    for _ in range(3):
+        for name, call in calls.items():
+            results[name].append(host_us_per_call(call))
+    for name, values in results.items():
+        print(f"  {name:34s} {statistics.median(values):6.2f}  [{min(values):.2f}-{max(values):.2f}]")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--mode", default="fused", help="the package's mode to time (\"compiled\" for a dry run on CPU)")
+    args = parser.parse_args()
+    print(f"MLX {mx.__version__}, {mx.default_device()}")
+    cases = [
+        Case("gated-delta", (1, 1, 16, 128), (1, 1, 16, 128), False, False, args.layers, args.mode),
+        Case("full-attn", (1, 1, 16, 256), (1, 1, 2, 256), True, False, args.layers, args.mode),
+        Case("norm-rope", (1, 1, 16, 128), (1, 1, 8, 128), True, True, args.layers, args.mode),
+    ]
+    for case in cases:
+        for chained in ((True, False) if not case.rope else (False,)):
+            time_case(case, chained, args.rounds)
+    print(f"\nthe package's paths ran in mode {args.mode!r}")
+    time_host_calls(args.mode)
+
+
+if __name__ == "__main__":
+    main()
