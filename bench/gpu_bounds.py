@@ -34,6 +34,8 @@ import time
 
 import mlx.core as mx
 
+import mlx_dualnorm._interop as _interop
+
 from mlx_dualnorm import CompiledDualHeadNorm, CompiledDualHeadNormRope, composed_dual_head_norm
 from mlx_dualnorm.dual_head_norm_rope import composed_dual_head_norm_rope
 
@@ -54,7 +56,8 @@ class Case:
         self.rope = rope
         width = query_shape[-1]
         self.layer_inputs = [
-            (heads(query_shape, 2 * layer), heads(key_shape, 2 * layer + 1)) for layer in range(layers)
+            (heads(query_shape, 2 * layer), heads(key_shape, 2 * layer + 1))
+            for layer in range(layers)
         ]
         self.query_weight = heads((width,), 1000) if weighted else None
         self.key_weight = heads((width,), 1001) if weighted else None
@@ -66,7 +69,9 @@ class Case:
             )
             self.paths = {
                 "composed": composed,
-                "fused": lambda q, k: fused(q, k, self.query_weight, self.key_weight, offset=OFFSET),
+                "fused": lambda q, k: fused(
+                    q, k, self.query_weight, self.key_weight, offset=OFFSET
+                ),
                 "floor": lambda q, k: (mx.negative(q),),
             }
         else:
@@ -168,6 +173,9 @@ def time_host_calls(mode):
             gated_q, gated_k, None, None, EPS
         ),
         "fused dual norm, gated-delta": lambda: fused(gated_q, gated_k),
+        "  the same, bridge only": lambda: _interop.apply(
+            fused._address, gated_q, gated_k, None, None
+        ),
         "composed dual norm, full-attn": lambda: composed_dual_head_norm(
             attn_q, attn_k, attn_w, attn_w, EPS
         ),
@@ -176,6 +184,9 @@ def time_host_calls(mode):
             rope_q, rope_k, rope_w, rope_w, eps=EPS, offset=OFFSET, **ROPE
         ),
         "fused norm + rope": lambda: fused_rope(rope_q, rope_k, rope_w, rope_w, offset=OFFSET),
+        "  the same, bridge only ": lambda: _interop.apply_rope(
+            fused_rope._address, rope_q, rope_k, rope_w, rope_w, OFFSET
+        ),
     }
     for call in calls.values():
         host_us_per_call(call, batches=5)
@@ -185,14 +196,17 @@ def time_host_calls(mode):
         for name, call in calls.items():
             results[name].append(host_us_per_call(call))
     for name, values in results.items():
-        print(f"  {name:34s} {statistics.median(values):6.2f}  [{min(values):.2f}-{max(values):.2f}]")
+        low, high = min(values), max(values)
+        print(f"  {name:34s} {statistics.median(values):6.2f}  [{low:.2f}-{high:.2f}]")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--mode", default="fused", help="the package's mode to time (\"compiled\" for a dry run on CPU)")
+    parser.add_argument(
+        "--mode", default="fused", help="the package's mode to time ('compiled': CPU dry run)"
+    )
     args = parser.parse_args()
     print(f"MLX {mx.__version__}, {mx.default_device()}")
     cases = [

@@ -169,7 +169,10 @@ class CompiledDualHeadNorm:
         graph_outputs = apply_compiled_dual_head_norm(
             self._address, queries, keys, query_weight, key_weight
         )
-        return _queries_then_keys(graph_outputs, APPLY_DUAL_HEAD_NORM_OPERATION)
+        # The C builders' fixed order, queries then keys: the tuple as is.
+        if len(graph_outputs) != 2:
+            raise _output_count_error(graph_outputs, APPLY_DUAL_HEAD_NORM_OPERATION)
+        return graph_outputs
 
     def close(self) -> None:
         """Releases the compiled graphs and their compile-cache entries.
@@ -186,17 +189,14 @@ class CompiledDualHeadNorm:
         return f"CompiledDualHeadNorm(eps={self.eps!r}, mode={self.mode!r})"
 
 
-def _queries_then_keys(
-    graph_outputs: tuple[mx.array, ...], operation: str
-) -> tuple[mx.array, mx.array]:
-    """Checks the graph gave exactly two outputs and unpacks them in the C
-    builders' fixed order: queries first, keys second."""
-    if len(graph_outputs) != 2:
-        raise MlxCError(
-            operation, f"the compiled graph returned {len(graph_outputs)} outputs, expected 2"
-        )
-    queries_output, keys_output = graph_outputs
-    return queries_output, keys_output
+def _output_count_error(graph_outputs: tuple[mx.array, ...], operation: str) -> MlxCError:
+    """What a call raises when the graph did not give exactly two outputs:
+    the C builders publish queries first, keys second, nothing else. The
+    facades check the count inline and return the bridge's tuple as is (one
+    Python call less per call)."""
+    return MlxCError(
+        operation, f"the compiled graph returned {len(graph_outputs)} outputs, expected 2"
+    )
 
 
 # What mx.stream() takes.

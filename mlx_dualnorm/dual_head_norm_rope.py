@@ -34,7 +34,7 @@ from mlx_dualnorm.dual_head_norm import (
     _as_epsilon,
     _as_mx_array,
     _default_stream,
-    _queries_then_keys,
+    _output_count_error,
 )
 
 __all__ = ["CompiledDualHeadNormRope", "composed_dual_head_norm_rope"]
@@ -219,7 +219,10 @@ class CompiledDualHeadNormRope:
         graph_outputs = _interop.apply_rope(
             self._address, queries, keys, query_weight, key_weight, offset
         )
-        return _queries_then_keys(graph_outputs, APPLY_NORM_ROPE_OPERATION)
+        # The C builders' fixed order, queries then keys: the tuple as is.
+        if len(graph_outputs) != 2:
+            raise _output_count_error(graph_outputs, APPLY_NORM_ROPE_OPERATION)
+        return graph_outputs
 
     def close(self) -> None:
         """Releases the compiled graphs and their compile-cache entries.

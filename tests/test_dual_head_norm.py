@@ -283,3 +283,19 @@ def test_garbage_collection_frees_the_object():
     del norm
     gc.collect()
     assert reference() is None
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_bridge_giving_other_than_two_outputs_is_an_mlx_error(monkeypatch, rng_key, count):
+    """The facade returns the bridge's tuple only when it holds exactly the
+    two outputs the C builders publish; anything else is reported, never
+    unpacked. (The bridge is replaced here, MLX is not.)"""
+    import mlx_dualnorm.dual_head_norm as facade
+
+    queries = random_heads(rng_key, (1, 1, 4, 64), mx.float32)
+    monkeypatch.setattr(
+        facade, "apply_compiled_dual_head_norm", lambda *arguments: (queries,) * count
+    )
+    expected = rf"^\[apply the compiled MLX dual head norm\] .*returned {count} outputs, expected 2"
+    with pytest.raises(MlxCError, match=expected):
+        CompiledDualHeadNorm(EPS, "compiled")(queries, queries)

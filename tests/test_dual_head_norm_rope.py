@@ -564,3 +564,24 @@ def test_lazy_outputs_keep_their_offset_when_the_next_call_changes_it():
         assert_matches_composed(outputs, inputs, eps=1e-6, dims=64, base=1e4,
                                 traditional=False, scale=1.0, offset=offset,
                                 context=f"offset {offset}")
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_bridge_giving_other_than_two_outputs_is_an_mlx_error(monkeypatch, count):
+    """As for the dual head norm: exactly two outputs or an MlxCError naming
+    the operation. (The bridge is replaced here, MLX is not.)"""
+    import types
+
+    import mlx_dualnorm.dual_head_norm_rope as facade
+    from mlx_dualnorm import MlxCError
+
+    queries, keys, query_weight, key_weight = random_inputs(
+        (1, 1, 4, 64), (1, 1, 2, 64), mx.float32, 5
+    )
+    monkeypatch.setattr(
+        facade, "_interop", types.SimpleNamespace(apply_rope=lambda *arguments: (queries,) * count)
+    )
+    norm_rope = CompiledDualHeadNormRope(1e-6, 64, base=10_000.0, mode="compiled")
+    expected = rf"^\[apply the compiled MLX dual head norm rope\] .*returned {count} outputs"
+    with pytest.raises(MlxCError, match=expected):
+        norm_rope(queries, keys, query_weight, key_weight)

@@ -171,9 +171,11 @@ PreparedKernel& prepared_kernel() {
 }
 
 #ifdef MLX_DUALNORM_WITH_CUDA
-/* The two facts of mlx-c's handle layout this file relies on, as every
- * mlx-c does (the subset and upstream alike): an mlx_array's ctx is a heap
- * mlx::core::array the handle owns, and mlx_array_free deletes it. */
+/* The facts of mlx-c's handle layout this file relies on, as every mlx-c
+ * does (the subset and upstream alike): an mlx_array's ctx is a heap
+ * mlx::core::array the handle owns, and mlx_array_free deletes it; an
+ * mlx_vector_array's ctx is a heap std::vector<mlx::core::array> (the
+ * nanobind bridge relies on the same), created and freed by mlx-c. */
 const mx::array& borrowed_array(const mlx_array handle) {
   return *static_cast<const mx::array*>(handle.ctx);
 }
@@ -221,20 +223,21 @@ int prepare_fused_kernel() {
   });
 }
 
-/* Sets `*res` to the two outputs, handed over as new mlx_array handles
- * (owned here until mlx_vector_array_set_data has copied them, then
- * freed). */
+/* Sets `*res` to the outputs, in order: mlx-c empties (or creates) the
+ * vector, which stays mlx-c's to free, and the arrays are moved into it,
+ * still lazy. No handle per output and no reference-count traffic: this
+ * runs on every fused call. */
 int publish_outputs(mlx_vector_array* res, std::vector<mx::array>& outputs) {
-  mlx_array handles[2] = {mlx_array_new(), mlx_array_new()};
-  int status = report_failures([&] {
-    for (size_t index = 0; index < outputs.size() && index < 2; ++index) {
-      handles[index].ctx = new mx::array(std::move(outputs[index]));
+  if (mlx_vector_array_set_data(res, nullptr, 0) != 0) {
+    return 1;
+  }
+  return report_failures([&] {
+    auto& published = *static_cast<std::vector<mx::array>*>(res->ctx);
+    published.reserve(outputs.size());
+    for (auto& output : outputs) {
+      published.push_back(std::move(output));
     }
   });
-  status = status != 0 || mlx_vector_array_set_data(res, handles, 2) != 0;
-  status |= mlx_array_free(handles[0]);
-  status |= mlx_array_free(handles[1]);
-  return status;
 }
 
 int apply_fused_kernel(

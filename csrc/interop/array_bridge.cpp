@@ -47,6 +47,7 @@ struct BoundFunctions {
   nb::handle convert_array;    // (value, argument_name) -> mx.array, or raises
   nb::handle value_error_type; // bad input or a closed object
   nb::handle mlx_error_type;   // MLX failed
+  PyTypeObject* array_type = nullptr; // mlx.core.array, for the exact-type check
 };
 BoundFunctions bound;
 
@@ -59,6 +60,13 @@ struct BoundRopeFunctions {
   nb::handle convert_offset; // value -> mx.array, or raises
 };
 BoundRopeFunctions bound_rope;
+
+/* Whether `object` is an mx.array: its exact type first (a pointer
+ * comparison, the decode path's case), then nanobind's check, which also
+ * takes subclasses. Runs for every argument of every call. */
+bool is_mx_array(nb::handle object) {
+  return Py_TYPE(object.ptr()) == bound.array_type || nb::isinstance<mx::array>(object);
+}
 
 /* The output vector handle, freed on every path out of apply. */
 struct OwnedOutputVector {
@@ -85,11 +93,11 @@ mlx_array borrow_array(nb::handle object, const char* argument_name, bool option
   if (optional && object.is_none()) {
     return mlx_array{nullptr};
   }
-  if (!nb::isinstance<mx::array>(object)) {
+  if (!is_mx_array(object)) {
     nb::handle converter = convert_array.is_valid() ? convert_array : bound.convert_array;
     converted = converter(object, argument_name);
     object = converted;
-    if (!nb::isinstance<mx::array>(object)) {
+    if (!is_mx_array(object)) {
       raise_type_error(
           std::string("the converter returned no mlx.core.array for ") + argument_name,
           operation);
@@ -136,7 +144,7 @@ mlx_array borrow_offset(nb::handle object, nb::object& converted) {
       return mlx_array{last.scalar};
     }
   }
-  if (!nb::isinstance<mx::array>(object)) {
+  if (!is_mx_array(object)) {
     converted = bound_rope.convert_offset(object);
     object = converted;
   }
@@ -246,6 +254,7 @@ void bind(std::uintptr_t apply_function_address, std::uintptr_t free_vector_func
   bound.convert_array = convert_array.release();
   bound.value_error_type = value_error_type.release();
   bound.mlx_error_type = mlx_error_type.release();
+  bound.array_type = reinterpret_cast<PyTypeObject*>(nb::type<mx::array>().ptr());
 }
 
 void bind_rope(std::uintptr_t apply_function_address, nb::callable convert_array,
