@@ -11,6 +11,9 @@ Beside the package's paths, each case runs a floor: one trivial MLX kernel
 per layer (``mx.negative`` of the queries), the cheapest node MLX can add.
 No single-launch replacement of the composed ops can cost less than one
 such node per layer, so floor / composed bounds every fused ratio from below.
+A second reference keeps one of MLX's own nodes of the kind the fused
+kernel subsumes: the queries' rms_norm alone (``one-norm``), or their rope
+alone (``one-rope``); a fused node does at least that node's work.
 
 Cases:
   gated-delta   q, k (1,1,16,128) bf16, no weights: 2 rms_norm vs 1 launch
@@ -73,6 +76,9 @@ class Case:
                     q, k, self.query_weight, self.key_weight, offset=OFFSET
                 ),
                 "floor": lambda q, k: (mx.negative(q),),
+                "one-rope": lambda q, k: (
+                    mx.fast.rope(q, 128, traditional=False, base=1e6, scale=1.0, offset=OFFSET),
+                ),
             }
         else:
             fused = CompiledDualHeadNorm(EPS, mode=mode)
@@ -82,6 +88,7 @@ class Case:
                 ),
                 "fused": lambda q, k: fused(q, k, self.query_weight, self.key_weight),
                 "floor": lambda q, k: (mx.negative(q), k),
+                "one-norm": lambda q, k: (mx.fast.rms_norm(q, self.query_weight, EPS), k),
             }
 
     def build_token(self, path, chained):

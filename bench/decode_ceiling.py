@@ -1,0 +1,89 @@
+"""Device experiment: how much of the reachable decode gain the patch takes.
+
+Times mlx-lm greedy decode of a qwen3-like model at released dimensions
+(random bfloat16 weights, ``mlx_dualnorm.tools.mlx_lm_synthetic``) three
+ways, round-robin within each round:
+
+  mlx-lm       mlx-lm's own attention
+  patched      ``mlx_dualnorm.integrations.mlx_lm.patch()``: q/k norm and
+               RoPE in one call per layer
+  no-prework   the ceiling: the attention with the q/k norms and RoPE
+               removed altogether (wrong tokens; for timing only). No
+               replacement of those four ops can be cheaper than nothing.
+
+Ratios are per round against mlx-lm, median [min-max].
+
+    python3 bench/decode_ceiling.py [--model qwen3-1024] [--rounds 15] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import mlx.core as mx
+from mlx_lm.models import qwen3
+
+from mlx_dualnorm.integrations import mlx_lm as integration
+from mlx_dualnorm.tools.mlx_lm_bench import (
+    DECODE_DTYPE_OF_WEIGHTS,
+    DECODE_PROMPT_TOKENS,
+    _timed_greedy_decode,
+)
+from mlx_dualnorm.tools.mlx_lm_synthetic import (
+    build_model,
+    decode_model_config,
+    prompt_token_ids,
+)
+
+
+def attention_without_prework(self, x, mask=None, cache=None):
+    """qwen3's attention minus q_norm, k_norm and both RoPE calls."""
+    batch, length, _ = x.shape
+    queries = self.q_proj(x).reshape(batch, length, self.n_heads, -1).transpose(0, 2, 1, 3)
+    keys = self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    output = integration._attention_output(self, queries, keys, values, cache, mask, batch, length)
+    return self.o_proj(output)
+
+
+def run(path, network, prompt, steps):
+    original = qwen3.Attention.__call__
+    try:
+        if path == "patched":
+            with integration.patch():
+                return _timed_greedy_decode(network, prompt, steps)[1]
+        if path == "no-prework":
+            qwen3.Attention.__call__ = attention_without_prework
+        return _timed_greedy_decode(network, prompt, steps)[1]
+    finally:
+        qwen3.Attention.__call__ = original
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3-1024", help="qwen3-1024 or qwen3-2048")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--layers", type=int, help="fewer layers (a dry run on CPU)")
+    args = parser.parse_args()
+    config = decode_model_config(args.model, **({"layers": args.layers} if args.layers else {}))
+    network = build_model(config, dtype=DECODE_DTYPE_OF_WEIGHTS)
+    prompt = prompt_token_ids(config["vocab_size"], DECODE_PROMPT_TOKENS)
+    paths = ["mlx-lm", "patched", "no-prework"]
+    for path in paths:
+        run(path, network, prompt, 4)
+    times = {path: [] for path in paths}
+    for round_index in range(args.rounds):
+        for path in paths if round_index % 2 == 0 else paths[::-1]:
+            times[path].append(run(path, network, prompt, args.steps))
+    print(f"{args.model}: ms per decode token, {args.rounds} rounds of {args.steps} steps, "
+          f"MLX {mx.__version__} on {mx.default_device()}")
+    for path in paths:
+        ratios = [time / reference for time, reference in zip(times[path], times["mlx-lm"])]
+        print(f"  {path:11s} {statistics.median(times[path]):7.3f} ms   vs mlx-lm "
+              f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]")
+
+
+if __name__ == "__main__":
+    main()
