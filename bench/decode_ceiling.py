@@ -11,15 +11,21 @@ ways, round-robin within each round:
                removed altogether (wrong tokens; for timing only). No
                replacement of those four ops can be cheaper than nothing.
 
-Ratios are per round against mlx-lm, median [min-max].
+Ratios are per round against mlx-lm, median [min-max]. Then, with
+``--split``, each path's decode steps run one at a time, unpipelined, each
+split into the graph build (the model's forward call), the host's encoding
+(``mx.async_eval``) and the wait for the GPU after it: generation overlaps
+the next step's build with the GPU's work, so where the time of a step
+goes says which of the host's or the GPU's savings can show.
 
-    python3 bench/decode_ceiling.py [--model qwen3-1024] [--rounds 15] [--steps 64]
+    python3 bench/decode_ceiling.py [--model qwen3-1024] [--rounds 15] [--steps 64] [--split]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import mlx.core as mx
 from mlx_lm.models import qwen3
@@ -60,12 +66,43 @@ def run(path, network, prompt, steps):
         qwen3.Attention.__call__ = original
 
 
+def split_steps(path, network, prompt, steps):
+    """Median µs of (build, encode, wait) over ``steps`` unpipelined greedy
+    decode steps after the prompt."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    original = qwen3.Attention.__call__
+    patching = integration.patch() if path == "patched" else integration.unpatch()
+    with patching:
+        if path == "no-prework":
+            qwen3.Attention.__call__ = attention_without_prework
+        try:
+            cache = make_prompt_cache(network)
+            token = mx.argmax(network(prompt[None], cache=cache)[:, -1], axis=-1)
+            mx.eval(token)
+            parts = []
+            for _ in range(steps):
+                started = time.perf_counter()
+                logits = network(token[:, None], cache=cache)
+                token = mx.argmax(logits[:, -1], axis=-1)
+                built = time.perf_counter()
+                mx.async_eval(token)
+                encoded = time.perf_counter()
+                mx.eval(token)
+                finished = time.perf_counter()
+                parts.append((built - started, encoded - built, finished - encoded))
+        finally:
+            qwen3.Attention.__call__ = original
+    return [1e6 * statistics.median(part) for part in zip(*parts)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-1024", help="qwen3-1024 or qwen3-2048")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--layers", type=int, help="fewer layers (a dry run on CPU)")
+    parser.add_argument("--split", action="store_true", help="also split unpipelined steps")
     args = parser.parse_args()
     config = decode_model_config(args.model, **({"layers": args.layers} if args.layers else {}))
     network = build_model(config, dtype=DECODE_DTYPE_OF_WEIGHTS)
@@ -83,6 +120,17 @@ def main():
         ratios = [time / reference for time, reference in zip(times[path], times["mlx-lm"])]
         print(f"  {path:11s} {statistics.median(times[path]):7.3f} ms   vs mlx-lm "
               f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]")
+    if not args.split:
+        return
+    print("unpipelined steps, µs (median over rounds of the median step):")
+    splits = {path: [] for path in paths}
+    for round_index in range(max(3, args.rounds // 3)):
+        for path in paths if round_index % 2 == 0 else paths[::-1]:
+            splits[path].append(split_steps(path, network, prompt, args.steps))
+    for path in paths:
+        build, encode, wait = (statistics.median(part) for part in zip(*splits[path]))
+        print(f"  {path:11s} build {build:7.1f}  encode {encode:7.1f}  wait {wait:7.1f}  "
+              f"total {build + encode + wait:7.1f}")
 
 
 if __name__ == "__main__":
