@@ -19,7 +19,8 @@ Cases:
   gated-delta   q, k (1,1,16,128) bf16, no weights: 2 rms_norm vs 1 launch
   full-attn     q (1,1,16,256), k (1,1,2,256) bf16, weighted: the same
   norm-rope     q (1,1,16,128), k (1,1,8,128) bf16, weighted, RoPE at an
-                int offset: rms_norm, transpose and rope per side (the six
+                int offset, one more each token as in decode (every layer of
+                a token at the same): rms_norm, transpose and rope per side (the six
                 composed ops) vs 1 launch; layers independent (each reads
                 inputs of its own), since the outputs are (B, H, L, D)
 
@@ -57,6 +58,7 @@ class Case:
     def __init__(self, name, query_shape, key_shape, weighted, rope, layers, mode):
         self.name = name
         self.rope = rope
+        self.offset = OFFSET
         width = query_shape[-1]
         self.layer_inputs = [
             (heads(query_shape, 2 * layer), heads(key_shape, 2 * layer + 1))
@@ -68,16 +70,18 @@ class Case:
         if rope:
             fused = CompiledDualHeadNormRope(EPS, mode=mode, **ROPE)
             composed = lambda q, k: composed_dual_head_norm_rope(
-                q, k, self.query_weight, self.key_weight, eps=EPS, offset=OFFSET, **ROPE
+                q, k, self.query_weight, self.key_weight, eps=EPS, offset=self.offset, **ROPE
             )
             self.paths = {
                 "composed": composed,
                 "fused": lambda q, k: fused(
-                    q, k, self.query_weight, self.key_weight, offset=OFFSET
+                    q, k, self.query_weight, self.key_weight, offset=self.offset
                 ),
                 "floor": lambda q, k: (mx.negative(q),),
                 "one-rope": lambda q, k: (
-                    mx.fast.rope(q, 128, traditional=False, base=1e6, scale=1.0, offset=OFFSET),
+                    mx.fast.rope(
+                        q, 128, traditional=False, base=1e6, scale=1.0, offset=self.offset
+                    ),
                 ),
             }
         else:
@@ -95,6 +99,7 @@ class Case:
         """The lazy outputs of one token: every layer's, or the last
         layer's where each layer feeds the next."""
         call = self.paths[path]
+        self.offset += 1  # a token's position, as in decode: a new offset each token
         if chained:
             queries, keys = self.layer_inputs[0]
             for _ in self.layer_inputs:
@@ -161,6 +166,42 @@ def host_us_per_call(call, batches=200, calls_per_batch=100):
     return statistics.median(per_call)
 
 
+def _mlx_lm_layer_calls(queries, keys):
+    """One qwen3 layer's q/k prework as mlx-lm's own code builds it, and as
+    the patch does (its glue, then the package's call), at the same inputs."""
+    from mlx_lm.models import qwen3
+
+    from mlx_dualnorm.integrations import mlx_lm as integration
+
+    arguments = qwen3.ModelArgs(
+        model_type="qwen3", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=EPS,
+        vocab_size=512, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=True,
+    )
+    attention = qwen3.Attention(arguments)
+    attention.set_dtype(mx.bfloat16)
+    mx.eval(attention.parameters())
+
+    class Position:  # what the prework reads of a KV cache
+        offset = OFFSET
+
+    def mlx_lm_prework():
+        rotated_queries = attention.rope(
+            attention.q_norm(queries).transpose(0, 2, 1, 3), offset=Position.offset
+        )
+        rotated_keys = attention.rope(
+            attention.k_norm(keys).transpose(0, 2, 1, 3), offset=Position.offset
+        )
+        return rotated_queries, rotated_keys
+
+    return {
+        "mlx-lm layer prework, its own code": mlx_lm_prework,
+        "patched layer prework (glue + call)": lambda: integration._rotated_queries_and_keys(
+            attention, queries, keys, Position
+        ),
+    }
+
+
 def time_host_calls(mode):
     gated_q, gated_k = heads((1, 1, 16, 128), 1), heads((1, 1, 16, 128), 2)
     attn_q, attn_k = heads((1, 1, 16, 256), 3), heads((1, 1, 2, 256), 4)
@@ -195,16 +236,20 @@ def time_host_calls(mode):
             fused_rope._address, rope_q, rope_k, rope_w, rope_w, OFFSET
         ),
     }
+    calls.update(_mlx_lm_layer_calls(rope_q, rope_k))
     for call in calls.values():
         host_us_per_call(call, batches=5)
     print("\nhost µs per call (graph build only), median of 3 passes over every call:")
+    from mlx_dualnorm.integrations import mlx_lm as integration
+
+    integration.patch(mode=mode)  # the patched prework runs in this mode
     results = {name: [] for name in calls}
     for _ in range(3):
         for name, call in calls.items():
             results[name].append(host_us_per_call(call))
     for name, values in results.items():
         low, high = min(values), max(values)
-        print(f"  {name:34s} {statistics.median(values):6.2f}  [{low:.2f}-{high:.2f}]")
+        print(f"  {name:36s} {statistics.median(values):6.2f}  [{low:.2f}-{high:.2f}]")
 
 
 def main():
