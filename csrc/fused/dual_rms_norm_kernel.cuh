@@ -226,13 +226,20 @@ __device__ __forceinline__ void normalize_row(
       has_weight && whole_chunks && layout.weight_stride == 1 && is_vector_aligned(weight);
 
   // The first chunk stays in registers for the second pass (the only chunk
-  // at decode widths); later chunks are read again.
+  // at decode widths); later chunks are read again. Its weights are loaded
+  // with it, before the reduction, so their latency overlaps the input's
+  // instead of following the block's barrier.
   RowChunk first_chunk;
+  RowChunk first_scale;
   float sum_of_squares = 0.0f;
   if (owns_elements) {
     for (int chunk = 0; chunk < chunks; ++chunk) {
       const int first = (chunk * row_block + thread) * READS;
       const RowChunk x = load_chunk<Storage>(row, first, width, element_stride, load_vectors);
+      if (chunk == 0 && has_weight) {
+        first_scale =
+            load_chunk<Storage>(weight, first, width, layout.weight_stride, weight_vectors);
+      }
 #pragma unroll
       for (int j = 0; j < READS; ++j) {
         const float value = Storage::to_float(x.values[j]);
@@ -261,7 +268,9 @@ __device__ __forceinline__ void normalize_row(
           : load_chunk<Storage>(row, first, width, element_stride, load_vectors);
       RowChunk scale;
       if (has_weight) {
-        scale = load_chunk<Storage>(weight, first, width, layout.weight_stride, weight_vectors);
+        scale = chunk == 0
+            ? first_scale
+            : load_chunk<Storage>(weight, first, width, layout.weight_stride, weight_vectors);
       }
       RowChunk normalized;
 #pragma unroll

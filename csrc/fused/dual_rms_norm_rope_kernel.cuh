@@ -65,19 +65,35 @@ inline constexpr const char kDualRmsNormRopeEntrySource[] =
  * normalize_row's vector stores; sized by the launch. */
 extern __shared__ __align__(16) unsigned char normalized_row_bytes[];
 
-/* Rotates the normalized row in shared memory into `out`. */
+/* The cosine and sine of pair i's angle at `position`, MLX's expressions. */
+struct PairRotation {
+  float cos_theta;
+  float sin_theta;
+};
+
+__device__ __forceinline__ PairRotation pair_rotation(int i, float position,
+                                                      const DualRmsNormRopeParams& params) {
+  const int half = params.dims / 2;
+  const float scaled_position = params.scale * position;
+  const float d = __fdiv_rn(static_cast<float>(i), static_cast<float>(half));
+  const float inv_freq = exp2f(-d * params.log2_base);
+  const float theta = scaled_position * inv_freq;
+  return PairRotation{cosf(theta), sinf(theta)};
+}
+
+/* Rotates the normalized row in shared memory into `out`; `own_pair` is
+ * the rotation of pair threadIdx.x, computed before the row was (it
+ * depends only on the position), the others are computed here. */
 template <typename Storage>
 __device__ __forceinline__ void rotate_row(
     const typename Storage::storage* normalized, typename Storage::storage* out,
-    int width, float position, const DualRmsNormRopeParams& params) {
+    int width, float position, PairRotation own_pair, const DualRmsNormRopeParams& params) {
   const int half = params.dims / 2;
-  const float scaled_position = params.scale * position;
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const float d = __fdiv_rn(static_cast<float>(i), static_cast<float>(half));
-    const float inv_freq = exp2f(-d * params.log2_base);
-    const float theta = scaled_position * inv_freq;
-    const float cos_theta = cosf(theta);
-    const float sin_theta = sinf(theta);
+    const PairRotation rotation =
+        i == static_cast<int>(threadIdx.x) ? own_pair : pair_rotation(i, position, params);
+    const float cos_theta = rotation.cos_theta;
+    const float sin_theta = rotation.sin_theta;
     const int first = params.traditional ? 2 * i : i;
     const int second = params.traditional ? first + 1 : i + half;
     const float x1 = Storage::to_float(normalized[first]);
@@ -103,20 +119,28 @@ __device__ __forceinline__ void normalize_and_rotate_row(
     const RopeSide& rope, unsigned int row_index, const DualRmsNormRopeParams& params) {
   typename Storage::storage* normalized =
       reinterpret_cast<typename Storage::storage*>(normalized_row_bytes);
-  normalize_row<Storage>(input, weight, normalized, layout, row_index, params.eps);
-  __syncthreads();
   const unsigned int heads = static_cast<unsigned int>(rope.heads);
   const unsigned int sequence = static_cast<unsigned int>(rope.sequence);
   const unsigned int head = row_index % heads;
   const unsigned int token = (row_index / heads) % sequence;
   const unsigned int batch = row_index / heads / sequence;
+  // The position and this thread's first rotation come before the
+  // normalization: they depend on the offset only, so the offset's load
+  // and the trigonometry overlap the row's load and reduction instead of
+  // following the barrier. The arithmetic is unchanged.
   const int batch_offset = offsets[static_cast<long long>(batch) * rope.offset_stride];
   const float position = rope.signed_position
       ? static_cast<float>(batch_offset)
       : static_cast<float>(token + static_cast<unsigned int>(batch_offset));
+  PairRotation own_pair{1.0f, 0.0f};
+  if (static_cast<int>(threadIdx.x) < params.dims / 2) {
+    own_pair = pair_rotation(static_cast<int>(threadIdx.x), position, params);
+  }
+  normalize_row<Storage>(input, weight, normalized, layout, row_index, params.eps);
+  __syncthreads();
   const long long output_row = (static_cast<long long>(batch) * heads + head) * sequence + token;
   rotate_row<Storage>(normalized, output + output_row * layout.width, layout.width, position,
-                      params);
+                      own_pair, params);
 }
 
 template <typename Storage>
