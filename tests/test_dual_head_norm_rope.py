@@ -24,7 +24,18 @@ from mlx_dualnorm._native import ffi, lib
 
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 WIDTHS = (64, 128, 256)
-OFFSETS = (0, 7, 4096, "array")
+# Ints, an mx.array already computed (in the fused mode, its value is read
+# on the host and passed as a kernel parameter), and one still lazy when
+# the call is made (read by the kernel).
+OFFSETS = (0, 7, 4096, "array", "lazy array")
+
+
+def rope_offset_of(offset):
+    if offset == "array":
+        return mx.array(11, dtype=mx.int32)
+    if offset == "lazy array":
+        return mx.array(5, dtype=mx.int32) + 6
+    return offset
 # "fused" where this build and MLX have the CUDA kernel and a GPU.
 FUSED_AVAILABLE = "fused" in available_modes()
 MODES = ("compiled", "composed") + (("fused",) if FUSED_AVAILABLE else ())
@@ -63,7 +74,7 @@ def assert_matches_composed(outputs, inputs, *, eps, dims, base, traditional, sc
 @pytest.mark.parametrize("width", WIDTHS)
 def test_bit_identical_to_the_composed_path(dtype, width):
     """Every combination of partial rotary, traditional, base, scale,
-    offset (ints and an mx.array), sequence length 1 and 5, weights or
+    offset (ints, a computed and a lazy mx.array), sequence length 1 and 5, weights or
     none, with 4 query and 2 key heads (compiled route) and every mode
     available here (the fused kernel on a CUDA GPU)."""
     cases = itertools.product(
@@ -73,8 +84,8 @@ def test_bit_identical_to_the_composed_path(dtype, width):
     objects = {}
     for seed, (dims, traditional, base, scale, offset, length, weighted) in enumerate(cases):
         inputs = random_inputs((1, length, 4, width), (1, length, 2, width), dtype, seed, weighted)
-        rope_offset = mx.array(11, dtype=mx.int32) if offset == "array" else offset
         for mode in MODES:
+            rope_offset = rope_offset_of(offset)
             constants = (dims, traditional, base, scale, mode)
             if constants not in objects:
                 objects[constants] = CompiledDualHeadNormRope(

@@ -11,11 +11,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <stdexcept>
 
 #include "mlx/allocator.h"
+#include "mlx/backend/cuda/allocator.h"
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
 #include "mlx/fast.h"
@@ -60,6 +62,22 @@ RopeSide rope_side(const mx::array& input, const mx::array& offset) {
   return side;
 }
 
+/* The offset's value where the host holds it without a copy: one element,
+ * already computed, in unified memory (CudaBuffer device -1, where MLX puts
+ * arrays made on the host, e.g. the scalar the bridge makes of an int).
+ * Anything else (a scalar still being computed, or in device memory) is
+ * read by the kernel. */
+std::optional<int32_t> host_readable_offset(const mx::array& offset) {
+  if (offset.size() != 1 || !offset.is_available()) {
+    return std::nullopt;
+  }
+  const auto* buffer = static_cast<const mx::cu::CudaBuffer*>(offset.buffer().ptr());
+  if (buffer == nullptr || buffer->device != -1) {
+    return std::nullopt;
+  }
+  return *mx::gpu_ptr<int32_t>(offset);
+}
+
 mx::Shape head_major_shape(const mx::array& input) {
   return {input.shape(0), input.shape(2), input.shape(1), input.shape(3)};
 }
@@ -102,6 +120,10 @@ class FusedDualRmsNormRope : public mx::Primitive {
     params.traditional = rope_.traditional ? 1 : 0;
     params.scale = rope_.scale;
     params.log2_base = log2_base_;
+    if (std::optional<int32_t> constant_offset = host_readable_offset(offset)) {
+      params.has_constant_offset = 1;
+      params.constant_offset = *constant_offset;
+    }
     for (auto& output : outputs) {
       output.set_data(mx::allocator::malloc(output.nbytes()));
     }
