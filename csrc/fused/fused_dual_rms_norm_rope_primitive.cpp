@@ -63,12 +63,15 @@ RopeSide rope_side(const mx::array& input, const mx::array& offset) {
 }
 
 /* The offset's value where the host holds it without a copy: one element,
- * already computed, in unified memory (CudaBuffer device -1, where MLX puts
- * arrays made on the host, e.g. the scalar the bridge makes of an int).
- * Anything else (a scalar still being computed, or in device memory) is
- * read by the kernel. */
+ * whose computation is complete (status available: a constant, such as the
+ * scalar the bridge makes of an int, or a result already waited for), in
+ * unified memory (CudaBuffer device -1, where MLX puts arrays made on the
+ * host). Anything else is read by the kernel, in stream order: a scalar
+ * computed earlier in the same evaluation is only `evaluated` here, its
+ * kernel not yet run (is_available() would call such an array ready when
+ * no event guards it, and its memory would be read too soon). */
 std::optional<int32_t> host_readable_offset(const mx::array& offset) {
-  if (offset.size() != 1 || !offset.is_available()) {
+  if (offset.size() != 1 || offset.status() != mx::array::Status::available) {
     return std::nullopt;
   }
   const auto* buffer = static_cast<const mx::cu::CudaBuffer*>(offset.buffer().ptr());
