@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# On the GPU device (see ../shared/gpu/README.md; carry .gpu): unpack MLX
-# CUDA, build the package in place (with the fused mode: CUDA headers from
-# the image, fmt headers carried in .gpu/fmt), then run each argument as a
-# shell command, logging to $OUT/NN.log when $OUT is set.
+# On the GPU device (see ../shared/gpu/README.md; carry .gpu and .ship):
+# unpack MLX CUDA, install the build's header wheels from .ship/wheels
+# (nvidia-cuda-runtime, nvidia-cuda-crt, cmeel-fmt, setuptools; the device
+# reaches no registry), build the package in place with the fused mode
+# required, then run each argument as a shell command from the project
+# root, logging to $OUT/NN.log when $OUT is set.
 # Default: bench/gpu_probe.py.
 set -uo pipefail
 source .gpu/env.sh || exit 1
 export PYTHONUNBUFFERED=1
-export MLX_DUALNORM_FMT_INCLUDE=${MLX_DUALNORM_FMT_INCLUDE:-$PWD/.gpu/fmt}
-python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . 2>&1 | grep -v "^ *$" | tail -5
-python3 -c 'import mlx_dualnorm as m; print("modes", m.available_modes())'
+if [ -d .ship/wheels ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/build-requirements \
+    .ship/wheels/*.whl || exit 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/build-requirements
+fi
+MLX_DUALNORM_BACKEND=cuda13 python3 setup.py -q build_ext --inplace 2>&1 | tail -5
+python3 -c 'import mlx_dualnorm as m; print("modes", m.available_modes())' || exit 1
 status=0
 index=0
 for command in "${@:-python3 bench/gpu_probe.py}"; do
