@@ -193,19 +193,29 @@ def _fold_key(queries, keys, inv_scale, eps, mode) -> Optional[tuple]:
     return (mode, dtype, width, query_rank, key_rank, eps, inv_scale, mx.default_device().type)
 
 
+def _cached_or_built(cache: dict, lock, key, build: Callable[[], object], when_full):
+    """``cache[key]``, built once under ``lock`` on a miss, or ``when_full``
+    (nothing built) once the cache holds MAX_CACHED_FOLDS entries. A hit
+    takes no lock: it runs for every layer of every decode step."""
+    value = cache.get(key)
+    if value is not None:
+        return value
+    with lock:
+        value = cache.get(key)
+        if value is None:
+            if len(cache) >= MAX_CACHED_FOLDS:
+                return when_full
+            value = build()
+            cache[key] = value
+        return value
+
+
 def _folded_norm_for(fold_key: tuple):
     """The cached fold for a key (built on a miss), or ``_UNFOLDABLE``."""
-    folded = _folded_norms.get(fold_key)
-    if folded is not None:
-        return folded
-    with _folded_norms_lock:
-        folded = _folded_norms.get(fold_key)
-        if folded is None:
-            if len(_folded_norms) >= MAX_CACHED_FOLDS:
-                return _UNFOLDABLE
-            folded = _build_folded_norm(*fold_key)
-            _folded_norms[fold_key] = folded
-        return folded
+    return _cached_or_built(
+        _folded_norms, _folded_norms_lock, fold_key, lambda: _build_folded_norm(*fold_key),
+        _UNFOLDABLE,
+    )
 
 
 def _build_folded_norm(mode, dtype, width, query_rank, key_rank, eps, inv_scale, device_type):
@@ -515,18 +525,15 @@ def _norm_rope_for(rope, query_norm, key_norm):
     norm_rope = _norm_ropes.get(key)
     if norm_rope is not None or not _is_plain_norm_rope(rope, query_norm, key_norm):
         return norm_rope
-    with _norm_ropes_lock:
-        norm_rope = _norm_ropes.get(key)
-        if norm_rope is None:
-            if len(_norm_ropes) >= MAX_CACHED_FOLDS:
-                return None
-            mode = _full_attention_mode
-            norm_rope = CompiledDualHeadNormRope(
-                query_norm.eps, rope.dims, base=rope.base, traditional=rope.traditional,
-                scale=rope.scale, **({} if mode is None else {"mode": mode}),
-            )
-            _norm_ropes[key] = norm_rope
-    return norm_rope
+    mode = _full_attention_mode
+    return _cached_or_built(
+        _norm_ropes, _norm_ropes_lock, key,
+        lambda: CompiledDualHeadNormRope(
+            query_norm.eps, rope.dims, base=rope.base, traditional=rope.traditional,
+            scale=rope.scale, **({} if mode is None else {"mode": mode}),
+        ),
+        None,
+    )
 
 
 def _is_plain_norm_rope(rope, query_norm, key_norm) -> bool:
