@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 from contextlib import contextmanager
-from typing import Any, Iterator, Literal, Optional, Union
+from typing import Any, Callable, Iterator, Literal, Optional, TypeVar, Union
 
 import mlx.core as mx
 import numpy as np
@@ -72,7 +72,48 @@ def composed_dual_head_norm(
     )
 
 
-class CompiledDualHeadNorm:
+_Composite = TypeVar("_Composite", bound="_NativeComposite")
+
+
+class _NativeComposite:
+    """What both composites are in Python: the C object each owns (freed,
+    closing first, when the Python object is collected), its address as
+    the nanobind bridge takes it, and closing it at once."""
+
+    __slots__ = ("_native", "_address", "__weakref__")
+    _native: Any  # cdata: the C object, freed by ffi.gc
+    _address: int  # the same pointer, as the bridge takes it
+    _close_native: Callable[..., int]  # the subclass's C close function
+
+    def _own(self, native: Any, free: Callable[[Any], None]) -> None:
+        """Takes ownership of a C object that ``free`` releases."""
+        self._native = ffi.gc(native, free)
+        self._address = int(ffi.cast("uintptr_t", self._native))
+
+    def close(self) -> None:
+        """Releases the compiled graphs and their compile-cache entries.
+        Later calls raise ``DualHeadNormValueError``; closing twice is fine."""
+        call_native(self._close_native, self._native)
+
+    def __enter__(self: _Composite) -> _Composite:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _mode_value(mode: object, operation: str) -> int:
+    """The C enum value of a mode name, checked."""
+    if not isinstance(mode, str):
+        raise TypeError(f"[{operation}] mode must be a str, not {type(mode).__name__}")
+    if mode not in _MODES:
+        raise DualHeadNormValueError(
+            operation, f"mode must be one of {', '.join(map(repr, _MODES))}, not {mode!r}"
+        )
+    return _MODES[mode]
+
+
+class CompiledDualHeadNorm(_NativeComposite):
     """Query/key head RMS normalization as one compiled dual-output graph.
 
     Args:
@@ -101,29 +142,17 @@ class CompiledDualHeadNorm:
     compiled graphs at once; garbage collection does it otherwise.
     """
 
-    __slots__ = ("_native", "_address", "__weakref__")
-    _native: Any  # cdata: mlx_dualnorm_compiled_dual_head_norm*, freed by ffi.gc
-    _address: int  # the same pointer, as the bridge takes it
+    __slots__ = ()  # _native: mlx_dualnorm_compiled_dual_head_norm*
+    _close_native = lib.mlx_dualnorm_compiled_dual_head_norm_close
 
     def __init__(self, eps: float = 1e-6, mode: Mode = "auto") -> None:
         rms_norm_epsilon = _as_epsilon(eps, COMPILE_DUAL_HEAD_NORM_OPERATION)
-        if not isinstance(mode, str):
-            raise TypeError(
-                f"[{COMPILE_DUAL_HEAD_NORM_OPERATION}] mode must be a str, "
-                f"not {type(mode).__name__}"
-            )
-        if mode not in _MODES:
-            raise DualHeadNormValueError(
-                COMPILE_DUAL_HEAD_NORM_OPERATION,
-                f"mode must be one of {', '.join(map(repr, _MODES))}, not {mode!r}",
-            )
+        mode_value = _mode_value(mode, COMPILE_DUAL_HEAD_NORM_OPERATION)
         created = ffi.new("mlx_dualnorm_compiled_dual_head_norm **")
         call_native(
-            lib.mlx_dualnorm_compiled_dual_head_norm_new, created, rms_norm_epsilon, _MODES[mode]
+            lib.mlx_dualnorm_compiled_dual_head_norm_new, created, rms_norm_epsilon, mode_value
         )
-        # Owned by this object: freed (closing first) when it is collected.
-        self._native = ffi.gc(created[0], lib.mlx_dualnorm_compiled_dual_head_norm_free)
-        self._address = int(ffi.cast("uintptr_t", self._native))
+        self._own(created[0], lib.mlx_dualnorm_compiled_dual_head_norm_free)
 
     @property
     def eps(self) -> float:
@@ -173,17 +202,6 @@ class CompiledDualHeadNorm:
         if len(graph_outputs) != 2:
             raise _output_count_error(graph_outputs, APPLY_DUAL_HEAD_NORM_OPERATION)
         return graph_outputs
-
-    def close(self) -> None:
-        """Releases the compiled graphs and their compile-cache entries.
-        Later calls raise ``DualHeadNormValueError``; closing twice is fine."""
-        call_native(lib.mlx_dualnorm_compiled_dual_head_norm_close, self._native)
-
-    def __enter__(self) -> "CompiledDualHeadNorm":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"CompiledDualHeadNorm(eps={self.eps!r}, mode={self.mode!r})"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -27,13 +27,14 @@ from mlx_dualnorm._binding import _function_address, call_native, ffi, lib
 from mlx_dualnorm._errors import DualHeadNormValueError
 from mlx_dualnorm.dual_head_norm import (
     _MODE_NAMES,
-    _MODES,
     ArrayLike,
     Mode,
     StreamLike,
     _as_epsilon,
     _as_mx_array,
     _default_stream,
+    _mode_value,
+    _NativeComposite,
     _output_count_error,
 )
 
@@ -83,7 +84,7 @@ def composed_dual_head_norm_rope(
     return normalized_and_rotated(queries, query_weight), normalized_and_rotated(keys, key_weight)
 
 
-class CompiledDualHeadNormRope:
+class CompiledDualHeadNormRope(_NativeComposite):
     """Query/key head RMS normalization, then RoPE, as one compiled graph.
 
     Args:
@@ -113,9 +114,8 @@ class CompiledDualHeadNormRope:
     compiled graphs at once; garbage collection does it otherwise.
     """
 
-    __slots__ = ("_native", "_address", "__weakref__")
-    _native: Any  # cdata: mlx_dualnorm_dual_head_norm_rope*, freed by ffi.gc
-    _address: int  # the same pointer, as the bridge takes it
+    __slots__ = ()  # _native: mlx_dualnorm_dual_head_norm_rope*
+    _close_native = lib.mlx_dualnorm_dual_head_norm_rope_close
 
     def __init__(
         self,
@@ -134,23 +134,12 @@ class CompiledDualHeadNormRope:
         rope.traditional = _as_flag(traditional, "traditional")
         rope.base = _as_float32_argument(base, "base")
         rope.scale = _as_float32_argument(scale, "scale")
-        if not isinstance(mode, str):
-            raise TypeError(f"[{operation}] mode must be a str, not {type(mode).__name__}")
-        if mode not in _MODES:
-            raise DualHeadNormValueError(
-                operation, f"mode must be one of {', '.join(map(repr, _MODES))}, not {mode!r}"
-            )
+        mode_value = _mode_value(mode, operation)
         created = ffi.new("mlx_dualnorm_dual_head_norm_rope **")
         call_native(
-            lib.mlx_dualnorm_dual_head_norm_rope_new,
-            created,
-            rms_norm_epsilon,
-            rope[0],
-            _MODES[mode],
+            lib.mlx_dualnorm_dual_head_norm_rope_new, created, rms_norm_epsilon, rope[0], mode_value
         )
-        # Owned by this object: freed (closing first) when it is collected.
-        self._native = ffi.gc(created[0], lib.mlx_dualnorm_dual_head_norm_rope_free)
-        self._address = int(ffi.cast("uintptr_t", self._native))
+        self._own(created[0], lib.mlx_dualnorm_dual_head_norm_rope_free)
 
     @property
     def eps(self) -> float:
@@ -223,17 +212,6 @@ class CompiledDualHeadNormRope:
         if len(graph_outputs) != 2:
             raise _output_count_error(graph_outputs, APPLY_NORM_ROPE_OPERATION)
         return graph_outputs
-
-    def close(self) -> None:
-        """Releases the compiled graphs and their compile-cache entries.
-        Later calls raise ``DualHeadNormValueError``; closing twice is fine."""
-        call_native(lib.mlx_dualnorm_dual_head_norm_rope_close, self._native)
-
-    def __enter__(self) -> "CompiledDualHeadNormRope":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (
