@@ -24,6 +24,7 @@ goes says which of the host's or the GPU's savings can show.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -53,17 +54,22 @@ def attention_without_prework(self, x, mask=None, cache=None):
     return self.o_proj(output)
 
 
-def run(path, network, prompt, steps):
+@contextlib.contextmanager
+def attention_of(path):
+    """qwen3's attention as ``path`` runs it, restored afterwards."""
     original = qwen3.Attention.__call__
-    try:
-        if path == "patched":
-            with integration.patch():
-                return _timed_greedy_decode(network, prompt, steps)[1]
+    with integration.patch() if path == "patched" else integration.unpatch():
         if path == "no-prework":
             qwen3.Attention.__call__ = attention_without_prework
+        try:
+            yield
+        finally:
+            qwen3.Attention.__call__ = original
+
+
+def run(path, network, prompt, steps):
+    with attention_of(path):
         return _timed_greedy_decode(network, prompt, steps)[1]
-    finally:
-        qwen3.Attention.__call__ = original
 
 
 def split_steps(path, network, prompt, steps):
@@ -71,28 +77,21 @@ def split_steps(path, network, prompt, steps):
     decode steps after the prompt."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    original = qwen3.Attention.__call__
-    patching = integration.patch() if path == "patched" else integration.unpatch()
-    with patching:
-        if path == "no-prework":
-            qwen3.Attention.__call__ = attention_without_prework
-        try:
-            cache = make_prompt_cache(network)
-            token = mx.argmax(network(prompt[None], cache=cache)[:, -1], axis=-1)
+    with attention_of(path):
+        cache = make_prompt_cache(network)
+        token = mx.argmax(network(prompt[None], cache=cache)[:, -1], axis=-1)
+        mx.eval(token)
+        parts = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            logits = network(token[:, None], cache=cache)
+            token = mx.argmax(logits[:, -1], axis=-1)
+            built = time.perf_counter()
+            mx.async_eval(token)
+            encoded = time.perf_counter()
             mx.eval(token)
-            parts = []
-            for _ in range(steps):
-                started = time.perf_counter()
-                logits = network(token[:, None], cache=cache)
-                token = mx.argmax(logits[:, -1], axis=-1)
-                built = time.perf_counter()
-                mx.async_eval(token)
-                encoded = time.perf_counter()
-                mx.eval(token)
-                finished = time.perf_counter()
-                parts.append((built - started, encoded - built, finished - encoded))
-        finally:
-            qwen3.Attention.__call__ = original
+            finished = time.perf_counter()
+            parts.append((built - started, encoded - built, finished - encoded))
     return [1e6 * statistics.median(part) for part in zip(*parts)]
 
 

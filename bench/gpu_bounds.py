@@ -166,9 +166,10 @@ def host_us_per_call(call, batches=200, calls_per_batch=100):
     return statistics.median(per_call)
 
 
-def _mlx_lm_layer_calls(queries, keys):
+def _mlx_lm_layer_calls(queries, keys, mode):
     """One qwen3 layer's q/k prework as mlx-lm's own code builds it, and as
-    the patch does (its glue, then the package's call), at the same inputs."""
+    the patch does in ``mode`` (its glue, then the package's call), at the
+    same inputs. Leaves mlx-lm patched: the timing runs afterwards."""
     from mlx_lm.models import qwen3
 
     from mlx_dualnorm.integrations import mlx_lm as integration
@@ -178,6 +179,7 @@ def _mlx_lm_layer_calls(queries, keys):
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=EPS,
         vocab_size=512, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=True,
     )
+    integration.patch(mode=mode)
     attention = qwen3.Attention(arguments)
     attention.set_dtype(mx.bfloat16)
     mx.eval(attention.parameters())
@@ -236,13 +238,10 @@ def time_host_calls(mode):
             fused_rope._address, rope_q, rope_k, rope_w, rope_w, OFFSET
         ),
     }
-    calls.update(_mlx_lm_layer_calls(rope_q, rope_k))
+    calls.update(_mlx_lm_layer_calls(rope_q, rope_k, mode))
     for call in calls.values():
         host_us_per_call(call, batches=5)
     print("\nhost µs per call (graph build only), median of 3 passes over every call:")
-    from mlx_dualnorm.integrations import mlx_lm as integration
-
-    integration.patch(mode=mode)  # the patched prework runs in this mode
     results = {name: [] for name in calls}
     for _ in range(3):
         for name, call in calls.items():
