@@ -10,11 +10,13 @@ set -uo pipefail
 source .gpu/env.sh || exit 1
 export PYTHONUNBUFFERED=1
 if [ -d .ship/wheels ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/build-requirements \
+  python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/build-requirements \
     .ship/wheels/*.whl || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/build-requirements
 fi
 MLX_DUALNORM_BACKEND=cuda13 python3 setup.py -q build_ext --inplace 2>&1 | tail -5
+# The in-place build is imported from the project root, by any script.
+export PYTHONPATH=$PWD:$PYTHONPATH
 python3 -c 'import mlx_dualnorm as m; print("modes", m.available_modes())' || exit 1
 status=0
 index=0
