@@ -233,6 +233,7 @@ def find_cuda_primitive_build(mlx: MlxInstall) -> CudaPrimitiveBuild | None:
     return CudaPrimitiveBuild(
         sources=[
             "csrc/fused/fused_kernel_host.cpp",
+            "csrc/fused/output_memory.cpp",
             "csrc/fused/fused_dual_rms_norm_primitive.cpp",
             "csrc/fused/fused_dual_rms_norm_rope_primitive.cpp",
         ],

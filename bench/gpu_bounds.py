@@ -39,6 +39,7 @@ import time
 import mlx.core as mx
 
 import mlx_dualnorm._interop as _interop
+from mlx_dualnorm import _binding
 
 from mlx_dualnorm import CompiledDualHeadNorm, CompiledDualHeadNormRope, composed_dual_head_norm
 from mlx_dualnorm.dual_head_norm_rope import composed_dual_head_norm_rope
@@ -269,6 +270,11 @@ def main():
         for chained in ((True, False) if not case.rope else (False,)):
             time_case(case, chained, args.rounds)
     print(f"\nthe package's paths ran in mode {args.mode!r}")
+    pool = _binding.lib.mlx_dualnorm_fused_outputs_in_device_pool()
+    print(
+        "fused outputs from "
+        + ("MLX's stream-ordered device pool" if pool else "MLX's public allocator (unified memory)")
+    )
     time_host_calls(args.mode)
 
 

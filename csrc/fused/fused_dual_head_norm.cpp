@@ -26,6 +26,9 @@
 #include "fused/dual_rms_norm_rope_kernel.cuh"
 #include "fused/fused_dual_rms_norm_primitive.h"
 #include "fused/fused_dual_rms_norm_rope_primitive.h"
+#ifdef MLX_DUALNORM_WITH_CUDA
+#include "fused/output_memory.h"
+#endif
 
 namespace {
 
@@ -352,4 +355,12 @@ extern "C" const mlx_dualnorm_fused_backend* mlx_dualnorm_fused_backend_table(vo
 
 extern "C" const mlx_dualnorm_fused_rope_backend* mlx_dualnorm_fused_rope_backend_table(void) {
   return &fused_rope_backend;
+}
+
+extern "C" bool mlx_dualnorm_fused_outputs_in_device_pool(void) {
+#ifdef MLX_DUALNORM_WITH_CUDA
+  return mlx_dualnorm_fused::outputs_use_stream_ordered_pool();
+#else
+  return false;
+#endif
 }

@@ -31,6 +31,12 @@ const mlx_dualnorm_fused_backend* mlx_dualnorm_fused_backend_table(void);
  * Unavailable, like the other table, in a build without MLX's CUDA headers. */
 const mlx_dualnorm_fused_rope_backend* mlx_dualnorm_fused_rope_backend_table(void);
 
+/* Whether both fused kernels take their outputs from MLX's stream-ordered
+ * device pool, as MLX's own kernels do; false where they fall back to
+ * MLX's public allocator (unified memory: correct, slower to allocate),
+ * and in a build without MLX's CUDA headers. Needs no GPU. */
+bool mlx_dualnorm_fused_outputs_in_device_pool(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -27,6 +27,7 @@
 
 #include "fused/dual_rms_norm_rope_kernel.cuh"
 #include "fused/fused_kernel_host.h"
+#include "fused/output_memory.h"
 
 namespace mlx_dualnorm_fused {
 
@@ -128,7 +129,7 @@ class FusedDualRmsNormRope : public mx::Primitive {
       params.constant_offset = *constant_offset;
     }
     for (auto& output : outputs) {
-      output.set_data(mx::allocator::malloc(output.nbytes()));
+      output.set_data(output_memory(output.nbytes(), encoder));
     }
     for (const auto& input : inputs) {
       encoder.set_input_array(input);

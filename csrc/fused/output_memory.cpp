@@ -1,0 +1,164 @@
+/* Output memory for the fused primitives: MLX's stream-ordered allocator,
+ * found in libmlx.so's symbol table, else its public one (see
+ * output_memory.h for why). */
+#include "fused/output_memory.h"
+
+#include <dlfcn.h>
+#include <elf.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+
+namespace mlx_dualnorm_fused {
+
+namespace {
+
+namespace mx = mlx::core;
+
+/* mlx::core::cu::malloc_async(size_t, mlx::core::cu::CommandEncoder&), as
+ * mlx/allocator.h declares it. */
+using StreamOrderedMalloc = mx::allocator::Data (*)(size_t, mx::cu::CommandEncoder&);
+constexpr const char kStreamOrderedMallocSymbol[] =
+    "_ZN3mlx4core2cu12malloc_asyncEmRNS1_14CommandEncoderE";
+
+/* The exported function whose address anchors the lookup:
+ * mlx::core::allocator::allocator(). */
+constexpr const char kAnchorSymbol[] = "_ZN3mlx4core9allocator9allocatorEv";
+
+/* A read-only mapping of a whole file, unmapped (and its descriptor
+ * closed) when it goes out of scope, on every path. */
+class MappedFile {
+ public:
+  explicit MappedFile(const char* path) {
+    const int descriptor = open(path, O_RDONLY | O_CLOEXEC);
+    if (descriptor < 0) {
+      return;
+    }
+    struct stat status {};
+    if (fstat(descriptor, &status) == 0 && status.st_size > 0) {
+      void* mapped = mmap(nullptr, static_cast<size_t>(status.st_size), PROT_READ, MAP_PRIVATE,
+                          descriptor, 0);
+      if (mapped != MAP_FAILED) {
+        data_ = static_cast<const unsigned char*>(mapped);
+        size_ = static_cast<size_t>(status.st_size);
+      }
+    }
+    close(descriptor);
+  }
+  ~MappedFile() {
+    if (data_ != nullptr) {
+      munmap(const_cast<unsigned char*>(data_), size_);
+    }
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  /* `count` objects of T at `offset`, or null where they overrun the file. */
+  template <typename T>
+  const T* at(uint64_t offset, uint64_t count = 1) const {
+    if (data_ == nullptr || offset > size_ || count > (size_ - offset) / sizeof(T)) {
+      return nullptr;
+    }
+    return reinterpret_cast<const T*>(data_ + offset);
+  }
+
+ private:
+  const unsigned char* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+/* The values (addresses relative to the load base) of two defined
+ * functions in a 64-bit ELF file's .symtab; 0 where not found. */
+struct SymbolValues {
+  uint64_t wanted = 0;
+  uint64_t anchor = 0;
+};
+
+SymbolValues find_function_values(const MappedFile& file, const char* wanted,
+                                  const char* anchor) {
+  SymbolValues found;
+  const auto* header = file.at<Elf64_Ehdr>(0);
+  if (header == nullptr || std::memcmp(header->e_ident, ELFMAG, SELFMAG) != 0 ||
+      header->e_ident[EI_CLASS] != ELFCLASS64 || header->e_shentsize != sizeof(Elf64_Shdr)) {
+    return found;
+  }
+  const auto* sections = file.at<Elf64_Shdr>(header->e_shoff, header->e_shnum);
+  if (sections == nullptr) {
+    return found;
+  }
+  for (unsigned index = 0; index < header->e_shnum; ++index) {
+    const Elf64_Shdr& table = sections[index];
+    if (table.sh_type != SHT_SYMTAB || table.sh_entsize != sizeof(Elf64_Sym) ||
+        table.sh_link >= header->e_shnum) {
+      continue;
+    }
+    const Elf64_Shdr& names = sections[table.sh_link];
+    const auto* symbols = file.at<Elf64_Sym>(table.sh_offset, table.sh_size / sizeof(Elf64_Sym));
+    const auto* text = file.at<char>(names.sh_offset, names.sh_size);
+    if (symbols == nullptr || text == nullptr) {
+      continue;
+    }
+    for (uint64_t i = 0; i < table.sh_size / sizeof(Elf64_Sym); ++i) {
+      const Elf64_Sym& symbol = symbols[i];
+      if (ELF64_ST_TYPE(symbol.st_info) != STT_FUNC || symbol.st_shndx == SHN_UNDEF ||
+          symbol.st_name >= names.sh_size) {
+        continue;
+      }
+      const char* name = text + symbol.st_name;
+      // The string table ends in NUL (ELF), so strcmp stays inside it.
+      if (std::strcmp(name, wanted) == 0) {
+        found.wanted = symbol.st_value;
+      } else if (std::strcmp(name, anchor) == 0) {
+        found.anchor = symbol.st_value;
+      }
+    }
+  }
+  return found;
+}
+
+/* MLX's stream-ordered allocator, or null. The anchor's address, as the
+ * dynamic linker resolved it for this module, names the loaded libmlx.so
+ * and its base; the table's value for the anchor must land on that same
+ * address, or the table is not the loaded library's and is not used. */
+StreamOrderedMalloc look_up_stream_ordered_malloc() {
+  void* anchor_address = reinterpret_cast<void*>(&mx::allocator::allocator);
+  Dl_info library{};
+  if (dladdr(anchor_address, &library) == 0 || library.dli_fname == nullptr ||
+      library.dli_fbase == nullptr) {
+    return nullptr;
+  }
+  const MappedFile file(library.dli_fname);
+  const SymbolValues values = find_function_values(file, kStreamOrderedMallocSymbol, kAnchorSymbol);
+  const auto* base = static_cast<const char*>(library.dli_fbase);
+  if (values.wanted == 0 || values.anchor == 0 || base + values.anchor != anchor_address) {
+    return nullptr;
+  }
+  return reinterpret_cast<StreamOrderedMalloc>(const_cast<char*>(base + values.wanted));
+}
+
+StreamOrderedMalloc stream_ordered_malloc() {
+  static std::once_flag looked_up;
+  static StreamOrderedMalloc found = nullptr;
+  std::call_once(looked_up, [] { found = look_up_stream_ordered_malloc(); });
+  return found;
+}
+
+} // namespace
+
+mx::allocator::Data output_memory(size_t bytes, mx::cu::CommandEncoder& encoder) {
+  if (StreamOrderedMalloc allocate = stream_ordered_malloc()) {
+    return allocate(bytes, encoder);
+  }
+  return mx::allocator::malloc(bytes);
+}
+
+bool outputs_use_stream_ordered_pool() {
+  return stream_ordered_malloc() != nullptr;
+}
+
+} // namespace mlx_dualnorm_fused
