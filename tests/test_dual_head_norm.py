@@ -311,3 +311,45 @@ def test_a_bridge_giving_other_than_two_outputs_is_an_mlx_error(monkeypatch, rng
     expected = rf"^\[apply the compiled MLX dual head norm\] .*returned {count} outputs, expected 2"
     with pytest.raises(MlxCError, match=expected):
         CompiledDualHeadNorm(EPS, "compiled")(queries, queries)
+
+
+@pytest.mark.parametrize("mode", available_modes())
+@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap"])
+def test_transforms_give_the_composed_calls_bits(mode, transform):
+    """Fine-tuning differentiates the norms, and users vmap them: reverse-
+    and forward-mode derivatives (every input's, weights included) and
+    vmap give the bits of the same transform of the two rms_norm calls."""
+    keys_of = mx.random.split(mx.random.key(4), 4)
+    queries = mx.random.normal((2, 3, 4, 64), key=keys_of[0])
+    keys = mx.random.normal((2, 3, 2, 64), key=keys_of[1])
+    query_weight = mx.random.normal((64,), key=keys_of[2])
+    key_weight = mx.random.normal((64,), key=keys_of[3])
+    primals = [queries, keys, query_weight, key_weight]
+    norm = CompiledDualHeadNorm(EPS, mode=mode)
+
+    def ours(q, k, wq, wk):
+        return list(norm(q, k, wq, wk))
+
+    def composed(q, k, wq, wk):
+        return list(composed_dual_head_norm(q, k, wq, wk, EPS))
+
+    def transformed(function):
+        if transform == "vjp":
+            cotangents = [
+                mx.random.normal(output.shape, key=mx.random.key(20 + index))
+                for index, output in enumerate(composed(*primals))
+            ]
+            return mx.vjp(function, primals, cotangents)[1]
+        if transform == "jvp":
+            tangents = [
+                mx.random.normal(primal.shape, key=mx.random.key(30 + index))
+                for index, primal in enumerate(primals)
+            ]
+            return mx.jvp(function, primals, tangents)[1]
+        return mx.vmap(function, in_axes=(0, 0, None, None))(*primals)
+
+    expected = transformed(composed)
+    actual = transformed(ours)
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert_bit_identical(a, e)

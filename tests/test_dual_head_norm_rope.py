@@ -596,3 +596,52 @@ def test_a_bridge_giving_other_than_two_outputs_is_an_mlx_error(monkeypatch, cou
     expected = rf"^\[apply the compiled MLX dual head norm rope\] .*returned {count} outputs"
     with pytest.raises(MlxCError, match=expected):
         norm_rope(queries, keys, query_weight, key_weight)
+
+
+# ---- Transforms ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap"])
+def test_transforms_give_the_composed_calls_bits(mode, transform):
+    """Fine-tuning differentiates the prework, and users vmap it: reverse-
+    and forward-mode derivatives (every input's, weights included) and
+    vmap give the bits of the same transform of the composed calls. The
+    fused node transforms the composed calls themselves; the compiled
+    graph is theirs."""
+    queries, keys, query_weight, key_weight = random_inputs(
+        (2, 3, 4, 64), (2, 3, 2, 64), mx.float32, 9
+    )
+    primals = [queries, keys, query_weight, key_weight]
+    norm = CompiledDualHeadNormRope(1e-5, 32, base=1e4, mode=mode)
+
+    def ours(q, k, wq, wk):
+        return list(norm(q, k, wq, wk, offset=5))
+
+    def composed(q, k, wq, wk):
+        return list(
+            composed_dual_head_norm_rope(q, k, wq, wk, eps=1e-5, dims=32, base=1e4, offset=5)
+        )
+
+    def transformed(function):
+        if transform == "vjp":
+            cotangents = [
+                mx.random.normal(output.shape, key=mx.random.key(20 + index))
+                for index, output in enumerate(composed(*primals))
+            ]
+            return mx.vjp(function, primals, cotangents)[1]
+        if transform == "jvp":
+            tangents = [
+                mx.random.normal(primal.shape, key=mx.random.key(30 + index))
+                for index, primal in enumerate(primals)
+            ]
+            return mx.jvp(function, primals, tangents)[1]
+        # Two (B, L, H, D) problems stacked on a leading axis; weights shared.
+        stacked = [mx.stack([side, 0.5 * side]) for side in (queries, keys)]
+        return mx.vmap(function, in_axes=(0, 0, None, None))(*stacked, query_weight, key_weight)
+
+    expected = transformed(composed)
+    actual = transformed(ours)
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert_bit_identical(a, e)

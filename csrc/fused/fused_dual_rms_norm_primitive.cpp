@@ -11,10 +11,7 @@
 #include "fused/fused_dual_rms_norm_primitive.h"
 
 #include <algorithm>
-#include <mutex>
 #include <stdexcept>
-
-#include <optional>
 
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
@@ -24,13 +21,15 @@
 #include "mlx/transforms.h"
 
 #include "fused/fused_kernel_host.h"
-#include "fused/output_memory.h"
 
 namespace mlx_dualnorm_fused {
 
 namespace {
 
 namespace mx = mlx::core;
+
+/* Inputs in this order; the weights follow where present. */
+enum { kQueriesInput = 0, kKeysInput = 1, kFirstWeightInput = 2 };
 
 /* The cubin's kernels: mlx_dualnorm_dual_rms_norm_float32 and so on. */
 KernelModule& kernel_module() {
@@ -55,31 +54,18 @@ class FusedDualRmsNorm : public mx::Primitive {
    * present. Outputs: normalized queries, normalized keys. */
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& encoder = mx::cu::get_command_encoder(stream());
-    const mx::Dtype dtype = inputs[0].dtype();
-    CUfunction kernel = kernel_module().kernel_for(dtype, stream().device);
-    const mx::array* query_weight_input = has_query_weight_ ? &inputs[2] : nullptr;
-    const mx::array* key_weight_input =
-        has_key_weight_ ? &inputs[has_query_weight_ ? 3 : 2] : nullptr;
+    CUfunction kernel = kernel_module().kernel_for(inputs[kQueriesInput].dtype(), stream().device);
+    const WeightInputs weights =
+        weight_inputs(inputs, kFirstWeightInput, has_query_weight_, has_key_weight_);
     DualRmsNormParams params{};
-    params.queries = row_layout(inputs[0], query_weight_input);
-    params.keys = row_layout(inputs[1], key_weight_input);
+    params.queries = row_layout(inputs[kQueriesInput], weights.query);
+    params.keys = row_layout(inputs[kKeysInput], weights.key);
     params.eps = rms_norm_epsilon_;
-    // Fresh buffers, never an input's: each output's array holds its own
-    // copy of the inputs (MLX's make_arrays), so no input of a two-output
-    // node is ever donatable (0 of 101,080 on an H200, 2026-12-01).
-    for (auto& output : outputs) {
-      output.set_data(output_memory(output.nbytes(), encoder));
-    }
-    for (const auto& input : inputs) {
-      encoder.set_input_array(input);
-    }
-    for (const auto& output : outputs) {
-      encoder.set_output_array(output);
-    }
-    void* queries = mx::gpu_ptr<void>(inputs[0]);
-    void* keys = mx::gpu_ptr<void>(inputs[1]);
-    void* query_weight = query_weight_input ? mx::gpu_ptr<void>(*query_weight_input) : nullptr;
-    void* key_weight = key_weight_input ? mx::gpu_ptr<void>(*key_weight_input) : nullptr;
+    prepare_outputs(encoder, inputs, outputs);
+    void* queries = mx::gpu_ptr<void>(inputs[kQueriesInput]);
+    void* keys = mx::gpu_ptr<void>(inputs[kKeysInput]);
+    void* query_weight = weights.query ? mx::gpu_ptr<void>(*weights.query) : nullptr;
+    void* key_weight = weights.key ? mx::gpu_ptr<void>(*weights.key) : nullptr;
     void* normalized_queries = mx::gpu_ptr<void>(outputs[0]);
     void* normalized_keys = mx::gpu_ptr<void>(outputs[1]);
     void* arguments[] = {&queries, &keys, &query_weight, &key_weight,
@@ -108,14 +94,9 @@ class FusedDualRmsNorm : public mx::Primitive {
   std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
                              const std::vector<mx::array>& tangents,
                              const std::vector<int>& argnums) override {
-    std::vector<mx::array> all_tangents;
-    for (const auto& primal : primals) {
-      all_tangents.push_back(mx::zeros_like(primal, stream()));
-    }
-    for (size_t i = 0; i < argnums.size(); ++i) {
-      all_tangents[argnums[i]] = tangents[i];
-    }
-    return mx::jvp(composed(), primals, all_tangents).second;
+    return mx::jvp(composed(), primals,
+                   tangents_for_every_primal(primals, tangents, argnums, stream()))
+        .second;
   }
 
   std::pair<std::vector<mx::array>, std::vector<int>> vmap(
@@ -144,16 +125,11 @@ class FusedDualRmsNorm : public mx::Primitive {
     return [eps = rms_norm_epsilon_, has_query_weight = has_query_weight_,
             has_key_weight = has_key_weight_, stream = stream()](
                const std::vector<mx::array>& inputs) {
-      std::optional<mx::array> query_weight;
-      std::optional<mx::array> key_weight;
-      if (has_query_weight) {
-        query_weight = inputs[2];
-      }
-      if (has_key_weight) {
-        key_weight = inputs[has_query_weight ? 3 : 2];
-      }
-      return std::vector<mx::array>{mx::fast::rms_norm(inputs[0], query_weight, eps, stream),
-                                    mx::fast::rms_norm(inputs[1], key_weight, eps, stream)};
+      const WeightInputs weights =
+          weight_inputs(inputs, kFirstWeightInput, has_query_weight, has_key_weight);
+      return std::vector<mx::array>{
+          mx::fast::rms_norm(inputs[kQueriesInput], optional_weight(weights.query), eps, stream),
+          mx::fast::rms_norm(inputs[kKeysInput], optional_weight(weights.key), eps, stream)};
     };
   }
 
@@ -175,18 +151,11 @@ std::vector<mx::array> fused_dual_rms_norm(
     const mx::array* key_weight,
     float rms_norm_epsilon) {
   const mx::Dtype dtype = queries.dtype();
-  std::vector<mx::array> inputs{queries, keys};
-  if (query_weight != nullptr) {
-    inputs.push_back(*query_weight);
-  }
-  if (key_weight != nullptr) {
-    inputs.push_back(*key_weight);
-  }
   return mx::array::make_arrays(
       {queries.shape(), keys.shape()}, {dtype, dtype},
       std::make_shared<FusedDualRmsNorm>(mx::default_stream(mx::Device::gpu), rms_norm_epsilon,
                                          query_weight != nullptr, key_weight != nullptr),
-      inputs);
+      inputs_with_weights({queries, keys}, query_weight, key_weight));
 }
 
 } // namespace mlx_dualnorm_fused

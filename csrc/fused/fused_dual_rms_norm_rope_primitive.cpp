@@ -27,7 +27,6 @@
 
 #include "fused/dual_rms_norm_rope_kernel.cuh"
 #include "fused/fused_kernel_host.h"
-#include "fused/output_memory.h"
 
 namespace mlx_dualnorm_fused {
 
@@ -111,12 +110,11 @@ class FusedDualRmsNormRope : public mx::Primitive {
     const mx::array& keys = inputs[kKeysInput];
     const mx::array& offset = inputs[kOffsetInput];
     CUfunction kernel = kernel_module().kernel_for(queries.dtype(), stream().device);
-    const mx::array* query_weight_input = has_query_weight_ ? &inputs[kFirstWeightInput] : nullptr;
-    const mx::array* key_weight_input =
-        has_key_weight_ ? &inputs[kFirstWeightInput + (has_query_weight_ ? 1 : 0)] : nullptr;
+    const WeightInputs weights =
+        weight_inputs(inputs, kFirstWeightInput, has_query_weight_, has_key_weight_);
     DualRmsNormRopeParams params{};
-    params.queries = row_layout(queries, query_weight_input);
-    params.keys = row_layout(keys, key_weight_input);
+    params.queries = row_layout(queries, weights.query);
+    params.keys = row_layout(keys, weights.key);
     params.query_rope = rope_side(queries, offset);
     params.key_rope = rope_side(keys, offset);
     params.eps = rms_norm_epsilon_;
@@ -128,19 +126,11 @@ class FusedDualRmsNormRope : public mx::Primitive {
       params.has_constant_offset = 1;
       params.constant_offset = *constant_offset;
     }
-    for (auto& output : outputs) {
-      output.set_data(output_memory(output.nbytes(), encoder));
-    }
-    for (const auto& input : inputs) {
-      encoder.set_input_array(input);
-    }
-    for (const auto& output : outputs) {
-      encoder.set_output_array(output);
-    }
+    prepare_outputs(encoder, inputs, outputs);
     void* query_data = mx::gpu_ptr<void>(queries);
     void* key_data = mx::gpu_ptr<void>(keys);
-    void* query_weight = query_weight_input ? mx::gpu_ptr<void>(*query_weight_input) : nullptr;
-    void* key_weight = key_weight_input ? mx::gpu_ptr<void>(*key_weight_input) : nullptr;
+    void* query_weight = weights.query ? mx::gpu_ptr<void>(*weights.query) : nullptr;
+    void* key_weight = weights.key ? mx::gpu_ptr<void>(*weights.key) : nullptr;
     void* offsets = mx::gpu_ptr<void>(offset);
     void* rotated_queries = mx::gpu_ptr<void>(outputs[0]);
     void* rotated_keys = mx::gpu_ptr<void>(outputs[1]);
@@ -177,15 +167,8 @@ class FusedDualRmsNormRope : public mx::Primitive {
   std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
                              const std::vector<mx::array>& tangents,
                              const std::vector<int>& argnums) override {
-    std::vector<mx::array> all_tangents;
-    for (const auto& primal : primals) {
-      all_tangents.push_back(mx::zeros_like(primal, stream()));
-    }
-    for (size_t i = 0; i < argnums.size(); ++i) {
-      all_tangents[argnums[i]] = tangents[i];
-    }
     return mx::jvp(composed_over(primals[kOffsetInput]), without_offset(primals),
-                   without_offset(all_tangents))
+                   without_offset(tangents_for_every_primal(primals, tangents, argnums, stream())))
         .second;
   }
 
@@ -230,21 +213,16 @@ class FusedDualRmsNormRope : public mx::Primitive {
     return [eps = rms_norm_epsilon_, rope = rope_, has_query_weight = has_query_weight_,
             has_key_weight = has_key_weight_, stream = stream(),
             offset](const std::vector<mx::array>& inputs) {
-      std::optional<mx::array> query_weight;
-      std::optional<mx::array> key_weight;
-      if (has_query_weight) {
-        query_weight = inputs[2];
-      }
-      if (has_key_weight) {
-        key_weight = inputs[has_query_weight ? 3 : 2];
-      }
-      auto side = [&](const mx::array& input, const std::optional<mx::array>& weight) {
-        mx::array head_major =
-            mx::transpose(mx::fast::rms_norm(input, weight, eps, stream), kHeadMajorAxes, stream);
+      // The offset is not among these inputs: the weights come one earlier.
+      const WeightInputs weights =
+          weight_inputs(inputs, kFirstWeightInput - 1, has_query_weight, has_key_weight);
+      auto side = [&](const mx::array& input, const mx::array* weight) {
+        mx::array head_major = mx::transpose(
+            mx::fast::rms_norm(input, optional_weight(weight), eps, stream), kHeadMajorAxes, stream);
         return mx::fast::rope(head_major, rope.dims, rope.traditional, rope.base, rope.scale,
                               offset, std::nullopt, stream);
       };
-      return std::vector<mx::array>{side(inputs[0], query_weight), side(inputs[1], key_weight)};
+      return std::vector<mx::array>{side(inputs[0], weights.query), side(inputs[1], weights.key)};
     };
   }
 
@@ -273,19 +251,12 @@ std::vector<mx::array> fused_dual_rms_norm_rope(
   const mx::Dtype dtype = queries.dtype();
   // The kernel reads int32, as MLX's RoPE does after the same conversion
   // (fast::rope converts offsets whose dtype is not 4 bytes wide).
-  std::vector<mx::array> inputs{
-      queries, keys, offset.itemsize() == 4 ? offset : mx::astype(offset, mx::int32, stream)};
-  if (query_weight != nullptr) {
-    inputs.push_back(*query_weight);
-  }
-  if (key_weight != nullptr) {
-    inputs.push_back(*key_weight);
-  }
+  mx::array int32_offset = offset.itemsize() == 4 ? offset : mx::astype(offset, mx::int32, stream);
   return mx::array::make_arrays(
       {head_major_shape(queries), head_major_shape(keys)}, {dtype, dtype},
       std::make_shared<FusedDualRmsNormRope>(stream, rms_norm_epsilon, rope,
                                              query_weight != nullptr, key_weight != nullptr),
-      inputs);
+      inputs_with_weights({queries, keys, int32_offset}, query_weight, key_weight));
 }
 
 } // namespace mlx_dualnorm_fused

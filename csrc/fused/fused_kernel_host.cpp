@@ -1,6 +1,4 @@
-/* The row layout and kernel loading both fused primitives share (see
- * fused_kernel_host.h). Moved here, unchanged in what it computes, from
- * fused_dual_rms_norm_primitive.cpp when the norm + RoPE kernel came. */
+/* What both fused primitives share on the host (see fused_kernel_host.h). */
 #include "fused/fused_kernel_host.h"
 
 #include <dlfcn.h>
@@ -8,6 +6,9 @@
 #include <stdexcept>
 
 #include "mlx/backend/cuda/device.h"
+#include "mlx/ops.h"
+
+#include "fused/output_memory.h"
 
 namespace mlx_dualnorm_fused {
 
@@ -108,6 +109,60 @@ CUfunction KernelModule::kernel_for(mx::Dtype dtype, mx::Device device) {
     default:
       throw std::invalid_argument(std::string("[") + operation_ + "] unsupported dtype");
   }
+}
+
+WeightInputs weight_inputs(const std::vector<mx::array>& inputs, size_t first_weight,
+                           bool has_query_weight, bool has_key_weight) {
+  WeightInputs weights;
+  if (has_query_weight) {
+    weights.query = &inputs[first_weight];
+  }
+  if (has_key_weight) {
+    weights.key = &inputs[first_weight + (has_query_weight ? 1 : 0)];
+  }
+  return weights;
+}
+
+std::vector<mx::array> inputs_with_weights(std::vector<mx::array> fixed,
+                                           const mx::array* query_weight,
+                                           const mx::array* key_weight) {
+  for (const mx::array* weight : {query_weight, key_weight}) {
+    if (weight != nullptr) {
+      fixed.push_back(*weight);
+    }
+  }
+  return fixed;
+}
+
+std::optional<mx::array> optional_weight(const mx::array* weight) {
+  return weight != nullptr ? std::optional<mx::array>(*weight) : std::nullopt;
+}
+
+void prepare_outputs(mx::cu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,
+                     std::vector<mx::array>& outputs) {
+  for (auto& output : outputs) {
+    output.set_data(output_memory(output.nbytes(), encoder));
+  }
+  for (const auto& input : inputs) {
+    encoder.set_input_array(input);
+  }
+  for (const auto& output : outputs) {
+    encoder.set_output_array(output);
+  }
+}
+
+std::vector<mx::array> tangents_for_every_primal(const std::vector<mx::array>& primals,
+                                                 const std::vector<mx::array>& tangents,
+                                                 const std::vector<int>& argnums,
+                                                 mx::Stream stream) {
+  std::vector<mx::array> every;
+  for (const auto& primal : primals) {
+    every.push_back(mx::zeros_like(primal, stream));
+  }
+  for (size_t i = 0; i < argnums.size(); ++i) {
+    every[argnums[i]] = tangents[i];
+  }
+  return every;
 }
 
 } // namespace mlx_dualnorm_fused

@@ -1,17 +1,23 @@
 /* What the host side of both fused primitives shares (CUDA builds only:
  * it needs the headers of MLX's CUDA backend): the kernels' row layout as
- * MLX's RMSNorm launches it, and the loading of a cubin's kernels into
- * MLX's CUDA context. Private to fused/. */
+ * MLX's RMSNorm launches it, the loading of a cubin's kernels into MLX's
+ * CUDA context, the optional weights among a node's inputs, the outputs'
+ * memory and encoder registration, and the tangents of a jvp. Private to
+ * fused/. */
 #ifndef MLX_DUALNORM_FUSED_KERNEL_HOST_H
 #define MLX_DUALNORM_FUSED_KERNEL_HOST_H
 
 #include <mutex>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include <cuda.h>
 
 #include "mlx/array.h"
+#include "mlx/backend/cuda/device.h"
 #include "mlx/device.h"
+#include "mlx/stream.h"
 
 #include "fused/dual_rms_norm_kernel.cuh"
 
@@ -55,6 +61,40 @@ class KernelModule {
   CUfunction float16_kernel_ = nullptr;
   CUfunction bfloat16_kernel_ = nullptr;
 };
+
+/* A fused node's optional weights. Its inputs are its fixed ones, then
+ * the query weight and the key weight, each where present; null where
+ * absent. Borrowed from the inputs. */
+struct WeightInputs {
+  const mlx::core::array* query = nullptr;
+  const mlx::core::array* key = nullptr;
+};
+
+WeightInputs weight_inputs(const std::vector<mlx::core::array>& inputs, size_t first_weight,
+                           bool has_query_weight, bool has_key_weight);
+
+/* `fixed`, followed by the weights that are not null: a node's inputs. */
+std::vector<mlx::core::array> inputs_with_weights(std::vector<mlx::core::array> fixed,
+                                                  const mlx::core::array* query_weight,
+                                                  const mlx::core::array* key_weight);
+
+/* The weight as fast::rms_norm takes it. */
+std::optional<mlx::core::array> optional_weight(const mlx::core::array* weight);
+
+/* Gives every output fresh memory (output_memory.h; never an input's
+ * buffer: each output of a two-output node holds its own copy of the
+ * inputs, MLX's make_arrays, so no input is ever donatable) and tells the
+ * encoder what the next kernel reads and writes, which orders it after
+ * the nodes that produce its inputs. */
+void prepare_outputs(mlx::core::cu::CommandEncoder& encoder,
+                     const std::vector<mlx::core::array>& inputs,
+                     std::vector<mlx::core::array>& outputs);
+
+/* A tangent for every primal, as a jvp over the composed calls takes
+ * them: `tangents[i]` for primal `argnums[i]`, zeros for the others. */
+std::vector<mlx::core::array> tangents_for_every_primal(
+    const std::vector<mlx::core::array>& primals, const std::vector<mlx::core::array>& tangents,
+    const std::vector<int>& argnums, mlx::core::Stream stream);
 
 } // namespace mlx_dualnorm_fused
 
