@@ -1,8 +1,9 @@
 """Device experiment: what bounds the fused modes' ratios on MLX CUDA.
 
-Every path below is timed per token of ``--layers`` layers, round-robin
-(one token of each path in turn, the order reversed every other round), and
-each token is split into the graph build, the host's encoding
+Every path below is timed per token of ``--layers`` layers, in turns (a
+round runs each path's tokens back to back, as decode does, the order
+reversed every other round; ``--interleaved`` alternates token by token
+instead), and each token is split into the graph build, the host's encoding
 (``mx.async_eval`` returns once every node is encoded and the CUDA graph
 launched) and the wait for the GPU after that. Ratios are per round against
 the composed path of the same case, reported as median [min-max].
@@ -13,7 +14,11 @@ No single-launch replacement of the composed ops can cost less than one
 such node per layer, so floor / composed bounds every fused ratio from below.
 A second reference keeps one of MLX's own nodes of the kind the fused
 kernel subsumes: the queries' rms_norm alone (``one-norm``), or their rope
-alone (``one-rope``); a fused node does at least that node's work.
+alone (``one-rope``); a fused node does at least that node's work. On the
+GPU the dual-norm cases also run ``two-output``: one node with two outputs,
+an ``mx.fast.cuda_kernel`` negating queries and keys, whose GPU wait is what
+MLX charges any node with two outputs (its build is the custom kernel's
+own, not comparable).
 
 Cases:
   gated-delta   q, k (1,1,16,128) bf16, no weights: 2 rms_norm vs 1 launch
@@ -47,6 +52,28 @@ from mlx_dualnorm.dual_head_norm_rope import composed_dual_head_norm_rope
 EPS = 1e-6
 ROPE = {"dims": 128, "base": 1_000_000.0, "traditional": False, "scale": 1.0}
 OFFSET = 37
+
+
+def two_output_negation():
+    """One MLX node with two outputs: -queries and -keys, one launch."""
+    kernel = mx.fast.cuda_kernel(
+        name="negate_both",
+        input_names=["queries", "keys"],
+        output_names=["negated_queries", "negated_keys"],
+        source="""
+            auto i = cooperative_groups::this_grid().thread_rank();
+            if (i < queries_shape[2] * queries_shape[3]) negated_queries[i] = -queries[i];
+            if (i < keys_shape[2] * keys_shape[3]) negated_keys[i] = -keys[i];
+        """,
+    )
+
+    def call(queries, keys):
+        return tuple(kernel(
+            inputs=[queries, keys], grid=(queries.size, 1, 1), threadgroup=(256, 1, 1),
+            output_shapes=[queries.shape, keys.shape], output_dtypes=[queries.dtype, keys.dtype],
+        ))
+
+    return call
 
 
 def heads(shape, seed):
@@ -95,6 +122,8 @@ class Case:
                 "floor": lambda q, k: (mx.negative(q), k),
                 "one-norm": lambda q, k: (mx.fast.rms_norm(q, self.query_weight, EPS), k),
             }
+            if mx.default_device() == mx.gpu:
+                self.paths["two-output"] = two_output_negation()
 
     def build_token(self, path, chained):
         """The lazy outputs of one token: every layer's, or the last
@@ -127,7 +156,7 @@ def spread(values):
     return f"{statistics.median(values):.3f}x [{min(values):.3f}-{max(values):.3f}]"
 
 
-def time_case(case, chained, rounds, tokens_per_round=20, warmup=20):
+def time_case(case, chained, rounds, interleaved, tokens_per_round=20, warmup=20):
     paths = list(case.paths)
     for path in paths:
         for _ in range(warmup):
@@ -136,19 +165,25 @@ def time_case(case, chained, rounds, tokens_per_round=20, warmup=20):
     for round_index in range(rounds):
         order = paths if round_index % 2 == 0 else paths[::-1]
         round_samples = {path: [] for path in paths}
-        for _ in range(tokens_per_round):
+        if interleaved:
+            for _ in range(tokens_per_round):
+                for path in order:
+                    round_samples[path].append(split_token(case, path, chained))
+        else:
             for path in order:
-                round_samples[path].append(split_token(case, path, chained))
+                for _ in range(tokens_per_round):
+                    round_samples[path].append(split_token(case, path, chained))
         for path in paths:
             samples[path].append([statistics.median(part) for part in zip(*round_samples[path])])
     layout = "chained" if chained else "independent"
     print(f"\n{case.name}, {len(case.layer_inputs)} layers, {layout}: µs per token, "
-          f"median of {rounds} rounds of {tokens_per_round} tokens")
+          f"median of {rounds} rounds of {tokens_per_round} tokens"
+          + (", paths alternating token by token" if interleaved else ""))
     totals = {path: [sum(parts) for parts in samples[path]] for path in paths}
     for path in paths:
         parts = list(zip(*samples[path]))
         ratios = [total / reference for total, reference in zip(totals[path], totals["composed"])]
-        print(f"  {path:9s} build {statistics.median(parts[0]):7.1f}  encode "
+        print(f"  {path:10s} build {statistics.median(parts[0]):7.1f}  encode "
               f"{statistics.median(parts[1]):7.1f}  wait {statistics.median(parts[2]):7.1f}  "
               f"total {statistics.median(totals[path]):7.1f}  vs composed {spread(ratios)}")
 
@@ -259,6 +294,12 @@ def main():
     parser.add_argument(
         "--mode", default="fused", help="the package's mode to time ('compiled': CPU dry run)"
     )
+    parser.add_argument(
+        "--interleaved", action="store_true",
+        help="alternate the paths token by token instead of running each path's tokens of a "
+        "round back to back (MLX then re-points its cached CUDA graph to another path's "
+        "kernels every token: about twice the encoding for every path on an H200)",
+    )
     args = parser.parse_args()
     print(f"MLX {mx.__version__}, {mx.default_device()}")
     cases = [
@@ -268,7 +309,7 @@ def main():
     ]
     for case in cases:
         for chained in ((True, False) if not case.rope else (False,)):
-            time_case(case, chained, args.rounds)
+            time_case(case, chained, args.rounds, args.interleaved)
     print(f"\nthe package's paths ran in mode {args.mode!r}")
     pool = _binding.lib.mlx_dualnorm_fused_outputs_in_device_pool()
     print(

@@ -3,6 +3,7 @@ promises. No timing is asserted: only structure, consistency and files."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -200,3 +201,21 @@ def test_bench_goals_are_judged_on_their_device_type_by_ratio_or_by_value():
     ]
     with pytest.raises(ValueError, match="exactly one"):
         targets.Goal(here, metric, "compiled")
+
+
+@pytest.mark.parametrize("per_turn", [1, 2, 8])
+def test_paths_take_turns_of_consecutive_samples(per_turn):
+    """Each path gets exactly its samples, in turns of ``per_turn``
+    consecutive ones (decode runs one path token after token), so a larger
+    turn means fewer switches between paths."""
+    taken = []
+    calls = {name: name for name in ("a", "b", "c")}
+    results = benchmark.interleaved_samples(
+        calls, lambda call: taken.append(call) or len(taken), 5, warmup=1, per_turn=per_turn
+    )
+    assert taken[:3] == ["a", "b", "c"]  # the warm-up, one sample each
+    timed = taken[3:]
+    assert {name: len(samples) for name, samples in results.items()} == {"a": 5, "b": 5, "c": 5}
+    assert timed[: min(per_turn, 5)] == ["a"] * min(per_turn, 5)
+    switches = sum(1 for before, after in zip(timed, timed[1:]) if before != after)
+    assert switches <= 3 * math.ceil(5 / per_turn) - 1
