@@ -48,4 +48,13 @@ if [ -n "$unresolved" ]; then
   echo "FAIL: symbols libmlx.so (CUDA) does not define:"; echo "$unresolved" | c++filt; exit 1
 fi
 echo "OK: $(wc -l < "$work/cuda-mlx/needed") MLX symbols, all defined by the CUDA libmlx.so"
+
+echo "--- MLX's stream-ordered allocator is in libmlx.so's symbol table"
+# The fused outputs come from cu::malloc_async, which libmlx.so builds
+# hidden; csrc/fused/output_memory.cpp finds it in .symtab at run time and
+# falls back to unified memory without it (docs/cuda-build.md).
+nm "$libmlx" > "$work/cuda-mlx/all-symbols"
+grep -q " t _ZN3mlx4core2cu12malloc_asyncEmRNS1_14CommandEncoderE$" "$work/cuda-mlx/all-symbols" \
+  || { echo "FAIL: no cu::malloc_async in $libmlx's symbol table: fused outputs would take unified memory"; exit 1; }
+echo "OK: cu::malloc_async found"
 rm -rf "$work/cuda-venv" "$work/cuda-mlx"
