@@ -17,6 +17,35 @@ def assert_bit_identical(actual: mx.array, expected: mx.array) -> None:
     assert differing == 0, f"{differing} of {actual.size} elements differ in bits"
 
 
+def assert_transforms_agree(transform: str, actual, expected, primals, vmap_arguments) -> None:
+    """``actual`` and ``expected``, functions of (queries, keys,
+    query_weight, key_weight) returning a list of arrays, give the same bits
+    under ``transform``: "vjp" and "jvp" at ``primals`` with the same seeded
+    cotangents or tangents, or "vmap" over ``vmap_arguments`` (queries and
+    keys batched on axis 0, the weights shared)."""
+
+    def transformed(function):
+        if transform == "vjp":
+            cotangents = [
+                mx.random.normal(output.shape, key=mx.random.key(20 + index))
+                for index, output in enumerate(expected(*primals))
+            ]
+            return mx.vjp(function, primals, cotangents)[1]
+        if transform == "jvp":
+            tangents = [
+                mx.random.normal(primal.shape, key=mx.random.key(30 + index))
+                for index, primal in enumerate(primals)
+            ]
+            return mx.jvp(function, primals, tangents)[1]
+        return mx.vmap(function, in_axes=(0, 0, None, None))(*vmap_arguments)
+
+    expected_outputs = transformed(expected)
+    actual_outputs = transformed(actual)
+    assert len(actual_outputs) == len(expected_outputs)
+    for a, e in zip(actual_outputs, expected_outputs):
+        assert_bit_identical(a, e)
+
+
 @pytest.fixture
 def rng_key() -> mx.array:
     return mx.random.key(20261129)

@@ -11,7 +11,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_bit_identical
+from conftest import assert_bit_identical, assert_transforms_agree
 
 from mlx_dualnorm import (
     CompiledDualHeadNorm,
@@ -333,23 +333,4 @@ def test_transforms_give_the_composed_calls_bits(mode, transform):
     def composed(q, k, wq, wk):
         return list(composed_dual_head_norm(q, k, wq, wk, EPS))
 
-    def transformed(function):
-        if transform == "vjp":
-            cotangents = [
-                mx.random.normal(output.shape, key=mx.random.key(20 + index))
-                for index, output in enumerate(composed(*primals))
-            ]
-            return mx.vjp(function, primals, cotangents)[1]
-        if transform == "jvp":
-            tangents = [
-                mx.random.normal(primal.shape, key=mx.random.key(30 + index))
-                for index, primal in enumerate(primals)
-            ]
-            return mx.jvp(function, primals, tangents)[1]
-        return mx.vmap(function, in_axes=(0, 0, None, None))(*primals)
-
-    expected = transformed(composed)
-    actual = transformed(ours)
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected):
-        assert_bit_identical(a, e)
+    assert_transforms_agree(transform, ours, composed, primals, primals)

@@ -11,7 +11,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_bit_identical
+from conftest import assert_bit_identical, assert_transforms_agree
 
 from mlx_dualnorm import (
     CompiledDualHeadNormRope,
@@ -623,25 +623,8 @@ def test_transforms_give_the_composed_calls_bits(mode, transform):
             composed_dual_head_norm_rope(q, k, wq, wk, eps=1e-5, dims=32, base=1e4, offset=5)
         )
 
-    def transformed(function):
-        if transform == "vjp":
-            cotangents = [
-                mx.random.normal(output.shape, key=mx.random.key(20 + index))
-                for index, output in enumerate(composed(*primals))
-            ]
-            return mx.vjp(function, primals, cotangents)[1]
-        if transform == "jvp":
-            tangents = [
-                mx.random.normal(primal.shape, key=mx.random.key(30 + index))
-                for index, primal in enumerate(primals)
-            ]
-            return mx.jvp(function, primals, tangents)[1]
-        # Two (B, L, H, D) problems stacked on a leading axis; weights shared.
-        stacked = [mx.stack([side, 0.5 * side]) for side in (queries, keys)]
-        return mx.vmap(function, in_axes=(0, 0, None, None))(*stacked, query_weight, key_weight)
-
-    expected = transformed(composed)
-    actual = transformed(ours)
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected):
-        assert_bit_identical(a, e)
+    # Two (B, L, H, D) problems stacked on a leading axis for vmap.
+    stacked = [mx.stack([side, 0.5 * side]) for side in (queries, keys)]
+    assert_transforms_agree(
+        transform, ours, composed, primals, [*stacked, query_weight, key_weight]
+    )
