@@ -19,11 +19,7 @@ No single-launch replacement of the composed ops can cost less than one
 such node per layer, so floor / composed bounds every fused ratio from below.
 A second reference keeps one of MLX's own nodes of the kind the fused
 kernel subsumes: the queries' rms_norm alone (``one-norm``), or their rope
-alone (``one-rope``); a fused node does at least that node's work. On the
-GPU the dual-norm cases also run ``two-output``: one node with two outputs,
-an ``mx.fast.cuda_kernel`` negating queries and keys, whose GPU wait is what
-MLX charges any node with two outputs (its build is the custom kernel's
-own, not comparable).
+alone (``one-rope``); a fused node does at least that node's work.
 
 Cases:
   gated-delta   q, k (1,1,16,128) bf16, no weights: 2 rms_norm vs 1 launch
@@ -61,28 +57,6 @@ OFFSET = 37
 
 # An evaluated array that each token's outputs are attached to (mx.depends).
 TOKEN_ANCHOR = mx.zeros((1,))
-
-
-def two_output_negation():
-    """One MLX node with two outputs: -queries and -keys, one launch."""
-    kernel = mx.fast.cuda_kernel(
-        name="negate_both",
-        input_names=["queries", "keys"],
-        output_names=["negated_queries", "negated_keys"],
-        source="""
-            auto i = cooperative_groups::this_grid().thread_rank();
-            if (i < queries_shape[2] * queries_shape[3]) negated_queries[i] = -queries[i];
-            if (i < keys_shape[2] * keys_shape[3]) negated_keys[i] = -keys[i];
-        """,
-    )
-
-    def call(queries, keys):
-        return tuple(kernel(
-            inputs=[queries, keys], grid=(queries.size, 1, 1), threadgroup=(256, 1, 1),
-            output_shapes=[queries.shape, keys.shape], output_dtypes=[queries.dtype, keys.dtype],
-        ))
-
-    return call
 
 
 def heads(shape, seed):
@@ -131,8 +105,6 @@ class Case:
                 "floor": lambda q, k: (mx.negative(q), k),
                 "one-norm": lambda q, k: (mx.fast.rms_norm(q, self.query_weight, EPS), k),
             }
-            if mx.default_device() == mx.gpu:
-                self.paths["two-output"] = two_output_negation()
 
     def build_token(self, path, chained):
         """The lazy outputs of one token: every layer's, or the last
@@ -197,7 +169,7 @@ def time_case(case, chained, rounds, interleaved, tokens_per_round=20, warmup=20
     for path in paths:
         parts = list(zip(*samples[path]))
         ratios = [total / reference for total, reference in zip(totals[path], totals["composed"])]
-        print(f"  {path:10s} build {statistics.median(parts[0]):7.1f}  encode "
+        print(f"  {path:9s} build {statistics.median(parts[0]):7.1f}  encode "
               f"{statistics.median(parts[1]):7.1f}  wait {statistics.median(parts[2]):7.1f}  "
               f"total {statistics.median(totals[path]):7.1f}  vs composed {spread(ratios)}")
 
