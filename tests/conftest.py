@@ -47,6 +47,17 @@ def assert_transforms_agree(transform: str, actual, expected, primals, vmap_argu
 
 
 @pytest.fixture
+def unpatched_mlx_lm():
+    """mlx-lm as it ships before and after the test: the package's patch
+    removed either side (modules of mlx-lm tests use it for every test)."""
+    from mlx_dualnorm.integrations import mlx_lm as integration
+
+    integration.unpatch()
+    yield
+    integration.unpatch()
+
+
+@pytest.fixture
 def rng_key() -> mx.array:
     return mx.random.key(20261129)
 

@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 
 pytest.importorskip("mlx_lm")
+pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_bench  # noqa: E402
@@ -27,13 +28,6 @@ def tiny_config(model: str) -> dict:
     and a narrow hidden size; the attention and gated-delta head shapes stay."""
     config = decode_model_config(model, layers=DECODE_MODELS[model].quick_layers, vocab_size=256)
     return {**config, **TINY_LAYER_SHAPES}
-
-
-@pytest.fixture(autouse=True)
-def unpatched_around_each_test():
-    integration.unpatch()
-    yield
-    integration.unpatch()
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import mlx.nn as nn
 import pytest
 
 pytest.importorskip("mlx_lm")
+pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
 from conftest import assert_bit_identical  # noqa: E402
 from mlx_lm.models.rope_utils import Llama3RoPE  # noqa: E402
@@ -52,13 +53,6 @@ CONFIGS = {
 }
 # MLX 0.32's CPU gather_mm (the experts) takes float32 only.
 DTYPES = {"qwen3": mx.bfloat16, "qwen3_moe": mx.float32, "qwen3_next": mx.float32}
-
-
-@pytest.fixture(autouse=True)
-def unpatched_around_each_test():
-    integration.unpatch()
-    yield
-    integration.unpatch()
 
 
 def build_model(model_type):

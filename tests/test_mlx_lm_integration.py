@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("mlx_lm")
+pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
 import mlx_lm.models.gated_delta as gated_delta  # noqa: E402
 from conftest import assert_bit_identical as assert_same_bits  # noqa: E402
@@ -44,13 +45,6 @@ GATED_DELTA_MODEL_MODULES = (
     "mlx_lm.models.bailing_moe_v3",
 )
 GENERATED_TOKENS = 64
-
-
-@pytest.fixture(autouse=True)
-def unpatched_around_each_test():
-    integration.unpatch()
-    yield
-    integration.unpatch()
 
 
 @pytest.fixture
