@@ -361,21 +361,33 @@ def run_decode(
 # ---- Report ------------------------------------------------------------------
 
 
+def _table_header(first_column: str, width: int) -> str:
+    return (
+        f"{first_column:<{width}} {'unit':<9} {'unpatched':>10} {PATCHED:>10} {'ratio':>7}"
+        "  (min..max ratio)"
+    )
+
+
+def _table_row(name: str, width: int, unit: str, summary: dict, ratio_digits: int) -> str:
+    """One paired measurement: median times, then the ratio's median and
+    range over rounds with ``ratio_digits`` decimals."""
+    ratio = summary["time_ratio_patched_over_unpatched"]
+    return (
+        f"{name:<{width}} {unit:<9} "
+        f"{summary['unpatched_time']['median']:>10.3f} "
+        f"{summary['patched_time']['median']:>10.3f} "
+        f"{ratio['median']:>6.{ratio_digits}f}x  "
+        f"({ratio['min']:.{ratio_digits}f}..{ratio['max']:.{ratio_digits}f}, "
+        f"{summary['rounds']} rounds)"
+    )
+
+
 def format_table(timings: list[PairedTiming]) -> str:
-    lines = [
-        f"{'measurement':<34} {'unit':<9} {'unpatched':>10} {PATCHED:>10} {'ratio':>7}"
-        "  (min..max ratio)",
+    lines = [_table_header("measurement", 34)]
+    lines += [
+        _table_row(timing.name, 34, timing.unit, timing.summary(), ratio_digits=2)
+        for timing in timings
     ]
-    for timing in timings:
-        summary = timing.summary()
-        ratio = summary["time_ratio_patched_over_unpatched"]
-        lines.append(
-            f"{timing.name:<34} {timing.unit:<9} "
-            f"{summary['unpatched_time']['median']:>10.3f} "
-            f"{summary['patched_time']['median']:>10.3f} "
-            f"{ratio['median']:>6.2f}x  ({ratio['min']:.2f}..{ratio['max']:.2f}, "
-            f"{summary['rounds']} rounds)"
-        )
     lines += [
         "columns: median time per round, unpatched (mlx-lm's normalize_qk) and patched "
         "(mlx_dualnorm.integrations.mlx_lm.patch());",
@@ -410,18 +422,11 @@ def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> s
         f"decode, random bfloat16 weights at released models' dimensions, on {device}: "
         f"{first.prompt_tokens}-token prompt, then {first.decode_steps} greedy decode steps "
         "per round (KV cache, one eval per token)",
-        f"{'model':<16} {'unit':<9} {'unpatched':>10} {PATCHED:>10} {'ratio':>7}  (min..max ratio)",
+        _table_header("model", 16),
     ]
     for measurement in measurements:
         summary = measurement.summary()
-        ratio = summary["time_ratio_patched_over_unpatched"]
-        lines.append(
-            f"{measurement.model:<16} {'ms/token':<9} "
-            f"{summary['unpatched_time']['median']:>10.3f} "
-            f"{summary['patched_time']['median']:>10.3f} "
-            f"{ratio['median']:>6.3f}x  ({ratio['min']:.3f}..{ratio['max']:.3f}, "
-            f"{summary['rounds']} rounds)"
-        )
+        lines.append(_table_row(measurement.model, 16, "ms/token", summary, ratio_digits=3))
         lines.append(f"  like {measurement.resembles}: {_dimensions_text(summary['dimensions'])}")
         if measurement.quick_reduced:
             real = DECODE_MODELS[measurement.model].config

@@ -151,10 +151,6 @@ class DecodeModel:
     config: dict  # config.json-style, at full size
     quick_layers: int  # the fewest layers that keep every kind of layer
 
-    @property
-    def model_type(self) -> str:
-        return self.config["model_type"]
-
 
 def _qwen3_dense(hidden_size: int, intermediate_size: int) -> dict:
     return {
