@@ -2,9 +2,10 @@
  * normalizations.
  *
  * The query/key head RMS normalizations of a layer's prework ran as two
- * graph builds; one dual-output replay of a compiled graph produces both. Every primitive and its order match the composed path:
- * the builder calls mlx_fast_rms_norm on each input exactly as two separate
- * calls would, so MLX emits the same kernels over the same inputs.
+ * graph builds; one dual-output replay of a compiled graph produces both.
+ * Every primitive and its order match the composed path: the builder
+ * calls mlx_fast_rms_norm on each input exactly as two separate calls
+ * would, so MLX emits the same kernels over the same inputs.
  *
  * Graph builders are plain function pointers that cannot capture the RMS
  * epsilon, and mlx_fast_rms_norm bakes its epsilon into the graph at trace
@@ -52,9 +53,9 @@
  * rank >= 2).
  *
  * rms_norm checks its arguments when traced, never at a replay, so the
- * apply checks
- * rms_norm's preconditions on every call (head_norm_input.h), and chooses
- * the route (fused, compiled, uncompiled) from the facts read there.
+ * apply checks rms_norm's preconditions on every call (head_norm_input.h),
+ * and chooses the route (fused, compiled, uncompiled) from the facts read
+ * there.
  * Failures are reported as call_errors.h says; compile ids and their
  * erasure from every thread's cache are compile_erasure.h's.
  */
@@ -341,9 +342,9 @@ static int fused_kernel_takes(const mlx_dualnorm_compiled_dual_head_norm* dual_h
   const head_norm_input* keys = &call->keys;
   int max_rank = dual_head_norm->fused_backend->max_rank;
   mlx_dtype dtype = queries->dtype;
-  *takes = dualnorm_is_fused_dtype(dtype) && queries->weight_dtype == dtype && keys->dtype == dtype &&
-           keys->weight_dtype == dtype && queries->size > 0 && keys->size > 0 &&
-           queries->rank <= (size_t)max_rank && keys->rank <= (size_t)max_rank &&
+  *takes = dualnorm_is_fused_dtype(dtype) && queries->weight_dtype == dtype &&
+           keys->dtype == dtype && keys->weight_dtype == dtype && queries->size > 0 &&
+           keys->size > 0 && queries->rank <= (size_t)max_rank && keys->rank <= (size_t)max_rank &&
            queries->rows + keys->rows <= (size_t)INT_MAX;
   return *takes ? dualnorm_default_device_is_gpu(call, APPLY_DUAL_HEAD_NORM_OPERATION, takes, error) : MLX_DUALNORM_OK;
 }

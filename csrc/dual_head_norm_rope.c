@@ -480,9 +480,9 @@ static int fused_kernel_takes(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
   const head_norm_input* keys = &call->keys;
   int max_width = norm_rope->fused_backend->max_width;
   mlx_dtype dtype = queries->dtype;
-  *takes = dualnorm_is_fused_dtype(dtype) && queries->weight_dtype == dtype && keys->dtype == dtype &&
-           keys->weight_dtype == dtype && queries->size > 0 && keys->size > 0 &&
-           queries->width <= max_width && keys->width <= max_width &&
+  *takes = dualnorm_is_fused_dtype(dtype) && queries->weight_dtype == dtype &&
+           keys->dtype == dtype && keys->weight_dtype == dtype && queries->size > 0 &&
+           keys->size > 0 && queries->width <= max_width && keys->width <= max_width &&
            queries->rows + keys->rows <= (size_t)INT_MAX && offset_fits_side(queries, offset) &&
            offset_fits_side(keys, offset);
   return *takes ? dualnorm_default_device_is_gpu(call, APPLY_NORM_ROPE_OPERATION, takes, error)

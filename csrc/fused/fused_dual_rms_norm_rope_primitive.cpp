@@ -16,7 +16,6 @@
 #include <optional>
 #include <stdexcept>
 
-#include "mlx/allocator.h"
 #include "mlx/backend/cuda/allocator.h"
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
@@ -217,8 +216,8 @@ class FusedDualRmsNormRope : public mx::Primitive {
       const WeightInputs weights =
           weight_inputs(inputs, kFirstWeightInput - 1, has_query_weight, has_key_weight);
       auto side = [&](const mx::array& input, const mx::array* weight) {
-        mx::array head_major = mx::transpose(
-            mx::fast::rms_norm(input, optional_weight(weight), eps, stream), kHeadMajorAxes, stream);
+        mx::array normalized = mx::fast::rms_norm(input, optional_weight(weight), eps, stream);
+        mx::array head_major = mx::transpose(normalized, kHeadMajorAxes, stream);
         return mx::fast::rope(head_major, rope.dims, rope.traditional, rope.base, rope.scale,
                               offset, std::nullopt, stream);
       };

@@ -12,7 +12,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 
 namespace mlx_dualnorm_fused {
 
@@ -141,10 +140,9 @@ StreamOrderedMalloc look_up_stream_ordered_malloc() {
   return reinterpret_cast<StreamOrderedMalloc>(const_cast<char*>(base + values.wanted));
 }
 
+/* Looked up once per process (a function-local static: thread-safe). */
 StreamOrderedMalloc stream_ordered_malloc() {
-  static std::once_flag looked_up;
-  static StreamOrderedMalloc found = nullptr;
-  std::call_once(looked_up, [] { found = look_up_stream_ordered_malloc(); });
+  static const StreamOrderedMalloc found = look_up_stream_ordered_malloc();
   return found;
 }
 

@@ -15,9 +15,10 @@ One run measures every registered path on the default MLX device:
   eval) and the peak memory above the resident inputs.
 
 Every number is taken once per repeat for every path, as the median of its
-samples; inside a repeat the paths take their samples in turn (one batch,
-token or call each, the order rotating and reversing), so load that comes and goes on the
-machine falls on all of them alike. The ratio to the baseline path
+samples; inside a repeat the paths take their samples in turn (one batch
+or call each, decode tokens ``decode_tokens_per_turn`` at a time, as decode
+runs one path token after token; the order rotating and reversing), so load
+that comes and goes on the machine falls on all of them alike. The ratio to the baseline path
 (``composed``) is computed per repeat, and values and ratios are reported
 as min / median / max over the repeats.
 
