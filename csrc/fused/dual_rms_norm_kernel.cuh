@@ -27,6 +27,16 @@
  * start found from the row index, the shape and the strides, so no copy is
  * made and the values (hence the bits) are the same.
  *
+ * Every entry point comes in two variants that differ only in how a row is
+ * found: ContiguousRows, for row-contiguous inputs (row r starts at
+ * r * width), and RowLayout, for any strided view. The first exists for its
+ * size: a launch's arguments travel with it, and room for eight strides
+ * per side made the dual norm's about 330 bytes, against about 100 now for
+ * contiguous inputs. On an H200 (MLX 0.32.4, 2026-12-01, two runs of 11
+ * rounds each way) a dependent chain of 28 fused kernels then took 87 µs
+ * instead of 94 (full attention) and 83 instead of 92 (gated-delta) to
+ * finish after the host had encoded it.
+ *
  * DualRmsNormParams is passed by value. Its one definition below is
  * compiled into the host code (fused_dual_rms_norm_primitive.cpp) and
  * pasted, as text, into the kernel source, so the two cannot disagree.
@@ -38,21 +48,31 @@
  * graph. */
 #define MLX_DUALNORM_MAX_RANK 8
 
-/* A side's rows: the strided input layout and MLX's launch shape for it. */
+/* A side's rows and MLX's launch shape for them: ContiguousRows for a
+ * row-contiguous input, RowLayout (the same fields, then the strided
+ * layout) for any other. */
 #define MLX_DUALNORM_KERNEL_PARAMS                        \
-  struct RowLayout {                                      \
-    long long strides[MLX_DUALNORM_MAX_RANK];             \
-    int shape[MLX_DUALNORM_MAX_RANK];                     \
-    int rank;                                             \
+  struct ContiguousRows {                                 \
     int rows;                                             \
     int width;                                            \
     int block;                                            \
     int has_weight;                                       \
     long long weight_stride;                              \
   };                                                      \
+  struct RowLayout {                                      \
+    int rows;                                             \
+    int width;                                            \
+    int block;                                            \
+    int has_weight;                                       \
+    long long weight_stride;                              \
+    long long strides[MLX_DUALNORM_MAX_RANK];             \
+    int shape[MLX_DUALNORM_MAX_RANK];                     \
+    int rank;                                             \
+  };                                                      \
+  template <typename Rows>                                \
   struct DualRmsNormParams {                              \
-    RowLayout queries;                                    \
-    RowLayout keys;                                       \
+    Rows queries;                                         \
+    Rows keys;                                            \
     float eps;                                            \
   };
 
@@ -68,8 +88,21 @@ inline constexpr const char kRowNormalizationSource[] =
 typedef unsigned short bits16;
 
 /* Offset of the first element of `row` (rows enumerate every axis but the
- * last, in row-major order). Row counts fit an int, so the index arithmetic
- * is 32-bit (64-bit division is emulated and slow); offsets are 64-bit. */
+ * last, in row-major order), and the distance between a row's elements.
+ * Row counts fit an int, so the index arithmetic is 32-bit (64-bit
+ * division is emulated and slow); offsets are 64-bit. */
+__device__ __forceinline__ long long row_start(const ContiguousRows& rows, unsigned int row) {
+  return static_cast<long long>(row) * rows.width;
+}
+
+__device__ __forceinline__ long long element_stride(const ContiguousRows&) {
+  return 1;
+}
+
+__device__ __forceinline__ long long element_stride(const RowLayout& layout) {
+  return layout.strides[layout.rank - 1];
+}
+
 __device__ __forceinline__ long long row_start(const RowLayout& layout, unsigned int row) {
   long long offset = 0;
   for (int axis = layout.rank - 2; axis >= 0; --axis) {
@@ -202,16 +235,16 @@ __device__ __forceinline__ Chunk<Storage> load_chunk(
  * memory. Kept whole, at about 75 lines: the sum pass and the write pass
  * share the row's first chunk, held in registers, and the summation order
  * (which must be MLX's, element for element) reads in one place. */
-template <typename Storage>
+template <typename Storage, typename Rows>
 __device__ __forceinline__ void normalize_row(
     const typename Storage::storage* input,
     const typename Storage::storage* weight,
     typename Storage::storage* out,
-    const RowLayout& layout, unsigned int row_index, float eps) {
+    const Rows& layout, unsigned int row_index, float eps) {
   typedef Chunk<Storage> RowChunk;
   constexpr int READS = chunk_reads<Storage>();
   const typename Storage::storage* row = input + row_start(layout, row_index);
-  const long long element_stride = layout.strides[layout.rank - 1];
+  const long long row_element_stride = element_stride(layout);
   const int width = layout.width;
   const int row_block = layout.block;
   const bool has_weight = layout.has_weight != 0;
@@ -220,7 +253,7 @@ __device__ __forceinline__ void normalize_row(
   const int vectors = (width + READS - 1) / READS;
   const int chunks = (vectors + row_block - 1) / row_block;
   const bool whole_chunks = width % READS == 0;
-  const bool load_vectors = whole_chunks && element_stride == 1 && is_vector_aligned(row);
+  const bool load_vectors = whole_chunks && row_element_stride == 1 && is_vector_aligned(row);
   const bool store_vectors = whole_chunks && is_vector_aligned(out);
   const bool weight_vectors =
       has_weight && whole_chunks && layout.weight_stride == 1 && is_vector_aligned(weight);
@@ -235,7 +268,7 @@ __device__ __forceinline__ void normalize_row(
   if (owns_elements) {
     for (int chunk = 0; chunk < chunks; ++chunk) {
       const int first = (chunk * row_block + thread) * READS;
-      const RowChunk x = load_chunk<Storage>(row, first, width, element_stride, load_vectors);
+      const RowChunk x = load_chunk<Storage>(row, first, width, row_element_stride, load_vectors);
       if (chunk == 0 && has_weight) {
         first_scale =
             load_chunk<Storage>(weight, first, width, layout.weight_stride, weight_vectors);
@@ -265,7 +298,7 @@ __device__ __forceinline__ void normalize_row(
       }
       const RowChunk x = chunk == 0
           ? first_chunk
-          : load_chunk<Storage>(row, first, width, element_stride, load_vectors);
+          : load_chunk<Storage>(row, first, width, row_element_stride, load_vectors);
       RowChunk scale;
       if (has_weight) {
         scale = chunk == 0
@@ -299,18 +332,18 @@ __device__ __forceinline__ void normalize_row(
  * kRowNormalizationSource followed by this. */
 inline constexpr const char kDualRmsNormEntrySource[] = R"cuda(
 /* Output rows are contiguous, `width` apart. */
-template <typename Storage>
+template <typename Storage, typename Rows>
 __device__ __forceinline__ typename Storage::storage* output_row(
-    typename Storage::storage* output, const RowLayout& layout, unsigned int row_index) {
+    typename Storage::storage* output, const Rows& layout, unsigned int row_index) {
   return output + static_cast<long long>(row_index) * layout.width;
 }
 
-template <typename Storage>
+template <typename Storage, typename Rows>
 __device__ __forceinline__ void dual_rms_norm(
     const typename Storage::storage* queries, const typename Storage::storage* keys,
     const typename Storage::storage* query_weight, const typename Storage::storage* key_weight,
     typename Storage::storage* normalized_queries, typename Storage::storage* normalized_keys,
-    const DualRmsNormParams& params) {
+    const DualRmsNormParams<Rows>& params) {
   const unsigned int block_row = blockIdx.x;
   if (block_row < static_cast<unsigned int>(params.queries.rows)) {
     normalize_row<Storage>(queries, query_weight,
@@ -324,19 +357,24 @@ __device__ __forceinline__ void dual_rms_norm(
   }
 }
 
-#define MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(NAME, STORAGE)                              \
+/* One entry point per storage type and row description, named
+ * mlx_dualnorm_dual_rms_norm_{contiguous,strided}_{float32,float16,bfloat16}. */
+#define MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(NAME, STORAGE, ROWS)                        \
   extern "C" __global__ void NAME(                                                   \
       const STORAGE::storage* queries, const STORAGE::storage* keys,                 \
       const STORAGE::storage* query_weight, const STORAGE::storage* key_weight,      \
       STORAGE::storage* normalized_queries, STORAGE::storage* normalized_keys,       \
-      const DualRmsNormParams params) {                                              \
-    dual_rms_norm<STORAGE>(queries, keys, query_weight, key_weight,                  \
-                           normalized_queries, normalized_keys, params);             \
+      const DualRmsNormParams<ROWS> params) {                                        \
+    dual_rms_norm<STORAGE, ROWS>(queries, keys, query_weight, key_weight,            \
+                                 normalized_queries, normalized_keys, params);       \
   }
 
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_float32, Float32Storage)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_float16, Float16Storage)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_bfloat16, BFloat16Storage)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_contiguous_float32, Float32Storage, ContiguousRows)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_contiguous_float16, Float16Storage, ContiguousRows)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_contiguous_bfloat16, BFloat16Storage, ContiguousRows)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_strided_float32, Float32Storage, RowLayout)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_strided_float16, Float16Storage, RowLayout)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_strided_bfloat16, BFloat16Storage, RowLayout)
 )cuda";
 
 } // namespace mlx_dualnorm_fused

@@ -42,7 +42,7 @@
 
 #include "fused/dual_rms_norm_kernel.cuh"
 
-/* After MLX_DUALNORM_KERNEL_PARAMS, whose RowLayout it uses. */
+/* After MLX_DUALNORM_KERNEL_PARAMS, whose row descriptions it uses. */
 #define MLX_DUALNORM_ROPE_KERNEL_PARAMS                   \
   struct RopeSide {                                       \
     int heads;                                            \
@@ -50,9 +50,10 @@
     long long offset_stride;                              \
     int signed_position;                                  \
   };                                                      \
+  template <typename Rows>                                \
   struct DualRmsNormRopeParams {                          \
-    RowLayout queries;                                    \
-    RowLayout keys;                                       \
+    Rows queries;                                         \
+    Rows keys;                                            \
     RopeSide query_rope;                                  \
     RopeSide key_rope;                                    \
     float eps;                                            \
@@ -78,8 +79,9 @@ struct PairRotation {
   float sin_theta;
 };
 
+template <typename Params>
 __device__ __forceinline__ PairRotation pair_rotation(int i, float position,
-                                                      const DualRmsNormRopeParams& params) {
+                                                      const Params& params) {
   const int half = params.dims / 2;
   const float scaled_position = params.scale * position;
   const float d = __fdiv_rn(static_cast<float>(i), static_cast<float>(half));
@@ -91,10 +93,10 @@ __device__ __forceinline__ PairRotation pair_rotation(int i, float position,
 /* Rotates the normalized row in shared memory into `out`; `own_pair` is
  * the rotation of pair threadIdx.x, computed before the row was (it
  * depends only on the position), the others are computed here. */
-template <typename Storage>
+template <typename Storage, typename Params>
 __device__ __forceinline__ void rotate_row(
     const typename Storage::storage* normalized, typename Storage::storage* out,
-    int width, float position, PairRotation own_pair, const DualRmsNormRopeParams& params) {
+    int width, float position, PairRotation own_pair, const Params& params) {
   const int half = params.dims / 2;
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     const PairRotation rotation =
@@ -119,11 +121,11 @@ __device__ __forceinline__ void rotate_row(
 /* Normalizes input row `row_index` of one side, then rotates it into its
  * transposed place. Inlined per side so `layout` and `rope` stay
  * references into the parameter space. */
-template <typename Storage>
+template <typename Storage, typename Rows>
 __device__ __forceinline__ void normalize_and_rotate_row(
     const typename Storage::storage* input, const typename Storage::storage* weight,
-    const int* offsets, typename Storage::storage* output, const RowLayout& layout,
-    const RopeSide& rope, unsigned int row_index, const DualRmsNormRopeParams& params) {
+    const int* offsets, typename Storage::storage* output, const Rows& layout,
+    const RopeSide& rope, unsigned int row_index, const DualRmsNormRopeParams<Rows>& params) {
   typename Storage::storage* normalized =
       reinterpret_cast<typename Storage::storage*>(normalized_row_bytes);
   const unsigned int heads = static_cast<unsigned int>(rope.heads);
@@ -152,12 +154,12 @@ __device__ __forceinline__ void normalize_and_rotate_row(
                       own_pair, params);
 }
 
-template <typename Storage>
+template <typename Storage, typename Rows>
 __device__ __forceinline__ void dual_rms_norm_rope(
     const typename Storage::storage* queries, const typename Storage::storage* keys,
     const typename Storage::storage* query_weight, const typename Storage::storage* key_weight,
     const int* offsets, typename Storage::storage* rotated_queries,
-    typename Storage::storage* rotated_keys, const DualRmsNormRopeParams& params) {
+    typename Storage::storage* rotated_keys, const DualRmsNormRopeParams<Rows>& params) {
   const unsigned int block_row = blockIdx.x;
   if (block_row < static_cast<unsigned int>(params.queries.rows)) {
     normalize_and_rotate_row<Storage>(queries, query_weight, offsets, rotated_queries,
@@ -169,19 +171,24 @@ __device__ __forceinline__ void dual_rms_norm_rope(
   }
 }
 
-#define MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(NAME, STORAGE)                         \
+/* Named as the dual norm's entry points:
+ * mlx_dualnorm_dual_rms_norm_rope_{contiguous,strided}_{float32,float16,bfloat16}. */
+#define MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(NAME, STORAGE, ROWS)                   \
   extern "C" __global__ void NAME(                                                   \
       const STORAGE::storage* queries, const STORAGE::storage* keys,                 \
       const STORAGE::storage* query_weight, const STORAGE::storage* key_weight,      \
       const int* offsets, STORAGE::storage* rotated_queries,                         \
-      STORAGE::storage* rotated_keys, const DualRmsNormRopeParams params) {          \
-    dual_rms_norm_rope<STORAGE>(queries, keys, query_weight, key_weight, offsets,    \
-                                rotated_queries, rotated_keys, params);              \
+      STORAGE::storage* rotated_keys, const DualRmsNormRopeParams<ROWS> params) {    \
+    dual_rms_norm_rope<STORAGE, ROWS>(queries, keys, query_weight, key_weight,       \
+                                      offsets, rotated_queries, rotated_keys, params); \
   }
 
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_float32, Float32Storage)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_float16, Float16Storage)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_bfloat16, BFloat16Storage)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_contiguous_float32, Float32Storage, ContiguousRows)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_contiguous_float16, Float16Storage, ContiguousRows)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_contiguous_bfloat16, BFloat16Storage, ContiguousRows)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_strided_float32, Float32Storage, RowLayout)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_strided_float16, Float16Storage, RowLayout)
+MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_strided_bfloat16, BFloat16Storage, RowLayout)
 )cuda";
 
 } // namespace mlx_dualnorm_fused

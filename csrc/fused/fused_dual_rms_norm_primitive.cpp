@@ -53,27 +53,11 @@ class FusedDualRmsNorm : public mx::Primitive {
   /* Inputs: queries, keys, then the query weight and the key weight where
    * present. Outputs: normalized queries, normalized keys. */
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& encoder = mx::cu::get_command_encoder(stream());
-    CUfunction kernel = kernel_module().kernel_for(inputs[kQueriesInput].dtype(), stream().device);
-    const WeightInputs weights =
-        weight_inputs(inputs, kFirstWeightInput, has_query_weight_, has_key_weight_);
-    DualRmsNormParams params{};
-    params.queries = row_layout(inputs[kQueriesInput], weights.query);
-    params.keys = row_layout(inputs[kKeysInput], weights.key);
-    params.eps = rms_norm_epsilon_;
-    prepare_outputs(encoder, inputs, outputs);
-    void* queries = mx::gpu_ptr<void>(inputs[kQueriesInput]);
-    void* keys = mx::gpu_ptr<void>(inputs[kKeysInput]);
-    void* query_weight = weights.query ? mx::gpu_ptr<void>(*weights.query) : nullptr;
-    void* key_weight = weights.key ? mx::gpu_ptr<void>(*weights.key) : nullptr;
-    void* normalized_queries = mx::gpu_ptr<void>(outputs[0]);
-    void* normalized_keys = mx::gpu_ptr<void>(outputs[1]);
-    void* arguments[] = {&queries, &keys, &query_weight, &key_weight,
-                         &normalized_queries, &normalized_keys, &params};
-    const unsigned int block =
-        static_cast<unsigned int>(std::max(params.queries.block, params.keys.block));
-    const unsigned int rows = static_cast<unsigned int>(params.queries.rows + params.keys.rows);
-    encoder.add_kernel_node_raw(kernel, dim3(rows), dim3(block), dim3(), 0, arguments);
+    if (rows_are_contiguous(inputs[kQueriesInput], inputs[kKeysInput])) {
+      launch<ContiguousRows>(inputs, outputs);
+    } else {
+      launch<RowLayout>(inputs, outputs);
+    }
   }
 
   /* Gradients and vectorization transform the computation this primitive
@@ -120,6 +104,34 @@ class FusedDualRmsNorm : public mx::Primitive {
   }
 
  private:
+  /* One launch of the kernel variant whose arguments describe rows as
+   * `Rows` does. */
+  template <typename Rows>
+  void launch(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    auto& encoder = mx::cu::get_command_encoder(stream());
+    CUfunction kernel =
+        kernel_module().kernel_for<Rows>(inputs[kQueriesInput].dtype(), stream().device);
+    const WeightInputs weights =
+        weight_inputs(inputs, kFirstWeightInput, has_query_weight_, has_key_weight_);
+    DualRmsNormParams<Rows> params{};
+    params.queries = rows_of<Rows>(inputs[kQueriesInput], weights.query);
+    params.keys = rows_of<Rows>(inputs[kKeysInput], weights.key);
+    params.eps = rms_norm_epsilon_;
+    prepare_outputs(encoder, inputs, outputs);
+    void* queries = mx::gpu_ptr<void>(inputs[kQueriesInput]);
+    void* keys = mx::gpu_ptr<void>(inputs[kKeysInput]);
+    void* query_weight = weights.query ? mx::gpu_ptr<void>(*weights.query) : nullptr;
+    void* key_weight = weights.key ? mx::gpu_ptr<void>(*weights.key) : nullptr;
+    void* normalized_queries = mx::gpu_ptr<void>(outputs[0]);
+    void* normalized_keys = mx::gpu_ptr<void>(outputs[1]);
+    void* arguments[] = {&queries, &keys, &query_weight, &key_weight,
+                         &normalized_queries, &normalized_keys, &params};
+    const unsigned int block =
+        static_cast<unsigned int>(std::max(params.queries.block, params.keys.block));
+    const unsigned int rows = static_cast<unsigned int>(params.queries.rows + params.keys.rows);
+    encoder.add_kernel_node_raw(kernel, dim3(rows), dim3(block), dim3(), 0, arguments);
+  }
+
   /* The composed computation over this primitive's inputs. */
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> composed() {
     return [eps = rms_norm_epsilon_, has_query_weight = has_query_weight_,

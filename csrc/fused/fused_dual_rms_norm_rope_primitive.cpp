@@ -104,44 +104,11 @@ class FusedDualRmsNormRope : public mx::Primitive {
    * (B, H, L, D) buffers (an input buffer cannot be reused: a block writes
    * its row where another block's row was read). */
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& encoder = mx::cu::get_command_encoder(stream());
-    const mx::array& queries = inputs[kQueriesInput];
-    const mx::array& keys = inputs[kKeysInput];
-    const mx::array& offset = inputs[kOffsetInput];
-    CUfunction kernel = kernel_module().kernel_for(queries.dtype(), stream().device);
-    const WeightInputs weights =
-        weight_inputs(inputs, kFirstWeightInput, has_query_weight_, has_key_weight_);
-    DualRmsNormRopeParams params{};
-    params.queries = row_layout(queries, weights.query);
-    params.keys = row_layout(keys, weights.key);
-    params.query_rope = rope_side(queries, offset);
-    params.key_rope = rope_side(keys, offset);
-    params.eps = rms_norm_epsilon_;
-    params.dims = rope_.dims;
-    params.traditional = rope_.traditional ? 1 : 0;
-    params.scale = rope_.scale;
-    params.log2_base = log2_base_;
-    if (std::optional<int32_t> constant_offset = host_readable_offset(offset)) {
-      params.has_constant_offset = 1;
-      params.constant_offset = *constant_offset;
+    if (rows_are_contiguous(inputs[kQueriesInput], inputs[kKeysInput])) {
+      launch<ContiguousRows>(inputs, outputs);
+    } else {
+      launch<RowLayout>(inputs, outputs);
     }
-    prepare_outputs(encoder, inputs, outputs);
-    void* query_data = mx::gpu_ptr<void>(queries);
-    void* key_data = mx::gpu_ptr<void>(keys);
-    void* query_weight = weights.query ? mx::gpu_ptr<void>(*weights.query) : nullptr;
-    void* key_weight = weights.key ? mx::gpu_ptr<void>(*weights.key) : nullptr;
-    void* offsets = mx::gpu_ptr<void>(offset);
-    void* rotated_queries = mx::gpu_ptr<void>(outputs[0]);
-    void* rotated_keys = mx::gpu_ptr<void>(outputs[1]);
-    void* arguments[] = {&query_data, &key_data,        &query_weight, &key_weight,
-                         &offsets,    &rotated_queries, &rotated_keys, &params};
-    const unsigned int block =
-        static_cast<unsigned int>(std::max(params.queries.block, params.keys.block));
-    const unsigned int rows = static_cast<unsigned int>(params.queries.rows + params.keys.rows);
-    const size_t widest = static_cast<size_t>(std::max(params.queries.width, params.keys.width));
-    const uint32_t row_bytes =
-        static_cast<uint32_t>((widest * queries.itemsize() + 15) / 16 * 16);
-    encoder.add_kernel_node_raw(kernel, dim3(rows), dim3(block), dim3(), row_bytes, arguments);
   }
 
   /* Gradients and vectorization are those of the composed calls this
@@ -196,6 +163,50 @@ class FusedDualRmsNormRope : public mx::Primitive {
   }
 
  private:
+  /* One launch of the kernel variant whose arguments describe rows as
+   * `Rows` does. */
+  template <typename Rows>
+  void launch(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    auto& encoder = mx::cu::get_command_encoder(stream());
+    const mx::array& queries = inputs[kQueriesInput];
+    const mx::array& keys = inputs[kKeysInput];
+    const mx::array& offset = inputs[kOffsetInput];
+    CUfunction kernel = kernel_module().kernel_for<Rows>(queries.dtype(), stream().device);
+    const WeightInputs weights =
+        weight_inputs(inputs, kFirstWeightInput, has_query_weight_, has_key_weight_);
+    DualRmsNormRopeParams<Rows> params{};
+    params.queries = rows_of<Rows>(queries, weights.query);
+    params.keys = rows_of<Rows>(keys, weights.key);
+    params.query_rope = rope_side(queries, offset);
+    params.key_rope = rope_side(keys, offset);
+    params.eps = rms_norm_epsilon_;
+    params.dims = rope_.dims;
+    params.traditional = rope_.traditional ? 1 : 0;
+    params.scale = rope_.scale;
+    params.log2_base = log2_base_;
+    if (std::optional<int32_t> constant_offset = host_readable_offset(offset)) {
+      params.has_constant_offset = 1;
+      params.constant_offset = *constant_offset;
+    }
+    prepare_outputs(encoder, inputs, outputs);
+    void* query_data = mx::gpu_ptr<void>(queries);
+    void* key_data = mx::gpu_ptr<void>(keys);
+    void* query_weight = weights.query ? mx::gpu_ptr<void>(*weights.query) : nullptr;
+    void* key_weight = weights.key ? mx::gpu_ptr<void>(*weights.key) : nullptr;
+    void* offsets = mx::gpu_ptr<void>(offset);
+    void* rotated_queries = mx::gpu_ptr<void>(outputs[0]);
+    void* rotated_keys = mx::gpu_ptr<void>(outputs[1]);
+    void* arguments[] = {&query_data, &key_data,        &query_weight, &key_weight,
+                         &offsets,    &rotated_queries, &rotated_keys, &params};
+    const unsigned int block =
+        static_cast<unsigned int>(std::max(params.queries.block, params.keys.block));
+    const unsigned int rows = static_cast<unsigned int>(params.queries.rows + params.keys.rows);
+    const size_t widest = static_cast<size_t>(std::max(params.queries.width, params.keys.width));
+    const uint32_t row_bytes =
+        static_cast<uint32_t>((widest * queries.itemsize() + 15) / 16 * 16);
+    encoder.add_kernel_node_raw(kernel, dim3(rows), dim3(block), dim3(), row_bytes, arguments);
+  }
+
   static std::vector<mx::array> without_offset(const std::vector<mx::array>& inputs) {
     std::vector<mx::array> kept;
     for (size_t index = 0; index < inputs.size(); ++index) {

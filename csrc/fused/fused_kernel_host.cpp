@@ -19,29 +19,50 @@ namespace mx = mlx::core;
 /* MLX's block size for rows of `width` elements of `dtype` (its
  * RMSNorm::eval_gpu dispatch), where each thread reads 16 bytes per chunk
  * (the kernel's READS). */
-void set_launch_shape(RowLayout& layout, mx::Dtype dtype) {
+int launch_block(int width, mx::Dtype dtype) {
   const int reads = 16 / static_cast<int>(dtype.size());
-  const int width = layout.width;
   const int vectors = (width + reads - 1) / reads;
   if (width > reads * 1024) {
-    layout.block = 1024;
+    return 1024;
   } else if (width <= reads * 64) {
-    layout.block = 64;
+    return 64;
   } else if (vectors % 128 == 0 && vectors / 128 <= 8) {
-    layout.block = 128;
+    return 128;
   } else if (vectors % 64 == 0 && vectors / 64 <= 8) {
-    layout.block = 64;
-  } else {
-    layout.block = 128;
+    return 64;
   }
+  return 128;
 }
+
+/* The fields both row descriptions share. */
+template <typename Rows>
+Rows shared_row_fields(const mx::array& input, const mx::array* weight) {
+  Rows rows{};
+  rows.width = input.shape().back();
+  rows.rows = static_cast<int>(input.size() / rows.width);
+  rows.block = launch_block(rows.width, input.dtype());
+  rows.has_weight = weight != nullptr ? 1 : 0;
+  rows.weight_stride = weight != nullptr ? weight->strides()[0] : 0;
+  return rows;
+}
+
+const char* const kRowsVariantNames[] = {"contiguous", "strided"};
+const char* const kDtypeNames[] = {"float32", "float16", "bfloat16"};
 
 } // namespace
 
-RowLayout row_layout(const mx::array& input, const mx::array* weight) {
-  RowLayout layout{};
-  layout.width = input.shape().back();
-  layout.rows = static_cast<int>(input.size() / layout.width);
+bool rows_are_contiguous(const mx::array& queries, const mx::array& keys) {
+  return queries.flags().row_contiguous && keys.flags().row_contiguous;
+}
+
+template <>
+ContiguousRows rows_of<ContiguousRows>(const mx::array& input, const mx::array* weight) {
+  return shared_row_fields<ContiguousRows>(input, weight);
+}
+
+template <>
+RowLayout rows_of<RowLayout>(const mx::array& input, const mx::array* weight) {
+  RowLayout layout = shared_row_fields<RowLayout>(input, weight);
   if (input.flags().row_contiguous) {
     // Rows back to back: one (rows, width) view spares the kernel the
     // per-axis index arithmetic.
@@ -57,9 +78,6 @@ RowLayout row_layout(const mx::array& input, const mx::array* weight) {
       layout.strides[axis] = input.strides()[axis];
     }
   }
-  layout.has_weight = weight != nullptr ? 1 : 0;
-  layout.weight_stride = weight != nullptr ? weight->strides()[0] : 0;
-  set_launch_shape(layout, input.dtype());
   return layout;
 }
 
@@ -76,18 +94,22 @@ void KernelModule::load() {
   if (load_data == nullptr || get_function == nullptr) {
     throw std::runtime_error(prefix + "the CUDA driver lacks module loading");
   }
-  const std::string name = kernel_prefix_;
   CUmodule loaded = nullptr;
   // Owned by the process from here: kernels stay valid until exit.
-  if (load_data(&loaded, cubin_.data()) != CUDA_SUCCESS ||
-      get_function(&float32_kernel_, loaded, (name + "_float32").c_str()) != CUDA_SUCCESS ||
-      get_function(&float16_kernel_, loaded, (name + "_float16").c_str()) != CUDA_SUCCESS ||
-      get_function(&bfloat16_kernel_, loaded, (name + "_bfloat16").c_str()) != CUDA_SUCCESS) {
+  bool complete = load_data(&loaded, cubin_.data()) == CUDA_SUCCESS;
+  for (int variant = 0; complete && variant < kRowsVariants; ++variant) {
+    for (int dtype = 0; complete && dtype < kKernelDtypes; ++dtype) {
+      const std::string name = std::string(kernel_prefix_) + "_" + kRowsVariantNames[variant] +
+                               "_" + kDtypeNames[dtype];
+      complete = get_function(&kernels_[variant][dtype], loaded, name.c_str()) == CUDA_SUCCESS;
+    }
+  }
+  if (!complete) {
     throw std::runtime_error(prefix + "the CUDA driver could not load the kernel");
   }
 }
 
-CUfunction KernelModule::kernel_for(mx::Dtype dtype, mx::Device device) {
+CUfunction KernelModule::kernel_for(mx::Dtype dtype, mx::Device device, int rows_variant) {
   std::call_once(loaded_, [this, device] {
     try {
       mx::cu::device(device).make_current();
@@ -101,11 +123,11 @@ CUfunction KernelModule::kernel_for(mx::Dtype dtype, mx::Device device) {
   }
   switch (dtype.val()) {
     case mx::Dtype::Val::float32:
-      return float32_kernel_;
+      return kernels_[rows_variant][0];
     case mx::Dtype::Val::float16:
-      return float16_kernel_;
+      return kernels_[rows_variant][1];
     case mx::Dtype::Val::bfloat16:
-      return bfloat16_kernel_;
+      return kernels_[rows_variant][2];
     default:
       throw std::invalid_argument(std::string("[") + operation_ + "] unsupported dtype");
   }

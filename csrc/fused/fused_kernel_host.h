@@ -23,18 +23,40 @@
 
 namespace mlx_dualnorm_fused {
 
-/* The kernels' argument layout (RowLayout, DualRmsNormParams), from its one
- * definition. */
+/* The kernels' argument layout (ContiguousRows, RowLayout,
+ * DualRmsNormParams), from its one definition. */
 MLX_DUALNORM_KERNEL_PARAMS
 
-/* The layout of the rows of `input` (normalized along its last axis) and
- * MLX's block size for them; `weight` may be null. */
-RowLayout row_layout(const mlx::core::array& input, const mlx::core::array* weight);
+/* Whether both inputs are row-contiguous, so that a launch can take the
+ * kernels' ContiguousRows variant (smaller arguments); otherwise RowLayout. */
+bool rows_are_contiguous(const mlx::core::array& queries, const mlx::core::array& keys);
 
-/* The float32, float16 and bfloat16 kernels of one cubin, named PREFIX_float32
- * and so on, loaded once, at the first evaluation, where MLX has the device
- * context current. Driver entry points come from the libcuda MLX loaded;
- * the module is the process's from then on. */
+/* The rows of `input` (normalized along its last axis) as the kernel
+ * variant `Rows` describes them, with MLX's block size for them; `weight`
+ * may be null. ContiguousRows needs a row-contiguous input. */
+template <typename Rows>
+Rows rows_of(const mlx::core::array& input, const mlx::core::array* weight);
+
+template <>
+ContiguousRows rows_of<ContiguousRows>(const mlx::core::array& input,
+                                       const mlx::core::array* weight);
+
+template <>
+RowLayout rows_of<RowLayout>(const mlx::core::array& input, const mlx::core::array* weight);
+
+/* Each kernel's index among a cubin's row variants: its entry points are
+ * named PREFIX_contiguous_DTYPE and PREFIX_strided_DTYPE. */
+template <typename Rows>
+inline constexpr int kRowsVariantIndex = 1;
+
+template <>
+inline constexpr int kRowsVariantIndex<ContiguousRows> = 0;
+
+/* The kernels of one cubin, for both row variants and float32, float16 and
+ * bfloat16 (PREFIX_contiguous_float32 and so on), loaded once, at the first
+ * evaluation, where MLX has the device context current. Driver entry
+ * points come from the libcuda MLX loaded; the module is the process's
+ * from then on. */
 class KernelModule {
  public:
   /* `operation` prefixes every error, as "[operation] ..."; both strings
@@ -46,10 +68,18 @@ class KernelModule {
     cubin_ = std::move(cubin);
   }
 
-  /* The kernel for `dtype` (float32, float16 or bfloat16). */
-  CUfunction kernel_for(mlx::core::Dtype dtype, mlx::core::Device device);
+  /* The kernel for `dtype` (float32, float16 or bfloat16) whose arguments
+   * describe rows as `Rows` does. */
+  template <typename Rows>
+  CUfunction kernel_for(mlx::core::Dtype dtype, mlx::core::Device device) {
+    return kernel_for(dtype, device, kRowsVariantIndex<Rows>);
+  }
 
  private:
+  static constexpr int kRowsVariants = 2;
+  static constexpr int kKernelDtypes = 3;
+
+  CUfunction kernel_for(mlx::core::Dtype dtype, mlx::core::Device device, int rows_variant);
   void load();
 
   const char* operation_;
@@ -57,9 +87,7 @@ class KernelModule {
   std::string cubin_;
   std::once_flag loaded_;
   std::string load_failure_;
-  CUfunction float32_kernel_ = nullptr;
-  CUfunction float16_kernel_ = nullptr;
-  CUfunction bfloat16_kernel_ = nullptr;
+  CUfunction kernels_[kRowsVariants][kKernelDtypes] = {};
 };
 
 /* A fused node's optional weights. Its inputs are its fixed ones, then
