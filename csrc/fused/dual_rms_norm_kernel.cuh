@@ -326,6 +326,18 @@ __device__ __forceinline__ void normalize_row(
   }
 }
 
+/* Every entry point of a program, one per storage type and row
+ * description, named PREFIX_{contiguous,strided}_{float32,float16,bfloat16}
+ * (the names the host's KernelModule loads). DEFINE(NAME, STORAGE, ROWS)
+ * defines one. */
+#define MLX_DUALNORM_DEFINE_ENTRY_POINTS(DEFINE, PREFIX)                  \
+  DEFINE(PREFIX##_contiguous_float32, Float32Storage, ContiguousRows)     \
+  DEFINE(PREFIX##_contiguous_float16, Float16Storage, ContiguousRows)     \
+  DEFINE(PREFIX##_contiguous_bfloat16, BFloat16Storage, ContiguousRows)   \
+  DEFINE(PREFIX##_strided_float32, Float32Storage, RowLayout)             \
+  DEFINE(PREFIX##_strided_float16, Float16Storage, RowLayout)             \
+  DEFINE(PREFIX##_strided_bfloat16, BFloat16Storage, RowLayout)
+
 )cuda";
 
 /* The fused dual RMS norm's entry points; its program is
@@ -357,8 +369,6 @@ __device__ __forceinline__ void dual_rms_norm(
   }
 }
 
-/* One entry point per storage type and row description, named
- * mlx_dualnorm_dual_rms_norm_{contiguous,strided}_{float32,float16,bfloat16}. */
 #define MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(NAME, STORAGE, ROWS)                        \
   extern "C" __global__ void NAME(                                                   \
       const STORAGE::storage* queries, const STORAGE::storage* keys,                 \
@@ -369,12 +379,7 @@ __device__ __forceinline__ void dual_rms_norm(
                                  normalized_queries, normalized_keys, params);       \
   }
 
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_contiguous_float32, Float32Storage, ContiguousRows)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_contiguous_float16, Float16Storage, ContiguousRows)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_contiguous_bfloat16, BFloat16Storage, ContiguousRows)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_strided_float32, Float32Storage, RowLayout)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_strided_float16, Float16Storage, RowLayout)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(mlx_dualnorm_dual_rms_norm_strided_bfloat16, BFloat16Storage, RowLayout)
+MLX_DUALNORM_DEFINE_ENTRY_POINTS(MLX_DUALNORM_DEFINE_DUAL_RMS_NORM, mlx_dualnorm_dual_rms_norm)
 )cuda";
 
 } // namespace mlx_dualnorm_fused

@@ -171,8 +171,6 @@ __device__ __forceinline__ void dual_rms_norm_rope(
   }
 }
 
-/* Named as the dual norm's entry points:
- * mlx_dualnorm_dual_rms_norm_rope_{contiguous,strided}_{float32,float16,bfloat16}. */
 #define MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(NAME, STORAGE, ROWS)                   \
   extern "C" __global__ void NAME(                                                   \
       const STORAGE::storage* queries, const STORAGE::storage* keys,                 \
@@ -183,12 +181,8 @@ __device__ __forceinline__ void dual_rms_norm_rope(
                                       offsets, rotated_queries, rotated_keys, params); \
   }
 
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_contiguous_float32, Float32Storage, ContiguousRows)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_contiguous_float16, Float16Storage, ContiguousRows)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_contiguous_bfloat16, BFloat16Storage, ContiguousRows)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_strided_float32, Float32Storage, RowLayout)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_strided_float16, Float16Storage, RowLayout)
-MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(mlx_dualnorm_dual_rms_norm_rope_strided_bfloat16, BFloat16Storage, RowLayout)
+MLX_DUALNORM_DEFINE_ENTRY_POINTS(MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE,
+                                 mlx_dualnorm_dual_rms_norm_rope)
 )cuda";
 
 } // namespace mlx_dualnorm_fused
