@@ -31,7 +31,7 @@ namespace mx = mlx::core;
 /* Inputs in this order; the weights follow where present. */
 enum { kQueriesInput = 0, kKeysInput = 1, kFirstWeightInput = 2 };
 
-/* The cubin's kernels: mlx_dualnorm_dual_rms_norm_float32 and so on. */
+/* The cubin's kernels: mlx_dualnorm_dual_rms_norm_contiguous_float32 and so on. */
 KernelModule& kernel_module() {
   static KernelModule module("fused dual head norm", "mlx_dualnorm_dual_rms_norm");
   return module;

@@ -42,7 +42,8 @@ enum { kQueriesInput = 0, kKeysInput = 1, kOffsetInput = 2, kFirstWeightInput = 
 /* (B, L, H, D) -> (B, H, L, D), as mlx-lm's attention transposes. */
 const std::vector<int> kHeadMajorAxes = {0, 2, 1, 3};
 
-/* The cubin's kernels: mlx_dualnorm_dual_rms_norm_rope_float32 and so on. */
+/* The cubin's kernels: mlx_dualnorm_dual_rms_norm_rope_contiguous_float32 and so
+ * on. */
 KernelModule& kernel_module() {
   static KernelModule module("fused dual head norm rope", "mlx_dualnorm_dual_rms_norm_rope");
   return module;
