@@ -49,8 +49,8 @@
 #define MLX_DUALNORM_MAX_RANK 8
 
 /* A side's rows and MLX's launch shape for them: ContiguousRows for a
- * row-contiguous input, RowLayout (the same fields, then the strided
- * layout) for any other. */
+ * row-contiguous input, RowLayout (those fields, then the strided layout)
+ * for any other. */
 #define MLX_DUALNORM_KERNEL_PARAMS                        \
   struct ContiguousRows {                                 \
     int rows;                                             \
@@ -59,12 +59,7 @@
     int has_weight;                                       \
     long long weight_stride;                              \
   };                                                      \
-  struct RowLayout {                                      \
-    int rows;                                             \
-    int width;                                            \
-    int block;                                            \
-    int has_weight;                                       \
-    long long weight_stride;                              \
+  struct RowLayout : ContiguousRows {                     \
     long long strides[MLX_DUALNORM_MAX_RANK];             \
     int shape[MLX_DUALNORM_MAX_RANK];                     \
     int rank;                                             \

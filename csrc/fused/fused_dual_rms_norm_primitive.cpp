@@ -10,7 +10,6 @@
  */
 #include "fused/fused_dual_rms_norm_primitive.h"
 
-#include <algorithm>
 #include <stdexcept>
 
 #include "mlx/backend/cuda/device.h"
@@ -126,10 +125,8 @@ class FusedDualRmsNorm : public mx::Primitive {
     void* normalized_keys = mx::gpu_ptr<void>(outputs[1]);
     void* arguments[] = {&queries, &keys, &query_weight, &key_weight,
                          &normalized_queries, &normalized_keys, &params};
-    const unsigned int block =
-        static_cast<unsigned int>(std::max(params.queries.block, params.keys.block));
-    const unsigned int rows = static_cast<unsigned int>(params.queries.rows + params.keys.rows);
-    encoder.add_kernel_node_raw(kernel, dim3(rows), dim3(block), dim3(), 0, arguments);
+    const RowLaunch shape = row_launch(params.queries, params.keys);
+    encoder.add_kernel_node_raw(kernel, shape.grid, shape.block, dim3(), 0, arguments);
   }
 
   /* The composed computation over this primitive's inputs. */

@@ -199,13 +199,11 @@ class FusedDualRmsNormRope : public mx::Primitive {
     void* rotated_keys = mx::gpu_ptr<void>(outputs[1]);
     void* arguments[] = {&query_data, &key_data,        &query_weight, &key_weight,
                          &offsets,    &rotated_queries, &rotated_keys, &params};
-    const unsigned int block =
-        static_cast<unsigned int>(std::max(params.queries.block, params.keys.block));
-    const unsigned int rows = static_cast<unsigned int>(params.queries.rows + params.keys.rows);
+    const RowLaunch shape = row_launch(params.queries, params.keys);
     const size_t widest = static_cast<size_t>(std::max(params.queries.width, params.keys.width));
     const uint32_t row_bytes =
         static_cast<uint32_t>((widest * queries.itemsize() + 15) / 16 * 16);
-    encoder.add_kernel_node_raw(kernel, dim3(rows), dim3(block), dim3(), row_bytes, arguments);
+    encoder.add_kernel_node_raw(kernel, shape.grid, shape.block, dim3(), row_bytes, arguments);
   }
 
   static std::vector<mx::array> without_offset(const std::vector<mx::array>& inputs) {

@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "mlx/backend/cuda/device.h"
@@ -34,18 +35,6 @@ int launch_block(int width, mx::Dtype dtype) {
   return 128;
 }
 
-/* The fields both row descriptions share. */
-template <typename Rows>
-Rows shared_row_fields(const mx::array& input, const mx::array* weight) {
-  Rows rows{};
-  rows.width = input.shape().back();
-  rows.rows = static_cast<int>(input.size() / rows.width);
-  rows.block = launch_block(rows.width, input.dtype());
-  rows.has_weight = weight != nullptr ? 1 : 0;
-  rows.weight_stride = weight != nullptr ? weight->strides()[0] : 0;
-  return rows;
-}
-
 const char* const kRowsVariantNames[] = {"contiguous", "strided"};
 const char* const kDtypeNames[] = {"float32", "float16", "bfloat16"};
 
@@ -57,12 +46,19 @@ bool rows_are_contiguous(const mx::array& queries, const mx::array& keys) {
 
 template <>
 ContiguousRows rows_of<ContiguousRows>(const mx::array& input, const mx::array* weight) {
-  return shared_row_fields<ContiguousRows>(input, weight);
+  ContiguousRows rows{};
+  rows.width = input.shape().back();
+  rows.rows = static_cast<int>(input.size() / rows.width);
+  rows.block = launch_block(rows.width, input.dtype());
+  rows.has_weight = weight != nullptr ? 1 : 0;
+  rows.weight_stride = weight != nullptr ? weight->strides()[0] : 0;
+  return rows;
 }
 
 template <>
 RowLayout rows_of<RowLayout>(const mx::array& input, const mx::array* weight) {
-  RowLayout layout = shared_row_fields<RowLayout>(input, weight);
+  RowLayout layout{};
+  static_cast<ContiguousRows&>(layout) = rows_of<ContiguousRows>(input, weight);
   if (input.flags().row_contiguous) {
     // Rows back to back: one (rows, width) view spares the kernel the
     // per-axis index arithmetic.
@@ -79,6 +75,11 @@ RowLayout rows_of<RowLayout>(const mx::array& input, const mx::array* weight) {
     }
   }
   return layout;
+}
+
+RowLaunch row_launch(const ContiguousRows& queries, const ContiguousRows& keys) {
+  return RowLaunch{dim3(static_cast<unsigned int>(queries.rows + keys.rows)),
+                   dim3(static_cast<unsigned int>(std::max(queries.block, keys.block)))};
 }
 
 void KernelModule::load() {

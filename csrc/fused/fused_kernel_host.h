@@ -44,6 +44,16 @@ ContiguousRows rows_of<ContiguousRows>(const mlx::core::array& input,
 template <>
 RowLayout rows_of<RowLayout>(const mlx::core::array& input, const mlx::core::array* weight);
 
+/* How both kernels launch: one block per row of either side (query rows
+ * first), each block as wide as the wider side's MLX block size. A
+ * RowLayout passes as its ContiguousRows fields. */
+struct RowLaunch {
+  dim3 grid;
+  dim3 block;
+};
+
+RowLaunch row_launch(const ContiguousRows& queries, const ContiguousRows& keys);
+
 /* Each kernel's index among a cubin's row variants: its entry points are
  * named PREFIX_contiguous_DTYPE and PREFIX_strided_DTYPE. */
 template <typename Rows>
