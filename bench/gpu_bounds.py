@@ -19,7 +19,12 @@ No single-launch replacement of the composed ops can cost less than one
 such node per layer, so floor / composed bounds every fused ratio from below.
 A second reference keeps one of MLX's own nodes of the kind the fused
 kernel subsumes: the queries' rms_norm alone (``one-norm``), or their rope
-alone (``one-rope``); a fused node does at least that node's work.
+alone (``one-rope``); a fused node does at least that node's work. The
+dual-norm cases also run MLX's own node with two outputs, ``mx.divmod`` of
+the queries by themselves (``two-output``): one kernel that writes two
+arrays, as any single launch returning both normalized inputs must be. Its
+build and encoding, plus the floor's GPU wait, is what such a node costs
+MLX before it does any work (its own kernel's wait is not part of that).
 
 Cases:
   gated-delta   q, k (1,1,16,128) bf16, no weights: 2 rms_norm vs 1 launch
@@ -104,6 +109,7 @@ class Case:
                 "fused": lambda q, k: fused(q, k, self.query_weight, self.key_weight),
                 "floor": lambda q, k: (mx.negative(q), k),
                 "one-norm": lambda q, k: (mx.fast.rms_norm(q, self.query_weight, EPS), k),
+                "two-output": lambda q, k: mx.divmod(q, q),
             }
 
     def build_token(self, path, chained):
@@ -169,7 +175,7 @@ def time_case(case, chained, rounds, interleaved, tokens_per_round=20, warmup=20
     for path in paths:
         parts = list(zip(*samples[path]))
         ratios = [total / reference for total, reference in zip(totals[path], totals["composed"])]
-        print(f"  {path:9s} build {statistics.median(parts[0]):7.1f}  encode "
+        print(f"  {path:10s} build {statistics.median(parts[0]):7.1f}  encode "
               f"{statistics.median(parts[1]):7.1f}  wait {statistics.median(parts[2]):7.1f}  "
               f"total {statistics.median(totals[path]):7.1f}  vs composed {spread(ratios)}")
 
@@ -236,6 +242,7 @@ def time_host_calls(mode):
     fused_rope = CompiledDualHeadNormRope(EPS, mode=mode, **ROPE)
     calls = {
         "mx.negative (one trivial op)": lambda: mx.negative(gated_q),
+        "mx.divmod (two outputs)": lambda: mx.divmod(attn_q, attn_q),
         "mx.fast.rms_norm, weighted": lambda: mx.fast.rms_norm(attn_q, attn_w, EPS),
         "mx.fast.rms_norm, no weight": lambda: mx.fast.rms_norm(gated_q, None, EPS),
         "mx.fast.rope, int offset": lambda: mx.fast.rope(
