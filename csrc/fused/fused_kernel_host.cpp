@@ -149,6 +149,8 @@ WeightInputs weight_inputs(const std::vector<mx::array>& inputs, size_t first_we
 std::vector<mx::array> inputs_with_weights(std::vector<mx::array> fixed,
                                            const mx::array* query_weight,
                                            const mx::array* key_weight) {
+  // Room for both weights at once: the list holds only the fixed inputs.
+  fixed.reserve(fixed.size() + (query_weight != nullptr) + (key_weight != nullptr));
   for (const mx::array* weight : {query_weight, key_weight}) {
     if (weight != nullptr) {
       fixed.push_back(*weight);
