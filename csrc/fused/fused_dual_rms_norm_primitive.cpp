@@ -10,7 +10,6 @@
  */
 #include "fused/fused_dual_rms_norm_primitive.h"
 
-#include <stdexcept>
 
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
@@ -30,34 +29,21 @@ namespace mx = mlx::core;
 /* Inputs in this order; the weights follow where present. */
 enum { kQueriesInput = 0, kKeysInput = 1, kFirstWeightInput = 2 };
 
+const char kOperation[] = "fused dual head norm";
+
 /* The cubin's kernels: mlx_dualnorm_dual_rms_norm_contiguous_float32 and so on. */
 KernelModule& kernel_module() {
-  static KernelModule module("fused dual head norm", "mlx_dualnorm_dual_rms_norm");
+  static KernelModule module(kOperation, "mlx_dualnorm_dual_rms_norm");
   return module;
 }
 
-class FusedDualRmsNorm : public mx::Primitive {
+/* Outputs: normalized queries, normalized keys. */
+class FusedDualRmsNorm : public RowKernelPrimitive<FusedDualRmsNorm> {
  public:
   FusedDualRmsNorm(mx::Stream stream, float rms_norm_epsilon, bool has_query_weight,
                    bool has_key_weight)
-      : mx::Primitive(stream),
-        rms_norm_epsilon_(rms_norm_epsilon),
-        has_query_weight_(has_query_weight),
-        has_key_weight_(has_key_weight) {}
-
-  void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[fused dual head norm] runs on MLX's CUDA GPU only");
-  }
-
-  /* Inputs: queries, keys, then the query weight and the key weight where
-   * present. Outputs: normalized queries, normalized keys. */
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    if (rows_are_contiguous(inputs[kQueriesInput], inputs[kKeysInput])) {
-      launch<ContiguousRows>(inputs, outputs);
-    } else {
-      launch<RowLayout>(inputs, outputs);
-    }
-  }
+      : RowKernelPrimitive(kOperation, stream, rms_norm_epsilon, has_query_weight,
+                           has_key_weight) {}
 
   /* Gradients and vectorization transform the computation this primitive
    * reproduces, two fast::rms_norm calls, so they are exactly those of the
@@ -96,13 +82,12 @@ class FusedDualRmsNorm : public mx::Primitive {
   }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& fused = static_cast<const FusedDualRmsNorm&>(other);
-    return rms_norm_epsilon_ == fused.rms_norm_epsilon_ &&
-           has_query_weight_ == fused.has_query_weight_ &&
-           has_key_weight_ == fused.has_key_weight_;
+    return normalizes_as(static_cast<const FusedDualRmsNorm&>(other));
   }
 
  private:
+  friend class RowKernelPrimitive<FusedDualRmsNorm>;
+
   /* One launch of the kernel variant whose arguments describe rows as
    * `Rows` does. */
   template <typename Rows>
@@ -141,10 +126,6 @@ class FusedDualRmsNorm : public mx::Primitive {
           mx::fast::rms_norm(inputs[kKeysInput], optional_weight(weights.key), eps, stream)};
     };
   }
-
-  float rms_norm_epsilon_;
-  bool has_query_weight_;
-  bool has_key_weight_;
 };
 
 } // namespace

@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
-#include <stdexcept>
 
 #include "mlx/backend/cuda/allocator.h"
 #include "mlx/backend/cuda/device.h"
@@ -42,10 +41,12 @@ enum { kQueriesInput = 0, kKeysInput = 1, kOffsetInput = 2, kFirstWeightInput = 
 /* (B, L, H, D) -> (B, H, L, D), as mlx-lm's attention transposes. */
 const std::vector<int> kHeadMajorAxes = {0, 2, 1, 3};
 
+const char kOperation[] = "fused dual head norm rope";
+
 /* The cubin's kernels: mlx_dualnorm_dual_rms_norm_rope_contiguous_float32 and so
  * on. */
 KernelModule& kernel_module() {
-  static KernelModule module("fused dual head norm rope", "mlx_dualnorm_dual_rms_norm_rope");
+  static KernelModule module(kOperation, "mlx_dualnorm_dual_rms_norm_rope");
   return module;
 }
 
@@ -85,32 +86,18 @@ mx::Shape head_major_shape(const mx::array& input) {
   return {input.shape(0), input.shape(2), input.shape(1), input.shape(3)};
 }
 
-class FusedDualRmsNormRope : public mx::Primitive {
+/* Outputs: rotated queries, rotated keys, both fresh row-contiguous
+ * (B, H, L, D) buffers (an input buffer cannot be reused: a block writes
+ * its row where another block's row was read). */
+class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
  public:
   FusedDualRmsNormRope(mx::Stream stream, float rms_norm_epsilon, const RopeConstants& rope,
                        bool has_query_weight, bool has_key_weight)
-      : mx::Primitive(stream),
-        rms_norm_epsilon_(rms_norm_epsilon),
+      : RowKernelPrimitive(kOperation, stream, rms_norm_epsilon, has_query_weight,
+                           has_key_weight),
         rope_(rope),
         // As MLX's RoPE::eval_gpu: std::log2 of the float base, in float.
-        log2_base_(std::log2(rope.base)),
-        has_query_weight_(has_query_weight),
-        has_key_weight_(has_key_weight) {}
-
-  void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[fused dual head norm rope] runs on MLX's CUDA GPU only");
-  }
-
-  /* Outputs: rotated queries, rotated keys, both fresh row-contiguous
-   * (B, H, L, D) buffers (an input buffer cannot be reused: a block writes
-   * its row where another block's row was read). */
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    if (rows_are_contiguous(inputs[kQueriesInput], inputs[kKeysInput])) {
-      launch<ContiguousRows>(inputs, outputs);
-    } else {
-      launch<RowLayout>(inputs, outputs);
-    }
-  }
+        log2_base_(std::log2(rope.base)) {}
 
   /* Gradients and vectorization are those of the composed calls this
    * primitive reproduces; the integer offset gets a zero cotangent. */
@@ -157,13 +144,14 @@ class FusedDualRmsNormRope : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& fused = static_cast<const FusedDualRmsNormRope&>(other);
-    return rms_norm_epsilon_ == fused.rms_norm_epsilon_ && rope_.dims == fused.rope_.dims &&
+    return normalizes_as(fused) && rope_.dims == fused.rope_.dims &&
            rope_.traditional == fused.rope_.traditional && rope_.base == fused.rope_.base &&
-           rope_.scale == fused.rope_.scale && has_query_weight_ == fused.has_query_weight_ &&
-           has_key_weight_ == fused.has_key_weight_;
+           rope_.scale == fused.rope_.scale;
   }
 
  private:
+  friend class RowKernelPrimitive<FusedDualRmsNormRope>;
+
   /* One launch of the kernel variant whose arguments describe rows as
    * `Rows` does. */
   template <typename Rows>
@@ -235,11 +223,8 @@ class FusedDualRmsNormRope : public mx::Primitive {
     };
   }
 
-  float rms_norm_epsilon_;
   RopeConstants rope_;
   float log2_base_;
-  bool has_query_weight_;
-  bool has_key_weight_;
 };
 
 } // namespace

@@ -1,14 +1,15 @@
 /* What the host side of both fused primitives shares (CUDA builds only:
- * it needs the headers of MLX's CUDA backend): the kernels' row layout as
- * MLX's RMSNorm launches it, the loading of a cubin's kernels into MLX's
- * CUDA context, the optional weights among a node's inputs, the outputs'
- * memory and encoder registration, and the tangents of a jvp. Private to
- * fused/. */
+ * it needs the headers of MLX's CUDA backend): their common base (GPU only,
+ * the row variant chosen per launch), the kernels' row layout as MLX's
+ * RMSNorm launches it, the loading of a cubin's kernels into MLX's CUDA
+ * context, the optional weights among a node's inputs, the outputs' memory
+ * and encoder registration, and the tangents of a jvp. Private to fused/. */
 #ifndef MLX_DUALNORM_FUSED_KERNEL_HOST_H
 #define MLX_DUALNORM_FUSED_KERNEL_HOST_H
 
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "mlx/array.h"
 #include "mlx/backend/cuda/device.h"
 #include "mlx/device.h"
+#include "mlx/primitives.h"
 #include "mlx/stream.h"
 
 #include "fused/dual_rms_norm_kernel.cuh"
@@ -43,6 +45,52 @@ ContiguousRows rows_of<ContiguousRows>(const mlx::core::array& input,
 
 template <>
 RowLayout rows_of<RowLayout>(const mlx::core::array& input, const mlx::core::array* weight);
+
+/* What both fused primitives are to MLX beside their kernel: a node that
+ * runs on MLX's CUDA GPU only, over queries (input 0), keys (input 1), then
+ * inputs of its own and the weights present, with the epsilon baked in.
+ * eval_gpu launches the kernel variant the inputs allow: `Derived` defines
+ * `template <typename Rows> void launch(inputs, outputs)` and befriends
+ * this class, which calls it. */
+template <typename Derived>
+class RowKernelPrimitive : public mlx::core::Primitive {
+ public:
+  /* `operation` (static) names the errors, as "[operation] ...". */
+  RowKernelPrimitive(const char* operation, mlx::core::Stream stream, float rms_norm_epsilon,
+                     bool has_query_weight, bool has_key_weight)
+      : mlx::core::Primitive(stream),
+        operation_(operation),
+        rms_norm_epsilon_(rms_norm_epsilon),
+        has_query_weight_(has_query_weight),
+        has_key_weight_(has_key_weight) {}
+
+  void eval_cpu(const std::vector<mlx::core::array>&, std::vector<mlx::core::array>&) override {
+    throw std::runtime_error(std::string("[") + operation_ + "] runs on MLX's CUDA GPU only");
+  }
+
+  void eval_gpu(const std::vector<mlx::core::array>& inputs,
+                std::vector<mlx::core::array>& outputs) override {
+    Derived& primitive = static_cast<Derived&>(*this);
+    if (rows_are_contiguous(inputs[0], inputs[1])) {
+      primitive.template launch<ContiguousRows>(inputs, outputs);
+    } else {
+      primitive.template launch<RowLayout>(inputs, outputs);
+    }
+  }
+
+ protected:
+  /* Whether `other` normalizes as this node does: is_equivalent's share. */
+  bool normalizes_as(const RowKernelPrimitive& other) const {
+    return rms_norm_epsilon_ == other.rms_norm_epsilon_ &&
+           has_query_weight_ == other.has_query_weight_ &&
+           has_key_weight_ == other.has_key_weight_;
+  }
+
+  const char* operation_;
+  float rms_norm_epsilon_;
+  bool has_query_weight_;
+  bool has_key_weight_;
+};
 
 /* How both kernels launch: one block per row of either side (query rows
  * first), each block as wide as the wider side's MLX block size. A
