@@ -31,8 +31,11 @@ echo "--- the fused primitive is compiled in"
 # Symbols go to a file first: `nm | grep -q` would fail under pipefail
 # whenever grep stops reading early and nm dies of SIGPIPE.
 nm -C "$native" > "$work/native-symbols"
-grep -q "FusedDualRmsNorm::eval_gpu(" "$work/native-symbols" \
-  || { echo "FAIL: no FusedDualRmsNorm::eval_gpu (the fused primitive) in $native"; exit 1; }
+# Both primitives' eval_gpu comes from their shared base, RowKernelPrimitive.
+for primitive in FusedDualRmsNorm FusedDualRmsNormRope; do
+  grep -q "RowKernelPrimitive<.*::$primitive>::eval_gpu(" "$work/native-symbols" \
+    || { echo "FAIL: no $primitive eval_gpu (a fused primitive) in $native"; exit 1; }
+done
 cuda_backend_calls=$(nm -D -C --undefined-only "$native" | grep -c "mlx::core::cu::" || true)
 echo "references into MLX's CUDA backend (mlx::core::cu::): $cuda_backend_calls"
 [ "$cuda_backend_calls" -gt 0 ] || { echo "FAIL: the fused primitive calls no mlx::core::cu:: function"; exit 1; }
