@@ -10,7 +10,6 @@
  */
 #include "fused/fused_dual_rms_norm_primitive.h"
 
-
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
 #include "mlx/fast.h"
