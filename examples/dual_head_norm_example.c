@@ -7,12 +7,19 @@
  * the default stream. Then shows what a rejected call reports. Exits 1 on
  * any mismatch.
  *
- * Build from the repository root, with MLX_C an mlx-c install prefix
- * (upstream's from scripts/build_mlx_c.sh, or the bundled subset's from
- * scripts/build_subset_mlx_c.sh). Only a C compiler is involved, and no
- * -lmlx: libmlxc.so finds the MLX wheel's libmlx.so through its own rpath.
+ * Build it against libmlx_dualnorm installed to PREFIX (docs/c-library.md:
+ * one command builds and installs it over an mlx-c install, upstream's from
+ * scripts/build_mlx_c.sh or the bundled subset's from
+ * scripts/build_subset_mlx_c.sh). From the repository root, with CMake
+ * (examples/CMakeLists.txt: find_package(mlx_dualnorm)):
  *
- * cc -std=c11 -Icsrc -I"$MLX_C/include" examples/dual_head_norm_example.c csrc/dual_head_norm.c csrc/call_errors.c csrc/head_norm_input.c csrc/compile_erasure.c csrc/layout_graphs.c csrc/mode_choice.c -L"$MLX_C/lib" -lmlxc -Wl,-rpath,"$MLX_C/lib" -pthread -o dual_head_norm_example
+ * cmake -S examples -B build/example -DCMAKE_PREFIX_PATH="$PREFIX" && cmake --build build/example
+ *
+ * or with pkg-config, with only a C compiler:
+ *
+ * cc -std=c11 examples/dual_head_norm_example.c $(PKG_CONFIG_PATH="$PREFIX/lib/pkgconfig" pkg-config --cflags --libs mlx_dualnorm) -o dual_head_norm_example
+ *
+ * No -lmlx: libmlxc finds the MLX wheel's libmlx.so through its own rpath.
  */
 #include <stdbool.h>
 #include <stdint.h>
