@@ -1,0 +1,642 @@
+"""mlx-lm sharded over ``mx.distributed``, with and without the patch.
+
+Two parts, one module:
+
+* The rank program, ``python -m mlx_dualnorm.tools.mlx_lm_distributed``,
+  which every rank of an ``mlx.launch`` job runs. ``check`` builds small
+  random models of the mlx-lm families the patch engages that can be split
+  over ranks (``FAMILIES``), runs each in every arrangement of
+  ``SCENARIOS`` (unsharded; tensor-parallel by ``Model.shard``, patched
+  before the model is built or only after it was sharded; pipeline-parallel
+  by ``pipeline`` where the family has it), greedy through mlx-lm's
+  ``generate_step``, and writes per rank the tokens, the logits of every
+  step and how often the package's objects ran per forward pass. ``bench``
+  times decode tokens of one sharded model, patched and unpatched in
+  interleaved rounds.
+* The launcher, :func:`launch`, which starts those ranks with ``mlx.launch``
+  on the ring backend on loopback only (127.0.0.1, free ports chosen here),
+  bounded in time, and kills every process it started when the time runs out
+  or it is interrupted.
+
+The check's arrays go to ``rank<r>.npz`` (``family/scenario`` keys, steps x
+vocabulary logits) and the rest to ``rank<r>.json`` in the ``--out``
+folder; :func:`load_check_results` reads both back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import functools
+import json
+import os
+import signal
+import site
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+__all__ = [
+    "FAMILIES",
+    "SCENARIOS",
+    "LaunchResult",
+    "free_port_run",
+    "launch",
+    "load_check_results",
+    "main",
+    "run_check",
+    "run_bench",
+]
+
+RANK_PROGRAM = "mlx_dualnorm.tools.mlx_lm_distributed"
+LOOPBACK = "127.0.0.1"
+PROMPT_LENGTH = 12
+SEED = 20261201
+
+# mlx.launch is a console script; its entry point is resolved in the child,
+# so this works wherever mlx is installed, with or without the script on PATH.
+LAUNCHER_CODE = (
+    "import sys\n"
+    "from importlib.metadata import entry_points\n"
+    "(script,) = entry_points(group='console_scripts', name='mlx.launch')\n"
+    "sys.argv[0] = 'mlx.launch'\n"
+    "sys.exit(script.load()())\n"
+)
+
+_TINY_DECODER = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+_QWEN3 = {
+    "model_type": "qwen3",
+    **_TINY_DECODER,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "rope_theta": 1_000_000.0,
+}
+_QWEN3_MOE = {
+    **_QWEN3,
+    "model_type": "qwen3_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+}
+_GATED_DELTA_HEADS = {
+    "linear_num_key_heads": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_value_heads": 8,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+}
+_QWEN3_5_TEXT = {
+    "model_type": "qwen3_5_text",
+    **_TINY_DECODER,
+    **_GATED_DELTA_HEADS,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 4,  # three gated-delta layers, then full attention
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "num_experts": 0,
+}
+_QWEN3_5_MOE_TEXT = {
+    **_QWEN3_5_TEXT,
+    "model_type": "qwen3_5_moe_text",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+}
+_KIMI_K3_TEXT = {
+    "model_type": "kimi_linear",
+    **_TINY_DECODER,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "linear_attn_config": {
+        "num_heads": 4,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+        "kda_layers": [1, 2, 3],  # layers 0-2 gated-delta, layer 3 MLA
+    },
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A tiny random model of one mlx-lm family, config.json-style."""
+
+    config: dict
+    dtype_name: str  # float32 where MLX's CPU gather_mm (the experts) needs it
+    # How the pipeline-parallel split is reached from the model, or None
+    # where the family has no pipeline method.
+    pipeline_owner: Optional[Callable] = None
+
+    @property
+    def dtype(self):
+        import mlx.core as mx
+
+        return getattr(mx, self.dtype_name)
+
+
+def _inner_model(model):
+    return model.model
+
+
+def _language_model_inner(model):
+    return model.language_model.model
+
+
+FAMILIES = {
+    "qwen3": Family(_QWEN3, "bfloat16"),
+    "qwen3_moe": Family(_QWEN3_MOE, "float32", _inner_model),
+    "qwen3_5": Family({"model_type": "qwen3_5", "text_config": _QWEN3_5_TEXT}, "bfloat16",
+                      _language_model_inner),
+    "qwen3_5_moe": Family(
+        {"model_type": "qwen3_5_moe", "text_config": _QWEN3_5_MOE_TEXT}, "float32",
+        _language_model_inner,
+    ),
+    "kimi_k3": Family({"model_type": "kimi_k3", "text_config": _KIMI_K3_TEXT}, "float32",
+                      _inner_model),
+}
+"""The mlx-lm families with a ``shard`` method whose q/k prework the patch
+replaces (full-attention q/k norm + RoPE, gated-delta ``normalize_qk``, or
+both), each as a tiny random model. ``qwen3_5_moe`` is ``qwen3_5``'s model
+class with a mixture-of-experts MLP; ``kimi_k3`` has gated-delta layers and
+an MLA layer the patch leaves alone."""
+
+# (name, parallelism, when the patch is made)
+UNSHARDED, TENSOR, PIPELINE = "unsharded", "tensor", "pipeline"
+PATCH_NEVER, PATCH_BEFORE_BUILD, PATCH_AFTER_SHARD = "unpatched", "patched", "patched_after_shard"
+SCENARIOS = (
+    ("unsharded_unpatched", UNSHARDED, PATCH_NEVER),
+    ("tensor_unpatched", TENSOR, PATCH_NEVER),
+    ("tensor_patched", TENSOR, PATCH_BEFORE_BUILD),
+    ("tensor_patched_after_shard", TENSOR, PATCH_AFTER_SHARD),
+    ("pipeline_unpatched", PIPELINE, PATCH_NEVER),
+    ("pipeline_patched", PIPELINE, PATCH_BEFORE_BUILD),
+    ("pipeline_patched_after_split", PIPELINE, PATCH_AFTER_SHARD),
+)
+
+
+def family_config(name: str) -> dict:
+    """The config of ``FAMILIES[name]`` (a fresh copy)."""
+    return copy.deepcopy(FAMILIES[name].config)
+
+
+# ---- Counting the package's calls -------------------------------------------
+
+
+class CallCounter:
+    """Counts calls of the package's two compiled classes (the gated-delta
+    dual norm and the full-attention norm + RoPE) and of the model's own
+    class (forward passes), by wrapping their ``__call__`` for the duration
+    of a ``with`` block; the real objects run."""
+
+    def __init__(self, model_class) -> None:
+        from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
+        from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
+
+        self.targets = {
+            "dual_head_norm": CompiledDualHeadNorm,
+            "dual_head_norm_rope": CompiledDualHeadNormRope,
+            "forward": model_class,
+        }
+        self.counts = dict.fromkeys(self.targets, 0)
+        self._originals: dict = {}
+
+    def reset(self) -> None:
+        self.counts = dict.fromkeys(self.targets, 0)
+
+    def __enter__(self) -> "CallCounter":
+        for name, target in self.targets.items():
+            original = target.__dict__.get("__call__")
+            self._originals[name] = original
+            inherited = target.__call__
+
+            def counting(*args, _name=name, _call=inherited, **kwargs):
+                self.counts[_name] += 1
+                return _call(*args, **kwargs)
+
+            target.__call__ = functools.wraps(inherited)(counting)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for name, target in self.targets.items():
+            original = self._originals.pop(name)
+            if original is None:
+                del target.__call__
+            else:
+                target.__call__ = original
+
+
+def layer_kinds(model) -> dict:
+    """How many of the layers this rank runs are gated-delta layers and how
+    many are full-attention layers of a class the patch replaces."""
+    import importlib
+
+    from mlx_dualnorm.integrations import mlx_lm as integration
+
+    full_attention_classes = tuple(
+        getattr(importlib.import_module(module), class_name)
+        for module, class_name, _ in integration.FULL_ATTENTION_CLASSES
+    )
+    gated_delta = full_attention = 0
+    for layer in model.layers:
+        if layer is None:  # another pipeline rank's layer
+            continue
+        if getattr(layer, "is_linear", False):
+            gated_delta += 1
+        elif isinstance(getattr(layer, "self_attn", None), full_attention_classes):
+            full_attention += 1
+    return {"gated_delta": gated_delta, "full_attention": full_attention}
+
+
+# ---- The rank program: check -------------------------------------------------
+
+
+def _build(name: str):
+    from mlx_dualnorm.tools.mlx_lm_synthetic import build_model
+
+    family = FAMILIES[name]
+    return build_model(family_config(name), seed=SEED, dtype=family.dtype)
+
+
+def _arrange(model, name: str, parallelism: str, group) -> bool:
+    """Splits ``model`` over ``group`` as ``parallelism`` says; False where
+    the family cannot be split that way."""
+    if parallelism == TENSOR:
+        model.shard(group)
+    elif parallelism == PIPELINE:
+        owner = FAMILIES[name].pipeline_owner
+        if owner is None:
+            return False
+        owner(model).pipeline(group)
+    return True
+
+
+def _warm_up(model, prompt) -> None:
+    """One patched prefill, so the package's objects for this family's
+    constants are built and probed before anything is counted (a probe runs
+    the package's object once more, outside any layer)."""
+    from mlx_dualnorm.integrations import mlx_lm as integration
+    from mlx_dualnorm.tools.mlx_lm_check import greedy_generate
+
+    with integration.patch():
+        greedy_generate(model, prompt, 1)
+
+
+def _generate(model, prompt, tokens: int, counter: CallCounter) -> dict:
+    """Greedy tokens, the logits of every step and the package's calls."""
+    import mlx.core as mx
+
+    from mlx_dualnorm.tools.mlx_lm_check import greedy_generate
+
+    counter.reset()
+    trace = greedy_generate(model, prompt, tokens)
+    logits = mx.concatenate([step.reshape(1, -1) for step in trace.step_logits])
+    return {
+        "tokens": trace.token_ids,
+        "logits": logits,
+        "calls": dict(counter.counts),
+    }
+
+
+def run_check(families: Sequence[str], tokens: int, group, log=None) -> tuple[dict, dict]:
+    """Every scenario of every family on this rank: (json-ready results,
+    logits arrays keyed ``family/scenario``)."""
+    from mlx_dualnorm.integrations import mlx_lm as integration
+    from mlx_dualnorm.tools.mlx_lm_synthetic import prompt_token_ids
+
+    results: dict = {}
+    arrays: dict = {}
+    for name in families:
+        config = family_config(name)
+        vocabulary = config.get("text_config", config)["vocab_size"]
+        prompt = prompt_token_ids(vocabulary, PROMPT_LENGTH)
+        results[name] = {}
+        for scenario, parallelism, patching in SCENARIOS:
+            if parallelism == PIPELINE and FAMILIES[name].pipeline_owner is None:
+                continue
+            started = time.perf_counter()
+            integration.unpatch()
+            if patching == PATCH_BEFORE_BUILD:
+                integration.patch()
+            model = _build(name)
+            if scenario == SCENARIOS[0][0]:
+                _warm_up(model, prompt)
+            _arrange(model, name, parallelism, group)
+            if patching == PATCH_AFTER_SHARD:
+                integration.patch()
+            with CallCounter(type(model)) as counter:
+                outcome = _generate(model, prompt, tokens, counter)
+            integration.unpatch()
+            arrays[f"{name}/{scenario}"] = outcome.pop("logits")
+            results[name][scenario] = {**outcome, "layers": layer_kinds(model)}
+            if log is not None:
+                log(f"{name} {scenario}: {time.perf_counter() - started:.2f} s")
+    return results, arrays
+
+
+def load_check_results(folder: Path, ranks: int) -> list[tuple[dict, dict]]:
+    """Per rank, the (results, logits arrays) ``check`` wrote to ``folder``."""
+    import mlx.core as mx
+
+    loaded = []
+    for rank in range(ranks):
+        results = json.loads((Path(folder) / f"rank{rank}.json").read_text())
+        arrays = mx.load(str(Path(folder) / f"rank{rank}.npz"))
+        loaded.append((results, {key.replace("__", "/"): value for key, value in arrays.items()}))
+    return loaded
+
+
+def _check_main(arguments, group) -> int:
+    import mlx.core as mx
+
+    rank = group.rank()
+
+    def log(line: str) -> None:
+        print(f"rank {rank}: {line}", file=sys.stderr, flush=True)
+
+    results, arrays = run_check(arguments.families, arguments.tokens, group, log)
+    out = Path(arguments.out)
+    mx.savez(str(out / f"rank{rank}.npz"), **{k.replace("/", "__"): v for k, v in arrays.items()})
+    document = {"rank": rank, "size": group.size(), "tokens": arguments.tokens, "families": results}
+    (out / f"rank{rank}.json").write_text(json.dumps(document, indent=1))
+    print(f"rank {rank} of {group.size()}: {len(arrays)} runs written", flush=True)
+    return 0
+
+
+# ---- The rank program: bench -------------------------------------------------
+
+
+def run_bench(
+    model_name: str,
+    group,
+    *,
+    layers: Optional[int],
+    vocab_size: Optional[int],
+    steps: int,
+    rounds: int,
+) -> dict:
+    """Milliseconds per decode token of one tensor-parallel model on this
+    rank, unpatched and patched in interleaved rounds (order alternating per
+    round); every round's tokens must equal the first unpatched round's."""
+    import mlx.core as mx
+
+    from mlx_dualnorm.integrations import mlx_lm as integration
+    from mlx_dualnorm.tools.mlx_lm_check import greedy_generate
+    from mlx_dualnorm.tools.mlx_lm_synthetic import (
+        DECODE_MODELS,
+        build_model,
+        decode_model_config,
+        prompt_token_ids,
+    )
+
+    if model_name in DECODE_MODELS:
+        config = decode_model_config(model_name, layers=layers, vocab_size=vocab_size)
+        dtype = mx.bfloat16
+    else:
+        config = family_config(model_name)
+        dtype = FAMILIES[model_name].dtype
+    integration.unpatch()
+    model = build_model(config, seed=SEED, dtype=dtype)
+    model.shard(group)
+    prompt = prompt_token_ids(config.get("text_config", config)["vocab_size"], 16)
+    times: dict = {"unpatched": [], "patched": []}
+    expected_tokens = None
+    mismatches = 0
+    for patched in (False, True):  # warm-up of both paths
+        with integration.patch() if patched else integration.unpatch():
+            greedy_generate(model, prompt, 3)
+    for round_index in range(rounds):
+        order = (False, True) if round_index % 2 == 0 else (True, False)
+        for patched in order:
+            with integration.patch() if patched else integration.unpatch():
+                trace = greedy_generate(model, prompt, steps + 1)
+            if expected_tokens is None:
+                expected_tokens = trace.token_ids
+            elif trace.token_ids != expected_tokens:
+                mismatches += 1
+            seconds = statistics.median(trace.decode_token_seconds)
+            times["patched" if patched else "unpatched"].append(1e3 * seconds)
+    ratios = [p / u for u, p in zip(times["unpatched"], times["patched"])]
+    return {
+        "model": model_name,
+        "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str))},
+        "ranks": group.size(),
+        "rank": group.rank(),
+        "decode_steps": steps,
+        "rounds": rounds,
+        "unit": "ms/token",
+        "unpatched": times["unpatched"],
+        "patched": times["patched"],
+        "ratios_patched_over_unpatched": ratios,
+        "token_mismatches": mismatches,
+    }
+
+
+def _bench_main(arguments, group) -> int:
+    report = run_bench(
+        arguments.model, group, layers=arguments.layers, vocab_size=arguments.vocab_size,
+        steps=arguments.steps, rounds=arguments.rounds,
+    )
+    if group.rank() == 0:
+        (Path(arguments.out) / "bench.json").write_text(json.dumps(report, indent=1))
+    return 1 if report["token_mismatches"] else 0
+
+
+# ---- The launcher -----------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    returncode: Optional[int]  # None: killed at the time limit
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+    def describe(self) -> str:
+        status = "killed at the time limit" if self.timed_out else f"exit status {self.returncode}"
+        return (
+            f"mlx.launch: {status} after {self.seconds:.1f} s\n--- stdout ---\n"
+            f"{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-4000:]}"
+        )
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports free right now (the
+    ring backend listens on ``starting_port + rank``), from the range the
+    system hands out for port 0."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((LOOPBACK, 0))
+            start = probe.getsockname()[1]
+        if start + count <= 65535 and all(_bindable(start + i) for i in range(count)):
+            return start
+    raise RuntimeError(f"no {count} consecutive free ports on {LOOPBACK}")
+
+
+def _rank_environment() -> dict:
+    """This environment, with the folder this package was imported from put
+    first on the ranks' import path where the interpreter would not find it
+    by itself (a source tree); an installed package needs nothing."""
+    import mlx_dualnorm
+
+    environment = dict(os.environ)
+    package_parent = str(Path(mlx_dualnorm.__file__).resolve().parent.parent)
+    site_folders = {str(Path(p).resolve()) for p in site.getsitepackages()}
+    with contextlib.suppress(Exception):
+        site_folders.add(str(Path(site.getusersitepackages()).resolve()))
+    if package_parent not in site_folders:
+        environment["PYTHONPATH"] = os.pathsep.join(
+            [package_parent, *filter(None, [environment.get("PYTHONPATH")])]
+        )
+    environment.setdefault("PYTHONFAULTHANDLER", "1")
+    return environment
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """Kills the launcher and every rank it started: they share the process
+    group the launcher leads."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def launch(
+    rank_arguments: Sequence[str],
+    *,
+    ranks: int = 2,
+    timeout_s: float = 120.0,
+    cwd: Optional[Path] = None,
+    attempts: int = 2,
+) -> LaunchResult:
+    """Runs the rank program with ``rank_arguments`` on ``ranks`` ranks via
+    ``mlx.launch --backend ring --hosts 127.0.0.1 -n <ranks>`` with this
+    interpreter, on free loopback ports. Past ``timeout_s`` the launcher
+    and the ranks are killed (``returncode`` None). A run whose ports were
+    taken in the meantime is retried on new ones, up to ``attempts`` runs."""
+    result = None
+    for _ in range(attempts):
+        result = _launch_once(rank_arguments, ranks, timeout_s, cwd)
+        if result.timed_out or result.returncode == 0 or not _ports_were_taken(result):
+            return result
+    return result
+
+
+def _ports_were_taken(result: LaunchResult) -> bool:
+    text = (result.stdout + result.stderr).lower()
+    return "address already in use" in text or "couldn't bind" in text
+
+
+def _launch_once(rank_arguments, ranks, timeout_s, cwd) -> LaunchResult:
+    command = [
+        sys.executable, "-c", LAUNCHER_CODE,
+        "--backend", "ring", "--hosts", LOOPBACK, "-n", str(ranks),
+        "--starting-port", str(free_port_run(ranks)),
+        "--", sys.executable, "-m", RANK_PROGRAM, *rank_arguments,
+    ]
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as scratch, \
+            open(Path(scratch) / "stdout", "w+") as stdout, \
+            open(Path(scratch) / "stderr", "w+") as stderr:
+        # The launcher polls its stdin: a pipe left open keeps that poll
+        # blocking (at end of file it would spin a core).
+        process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
+            cwd=str(cwd or scratch), env=_rank_environment(), start_new_session=True,
+        )
+        returncode: Optional[int]
+        try:
+            returncode = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(process)
+            returncode = None
+        except BaseException:
+            _kill_group(process)
+            raise
+        finally:
+            if process.stdin is not None:
+                process.stdin.close()
+        if returncode is not None:
+            # A rank that outlived the launcher would hold a port: none may.
+            _kill_group(process)
+        stdout.seek(0)
+        stderr.seek(0)
+        return LaunchResult(returncode, stdout.read(), stderr.read(), time.monotonic() - started)
+
+
+# ---- Command line ------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {RANK_PROGRAM}",
+        description="One rank of mlx-lm sharded over mx.distributed, patched and not "
+        "(start it with mlx.launch).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check", help="tokens, logits and package calls of every scenario")
+    check.add_argument("--families", type=lambda text: text.split(","), default=list(FAMILIES))
+    check.add_argument("--tokens", type=int, default=4)
+    check.add_argument("--out", required=True, help="folder for rank<r>.json / rank<r>.npz")
+    bench = commands.add_parser("bench", help="decode ms/token, patched vs unpatched")
+    bench.add_argument("--model", default="qwen3-1024")
+    bench.add_argument("--layers", type=int, default=None)
+    bench.add_argument("--vocab-size", type=int, default=None)
+    bench.add_argument("--steps", type=int, default=16)
+    bench.add_argument("--rounds", type=int, default=5)
+    bench.add_argument("--out", required=True, help="folder for rank 0's bench.json")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import mlx.core as mx
+
+    arguments = _parser().parse_args(argv)
+    if arguments.command == "check":
+        unknown = [name for name in arguments.families if name not in FAMILIES]
+        if unknown:
+            raise SystemExit(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
+    group = mx.distributed.init(strict=True, backend="ring")
+    if arguments.command == "check":
+        return _check_main(arguments, group)
+    return _bench_main(arguments, group)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
