@@ -147,4 +147,4 @@ def test_main_returns_nonzero_on_divergence(capsys) -> None:
 
 def test_main_rejects_a_nonpositive_step_count(capsys) -> None:
     assert replay.main(["--steps", "0"]) == 2
-    assert "--steps must be >= 1" in capsys.readouterr().err
+    assert "argument --steps: must be at least 1, got 0" in capsys.readouterr().err

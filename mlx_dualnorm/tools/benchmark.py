@@ -895,9 +895,9 @@ def _benchmark_parser() -> argparse.ArgumentParser:
                         help=f"write {JSON_FILE_NAME} and {CHART_FILE_NAME} into this folder")
     parser.add_argument("--quick", action="store_true",
                         help="a few-second smoke run (fewer repeats and samples)")
-    parser.add_argument("--repeats", type=int, default=None,
+    parser.add_argument("--repeats", type=cli.positive_int, default=None,
                         help="repeats (default: 11, or 3 with --quick)")
-    parser.add_argument("--layers", type=int, default=48,
+    parser.add_argument("--layers", type=cli.positive_int, default=48,
                         help="chained dual calls per decode token")
     parser.add_argument("--paths", default=None,
                         help=f"comma-separated paths (default: all of {', '.join(PATH_REGISTRY)}); "

@@ -503,6 +503,7 @@ def _bench_parser() -> argparse.ArgumentParser:
         f"fewer layers and a vocabulary of {QUICK_DECODE_VOCABULARY}",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    cli.add_device_argument(parser)
     return parser
 
 
@@ -534,6 +535,8 @@ def _checked_arguments(
             pass  # a mode that cannot run here fails before any measurement
     except ValueError as error:
         parser.error(str(error))
+    except RuntimeError as unsupported_mlx_lm:  # patch() names the supported releases
+        raise cli.Unavailable(str(unsupported_mlx_lm)) from unsupported_mlx_lm
     return layer_counts, model_types, decode_models
 
 
@@ -585,6 +588,7 @@ def _report_mismatches(measurements: list[DecodeMeasurement]) -> bool:
 
 
 def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    cli.select_device(arguments.device, parser)
     layer_counts, model_types, decode_models = _checked_arguments(arguments, parser)
     started = time.perf_counter()
     timings = _measure(arguments, layer_counts, model_types)

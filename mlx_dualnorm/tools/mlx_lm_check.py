@@ -349,14 +349,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SYNTHETIC_MODEL_TYPES,
         help="a small random model with real gated-delta head widths",
     )
-    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens to generate")
+    parser.add_argument(
+        "--tokens", type=cli.positive_int, default=64, help="greedy tokens to generate"
+    )
     parser.add_argument(
         "--prompt",
         help="prompt text, encoded with the model folder's tokenizer (--model only); "
         "default: a fixed prompt of token ids",
     )
     parser.add_argument(
-        "--prompt-tokens", type=int, default=12, help="length of the fixed prompt"
+        "--prompt-tokens", type=cli.positive_int, default=12, help="length of the fixed prompt"
     )
     parser.add_argument(
         "--mode", default=None, help="mode for patch() (None: patch()'s own default)"
@@ -367,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seed", type=int, default=DEFAULT_SEED, help="--synthetic only: weight seed"
     )
+    cli.add_device_argument(parser)
     return parser
 
 
@@ -376,9 +379,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    cli.select_device(args.device, parser)
     try:
-        if args.tokens < 1 or args.prompt_tokens < 1:
-            raise _UsageError("--tokens and --prompt-tokens must be at least 1")
+        # An unsupported mlx-lm, or a mode that cannot run here, is refused
+        # before any model is built.
+        with integration.patch(args.mode):
+            pass
+    except (RuntimeError, ValueError) as error:
+        print(f"{PROGRAM}: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
         if args.synthetic is not None:
             if args.prompt is not None:
                 raise _UsageError("--prompt needs --model (synthetic models have no tokenizer)")
@@ -402,8 +412,6 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 prompt = mx.array(load_tokenizer(path).encode(args.prompt))
             else:
                 prompt = prompt_token_ids(_vocabulary_size(config), args.prompt_tokens)
-        with integration.patch(args.mode):
-            pass  # a mode that cannot run here raises now, before any generation
     except (_UsageError, ValueError) as error:
         print(f"{PROGRAM}: {error}", file=sys.stderr)
         return EXIT_USAGE

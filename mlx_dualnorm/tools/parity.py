@@ -58,7 +58,7 @@ import time
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -70,11 +70,13 @@ from mlx_dualnorm.tools.paths import (
     REFERENCE_PATH,
     DualNormPath,
     DualNormPathFactory,
+    PathUnavailable,
     describe_paths,
     make_compiled_path,
     make_composed_path,
     make_mx_compile_path,
     routinely_checked_paths,
+    unavailable_paths,
 )
 
 __all__ = [
@@ -97,10 +99,13 @@ __all__ = [
     "build_full_parity_matrix",
     "build_quick_parity_matrix",
     "check_path_parity",
+    "check_paths",
     "compare_dual_outputs",
     "format_parity_report",
     "generate_head_values",
     "main",
+    "parity_verdict",
+    "skipped_path_lines",
     "make_compiled_path",
     "make_composed_path",
     "make_mx_compile_path",
@@ -883,11 +888,21 @@ def compare_dual_outputs(
 # ---- Running ---------------------------------------------------------------------
 
 
+class DescribedCase(Protocol):
+    """What a report needs of a case: its family and a description that
+    reproduces it (a dual norm ``ParityCase``, a norm + RoPE case)."""
+
+    @property
+    def family(self) -> str: ...
+
+    def describe(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class ParityMismatch:
     """A case where the path broke the contract, or raised."""
 
-    case: ParityCase
+    case: DescribedCase
     differences: tuple[OutputDifference, ...] = ()
     error: Optional[str] = None
 
@@ -920,10 +935,21 @@ class ParityReport:
     cases_per_family: Counter = field(default_factory=Counter)
     mismatched_cases_per_family: Counter = field(default_factory=Counter)
     elapsed_seconds: float = 0.0
+    reference_description: str = f"{REFERENCE_PATH!r} (2 x mx.fast.rms_norm)"
 
     @property
     def passed(self) -> bool:
         return self.cases_run > 0 and not self.mismatches
+
+    def record(self, family: str, mismatch: Optional[ParityMismatch], seconds: float) -> None:
+        """One case ran (``mismatch`` None when the path agreed), taking
+        ``seconds`` in the path."""
+        self.cases_run += 1
+        self.cases_per_family[family] += 1
+        self.elapsed_seconds += seconds
+        if mismatch is not None:
+            self.mismatches.append(mismatch)
+            self.mismatched_cases_per_family[family] += 1
 
     @property
     def mismatched_families(self) -> set[str]:
@@ -953,16 +979,24 @@ def run_parity_matrix(
     seed: int = DEFAULT_PARITY_SEED,
     matrix_name: str = "custom",
     bitwise: bool = False,
+    reports: Optional[dict[str, ParityReport]] = None,
+    case_done: Optional[Callable[[ParityCase], None]] = None,
 ) -> dict[str, ParityReport]:
     """Runs every path over every case. Inputs and the composed outputs are
     built once per case and shared by the paths; each factory is called once
-    per epsilon, so compiled paths are reused across cases as in a model."""
-    reports = {
-        path_name: ParityReport(path_name, matrix_name, seed, bitwise)
+    per epsilon, so compiled paths are reused across cases as in a model.
+
+    ``reports``, if given (empty), is filled as the cases run, so a caller
+    interrupted part way still holds what ran; ``case_done`` is called
+    after each case (progress). A factory's PathUnavailable propagates,
+    naming the path."""
+    if reports is None:
+        reports = {}
+    reports.update(
+        (path_name, ParityReport(path_name, matrix_name, seed, bitwise))
         for path_name in path_factories
-    }
+    )
     paths_by_name_and_eps: dict[tuple[str, float], DualNormPath] = {}
-    elapsed_by_path = dict.fromkeys(path_factories, 0.0)
     for case in cases:
         inputs = build_case_inputs(case, seed)
         expected = composed_dual_head_norm(
@@ -973,19 +1007,16 @@ def run_parity_matrix(
             started = time.perf_counter()
             path_key = (path_name, case.eps)
             if path_key not in paths_by_name_and_eps:
-                paths_by_name_and_eps[path_key] = path_factory(case.eps)
+                try:
+                    paths_by_name_and_eps[path_key] = path_factory(case.eps)
+                except PathUnavailable as unavailable:
+                    raise PathUnavailable(f"path {path_name!r}: {unavailable}") from unavailable
             mismatch = _run_path_on_case(
                 paths_by_name_and_eps[path_key], inputs, expected, case, bitwise
             )
-            report = reports[path_name]
-            report.cases_run += 1
-            report.cases_per_family[case.family] += 1
-            if mismatch is not None:
-                report.mismatches.append(mismatch)
-                report.mismatched_cases_per_family[case.family] += 1
-            elapsed_by_path[path_name] += time.perf_counter() - started
-    for path_name, report in reports.items():
-        report.elapsed_seconds = elapsed_by_path[path_name]
+            reports[path_name].record(case.family, mismatch, time.perf_counter() - started)
+        if case_done is not None:
+            case_done(case)
     return reports
 
 
@@ -1023,11 +1054,11 @@ MISMATCHES_LISTED_PER_REPORT = 20
 def format_parity_report(report: ParityReport) -> str:
     """A short table: cases and mismatched cases per family, then the first
     mismatches with their case descriptions."""
-    contract = "bit patterns" if report.bitwise else "array_equal(equal_nan)"
+    contract = "bit patterns" if report.bitwise else "values (array_equal, NaN equal to NaN)"
     lines = [
-        f"parity of {report.path_name!r} against {REFERENCE_PATH!r} (2 x mx.fast.rms_norm), "
+        f"parity of {report.path_name!r} against {report.reference_description}, "
         f"{report.matrix_name} matrix, seed {report.seed}: dtype + shape + {contract}",
-        *(f"  {line}" for line in describe_paths([report.path_name])),
+        *(f"  {line}" for line in _describe_checked_paths([report.path_name])),
         f"  {'family':<20} {'cases':>6} {'mismatched':>11}",
     ]
     families = [family for family in FAMILY_NAMES if family in report.cases_per_family]
@@ -1050,24 +1081,54 @@ def format_parity_report(report: ParityReport) -> str:
     return "\n".join(lines)
 
 
-def _parity_parser(path_names: Sequence[str]) -> argparse.ArgumentParser:
+def _describe_checked_paths(path_names: Sequence[str]) -> list[str]:
+    from mlx_dualnorm.tools.rope_parity import ROPE_PATH_DESCRIPTIONS
+
+    return [
+        f"{name}: {ROPE_PATH_DESCRIPTIONS[name]}" if name in ROPE_PATH_DESCRIPTIONS
+        else describe_paths([name])[0]
+        for name in path_names
+    ]
+
+
+def parity_verdict(reports: Sequence[ParityReport]) -> str:
+    """The one line a parity run ends with: every path identical, or which
+    paths mismatched."""
+    contract = "bit-identical" if all(report.bitwise for report in reports) else "value-identical"
+    failed = [report.path_name for report in reports if not report.passed]
+    if not failed:
+        return f"parity: all {len(reports)} path{'s' if len(reports) != 1 else ''} {contract}"
+    return (
+        f"parity: MISMATCH in {', '.join(failed)} "
+        f"({len(reports) - len(failed)} of {len(reports)} paths {contract})"
+    )
+
+
+def skipped_path_lines(skipped: Mapping[str, str]) -> list[str]:
+    """One line per path left out, with the reason: a skip is never silent."""
+    return [f"parity: {name} skipped: {reason}" for name, reason in skipped.items()]
+
+
+def _parity_parser(path_names: Sequence[str], default_names: Sequence[str]) -> argparse.ArgumentParser:
+    from mlx_dualnorm.tools.rope_parity import ROPE_FAMILY
+
     parser = cli.tool_parser(
         "parity",
-        "Check dual head norm paths against two mx.fast.rms_norm calls: same shape, "
-        "same dtype, equal values (NaN matching NaN); with --bitwise, the same bits. "
-        "Exit status 1 if any path mismatches.",
+        "Check dual head norm paths against two mx.fast.rms_norm calls, and the "
+        "dual head norm + RoPE against composed_dual_head_norm_rope: same shape, "
+        "same dtype, the same bits (with --values: equal values, NaN matching NaN). "
+        "Exit status 0 all identical, 1 a mismatch, 2 bad usage or a path that "
+        "cannot run here, 130 interrupted.",
     )
     parser.add_argument(
         "--path",
         dest="path_names",
         action="append",
         choices=list(path_names),
-        help="path to check (repeatable; default: "
-        + ", ".join(name for name in path_names if name in PATH_FACTORIES)
-        + ")",
+        help=f"path to check (repeatable; default: {', '.join(default_names)})",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="run the quick matrix (about 50 small cases)"
+        "--quick", action="store_true", help="run the quick matrix (about 60 small cases)"
     )
     parser.add_argument(
         "--seed", type=int, default=DEFAULT_PARITY_SEED, help="seed of the matrix and its values"
@@ -1076,16 +1137,101 @@ def _parity_parser(path_names: Sequence[str]) -> argparse.ArgumentParser:
         "--family",
         dest="families",
         action="append",
-        choices=FAMILY_NAMES,
+        choices=[*FAMILY_NAMES, ROPE_FAMILY],
         help="only this family of cases (repeatable; default: all)",
     )
     parser.add_argument(
-        "--bitwise",
-        action="store_true",
-        help="also require identical bit patterns (signed zeros, NaN payloads)",
+        "--values",
+        dest="bitwise",
+        action="store_false",
+        help="compare values (NaN equal to NaN, -0 equal to +0) instead of bits",
     )
+    # Bits are the default; --bitwise stays accepted for command lines that say so.
+    parser.add_argument("--bitwise", action="store_true", help=argparse.SUPPRESS)
     cli.add_device_argument(parser)
     return parser
+
+
+PROGRESS_INTERVAL_SECONDS = 5.0
+
+
+def _skipped_by_default(
+    selectable: Mapping[str, DualNormPathFactory], rope_names: Sequence[str]
+) -> dict[str, str]:
+    """The paths a run without --path leaves out, and why."""
+    from mlx_dualnorm.tools.rope_parity import available_rope_paths
+
+    skipped = unavailable_paths(list(selectable))
+    for name in selectable:
+        path = PATH_REGISTRY.get(name)
+        if name not in skipped and path is not None and not path.routinely_checked:
+            skipped[name] = f"not checked by default (it retraces per shape; --path {name})"
+    for name in rope_names:
+        if name not in available_rope_paths():
+            skipped[name] = f"mode {name.removeprefix('rope_')!r} is not available here"
+    return skipped
+
+
+def check_paths(
+    path_factories: Mapping[str, DualNormPathFactory],
+    rope_path_names: Sequence[str],
+    *,
+    quick: bool,
+    seed: int = DEFAULT_PARITY_SEED,
+    families: Optional[Sequence[str]] = None,
+    bitwise: bool = True,
+) -> list[ParityReport]:
+    """The dual norm paths over the (quick or full) matrix, then the norm +
+    RoPE paths over theirs, each report printed; progress on stderr. On
+    Ctrl-C, the reports of the cases that ran are printed, said to be
+    partial, and the interrupt goes on."""
+    from mlx_dualnorm.tools import rope_parity
+
+    cases = build_quick_parity_matrix(seed) if quick else build_full_parity_matrix(seed)
+    if families:
+        cases = [case for case in cases if case.family in families]
+    rope_cases = (
+        rope_parity.build_rope_parity_matrix(quick=quick)
+        if not families or rope_parity.ROPE_FAMILY in families
+        else []
+    )
+    matrix_name = "quick" if quick else "full"
+    progress = cli.StepProgress(
+        f"parity, {matrix_name} matrix, cases",
+        len(cases) if path_factories else 0,
+        min_interval_s=PROGRESS_INTERVAL_SECONDS,
+    )
+    reports: dict[str, ParityReport] = {}
+    try:
+        if path_factories and cases:
+            run_parity_matrix(
+                path_factories,
+                cases,
+                seed=seed,
+                matrix_name=matrix_name,
+                bitwise=bitwise,
+                reports=reports,
+                case_done=lambda case: progress.step(f"[{case.family}]"),
+            )
+        if rope_path_names and rope_cases:
+            reports.update(
+                rope_parity.run_rope_parity_matrix(
+                    rope_path_names, rope_cases, seed=seed, matrix_name=matrix_name,
+                    bitwise=bitwise,
+                )
+            )
+    except KeyboardInterrupt:
+        for report in reports.values():
+            print(format_parity_report(report))
+        print(
+            f"parity: INTERRUPTED after {progress.done} of {len(cases)} cases; "
+            "the reports above cover only the cases that ran",
+            flush=True,
+        )
+        raise
+    for report in reports.values():
+        print(format_parity_report(report))
+    return list(reports.values())
 
 
 def main(
@@ -1093,39 +1239,46 @@ def main(
     *,
     path_factories: Optional[Mapping[str, DualNormPathFactory]] = None,
 ) -> int:
-    """``python -m mlx_dualnorm parity``: prints one report per path; exits
-    1 when any path mismatches anywhere. ``path_factories`` replaces the
-    registered paths (a test's deliberately broken path, say)."""
+    """``python -m mlx_dualnorm parity``: prints one report per path and a
+    verdict line; exits 1 when any path mismatches anywhere, 2 when a path
+    named cannot run here. ``path_factories`` replaces the registered paths
+    (a test's deliberately broken path, say), the norm + RoPE left out."""
+    from mlx_dualnorm.tools import rope_parity
+
     if path_factories is None:
         selectable = {
             name: path.factory for name, path in PATH_REGISTRY.items() if name != REFERENCE_PATH
         }
-        default_names = list(PATH_FACTORIES)
+        rope_names = list(rope_parity.ROPE_PATH_DESCRIPTIONS)
+        default_names = [*PATH_FACTORIES, *rope_parity.available_rope_paths()]
     else:
-        selectable, default_names = dict(path_factories), list(path_factories)
+        selectable, rope_names = dict(path_factories), []
+        default_names = list(path_factories)
 
     def run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cli.select_device(arguments.device, parser)
-        path_names = arguments.path_names or default_names
-        cases = (
-            build_quick_parity_matrix(arguments.seed)
-            if arguments.quick
-            else build_full_parity_matrix(arguments.seed)
-        )
-        if arguments.families:
-            cases = [case for case in cases if case.family in arguments.families]
-        reports = run_parity_matrix(
-            {path_name: selectable[path_name] for path_name in path_names},
-            cases,
+        named = arguments.path_names or default_names
+        for name in named:
+            if name in rope_names and name not in rope_parity.available_rope_paths():
+                raise PathUnavailable(
+                    f"path {name!r}: mode {name.removeprefix('rope_')!r} is not available here"
+                )
+        reports = check_paths(
+            {name: selectable[name] for name in named if name not in rope_names},
+            [name for name in named if name in rope_names],
+            quick=arguments.quick,
             seed=arguments.seed,
-            matrix_name="quick" if arguments.quick else "full",
+            families=arguments.families,
             bitwise=arguments.bitwise,
         )
-        for report in reports.values():
-            print(format_parity_report(report))
-        return 0 if all(report.passed for report in reports.values()) else 1
+        if not arguments.path_names:
+            for line in skipped_path_lines(_skipped_by_default(selectable, rope_names)):
+                print(line)
+        print(parity_verdict(reports))
+        passed = all(report.passed for report in reports)
+        return cli.EXIT_OK if passed else cli.EXIT_MISMATCH
 
-    return cli.run_tool(_parity_parser(list(selectable)), run, argv)
+    return cli.run_tool(_parity_parser([*selectable, *rope_names], default_names), run, argv)
 
 
 if __name__ == "__main__":

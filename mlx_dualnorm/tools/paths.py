@@ -52,6 +52,7 @@ __all__ = [
     "package_mode_factory",
     "register_path",
     "routinely_checked_paths",
+    "unavailable_paths",
 ]
 
 DualNormPath = Callable[
@@ -200,3 +201,24 @@ def describe_paths(names: "list[str] | tuple[str, ...]") -> list[str]:
         path = PATH_REGISTRY.get(name)
         lines.append(f"{name}: {path.description}" if path and path.description else name)
     return lines
+
+
+def unavailable_paths(names: "list[str] | tuple[str, ...]", eps: float = 1e-6) -> dict[str, str]:
+    """Of the registered paths named, those this build or device cannot
+    run, each with the reason its factory gives: what a tool prints when
+    it leaves a path out, so a skipped path is never silent."""
+    reasons = {}
+    for name in names:
+        path = PATH_REGISTRY.get(name)
+        if path is None or path.available():
+            continue
+        try:
+            built = path.factory(eps)
+        except PathUnavailable as unavailable:
+            reasons[name] = str(unavailable)
+            continue
+        close = getattr(built, "close", None)
+        if callable(close):
+            close()
+        reasons[name] = "not available on this build or device"
+    return reasons

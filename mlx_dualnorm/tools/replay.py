@@ -45,6 +45,7 @@ from mlx_dualnorm.tools.paths import (
     REFERENCE_PATH,
     DualNormPath,
     DualNormPathFactory,
+    PathUnavailable,
     describe_paths,
     make_composed_path,
     routinely_checked_paths,
@@ -496,9 +497,11 @@ def run_replay(
     )
     report = ReplayReport(config, steps, reference)
     for path_name, path_factory in path_factories.items():
-        trace = greedy_decode(
-            path_factory(config.rms_norm_eps), parameters, config, steps=steps, path_name=path_name
-        )
+        try:
+            path = path_factory(config.rms_norm_eps)
+        except PathUnavailable as unavailable:
+            raise PathUnavailable(f"path {path_name!r}: {unavailable}") from unavailable
+        trace = greedy_decode(path, parameters, config, steps=steps, path_name=path_name)
         report.comparisons.append(compare_decode_traces(trace, reference))
     return report
 
@@ -561,7 +564,8 @@ def _replay_parser(path_names: Sequence[str], default_names: Sequence[str]) -> a
         help=f"path to replay (repeatable; default: {', '.join(default_names)})",
     )
     parser.add_argument(
-        "--steps", type=int, default=DEFAULT_DECODE_STEPS, help="greedy tokens to decode"
+        "--steps", type=cli.positive_int, default=DEFAULT_DECODE_STEPS,
+        help="greedy tokens to decode",
     )
     parser.add_argument(
         "--seed", type=int, default=ReplayModelConfig.seed, help="seed of the weights and prompt"
@@ -590,8 +594,6 @@ def main(
         selectable, default_names = dict(path_factories), list(path_factories)
 
     def run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-        if arguments.steps < 1:
-            parser.error("--steps must be >= 1")
         cli.select_device(arguments.device, parser)
         path_names = arguments.path_names or default_names
         report = run_replay(
