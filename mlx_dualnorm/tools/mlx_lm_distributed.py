@@ -366,6 +366,7 @@ def load_check_results(folder: Path, ranks: int) -> list[tuple[dict, dict]]:
     for rank in range(ranks):
         results = json.loads((Path(folder) / f"rank{rank}.json").read_text())
         arrays = mx.load(str(Path(folder) / f"rank{rank}.npz"))
+        assert isinstance(arrays, dict)  # an .npz loads as a dict of arrays
         loaded.append((results, {key.replace("__", "/"): value for key, value in arrays.items()}))
     return loaded
 
@@ -475,10 +476,21 @@ class LaunchResult:
     stdout: str
     stderr: str
     seconds: float
+    process_group: int  # the launcher's, which its ranks share
 
     @property
     def timed_out(self) -> bool:
         return self.returncode is None
+
+    @property
+    def failed_ranks(self) -> list[str]:
+        """mlx.launch's lines about ranks that failed or were killed: it
+        exits 0 even then, so its status alone says nothing about them."""
+        return [line.strip() for line in self.stderr.splitlines() if "Node with rank" in line]
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.failed_ranks
 
     def describe(self) -> str:
         status = "killed at the time limit" if self.timed_out else f"exit status {self.returncode}"
@@ -550,11 +562,11 @@ def launch(
     interpreter, on free loopback ports. Past ``timeout_s`` the launcher
     and the ranks are killed (``returncode`` None). A run whose ports were
     taken in the meantime is retried on new ones, up to ``attempts`` runs."""
-    result = None
-    for _ in range(attempts):
+    result = _launch_once(rank_arguments, ranks, timeout_s, cwd)
+    for _ in range(attempts - 1):
+        if result.timed_out or result.ok or not _ports_were_taken(result):
+            break
         result = _launch_once(rank_arguments, ranks, timeout_s, cwd)
-        if result.timed_out or result.returncode == 0 or not _ports_were_taken(result):
-            return result
     return result
 
 
@@ -597,7 +609,9 @@ def _launch_once(rank_arguments, ranks, timeout_s, cwd) -> LaunchResult:
             _kill_group(process)
         stdout.seek(0)
         stderr.seek(0)
-        return LaunchResult(returncode, stdout.read(), stderr.read(), time.monotonic() - started)
+        return LaunchResult(
+            returncode, stdout.read(), stderr.read(), time.monotonic() - started, process.pid
+        )
 
 
 # ---- Command line ------------------------------------------------------------
