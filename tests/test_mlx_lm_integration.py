@@ -172,28 +172,18 @@ def test_cache_is_thread_safe(no_fallback):
             assert_same_bits(a, e)
 
 
-GRADIENT_ON_GPU = pytest.mark.skipif(
-    mx.default_device() == mx.gpu,
-    reason=(
-        "on the GPU, MLX's RMSNormVJP kernel multiplies the cotangent by the weight "
-        "inside its own arithmetic, so the folded weight rounds differently from "
-        "mlx-lm's scalar multiply: gradients agree to rounding, not bit for bit "
-        "(forward outputs stay bit-identical; docs/mlx-lm.md)"
-    ),
-)
-
-
-@pytest.mark.parametrize(
-    "transform", [pytest.param("grad", marks=GRADIENT_ON_GPU), "vmap", "compile"]
-)
-def test_transforms_are_bit_identical(transform):
-    """Fine-tuning differentiates normalize_qk; users compile and vmap it."""
-    queries, keys = random_pair((2, 3, 4, 128), mx.bfloat16)
-    cotangent = mx.random.normal(queries.shape, key=mx.random.key(3)).astype(mx.bfloat16)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jvp", "vmap", "compile", "compiled grad"])
+def test_transforms_are_bit_identical(transform, dtype):
+    """Fine-tuning differentiates normalize_qk; users compile and vmap it.
+    The fold's forward is another expression (a weighted rms_norm), so its
+    transforms are mlx-lm's own: the same bits on every backend."""
+    queries, keys = random_pair((2, 3, 4, 128), dtype)
+    cotangent = mx.random.normal(queries.shape, key=mx.random.key(3)).astype(dtype)
 
     def transformed(normalize_qk):
         def normalized(q, k):
-            return normalize_qk(q, k, inv_scale=128**-0.5, eps=1e-6)
+            return list(normalize_qk(q, k, inv_scale=128**-0.5, eps=1e-6))
 
         def loss(q, k):
             a, b = normalized(q, k)
@@ -201,6 +191,12 @@ def test_transforms_are_bit_identical(transform):
 
         if transform == "grad":
             return mx.grad(loss, argnums=(0, 1))(queries, keys)
+        if transform == "compiled grad":
+            return mx.compile(mx.grad(loss, argnums=(0, 1)))(queries, keys)
+        if transform == "vjp":
+            return mx.vjp(normalized, [queries, keys], [cotangent, cotangent * 2])[1]
+        if transform == "jvp":
+            return mx.jvp(normalized, [queries, keys], [cotangent, cotangent * 3])[1]
         if transform == "vmap":
             return mx.vmap(normalized)(queries, keys)
         return mx.compile(normalized)(queries, keys)

@@ -146,24 +146,70 @@ def _check_mlx_lm_supported() -> None:
 
 class _FoldedScaleNorm:
     """``normalize_qk`` for one cache key: the scales folded into constant
-    weights of the input dtype, both sides in one dual call."""
+    weights of the input dtype, both sides in one dual call.
 
-    __slots__ = ("dual_head_norm", "query_scale_weight", "key_scale_weight")
+    The fold changes the expression, not only its evaluation: its forward
+    is ``rms_norm(x, scale * ones)``, whose bits equal ``scale *
+    rms_norm(x)``, but MLX differentiates the two differently (on CUDA,
+    rms_norm's weighted vjp multiplies the cotangent by the weight in
+    float32 inside its kernel, where the original multiplies it by the
+    scalar in the input dtype first). So the call is a custom function:
+    its forward is the folded call, and its vjp, jvp and vmap are those of
+    mlx-lm's own ``normalize_qk`` with the same constants. Gradients, and
+    anything else a transform computes, are then the original's bits on
+    every backend.
+    """
+
+    __slots__ = ("dual_head_norm", "query_scale_weight", "key_scale_weight", "_transformed")
 
     def __init__(
         self,
         dual_head_norm: CompiledDualHeadNorm,
         query_scale_weight: mx.array,
         key_scale_weight: mx.array,
+        inv_scale: float,
+        eps: float,
     ) -> None:
         self.dual_head_norm = dual_head_norm
         self.query_scale_weight = query_scale_weight
         self.key_scale_weight = key_scale_weight
+        self._transformed = _with_original_transforms(self._forward, inv_scale, eps)
 
-    def __call__(self, queries: mx.array, keys: mx.array) -> tuple[mx.array, mx.array]:
+    def _forward(self, queries: mx.array, keys: mx.array) -> tuple[mx.array, mx.array]:
         return self.dual_head_norm(
             queries, keys, self.query_scale_weight, self.key_scale_weight
         )
+
+    def __call__(self, queries: mx.array, keys: mx.array) -> tuple[mx.array, mx.array]:
+        return self._transformed(queries, keys)
+
+
+def _with_original_transforms(forward, inv_scale: float, eps: float):
+    """``forward`` as an ``mx.custom_function`` whose vjp, jvp and vmap are
+    mlx-lm's ``normalize_qk`` at ``inv_scale`` and ``eps``: MLX's own
+    transforms of the original expression, so their bits are the
+    original's."""
+
+    def original(queries: mx.array, keys: mx.array) -> tuple[mx.array, mx.array]:
+        return ORIGINAL_NORMALIZE_QK(queries, keys, inv_scale=inv_scale, eps=eps)
+
+    transformed = mx.custom_function(forward)
+
+    @transformed.vjp
+    def _vjp(primals, cotangents, outputs):
+        del outputs  # the original's vjp recomputes what it needs
+        return mx.vjp(original, list(primals), list(cotangents))[1]
+
+    @transformed.jvp
+    def _jvp(primals, tangents):
+        return mx.jvp(original, list(primals), list(tangents))[1]
+
+    @transformed.vmap
+    def _vmap(inputs, axes):
+        batched = mx.vmap(original, in_axes=tuple(axes))(*inputs)
+        return batched, (0, 0)
+
+    return transformed
 
 
 _UNFOLDABLE = object()  # cached for keys that always run the original
@@ -237,7 +283,8 @@ def _build_folded_norm(mode, dtype, width, query_rank, key_rank, eps, inv_scale,
             return _UNFOLDABLE
         mx.eval(query_scale_weight, key_scale_weight)
         folded = _FoldedScaleNorm(
-            _new_dual_head_norm(rms_eps, mode), query_scale_weight, key_scale_weight
+            _new_dual_head_norm(rms_eps, mode), query_scale_weight, key_scale_weight,
+            inv_scale, eps,
         )
         probe_matches = _probe_matches_original(
             folded, dtype, width, query_rank, key_rank, eps, inv_scale
