@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import statistics
 import sys
 import time
 from typing import Callable, Optional, Sequence
@@ -43,6 +44,7 @@ __all__ = [
     "main",
     "positive_int",
     "positive_int_list",
+    "ratio_of_medians",
     "run_tool",
     "select_device",
     "tool_parser",
@@ -200,6 +202,20 @@ def run_tool(
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def ratio_of_medians(values: Sequence[float], reference_values: Sequence[float]) -> Optional[float]:
+    """median(values) / median(reference_values): the ratio a table prints
+    beside those two medians, so the three never contradict each other (a
+    median of per-round ratios can fall on the other side of 1). The
+    per-round ratios' min..max is the spread to print with it. None when
+    either is empty or the reference median is not positive."""
+    if not values or not reference_values:
+        return None
+    reference_median = statistics.median(reference_values)
+    if not reference_median > 0:
+        return None
+    return statistics.median(values) / reference_median
 
 
 class StepProgress:

@@ -62,6 +62,7 @@ EXIT_USAGE = 2
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 FALLBACK_VOCABULARY = 1000  # prompt ids stay below this when the config has none
 WARM_UP_TOKENS = 2
+DEFAULT_TIMING_ROUNDS = 3
 
 
 # ---- Greedy generation through mlx-lm -------------------------------------
@@ -221,14 +222,33 @@ class CheckResult:
     comparison: TraceComparison
     counts: NormalizeQkCallCounts
     reference_repeat: Optional[TraceComparison] = None  # only after a divergence
+    # Median ms per decode token of each timing round (the checked runs are
+    # the first round), both ways: one round's ratio is noise on a busy CPU.
+    unpatched_round_ms: list[float] = dataclasses.field(default_factory=list)
+    patched_round_ms: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def round_time_ratios(self) -> list[float]:
+        """Per round, patched / unpatched median ms per token."""
+        return [
+            patched / unpatched
+            for unpatched, patched in zip(self.unpatched_round_ms, self.patched_round_ms)
+            if unpatched > 0 and patched > 0
+        ]
 
 
 def run_check(
-    model: nn.Module, prompt: mx.array, max_tokens: int, mode: Optional[Mode] = None
+    model: nn.Module,
+    prompt: mx.array,
+    max_tokens: int,
+    mode: Optional[Mode] = None,
+    timing_rounds: int = DEFAULT_TIMING_ROUNDS,
 ) -> CheckResult:
     """Unpatched, then patched (``mode``), greedy generation; compared. A
     short run each way first warms both up (compiles, folds, allocator), so
-    the first-token times compare like with like."""
+    the first-token times compare like with like. The compared runs are the
+    first of ``timing_rounds`` timing rounds; the others run both ways again,
+    the order alternating, for the spread of the time ratio."""
     for warm_up in (integration.unpatch, lambda: integration.patch(mode)):
         with warm_up():
             greedy_generate(model, prompt, WARM_UP_TOKENS)
@@ -241,6 +261,15 @@ def run_check(
         with integration.unpatch():
             repeat = greedy_generate(model, prompt, max_tokens)
         result.reference_repeat = compare_traces(reference, repeat)
+    result.unpatched_round_ms.append(reference.median_decode_ms)
+    result.patched_round_ms.append(patched.median_decode_ms)
+    for round_index in range(1, timing_rounds):
+        order = (True, False) if round_index % 2 else (False, True)
+        for patched_round in order:
+            with integration.patch(mode) if patched_round else integration.unpatch():
+                milliseconds = greedy_generate(model, prompt, max_tokens).median_decode_ms
+            rounds = result.patched_round_ms if patched_round else result.unpatched_round_ms
+            rounds.append(milliseconds)
     return result
 
 
@@ -267,11 +296,9 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
         ),
         f"  normalize_qk:   {result.counts.calls / model_steps:.1f} calls per step, "
         f"{result.counts.folded} folded, {result.counts.original} ran mlx-lm's function",
-        f"  ms per token:   unpatched {result.reference.median_decode_ms:.3f}, "
-        f"patched {result.patched.median_decode_ms:.3f} (median over decode tokens; "
-        f"patched / unpatched "
-        f"{_time_ratio(result.patched.median_decode_ms, result.reference.median_decode_ms)}, "
-        "lower is better)",
+        f"  ms per token:   unpatched {_median_text(result.unpatched_round_ms)}, "
+        f"patched {_median_text(result.patched_round_ms)} (median over rounds of the "
+        f"median over decode tokens); {_ratio_text(result)}",
         f"  first token:    unpatched {1e3 * result.reference.first_token_seconds:.1f} ms, "
         f"patched {1e3 * result.patched.first_token_seconds:.1f} ms (includes prompt processing)",
     ]
@@ -293,10 +320,21 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
     return "\n".join(lines)
 
 
-def _time_ratio(patched_ms: float, unpatched_ms: float) -> str:
-    if not (patched_ms > 0 and unpatched_ms > 0):
-        return "n/a"
-    return f"{patched_ms / unpatched_ms:.2f}x"
+def _median_text(milliseconds: list[float]) -> str:
+    return f"{statistics.median(milliseconds):.3f}" if milliseconds else "n/a"
+
+
+def _ratio_text(result: CheckResult) -> str:
+    """patched / unpatched: the ratio of the medians printed beside it,
+    then the per-round ratios' range and the number of rounds."""
+    ratio = cli.ratio_of_medians(result.patched_round_ms, result.unpatched_round_ms)
+    ratios = result.round_time_ratios
+    if ratio is None or not ratios:
+        return "patched / unpatched n/a"
+    return (
+        f"patched / unpatched {ratio:.2f}x (per round {min(ratios):.2f}..{max(ratios):.2f}, "
+        f"{len(ratios)} round{'s' if len(ratios) != 1 else ''}), lower is better"
+    )
 
 
 def _load_local_model(path_text: str) -> tuple[nn.Module, dict, Path]:
@@ -361,7 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-tokens", type=cli.positive_int, default=12, help="length of the fixed prompt"
     )
     parser.add_argument(
-        "--mode", default=None, help="mode for patch() (None: patch()'s own default)"
+        "--rounds",
+        type=cli.positive_int,
+        default=DEFAULT_TIMING_ROUNDS,
+        help="timing rounds, each way once per round (the first is the compared one)",
+    )
+    parser.add_argument(
+        "--mode", default=None, help="mode for patch() (default: patch()'s own)"
     )
     parser.add_argument(
         "--dtype", choices=tuple(DTYPES), help="--synthetic only: weight dtype (default per model)"
@@ -416,7 +460,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"{PROGRAM}: {error}", file=sys.stderr)
         return EXIT_USAGE
 
-    result = run_check(model, prompt, args.tokens, args.mode)
+    result = run_check(model, prompt, args.tokens, args.mode, timing_rounds=args.rounds)
     print(format_result(result, model_name, int(prompt.size)))
     return EXIT_IDENTICAL if result.comparison.identical else EXIT_DIVERGED
 

@@ -1,0 +1,58 @@
+"""mlx-lm-check and mlx-lm-bench as a new user meets them: an unsupported
+mlx-lm is a one-line refusal with exit 2 (not a traceback), the time ratio
+agrees with the medians beside it and comes with its spread and rounds.
+
+The unsupported mlx-lm is mlx-lm 0.32.2 with exactly what 0.31.x lacks
+taken away, ``gated_delta.normalize_qk``, in a fresh interpreter (as in
+test_mlx_lm_versions.py): the integration only ever looks for that."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from isolated_process import describe, run_python  # noqa: E402
+
+from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
+
+RUN_WITHOUT_NORMALIZE_QK = """
+    import sys
+    import mlx_lm.models.gated_delta as gated_delta
+    del gated_delta.normalize_qk  # what mlx-lm 0.31.x lacks
+    from mlx_dualnorm.tools.cli import main
+    sys.exit(main({arguments!r}))
+"""
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["mlx-lm-check", "--synthetic", "qwen3_next", "--tokens", "2"],
+        ["mlx-lm-bench", "--quick", "--layers", "36", "--models", "", "--decode-models", ""],
+    ],
+)
+def test_an_unsupported_mlx_lm_is_refused_in_one_line_with_exit_2(arguments):
+    process = run_python(RUN_WITHOUT_NORMALIZE_QK.format(arguments=arguments))
+    assert process.returncode == 2, describe(process)
+    assert "Traceback" not in process.stderr, describe(process)
+    assert process.stderr.count("\n") == 1, describe(process)
+    assert "supports mlx-lm 0.32.0 to 0.32.2" in process.stderr
+    assert process.stdout == ""  # refused before any model was built or timed
+
+
+def test_mlx_lm_check_prints_a_ratio_agreeing_with_its_medians_with_range_and_rounds(capsys):
+    arguments = ["--synthetic", "qwen3_next", "--tokens", "4", "--rounds", "3", "--device", "cpu"]
+    assert mlx_lm_check.main(arguments) == 0
+    printed = capsys.readouterr().out
+    match = re.search(
+        r"unpatched ([\d.]+), patched ([\d.]+) .*patched / unpatched ([\d.]+)x "
+        r"\(per round ([\d.]+)\.\.([\d.]+), 3 rounds\)",
+        printed,
+    )
+    assert match, printed
+    unpatched, patched, ratio, lowest, highest = map(float, match.groups())
+    assert ratio == pytest.approx(patched / unpatched, abs=0.006)
+    assert lowest <= highest
