@@ -503,6 +503,11 @@ def _bench_parser() -> argparse.ArgumentParser:
         f"fewer layers and a vocabulary of {QUICK_DECODE_VOCABULARY}",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    parser.add_argument(
+        "--ranks", type=int, default=None,
+        help="instead: the decode models with Model.shard, tensor-parallel over this many ranks "
+        "on loopback (mlx.launch, ring backend), patched vs unpatched ms/token",
+    )
     cli.add_device_argument(parser)
     return parser
 
@@ -590,6 +595,12 @@ def _report_mismatches(measurements: list[DecodeMeasurement]) -> bool:
 def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cli.select_device(arguments.device, parser)
     layer_counts, model_types, decode_models = _checked_arguments(arguments, parser)
+    if arguments.ranks is not None:  # mlx_dualnorm.tools.mlx_lm_distributed launches them
+        if arguments.ranks < 2:
+            parser.error("--ranks must be at least 2")
+        from mlx_dualnorm.tools.mlx_lm_distributed import run_ranks_command
+
+        return run_ranks_command(arguments, decode_models, QUICK_DECODE_VOCABULARY)
     started = time.perf_counter()
     timings = _measure(arguments, layer_counts, model_types)
     decode_measurements = _measure_decode(arguments, decode_models)

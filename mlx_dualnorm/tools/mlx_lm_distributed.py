@@ -47,11 +47,14 @@ __all__ = [
     "FAMILIES",
     "SCENARIOS",
     "LaunchResult",
+    "bench_over_ranks",
+    "format_bench_report",
     "free_port_run",
     "launch",
     "load_check_results",
     "main",
     "run_check",
+    "run_ranks_command",
     "run_bench",
 ]
 
@@ -612,6 +615,92 @@ def _launch_once(rank_arguments, ranks, timeout_s, cwd) -> LaunchResult:
         return LaunchResult(
             returncode, stdout.read(), stderr.read(), time.monotonic() - started, process.pid
         )
+
+
+# ---- Launched bench ------------------------------------------------------------
+
+
+def bench_over_ranks(
+    model_name: str,
+    *,
+    ranks: int = 2,
+    steps: int = 16,
+    rounds: int = 5,
+    layers: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    timeout_s: float = 600.0,
+) -> dict:
+    """Launches ``bench`` on ``ranks`` loopback ranks and returns rank 0's
+    report (:func:`run_bench`); raises RuntimeError when the job fails."""
+    with tempfile.TemporaryDirectory() as out:
+        arguments = ["bench", "--model", model_name, "--steps", str(steps),
+                     "--rounds", str(rounds), "--out", out]
+        if layers is not None:
+            arguments += ["--layers", str(layers)]
+        if vocab_size is not None:
+            arguments += ["--vocab-size", str(vocab_size)]
+        result = launch(arguments, ranks=ranks, timeout_s=timeout_s)
+        report_path = Path(out) / "bench.json"
+        if not report_path.exists():
+            raise RuntimeError(result.describe())
+        report = json.loads(report_path.read_text())
+    report["launch_seconds"] = result.seconds
+    report["ok"] = result.ok
+    return report
+
+
+def format_bench_report(report: dict) -> str:
+    """Median and range over rounds of ms/token, both paths, and the ratio."""
+
+    def spread(values: list, digits: int) -> str:
+        return (f"{statistics.median(values):.{digits}f} "
+                f"[{min(values):.{digits}f} .. {max(values):.{digits}f}]")
+
+    config = report["config"]
+    shape = ", ".join(f"{key} {config[key]}" for key in
+                      ("num_hidden_layers", "hidden_size", "vocab_size") if key in config)
+    lines = [
+        f"decode, {report['model']} ({shape}), tensor-parallel over {report['ranks']} ranks "
+        f"(ring backend, loopback), {report['rounds']} interleaved rounds of "
+        f"{report['decode_steps']} decode steps; median [min .. max] over rounds:",
+        f"  unpatched  {spread(report['unpatched'], 2)} ms/token",
+        f"  patched    {spread(report['patched'], 2)} ms/token",
+        f"  patched / unpatched  {spread(report['ratios_patched_over_unpatched'], 3)}",
+    ]
+    if report["token_mismatches"]:
+        lines.append(f"  TOKEN MISMATCH in {report['token_mismatches']} rounds")
+    return "\n".join(lines)
+
+
+def run_ranks_command(arguments, decode_models: Sequence[str], quick_vocabulary: int) -> int:
+    """``mlx-lm-bench --ranks N``: each decode model whose family has
+    ``Model.shard``, tensor-parallel over N loopback ranks, patched vs
+    unpatched; prints the table (and writes ``--json``). 1 on a token
+    mismatch or a failed rank."""
+    from mlx_dualnorm.tools.mlx_lm_synthetic import DECODE_MODELS
+
+    import importlib
+
+    reports = []
+    for name in decode_models:
+        model_type = DECODE_MODELS[name].config["model_type"]
+        if not hasattr(importlib.import_module(f"mlx_lm.models.{model_type}").Model, "shard"):
+            print(f"{name}: mlx-lm's {model_type} has no Model.shard; left out", file=sys.stderr)
+            continue
+        print(f"decode over {arguments.ranks} ranks, {name} ...", file=sys.stderr, flush=True)
+        quick_layers = DECODE_MODELS[name].quick_layers if arguments.quick else None
+        report = bench_over_ranks(
+            name, ranks=arguments.ranks, steps=arguments.decode_steps,
+            rounds=arguments.decode_rounds, layers=quick_layers,
+            vocab_size=quick_vocabulary if arguments.quick else None,
+        )
+        print(format_bench_report(report), flush=True)
+        reports.append(report)
+    if arguments.json:
+        Path(arguments.json).write_text(json.dumps({"ranks": reports}, indent=2) + "\n")
+        print(f"wrote {arguments.json}", file=sys.stderr)
+    failed = any(report["token_mismatches"] or not report["ok"] for report in reports)
+    return 1 if failed else 0
 
 
 # ---- Command line ------------------------------------------------------------
