@@ -74,21 +74,63 @@ def composed_dual_head_norm(
 
 _Composite = TypeVar("_Composite", bound="_NativeComposite")
 
+# An object made by __new__ whose __init__ has not run: no C object, and
+# an address the facades refuse before crossing into C.
+_NO_NATIVE: tuple[Any, int] = (None, 0)
+
 
 class _NativeComposite:
     """What both composites are in Python: the C object each owns (freed,
     closing first, when the Python object is collected), its address as
-    the nanobind bridge takes it, and closing it at once."""
+    the nanobind bridge takes it, and closing it at once.
 
-    __slots__ = ("_native", "_address", "__weakref__")
-    _native: Any  # cdata: the C object, freed by ffi.gc
-    _address: int  # the same pointer, as the bridge takes it
+    Both live in one tuple, ``_handle``, that a call reads once into a
+    local: the call then holds the C object alive until it returns, even
+    if another thread drops or replaces ``_handle`` meanwhile (converting
+    a numpy argument runs Python, so other threads do run mid-call).
+    Re-running ``__init__`` on an initialized object is refused, so the
+    constants an object was made with never change under its callers.
+    """
+
+    __slots__ = ("_handle", "_constructor_arguments", "__weakref__")
+    _handle: tuple[Any, int]  # (cdata freed by ffi.gc, the same pointer as an int)
+    # (args, kwargs) that make an equal, independent object: copies and pickles.
+    _constructor_arguments: tuple[tuple[Any, ...], dict[str, Any]]
     _close_native: Callable[..., int]  # the subclass's C close function
+    _operation: str  # the label of this class's errors
 
-    def _own(self, native: Any, free: Callable[[Any], None]) -> None:
+    def __new__(cls, *arguments: Any, **options: Any):
+        composite = super().__new__(cls)
+        composite._handle = _NO_NATIVE
+        return composite
+
+    def _refuse_reinitialization(self) -> None:
+        if self._handle is not _NO_NATIVE:
+            raise TypeError(
+                f"[{self._operation}] this {type(self).__name__} is already initialized; "
+                "create a new object for other constants"
+            )
+
+    def _own(self, native: Any, free: Callable[[Any], None], arguments, options) -> None:
         """Takes ownership of a C object that ``free`` releases."""
-        self._native = ffi.gc(native, free)
-        self._address = int(ffi.cast("uintptr_t", self._native))
+        self._refuse_reinitialization()  # again: __init__ ran Python since the first check
+        owned = ffi.gc(native, free)
+        self._constructor_arguments = (arguments, options)
+        self._handle = (owned, int(ffi.cast("uintptr_t", owned)))
+
+    @property
+    def _native(self) -> Any:
+        """The C object, or a TypeError for an object never initialized."""
+        native = self._handle[0]
+        if native is None:
+            raise self._uninitialized_error()
+        return native
+
+    def _uninitialized_error(self) -> TypeError:
+        return TypeError(
+            f"[{self._operation}] this {type(self).__name__} was never initialized "
+            "(made by __new__ without __init__)"
+        )
 
     def close(self) -> None:
         """Releases the compiled graphs and their compile-cache entries.
@@ -96,10 +138,24 @@ class _NativeComposite:
         call_native(self._close_native, self._native)
 
     def __enter__(self: _Composite) -> _Composite:
+        self._native  # refuses an object never initialized
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def __reduce__(self):
+        """Copies (``copy.copy``, ``copy.deepcopy``) and pickles are new,
+        independent objects with the same constructor arguments: the C
+        state itself is never shared or serialized."""
+        self._native  # refuses an object never initialized
+        arguments, options = self._constructor_arguments
+        return (_rebuild_composite, (type(self), arguments, options))
+
+
+def _rebuild_composite(cls, arguments: tuple, options: dict):
+    """Unpickles or copies a composite: a fresh object from its arguments."""
+    return cls(*arguments, **options)
 
 
 def _mode_value(mode: object, operation: str) -> int:
@@ -142,17 +198,21 @@ class CompiledDualHeadNorm(_NativeComposite):
     compiled graphs at once; garbage collection does it otherwise.
     """
 
-    __slots__ = ()  # _native: mlx_dualnorm_compiled_dual_head_norm*
+    __slots__ = ()  # _handle[0]: mlx_dualnorm_compiled_dual_head_norm*
     _close_native = lib.mlx_dualnorm_compiled_dual_head_norm_close
+    _operation = COMPILE_DUAL_HEAD_NORM_OPERATION
 
     def __init__(self, eps: float = 1e-6, mode: Mode = "auto") -> None:
+        self._refuse_reinitialization()
         rms_norm_epsilon = _as_epsilon(eps, COMPILE_DUAL_HEAD_NORM_OPERATION)
         mode_value = _mode_value(mode, COMPILE_DUAL_HEAD_NORM_OPERATION)
         created = ffi.new("mlx_dualnorm_compiled_dual_head_norm **")
         call_native(
             lib.mlx_dualnorm_compiled_dual_head_norm_new, created, rms_norm_epsilon, mode_value
         )
-        self._own(created[0], lib.mlx_dualnorm_compiled_dual_head_norm_free)
+        self._own(
+            created[0], lib.mlx_dualnorm_compiled_dual_head_norm_free, (eps,), {"mode": mode}
+        )
 
     @property
     def eps(self) -> float:
@@ -195,8 +255,12 @@ class CompiledDualHeadNorm(_NativeComposite):
         if stream is not None:
             with _default_stream(stream):
                 return self(queries, keys, query_weight, key_weight)
+        # The local keeps the C object alive for the whole call.
+        native, address = self._handle
+        if not address:
+            raise self._uninitialized_error()
         graph_outputs = apply_compiled_dual_head_norm(
-            self._address, queries, keys, query_weight, key_weight
+            address, queries, keys, query_weight, key_weight
         )
         # The C builders' fixed order, queries then keys: the tuple as is.
         if len(graph_outputs) != 2:
@@ -204,6 +268,8 @@ class CompiledDualHeadNorm(_NativeComposite):
         return graph_outputs
 
     def __repr__(self) -> str:
+        if self._handle is _NO_NATIVE:
+            return "CompiledDualHeadNorm(<uninitialized>)"
         return f"CompiledDualHeadNorm(eps={self.eps!r}, mode={self.mode!r})"
 
 

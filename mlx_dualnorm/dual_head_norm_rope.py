@@ -34,6 +34,7 @@ from mlx_dualnorm.dual_head_norm import (
     _as_mx_array,
     _default_stream,
     _mode_value,
+    _NO_NATIVE,
     _NativeComposite,
     _output_count_error,
 )
@@ -114,8 +115,9 @@ class CompiledDualHeadNormRope(_NativeComposite):
     compiled graphs at once; garbage collection does it otherwise.
     """
 
-    __slots__ = ()  # _native: mlx_dualnorm_dual_head_norm_rope*
+    __slots__ = ()  # _handle[0]: mlx_dualnorm_dual_head_norm_rope*
     _close_native = lib.mlx_dualnorm_dual_head_norm_rope_close
+    _operation = COMPILE_NORM_ROPE_OPERATION
 
     def __init__(
         self,
@@ -127,6 +129,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
         scale: float = 1.0,
         mode: Mode = "auto",
     ) -> None:
+        self._refuse_reinitialization()
         operation = COMPILE_NORM_ROPE_OPERATION
         rms_norm_epsilon = _as_epsilon(eps, operation)
         rope = ffi.new("mlx_dualnorm_rope_parameters *")
@@ -139,7 +142,10 @@ class CompiledDualHeadNormRope(_NativeComposite):
         call_native(
             lib.mlx_dualnorm_dual_head_norm_rope_new, created, rms_norm_epsilon, rope[0], mode_value
         )
-        self._own(created[0], lib.mlx_dualnorm_dual_head_norm_rope_free)
+        self._own(
+            created[0], lib.mlx_dualnorm_dual_head_norm_rope_free, (eps, dims),
+            {"base": base, "traditional": traditional, "scale": scale, "mode": mode},
+        )
 
     @property
     def eps(self) -> float:
@@ -205,8 +211,12 @@ class CompiledDualHeadNormRope(_NativeComposite):
         if stream is not None:
             with _default_stream(stream, APPLY_NORM_ROPE_OPERATION):
                 return self(queries, keys, query_weight, key_weight, offset=offset)
+        # The local keeps the C object alive for the whole call.
+        native, address = self._handle
+        if not address:
+            raise self._uninitialized_error()
         graph_outputs = _interop.apply_rope(
-            self._address, queries, keys, query_weight, key_weight, offset
+            address, queries, keys, query_weight, key_weight, offset
         )
         # The C builders' fixed order, queries then keys: the tuple as is.
         if len(graph_outputs) != 2:
@@ -214,6 +224,8 @@ class CompiledDualHeadNormRope(_NativeComposite):
         return graph_outputs
 
     def __repr__(self) -> str:
+        if self._handle is _NO_NATIVE:
+            return "CompiledDualHeadNormRope(<uninitialized>)"
         return (
             f"CompiledDualHeadNormRope(eps={self.eps!r}, dims={self.dims!r}, "
             f"base={self.base!r}, traditional={self.traditional!r}, "
@@ -250,7 +262,12 @@ def _as_float32_argument(value: object, name: str) -> float:
             f"[{COMPILE_NORM_ROPE_OPERATION}] {name} must be a real number, "
             f"not {type(value).__name__}"
         )
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int or Fraction beyond a double
+        raise DualHeadNormValueError(
+            COMPILE_NORM_ROPE_OPERATION, f"{name} is beyond the range of a float"
+        ) from None
 
 
 def _as_offset_array(offset: object) -> mx.array:
