@@ -33,6 +33,8 @@ BACKEND_DISTRIBUTIONS = {
     "cuda13": "mlx-cuda-13",
 }
 UNKNOWN_BACKEND = "unknown"
+MISSING_BACKEND = "no"  # ``mlx`` alone: neither a backend package nor a libmlx beside it
+BACKEND_INSTALL_HINT = 'pip install "mlx[cpu]" (or "mlx[cuda13]" for NVIDIA GPUs)'
 
 
 class MlxBuild(NamedTuple):
@@ -43,6 +45,10 @@ class MlxBuild(NamedTuple):
 
     def describe(self) -> str:
         return f"mlx {self.version} ({self.backend} backend)"
+
+    @property
+    def backend_missing(self) -> bool:
+        return self.backend == MISSING_BACKEND
 
     def requirement(self) -> str:
         """The pip requirement that installs exactly this MLX."""
@@ -89,10 +95,18 @@ def installed_mlx() -> Optional[MlxBuild]:
         backend = cuda_backends[-1]
     elif backend_versions:
         backend = next(iter(backend_versions))
+    elif not _has_mlx_library(site_directory):
+        backend = MISSING_BACKEND
     else:
-        backend = UNKNOWN_BACKEND
+        backend = UNKNOWN_BACKEND  # a libmlx of its own, as on macOS or from source
     version = _installed_version("mlx", site_directory) or backend_versions.get(backend)
     return MlxBuild(version or UNKNOWN_BACKEND, backend)
+
+
+def _has_mlx_library(site_directory: str) -> bool:
+    """Whether a libmlx sits in the mlx package (put there by a backend
+    package on Linux, or shipped in the mlx wheel itself elsewhere)."""
+    return any((pathlib.Path(site_directory) / "mlx" / "lib").glob("libmlx*"))
 
 
 def _recorded_build() -> Optional[MlxBuild]:
@@ -133,6 +147,13 @@ def check_installed_mlx() -> None:
         raise ImportError(
             f"[{CHECK_OPERATION}] mlx_dualnorm was compiled against {recorded.describe()}, "
             f"but no mlx package is installed: pip install \"{recorded.requirement()}\""
+        )
+    if installed.backend_missing:
+        raise ImportError(
+            f"[{CHECK_OPERATION}] mlx {installed.version} is installed without a backend "
+            "(no libmlx: the mlx package alone does not run on Linux); mlx_dualnorm was "
+            f"compiled against {recorded.describe()}: pip install \"{recorded.requirement()}\", "
+            f"or in general {BACKEND_INSTALL_HINT}"
         )
     if installed != recorded:
         raise ImportError(

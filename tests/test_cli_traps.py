@@ -61,7 +61,10 @@ def test_a_bad_global_option_before_a_subcommand_is_a_usage_error(capsys):
 @needs_no_fused
 @pytest.mark.parametrize(
     "tool, arguments",
-    [(parity.main, ["--quick", "--path", "fused"]), (replay.main, ["--steps", "2", "--path", "fused"])],
+    [
+        (parity.main, ["--quick", "--path", "fused"]),
+        (replay.main, ["--steps", "2", "--path", "fused"]),
+    ],
 )
 def test_an_unavailable_path_is_one_line_and_exit_2(tool, arguments, capsys):
     assert tool(arguments) == 2

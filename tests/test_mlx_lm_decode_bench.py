@@ -36,9 +36,9 @@ def patch_states_per_run(monkeypatch):
     states = []
     timed_decode = mlx_lm_bench._timed_greedy_decode
 
-    def recording(model, prompt, steps):
+    def recording(model, prompt, steps, *progress_arguments):
         states.append(integration.is_patched())
-        return timed_decode(model, prompt, steps)
+        return timed_decode(model, prompt, steps, *progress_arguments)
 
     monkeypatch.setattr(mlx_lm_bench, "_timed_greedy_decode", recording)
     return states

@@ -162,3 +162,27 @@ def test_a_real_other_mlx_release_is_refused() -> None:
     )
     assert unguarded.returncode != 0
     assert "undefined symbol" in unguarded.stderr, unguarded.stderr
+
+
+def test_an_mlx_without_its_backend_is_told_to_install_one_not_blamed_on_the_abi(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``pip install mlx`` without ``[cpu]`` on Linux: the mlx package and its
+    metadata, but neither mlx-cpu nor libmlx. Rebuilt here as a folder first
+    on the path holding a copy of the installed mlx less its lib/ (and the
+    mlx distribution's metadata only), with an unchanged copy of this package."""
+    site = _copy_with_record(tmp_path, (PACKAGE_DIR / "_built_against.py").read_text())
+    mlx_site = pathlib.Path(_mlx_version_guard._mlx_site_directory())
+    shutil.copytree(
+        mlx_site / "mlx", site / "mlx", ignore=shutil.ignore_patterns("lib", "include", "__pycache__")
+    )
+    (mlx_distribution,) = [
+        path for path in mlx_site.glob("mlx-*.dist-info")
+        if path.name.startswith(f"mlx-{_built_against.MLX_VERSION}")
+    ]
+    shutil.copytree(mlx_distribution, site / mlx_distribution.name)
+    output = _import_in_fresh_interpreter(site)
+    assert "is installed without a backend" in output, output
+    assert 'pip install "mlx[cpu]" (or "mlx[cuda13]"' in output
+    assert "C++ ABI" not in output
+    assert "LOADED EXTENSIONS: []" in output

@@ -18,9 +18,12 @@ Every number is taken once per repeat for every path, as the median of its
 samples; inside a repeat the paths take their samples in turn (one batch
 or call each, decode tokens ``decode_tokens_per_turn`` at a time, as decode
 runs one path token after token; the order rotating and reversing), so load
-that comes and goes on the machine falls on all of them alike. The ratio to the baseline path
-(``composed``) is computed per repeat, and values and ratios are reported
-as min / median / max over the repeats.
+that comes and goes on the machine falls on all of them alike. Values are
+reported as min / median / max over the repeats. The ratio to the baseline
+path (``composed``) a table prints is the ratio of the two medians it
+prints beside it; the ratios taken per repeat give its spread (their
+min-max), so a noisy machine shows as a wide range, never as a ratio that
+contradicts its medians.
 
 A ratio is always ``value(path) / value(composed)`` (time, or peak memory):
 lower is better, below 1 the path beats the composed path.
@@ -86,7 +89,10 @@ REPORT_SCHEMA = "mlx_dualnorm.benchmark/2"
 JSON_FILE_NAME = "benchmark.json"
 CHART_FILE_NAME = "benchmark.png"
 BASELINE_PATH = REFERENCE_PATH  # every ratio is to this path's value
-RATIO_DEFINITION = f"this path's value / {BASELINE_PATH}'s value, per repeat; lower is better"
+RATIO_DEFINITION = (
+    f"this path's value / {BASELINE_PATH}'s value: per repeat in samples, and of the "
+    "medians in of_medians (what the tables print); lower is better"
+)
 
 DualHeadNormCall = Callable[
     [mx.array, mx.array, Optional[mx.array], Optional[mx.array]],
@@ -244,13 +250,22 @@ class MetricResult:
             return None
         return [value / reference_value for value, reference_value in zip(values, references)]
 
+    def ratio_of_medians(self, path: str, reference: str = BASELINE_PATH) -> Optional[float]:
+        """median(path) / median(reference): the ratio printed beside those
+        medians (None if either did not run)."""
+        return cli.ratio_of_medians(self.samples.get(path, []), self.samples.get(reference, []))
+
     def to_json(self) -> dict:
         paths = {}
         for path, values in self.samples.items():
             entry = {"samples": values, **spread(values)}
             ratios = self.ratio_samples(path)
             if ratios is not None:
-                entry["ratio_to_composed"] = {"samples": ratios, **spread(ratios)}
+                entry["ratio_to_composed"] = {
+                    "samples": ratios,
+                    **spread(ratios),
+                    "of_medians": self.ratio_of_medians(path),
+                }
             paths[path] = entry
         return {
             "kind": self.kind.name,
@@ -272,6 +287,7 @@ class BenchmarkReport:
     path_status: dict[str, dict]
     metrics: dict[str, MetricResult]
     elapsed_s: float = 0.0
+    interrupted: bool = False  # Ctrl-C stopped the run: config.repeats is what completed
 
     def metric(self, kind: MetricKind, scenario: Scenario) -> MetricResult:
         return self.metrics[metric_key(kind, scenario)]
@@ -285,6 +301,7 @@ class BenchmarkReport:
             "metadata": self.metadata,
             "config": dataclasses.asdict(self.config),
             "elapsed_s": self.elapsed_s,
+            "interrupted": self.interrupted,
             "paths": self.path_status,
             "scenarios": {
                 scenario.name: dataclasses.asdict(scenario)
@@ -649,8 +666,10 @@ def run_benchmark(
 ) -> BenchmarkReport:
     """Runs every measurement on the default device; see the module doc.
 
-    ``progress``, if given, receives one line per stage (the CLI sends them
-    to stderr)."""
+    ``progress``, if given, receives one line per stage and per repeat,
+    with the time left (the CLI sends them to stderr). Ctrl-C raises
+    :class:`~mlx_dualnorm.tools.cli.InterruptedWithPartialResult` carrying
+    the report of the repeats that completed."""
     config = config or BenchmarkConfig()
     if config.repeats < 1 or config.layers < 1:
         raise ValueError("repeats and layers must be >= 1")
@@ -659,24 +678,40 @@ def run_benchmark(
     cpu_pressure_at_start = _cpu_pressure()
     measurement = _Measurement(config, progress)
     host_loop_us = measurement.host_loop_overhead_us()
-    for repeat in range(config.repeats):
-        _progress(f"repeat {repeat + 1}/{config.repeats}", progress)
-        measurement.measure_host_calls(repeat)
-        measurement.measure_decode_tokens(repeat)
-        measurement.measure_prefill(repeat)
-    measurement.close_paths()
-
-    metadata = collect_metadata()
-    metadata["load_average_at_start"] = load_average_at_start
-    metadata["cpu_pressure_some_at_start"] = cpu_pressure_at_start
-    metadata["host_loop_overhead_us"] = host_loop_us
-    return BenchmarkReport(
-        config=config,
-        metadata=metadata,
-        path_status=measurement.path_status,
-        metrics=measurement.metrics,
-        elapsed_s=time.perf_counter() - run_started,
+    repeats_progress = cli.StepProgress(
+        "repeats", config.repeats, emit=progress or (lambda line: None)
     )
+    completed_repeats = 0
+
+    def report() -> BenchmarkReport:
+        metadata = collect_metadata()
+        metadata["load_average_at_start"] = load_average_at_start
+        metadata["cpu_pressure_some_at_start"] = cpu_pressure_at_start
+        metadata["host_loop_overhead_us"] = host_loop_us
+        for metric in measurement.metrics.values():  # a cut-short repeat is left out
+            for samples in metric.samples.values():
+                del samples[completed_repeats:]
+        return BenchmarkReport(
+            config=dataclasses.replace(config, repeats=completed_repeats),
+            metadata=metadata,
+            path_status=measurement.path_status,
+            metrics=measurement.metrics,
+            elapsed_s=time.perf_counter() - run_started,
+            interrupted=completed_repeats < config.repeats,
+        )
+
+    try:
+        for repeat in range(config.repeats):
+            measurement.measure_host_calls(repeat)
+            measurement.measure_decode_tokens(repeat)
+            measurement.measure_prefill(repeat)
+            completed_repeats += 1
+            repeats_progress.step()
+    except KeyboardInterrupt:
+        raise cli.InterruptedWithPartialResult(report()) from None
+    finally:
+        measurement.close_paths()
+    return report()
 
 
 # ---- Output: JSON, chart, tables ------------------------------------------------------
@@ -694,14 +729,22 @@ def _headline_metrics(report: BenchmarkReport) -> list[MetricResult]:
     return [metric for metric in report.metrics.values() if metric.kind.headline]
 
 
+BASELINE_COLOR = "tab:gray"
+PATH_COLOR = "tab:blue"
+
+
 def write_chart(report: BenchmarkReport, output_dir: os.PathLike | str) -> Optional[pathlib.Path]:
-    """A bar chart (median, min-max whiskers, ratio to the baseline above
-    each bar) per headline metric. None when matplotlib is not installed."""
+    """A bar chart per headline metric: the median, min-max whiskers, the
+    ratio of medians to the baseline under each path's name; a legend for
+    every colour and the whiskers, "lower is better", and a QUICK RUN mark
+    on a --quick run. None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as pyplot
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
     except ImportError:
         return None
     metrics = _headline_metrics(report)
@@ -719,24 +762,37 @@ def write_chart(report: BenchmarkReport, output_dir: os.PathLike | str) -> Optio
         ]
         labels = []
         for path in paths:
-            ratios = metric.ratio_samples(path)
-            ratio = "" if ratios is None else f"\n{statistics.median(ratios):.2f}x"
-            labels.append(f"{path}{ratio}")
-        colors = ["tab:gray" if path == BASELINE_PATH else "tab:blue" for path in paths]
+            ratio = metric.ratio_of_medians(path)
+            labels.append(path if ratio is None else f"{path}\n{ratio:.2f}x")
+        colors = [BASELINE_COLOR if path == BASELINE_PATH else PATH_COLOR for path in paths]
         axes.bar(labels, medians, yerr=whiskers, capsize=3, color=colors)
         axes.set_title(f"{metric.kind.title}\n{metric.scenario.name}", fontsize=9)
-        axes.set_ylabel(unit)
+        axes.set_ylabel(f"{unit} (lower is better)")
         axes.tick_params(axis="x", labelsize=7)
     for axes in list(axes_grid.flat)[len(metrics):]:
         axes.set_visible(False)
     metadata = report.metadata
+    quick_mark = "QUICK RUN (few samples, a smoke test): " if report.config.quick_mode else ""
     figure.suptitle(
-        f"mlx_dualnorm benchmark, {metadata['device']} ({metadata['cpu_model']}, "
+        f"{quick_mark}mlx_dualnorm benchmark, {metadata['device']} ({metadata['cpu_model']}, "
         f"{metadata['cpu_cores']} cores), MLX {metadata['mlx_version']}, "
-        f"{report.config.repeats} repeats",
+        f"{report.config.repeats} repeats; lower is better",
         fontsize=10,
+        color="tab:red" if report.config.quick_mode else "black",
     )
-    figure.tight_layout()
+    figure.legend(
+        handles=[
+            Patch(color=BASELINE_COLOR, label=f"{BASELINE_PATH}: the reference (ratio 1.00x)"),
+            Patch(color=PATH_COLOR, label="another path; under its name: its median / "
+                  f"{BASELINE_PATH}'s median"),
+            Line2D([], [], color="black", marker="_", linestyle="-",
+                   label="bar: median over repeats; whisker: min-max over repeats"),
+        ],
+        loc="lower center",
+        ncol=3,
+        fontsize=8,
+    )
+    figure.tight_layout(rect=(0, 0.06, 1, 1))  # room for the legend below the charts
     directory = pathlib.Path(output_dir)
     directory.mkdir(parents=True, exist_ok=True)
     destination = directory / CHART_FILE_NAME
@@ -766,7 +822,7 @@ def _format_table(rows: list[list[str]]) -> str:
 
 def _ratio_note() -> str:
     return (
-        f"ratio = this path's time (or memory) / {BASELINE_PATH}'s, per repeat; "
+        f"ratio = this path's median time (or memory) / {BASELINE_PATH}'s median; "
         "lower is better, below 1.00x the path beats the composed path"
     )
 
@@ -777,27 +833,32 @@ def _paths_legend(report: BenchmarkReport, paths: Sequence[str]) -> list[str]:
 
 def _run_heading(report: BenchmarkReport) -> str:
     metadata, config = report.metadata, report.config
-    return (
+    heading = (
         f"mlx_dualnorm benchmark: {metadata['device']}, {metadata['cpu_model']} "
         f"({metadata['cpu_cores']} cores), MLX {metadata['mlx_version']}, "
         f"{config.repeats} repeats{' (quick)' if config.quick_mode else ''}, "
         f"{config.layers} layers/token"
     )
+    if report.interrupted:
+        heading += f"; INTERRUPTED: only the {config.repeats} repeats that completed"
+    return heading
 
 
 def _metric_cell(
     metric: Optional[MetricResult], path: str, unit: str, with_range: bool
 ) -> str:
-    """The median over repeats, and for a path other than the baseline its
-    ratio to the baseline (with the min-max range over repeats)."""
+    """The median over repeats, and for a path other than the baseline the
+    ratio of its median to the baseline's median (the two numbers shown),
+    with the min-max of the per-repeat ratios as its spread."""
     values = None if metric is None else metric.samples.get(path)
     if metric is None or not values:
         return "-"
     cell = _format_value(statistics.median(values), unit)
+    ratio = metric.ratio_of_medians(path)
     ratios = metric.ratio_samples(path)
-    if ratios is not None and path != BASELINE_PATH:
-        cell += f" ({statistics.median(ratios):.2f}x"
-        cell += f" [{min(ratios):.2f}-{max(ratios):.2f}])" if with_range else ")"
+    if ratio is not None and path != BASELINE_PATH:
+        cell += f" ({ratio:.2f}x"
+        cell += f" [{min(ratios):.2f}-{max(ratios):.2f}])" if with_range and ratios else ")"
     return cell
 
 
@@ -813,7 +874,8 @@ def format_report_table(report: BenchmarkReport, *, all_metrics: bool = False) -
             rows.append([f"{metric.kind.name} {metric.scenario.name}", *cells])
     lines = [
         _run_heading(report),
-        f"median over repeats (ratio to {BASELINE_PATH}: median [min-max]); {_ratio_note()}",
+        f"median over repeats (ratio to {BASELINE_PATH} [min-max of the per-repeat ratios]); "
+        f"{_ratio_note()}",
         _format_table(rows),
         "metrics:",
         *(
@@ -902,7 +964,7 @@ def _benchmark_parser() -> argparse.ArgumentParser:
     parser.add_argument("--paths", default=None,
                         help=f"comma-separated paths (default: all of {', '.join(PATH_REGISTRY)}); "
                              f"{BASELINE_PATH} is always added")
-    parser.add_argument("--eps", type=float, default=1e-6, help="RMS epsilon")
+    parser.add_argument("--eps", type=cli.non_negative_float, default=1e-6, help="RMS epsilon")
     cli.add_device_argument(parser)
     parser.add_argument("--no-plot", action="store_true",
                         help="with --output-dir, skip the PNG chart")
@@ -942,7 +1004,13 @@ def _write_files(report: BenchmarkReport, output_dir: pathlib.Path, plot: bool) 
 def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cli.select_device(arguments.device, parser)
     config = _config_from_arguments(arguments, parser)
-    report = run_benchmark(config, progress=progress_to_stderr)
+    try:
+        report = run_benchmark(config, progress=progress_to_stderr)
+    except cli.InterruptedWithPartialResult as interrupted:
+        partial = interrupted.partial
+        if isinstance(partial, BenchmarkReport) and partial.config.repeats:
+            print(format_report_table(partial, all_metrics=arguments.all_metrics))
+        raise
     if arguments.output_dir is not None:
         _write_files(report, arguments.output_dir, plot=not arguments.no_plot)
     progress_to_stderr(f"benchmark took {report.elapsed_s:.1f} s")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import math
 import statistics
 import sys
 import time
@@ -36,12 +37,14 @@ __all__ = [
     "EXIT_MISMATCH",
     "EXIT_OK",
     "EXIT_USAGE",
+    "InterruptedWithPartialResult",
     "SUBCOMMANDS",
     "StepProgress",
     "SubCommand",
     "Unavailable",
     "add_device_argument",
     "main",
+    "non_negative_float",
     "positive_int",
     "positive_int_list",
     "ratio_of_medians",
@@ -136,6 +139,16 @@ def tool_parser(subcommand_name: str, description: str) -> argparse.ArgumentPars
     )
 
 
+class InterruptedWithPartialResult(KeyboardInterrupt):
+    """Ctrl-C inside a measurement, carrying what it had measured so far
+    (``partial``), so the command can print it before exiting 130. Still a
+    KeyboardInterrupt for any caller that does not look."""
+
+    def __init__(self, partial: object) -> None:
+        super().__init__()
+        self.partial = partial
+
+
 def positive_int(text: str) -> int:
     """argparse ``type`` of a count that must be at least 1: a bad value is
     a usage error (exit 2) naming the option, not a traceback later."""
@@ -145,6 +158,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse ``type`` of a finite number >= 0 (an epsilon)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be finite and at least 0, got {text}")
     return value
 
 
@@ -224,12 +248,20 @@ class StepProgress:
     a long run shows it is moving and how long it will take.
 
     ``steps`` is the total expected; ``step(detail)`` reports one more
-    done. With ``min_interval_s``, a step is printed only that long after
+    done, on stderr or to ``emit``. With ``min_interval_s``, a step is printed only that long after
     the last printed one (and the last step always), for runs of many
     short steps."""
 
-    def __init__(self, stage: str, steps: int, *, min_interval_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        stage: str,
+        steps: int,
+        *,
+        min_interval_s: float = 0.0,
+        emit: Optional[Callable[[str], None]] = None,
+    ) -> None:
         self.stage = stage
+        self.emit = emit
         self.steps = max(steps, 1)
         self.done = 0
         self.started = time.perf_counter()
@@ -245,12 +277,14 @@ class StepProgress:
         elapsed = now - self.started
         left = elapsed / self.done * max(self.steps - self.done, 0)
         suffix = f" {detail}" if detail else ""
-        print(
+        line = (
             f"{self.stage}: {self.done}/{self.steps}{suffix}, "
-            f"{elapsed:.0f} s so far, ~{left:.0f} s left",
-            file=sys.stderr,
-            flush=True,
+            f"{elapsed:.0f} s so far, ~{left:.0f} s left"
         )
+        if self.emit is not None:
+            self.emit(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
 
 def _main_parser() -> argparse.ArgumentParser:

@@ -35,6 +35,7 @@ programmatic API.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -44,7 +45,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx_lm.models.gated_delta as gated_delta_module
@@ -95,6 +96,25 @@ QUICK_DECODE_VOCABULARY = 8192  # the real 151936 makes a quick build slow on 2 
 WARM_UP_DECODE_STEPS = 2
 
 NormalizeQk = Callable[..., "tuple[mx.array, mx.array]"]
+StepReport = Callable[[str], None]
+"""Called after each step of a measurement with what the step was."""
+
+
+def _report(progress: Optional[StepReport], detail: str) -> None:
+    if progress is not None:
+        progress(detail)
+
+
+@contextlib.contextmanager
+def _partial_on_interrupt(partial: object) -> Iterator[None]:
+    """Ctrl-C inside the block raises InterruptedWithPartialResult carrying
+    ``partial``, the result being filled in, so the rounds done are printed."""
+    try:
+        yield
+    except cli.InterruptedWithPartialResult:
+        raise
+    except KeyboardInterrupt:
+        raise cli.InterruptedWithPartialResult(partial) from None
 
 
 @dataclasses.dataclass
@@ -105,6 +125,13 @@ class PairedTiming:
     unit: str
     unpatched: list[float]
     patched: list[float]
+
+    def times_of(self, path: str) -> list[float]:
+        return self.patched if path == PATCHED else self.unpatched
+
+    @property
+    def complete_rounds(self) -> int:
+        return min(len(self.unpatched), len(self.patched))
 
     @property
     def time_ratios(self) -> list[float]:
@@ -122,9 +149,12 @@ class PairedTiming:
         return {
             "name": self.name,
             "unit": self.unit,
-            "rounds": len(self.patched),
+            "rounds": self.complete_rounds,
             "unpatched_time": spread(self.unpatched),
             "patched_time": spread(self.patched),
+            # What the tables print: the ratio of the two medians, and the
+            # per-round ratios as its spread.
+            "time_ratio_of_medians": cli.ratio_of_medians(self.patched, self.unpatched),
             "time_ratio_patched_over_unpatched": spread(self.time_ratios),
         }
 
@@ -156,24 +186,30 @@ def _prework_seconds_per_token(
 
 
 def run_prework(
-    layers: int, tokens: int = 200, repeats: int = 7, mode: Optional[Mode] = None
+    layers: int,
+    tokens: int = 200,
+    repeats: int = 7,
+    mode: Optional[Mode] = None,
+    progress: Optional[StepReport] = None,
 ) -> PairedTiming:
-    """Microseconds per token of ``layers`` chained q/k normalizations."""
+    """Microseconds per token of ``layers`` chained q/k normalizations.
+    ``progress`` hears of each path's round; on Ctrl-C the rounds so far
+    come with the interrupt (:class:`~mlx_dualnorm.tools.cli.InterruptedWithPartialResult`)."""
     queries, keys = _decode_inputs()
     with integration.patch(mode):  # what mlx-lm's layers call while patched
         patched = gated_delta_module.normalize_qk
     paths = {UNPATCHED: integration.ORIGINAL_NORMALIZE_QK, PATCHED: patched}
-    for normalize_qk in paths.values():  # warm-up: traces, folds, allocator
-        _prework_seconds_per_token(normalize_qk, queries, keys, layers, max(tokens // 10, 3))
-    rounds: dict[str, list[float]] = {UNPATCHED: [], PATCHED: []}
-    for round_index in range(repeats):
-        order = list(paths) if round_index % 2 == 0 else list(reversed(paths))
-        for name in order:
-            seconds = _prework_seconds_per_token(paths[name], queries, keys, layers, tokens)
-            rounds[name].append(1e6 * seconds)
-    return PairedTiming(
-        f"prework_{layers}_layers", "us/token", rounds[UNPATCHED], rounds[PATCHED]
-    )
+    timing = PairedTiming(f"prework_{layers}_layers", "us/token", [], [])
+    with _partial_on_interrupt(timing):
+        for normalize_qk in paths.values():  # warm-up: traces, folds, allocator
+            _prework_seconds_per_token(normalize_qk, queries, keys, layers, max(tokens // 10, 3))
+        for round_index in range(repeats):
+            order = list(paths) if round_index % 2 == 0 else list(reversed(paths))
+            for name in order:
+                seconds = _prework_seconds_per_token(paths[name], queries, keys, layers, tokens)
+                timing.times_of(name).append(1e6 * seconds)
+                _report(progress, f"round {round_index + 1}/{repeats} {name}")
+    return timing
 
 
 # ---- Generation with the small models ---------------------------------------
@@ -185,9 +221,11 @@ def run_generation(
     repeats: int = 3,
     mode: Optional[Mode] = None,
     dtype: Optional[mx.Dtype] = None,
+    progress: Optional[StepReport] = None,
 ) -> PairedTiming:
     """Milliseconds per decode token of a synthetic model, unpatched vs
-    patched; the token ids of every round must be the same."""
+    patched; the token ids of every round must be the same. ``progress``
+    and Ctrl-C as for :func:`run_prework`."""
     model = build_synthetic_model(model_type, dtype=dtype)
     prompt = prompt_token_ids(_vocabulary_size(model_type))
     expected_tokens: Optional[list[int]] = None
@@ -202,16 +240,18 @@ def run_generation(
             raise RuntimeError(f"{model_type}: token ids changed between runs")
         return trace.median_decode_ms
 
-    for patched in (False, True):  # warm-up: mlx-lm's compiled helpers, folds
-        one_round(patched)
-    rounds: dict[str, list[float]] = {UNPATCHED: [], PATCHED: []}
-    for round_index in range(repeats):
-        order = (False, True) if round_index % 2 == 0 else (True, False)
-        for patched in order:
-            rounds[PATCHED if patched else UNPATCHED].append(one_round(patched))
     dtype_name = str(dtype or DEFAULT_DTYPES[model_type]).rsplit(".", 1)[-1]
-    label = f"generation_{model_type}_{dtype_name}"
-    return PairedTiming(label, "ms/token", rounds[UNPATCHED], rounds[PATCHED])
+    timing = PairedTiming(f"generation_{model_type}_{dtype_name}", "ms/token", [], [])
+    with _partial_on_interrupt(timing):
+        for patched in (False, True):  # warm-up: mlx-lm's compiled helpers, folds
+            one_round(patched)
+        for round_index in range(repeats):
+            order = (False, True) if round_index % 2 == 0 else (True, False)
+            for patched in order:
+                timing.times_of(PATCHED if patched else UNPATCHED).append(one_round(patched))
+                _report(progress, f"round {round_index + 1}/{repeats} "
+                        f"{PATCHED if patched else UNPATCHED}")
+    return timing
 
 
 def _vocabulary_size(model_type: str) -> int:
@@ -269,11 +309,14 @@ class DecodeMeasurement:
         }
 
 
-def _timed_greedy_decode(model, prompt: mx.array, steps: int) -> tuple[list[int], float]:
+def _timed_greedy_decode(
+    model, prompt: mx.array, steps: int, progress: Optional[StepReport] = None, detail: str = ""
+) -> tuple[list[int], float]:
     """Prefill ``prompt``, then ``steps`` greedy decode steps through
     mlx-lm's ``generate_step``: the token ids after the prompt (``steps + 1``)
     and the median milliseconds per decode step. The first token, which
-    carries the prefill, is not timed."""
+    carries the prefill, is not timed. ``progress`` hears of every token,
+    the prefill's included (on a CPU a full-size step takes seconds)."""
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import greedy_sampler
 
@@ -286,6 +329,7 @@ def _timed_greedy_decode(model, prompt: mx.array, steps: int) -> tuple[list[int]
             step_seconds.append(now - previous)
         previous = now
         token_ids.append(int(token_id))
+        _report(progress, f"{detail} token {len(token_ids)}/{steps + 1}")
     return token_ids, 1e3 * statistics.median(step_seconds)
 
 
@@ -307,11 +351,14 @@ def run_decode(
     mode: Optional[Mode] = None,
     quick: bool = False,
     config: Optional[dict] = None,
+    progress: Optional[StepReport] = None,
 ) -> DecodeMeasurement:
     """Milliseconds per decode token of ``DECODE_MODELS[model]`` in
     bfloat16, unpatched vs patched, ``rounds`` paired rounds of ``steps``
     steps. ``quick`` builds the model with its ``quick_layers`` and a
-    ``QUICK_DECODE_VOCABULARY``; ``config`` (tests) replaces the config."""
+    ``QUICK_DECODE_VOCABULARY``; ``config`` (tests) replaces the config.
+    ``progress`` hears of every token (:func:`decode_progress_steps` of
+    them); on Ctrl-C the rounds so far come with the interrupt."""
     spec = DECODE_MODELS[model]
     if config is None:
         config = (
@@ -324,38 +371,46 @@ def run_decode(
     network = build_model(config, dtype=DECODE_DTYPE_OF_WEIGHTS)
     prompt = prompt_token_ids(config["vocab_size"], DECODE_PROMPT_TOKENS)
 
-    def one_run(patched: bool, run_steps: int) -> tuple[list[int], float]:
+    def one_run(patched: bool, run_steps: int, detail: str) -> tuple[list[int], float]:
         with integration.patch(mode) if patched else integration.unpatch():
-            return _timed_greedy_decode(network, prompt, run_steps)
+            return _timed_greedy_decode(network, prompt, run_steps, progress, detail)
 
-    for patched in (False, True):  # warm-up: compiled helpers, folds, allocator
-        one_run(patched, WARM_UP_DECODE_STEPS)
-    times: dict[str, list[float]] = {UNPATCHED: [], PATCHED: []}
-    reference_tokens: Optional[list[int]] = None
-    mismatch: Optional[str] = None
-    for round_index in range(rounds):
-        order = (False, True) if round_index % 2 == 0 else (True, False)
-        for patched in order:
-            token_ids, milliseconds = one_run(patched, steps)
-            times[PATCHED if patched else UNPATCHED].append(milliseconds)
-            if reference_tokens is None:  # round 0 runs unpatched first
-                reference_tokens = token_ids
-            difference = first_token_mismatch(reference_tokens, token_ids)
-            if difference is not None and mismatch is None:
-                path = PATCHED if patched else "unpatched"
-                mismatch = f"round {round_index}, {path}: {difference}"
-    return DecodeMeasurement(
+    measurement = DecodeMeasurement(
         model=model,
         resembles=spec.resembles,
         config=config,
         quick_reduced=config != decode_model_config(model),
         prompt_tokens=DECODE_PROMPT_TOKENS,
         decode_steps=steps,
-        timing=PairedTiming(
-            f"decode_{model}_bfloat16", "ms/token", times[UNPATCHED], times[PATCHED]
-        ),
-        token_mismatch=mismatch,
+        timing=PairedTiming(f"decode_{model}_bfloat16", "ms/token", [], []),
+        token_mismatch=None,
     )
+    reference_tokens: Optional[list[int]] = None
+    with _partial_on_interrupt(measurement):
+        for patched in (False, True):  # warm-up: compiled helpers, folds, allocator
+            one_run(patched, WARM_UP_DECODE_STEPS, f"warm-up {PATCHED if patched else UNPATCHED}")
+        for round_index in range(rounds):
+            order = (False, True) if round_index % 2 == 0 else (True, False)
+            for patched in order:
+                path = PATCHED if patched else UNPATCHED
+                token_ids, milliseconds = one_run(
+                    patched, steps, f"round {round_index + 1}/{rounds} {path}"
+                )
+                measurement.timing.times_of(path).append(milliseconds)
+                if reference_tokens is None:  # round 0 runs unpatched first
+                    reference_tokens = token_ids
+                difference = first_token_mismatch(reference_tokens, token_ids)
+                if difference is not None and measurement.token_mismatch is None:
+                    measurement.token_mismatch = (
+                        f"round {round_index}, {PATCHED if patched else 'unpatched'}: {difference}"
+                    )
+    return measurement
+
+
+def decode_progress_steps(steps: int, rounds: int) -> int:
+    """How many tokens :func:`run_decode` reports: the warm-up runs', then
+    every round's, both ways, the prefill's first token included."""
+    return 2 * (WARM_UP_DECODE_STEPS + 1) + 2 * rounds * (steps + 1)
 
 
 # ---- Report ------------------------------------------------------------------
@@ -364,20 +419,20 @@ def run_decode(
 def _table_header(first_column: str, width: int) -> str:
     return (
         f"{first_column:<{width}} {'unit':<9} {'unpatched':>10} {PATCHED:>10} {'ratio':>7}"
-        "  (min..max ratio)"
+        "  (per-round min..max)"
     )
 
 
 def _table_row(name: str, width: int, unit: str, summary: dict, ratio_digits: int) -> str:
-    """One paired measurement: median times, then the ratio's median and
-    range over rounds with ``ratio_digits`` decimals."""
-    ratio = summary["time_ratio_patched_over_unpatched"]
+    """One paired measurement: median times, their ratio, then the range of
+    the per-round ratios, with ``ratio_digits`` decimals."""
+    spread = summary["time_ratio_patched_over_unpatched"]
     return (
         f"{name:<{width}} {unit:<9} "
         f"{summary['unpatched_time']['median']:>10.3f} "
         f"{summary['patched_time']['median']:>10.3f} "
-        f"{ratio['median']:>6.{ratio_digits}f}x  "
-        f"({ratio['min']:.{ratio_digits}f}..{ratio['max']:.{ratio_digits}f}, "
+        f"{summary['time_ratio_of_medians']:>6.{ratio_digits}f}x  "
+        f"({spread['min']:.{ratio_digits}f}..{spread['max']:.{ratio_digits}f}, "
         f"{summary['rounds']} rounds)"
     )
 
@@ -391,8 +446,8 @@ def format_table(timings: list[PairedTiming]) -> str:
     lines += [
         "columns: median time per round, unpatched (mlx-lm's normalize_qk) and patched "
         "(mlx_dualnorm.integrations.mlx_lm.patch());",
-        "  ratio = patched time / unpatched time, per round (median, then min..max): "
-        "lower is better, below 1.00x the patch is faster",
+        "  ratio = median patched time / median unpatched time, then the per-round ratios' "
+        "min..max: lower is better, below 1.00x the patch is faster",
         f"  prework_N_layers: N chained q/k normalizations at {DECODE_SHAPE} bfloat16, "
         "one eval per token",
         "  generation_MODEL_DTYPE: ms per decode token of a small random mlx-lm model",
@@ -437,8 +492,8 @@ def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> s
         tokens = "identical" if measurement.token_mismatch is None else "MISMATCH"
         lines.append(f"  greedy tokens, patched vs unpatched, every round: {tokens}")
     lines.append(
-        "  ratio = patched time / unpatched time per decode token, per round (median, then "
-        "min..max): lower is better, below 1.000x the patch is faster"
+        "  ratio = median patched / median unpatched time per decode token, then the "
+        "per-round ratios' min..max: lower is better, below 1.000x the patch is faster"
     )
     return "\n".join(lines)
 
@@ -469,38 +524,47 @@ def _bench_parser() -> argparse.ArgumentParser:
         "Ratios are patched time / unpatched time: lower is better.",
     )
     parser.add_argument(
-        "--layers", default="36,48", help="comma-separated chained layer counts for the prework"
+        "--layers", type=cli.positive_int_list, default="36,48",
+        help="comma-separated chained layer counts for the prework ('' for none)",
     )
-    parser.add_argument("--prework-tokens", type=int,
-                        help="tokens per prework round (default: 200, or 50 with --quick)")
-    parser.add_argument("--prework-repeats", type=int,
-                        help="prework rounds (default: 7, or 3 with --quick)")
+    parser.add_argument("--prework-tokens", type=cli.positive_int,
+                        help="tokens per prework round (default: 200, or 50 reduced)")
+    parser.add_argument("--prework-repeats", type=cli.positive_int,
+                        help="prework rounds (default: 7, or 3 reduced)")
     parser.add_argument(
         "--models",
         default=",".join(SYNTHETIC_MODEL_TYPES),
         help="comma-separated synthetic models to generate with ('' for none)",
     )
-    parser.add_argument("--tokens", type=int,
-                        help="greedy tokens per generation round (default: 64, or 32 with --quick)")
-    parser.add_argument("--generation-repeats", type=int,
-                        help="generation rounds (default: 5, or 2 with --quick)")
+    parser.add_argument("--tokens", type=cli.positive_int,
+                        help="greedy tokens per generation round (default: 64, or 32 reduced)")
+    parser.add_argument("--generation-repeats", type=cli.positive_int,
+                        help="generation rounds (default: 5, or 2 reduced)")
     parser.add_argument(
         "--decode-models",
         default=",".join(DECODE_MODELS),
         help="comma-separated models at released dimensions to time decode tokens with "
         f"({', '.join(DECODE_MODELS)}; '' for none)",
     )
-    parser.add_argument("--decode-steps", type=int,
-                        help="greedy decode steps per round (default: 32, or 4 with --quick)")
-    parser.add_argument("--decode-rounds", type=int,
+    parser.add_argument("--decode-steps", type=cli.positive_int,
+                        help="greedy decode steps per round (default: 32, or 4 reduced)")
+    parser.add_argument("--decode-rounds", type=cli.positive_int,
                         help="decode rounds, each path once per round "
-                        "(default: 5, or 2 with --quick)")
-    parser.add_argument("--mode", default=None, help="mode for patch() (None: its own default)")
-    parser.add_argument(
+                        "(default: 5, or 2 reduced)")
+    parser.add_argument("--mode", default=None, help="mode for patch() (default: its own)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument(
         "--quick",
         action="store_true",
-        help="the smaller defaults above; decode models keep their layer shapes but get "
-        f"fewer layers and a vocabulary of {QUICK_DECODE_VOCABULARY}",
+        help="the reduced run: the smaller defaults above; decode models keep their layer "
+        f"shapes but get fewer layers and a vocabulary of {QUICK_DECODE_VOCABULARY} "
+        "(the default on a CPU)",
+    )
+    size.add_argument(
+        "--full-size",
+        action="store_true",
+        help="the full run even on a CPU: the larger defaults and decode models at their "
+        "released sizes (over an hour on 2 CPU cores; the default on a GPU)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     parser.add_argument(
@@ -516,25 +580,25 @@ def _checked_arguments(
     arguments: argparse.Namespace, parser: argparse.ArgumentParser
 ) -> tuple[list[int], list[str], list[str]]:
     """Layer counts, small model names and decode model names, defaults
-    filled in; bad usage exits 2."""
-    try:
-        layer_counts = [int(text) for text in arguments.layers.split(",") if text.strip()]
-    except ValueError as error:
-        parser.error(f"--layers: {error}")
+    filled in (``arguments.reduced``: the reduced run, asked for or on a
+    CPU); bad usage exits 2."""
+    layer_counts = arguments.layers
     model_types = [text.strip() for text in arguments.models.split(",") if text.strip()]
     unknown = sorted(set(model_types) - set(SYNTHETIC_MODEL_TYPES))
-    if unknown or any(layers < 1 for layers in layer_counts):
-        parser.error(f"unknown models {unknown} or a layer count below 1")
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; choose from {', '.join(SYNTHETIC_MODEL_TYPES)}")
     decode_models = [text.strip() for text in arguments.decode_models.split(",") if text.strip()]
     unknown = sorted(set(decode_models) - set(DECODE_MODELS))
     if unknown:
         parser.error(f"--decode-models: unknown {unknown}; choose from {', '.join(DECODE_MODELS)}")
-    defaults = QUICK_DEFAULTS if arguments.quick else FULL_DEFAULTS
+    # Full-size decode on a CPU takes over an hour (bfloat16 matmuls on 2
+    # cores): a CPU gets the reduced run unless --full-size asks otherwise.
+    on_cpu = mx.default_device().type == mx.cpu
+    arguments.reduced = arguments.quick or (on_cpu and not arguments.full_size)
+    defaults = QUICK_DEFAULTS if arguments.reduced else FULL_DEFAULTS
     for name, default in defaults.items():
         if getattr(arguments, name) is None:
             setattr(arguments, name, default)
-    if arguments.decode_steps < 1 or arguments.decode_rounds < 1:
-        parser.error("--decode-steps and --decode-rounds must be at least 1")
     try:
         with integration.patch(arguments.mode):
             pass  # a mode that cannot run here fails before any measurement
@@ -545,38 +609,69 @@ def _checked_arguments(
     return layer_counts, model_types, decode_models
 
 
-def _measure(
-    arguments: argparse.Namespace, layer_counts: list[int], model_types: list[str]
-) -> list[PairedTiming]:
-    timings: list[PairedTiming] = []
+@dataclasses.dataclass
+class _Results:
+    """What the run measured so far, in order: printed at the end, or when
+    Ctrl-C stops it (``interrupted_in`` then names the measurement cut short,
+    whose complete rounds are included)."""
+
+    timings: list[PairedTiming] = dataclasses.field(default_factory=list)
+    decode_measurements: list[DecodeMeasurement] = dataclasses.field(default_factory=list)
+    interrupted_in: Optional[str] = None
+
+    def keep_partial(self, partial: object) -> None:
+        if isinstance(partial, DecodeMeasurement) and partial.timing.complete_rounds:
+            self.decode_measurements.append(partial)
+        elif isinstance(partial, PairedTiming) and partial.complete_rounds:
+            self.timings.append(partial)
+
+
+def _measure_all(
+    arguments: argparse.Namespace,
+    layer_counts: list[int],
+    model_types: list[str],
+    decode_models: list[str],
+    results: _Results,
+) -> None:
+    """Every measurement asked for, into ``results`` as each completes,
+    with per-step progress (and the time left) on stderr."""
+    stages = len(layer_counts) + len(model_types) + len(decode_models)
+    stage = 0
+
+    def next_stage(name: str, steps: int) -> StepReport:
+        nonlocal stage
+        stage += 1
+        results.interrupted_in = name
+        return cli.StepProgress(f"[{stage}/{stages}] {name}", steps, min_interval_s=1.0).step
+
     for layers in layer_counts:
-        print(f"prework, {layers} layers ...", file=sys.stderr, flush=True)
-        timings.append(
-            run_prework(layers, arguments.prework_tokens, arguments.prework_repeats, arguments.mode)
+        progress = next_stage(f"prework, {layers} layers", 2 * arguments.prework_repeats)
+        results.timings.append(
+            run_prework(
+                layers, arguments.prework_tokens, arguments.prework_repeats, arguments.mode,
+                progress=progress,
+            )
         )
     for model_type in model_types:
-        print(f"generation, {model_type} ...", file=sys.stderr, flush=True)
-        timings.append(
+        progress = next_stage(f"generation, {model_type}", 2 * arguments.generation_repeats)
+        results.timings.append(
             run_generation(
-                model_type, arguments.tokens, arguments.generation_repeats, arguments.mode
+                model_type, arguments.tokens, arguments.generation_repeats, arguments.mode,
+                progress=progress,
             )
         )
-    return timings
-
-
-def _measure_decode(
-    arguments: argparse.Namespace, decode_models: list[str]
-) -> list[DecodeMeasurement]:
-    measurements = []
     for model in decode_models:
-        print(f"decode, {model} ...", file=sys.stderr, flush=True)
-        measurements.append(
+        progress = next_stage(
+            f"decode, {model}",
+            decode_progress_steps(arguments.decode_steps, arguments.decode_rounds),
+        )
+        results.decode_measurements.append(
             run_decode(
                 model, arguments.decode_steps, arguments.decode_rounds, arguments.mode,
-                quick=arguments.quick,
+                quick=arguments.reduced, progress=progress,
             )
         )
-    return measurements
+    results.interrupted_in = None
 
 
 def _report_mismatches(measurements: list[DecodeMeasurement]) -> bool:
@@ -602,14 +697,34 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         return run_ranks_command(arguments, decode_models, QUICK_DECODE_VOCABULARY)
     started = time.perf_counter()
-    timings = _measure(arguments, layer_counts, model_types)
-    decode_measurements = _measure_decode(arguments, decode_models)
+    results = _Results()
+    try:
+        _measure_all(arguments, layer_counts, model_types, decode_models, results)
+    except KeyboardInterrupt as interrupt:
+        if isinstance(interrupt, cli.InterruptedWithPartialResult):
+            results.keep_partial(interrupt.partial)
+        _print_report(arguments, results, time.perf_counter() - started)
+        raise
+    return _print_report(arguments, results, time.perf_counter() - started)
+
+
+def _print_report(arguments: argparse.Namespace, results: _Results, seconds: float) -> int:
+    """The tables (and the JSON file) of what was measured; the exit status."""
+    timings, decode_measurements = results.timings, results.decode_measurements
     environment = _environment()
+    size = "reduced run" if arguments.reduced else "full run"
+    if arguments.reduced and not arguments.quick:
+        size += " (the CPU default; --full-size for the released sizes)"
     print(
         f"mlx-lm patch benchmark on {environment['device']} (MLX {environment['mlx']}, "
-        f"mlx-lm {environment['mlx_lm']}, {environment['cpu_count']} CPUs), "
-        f"{time.perf_counter() - started:.0f} s"
+        f"mlx-lm {environment['mlx_lm']}, {environment['cpu_count']} CPUs), {size}, "
+        f"{seconds:.0f} s"
     )
+    if results.interrupted_in is not None:
+        print(
+            f"INTERRUPTED during {results.interrupted_in}: the tables hold what was measured "
+            "before it and that measurement's complete rounds"
+        )
     if timings:
         print(format_table(timings))
     if decode_measurements:
@@ -619,6 +734,8 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             "schema": REPORT_SCHEMA,
             "environment": environment,
             "mode": arguments.mode,
+            "reduced": arguments.reduced,
+            "interrupted_in": results.interrupted_in,
             "timings": [timing.summary() for timing in timings],
             "decode": [measurement.summary() for measurement in decode_measurements],
         }

@@ -64,7 +64,7 @@ import mlx.core as mx
 
 from mlx_dualnorm._bits import count_bit_differences, count_value_differences
 from mlx_dualnorm.dual_head_norm import composed_dual_head_norm
-from mlx_dualnorm.tools import cli
+from mlx_dualnorm.tools import cli, paths
 from mlx_dualnorm.tools.paths import (
     PATH_REGISTRY,
     REFERENCE_PATH,
@@ -1105,11 +1105,12 @@ def parity_verdict(reports: Sequence[ParityReport]) -> str:
 
 
 def skipped_path_lines(skipped: Mapping[str, str]) -> list[str]:
-    """One line per path left out, with the reason: a skip is never silent."""
-    return [f"parity: {name} skipped: {reason}" for name, reason in skipped.items()]
+    return paths.skipped_path_lines("parity", dict(skipped))
 
 
-def _parity_parser(path_names: Sequence[str], default_names: Sequence[str]) -> argparse.ArgumentParser:
+def _parity_parser(
+    path_names: Sequence[str], default_names: Sequence[str]
+) -> argparse.ArgumentParser:
     from mlx_dualnorm.tools.rope_parity import ROPE_FAMILY
 
     parser = cli.tool_parser(

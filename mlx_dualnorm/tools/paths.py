@@ -52,6 +52,7 @@ __all__ = [
     "package_mode_factory",
     "register_path",
     "routinely_checked_paths",
+    "skipped_path_lines",
     "unavailable_paths",
 ]
 
@@ -222,3 +223,9 @@ def unavailable_paths(names: "list[str] | tuple[str, ...]", eps: float = 1e-6) -
             close()
         reasons[name] = "not available on this build or device"
     return reasons
+
+
+def skipped_path_lines(tool_name: str, skipped: "dict[str, str]") -> list[str]:
+    """One line per path a tool left out, with the reason: a skip is never
+    silent."""
+    return [f"{tool_name}: {name} skipped: {reason}" for name, reason in skipped.items()]

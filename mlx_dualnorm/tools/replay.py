@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence, cast
+from typing import Callable, Mapping, Optional, Sequence, cast
 
 import mlx.core as mx
 
@@ -49,6 +49,8 @@ from mlx_dualnorm.tools.paths import (
     describe_paths,
     make_composed_path,
     routinely_checked_paths,
+    skipped_path_lines,
+    unavailable_paths,
 )
 
 __all__ = [
@@ -366,9 +368,11 @@ def greedy_decode(
     *,
     steps: int = DEFAULT_DECODE_STEPS,
     path_name: str = "path under test",
+    progress: Optional[Callable[[str], None]] = None,
 ) -> GreedyDecodeTrace:
     """Prefills the fixed prompt, then picks ``steps`` tokens by argmax,
-    evaluating once per token as a server would."""
+    evaluating once per token as a server would; ``progress`` hears of
+    each token."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     started = time.perf_counter()
@@ -385,6 +389,8 @@ def greedy_decode(
         mx.eval(next_token, chooser_hidden, *cached_arrays)
         token_ids.append(int(next_token))
         step_hidden_states.append(chooser_hidden)
+        if progress is not None:
+            progress(f"{path_name} token {step + 1}/{steps}")
         if step + 1 < steps:
             logits, final_hidden = _forward(
                 next_token[:, None], parameters, caches, config, dual_head_norm
@@ -485,8 +491,18 @@ def run_replay(
     *,
     config: ReplayModelConfig = ReplayModelConfig(),
     steps: int = DEFAULT_DECODE_STEPS,
+    progress: Optional[Callable[[str], None]] = None,
 ) -> ReplayReport:
-    """Decodes with the composed path, then with each path, and compares."""
+    """Decodes with the composed path, then with each path, and compares.
+    ``progress`` hears of every token of every decode. Ctrl-C after the
+    reference decode raises InterruptedWithPartialResult carrying the
+    report of the paths compared so far."""
+    paths = {}
+    for path_name, path_factory in path_factories.items():  # refuse before decoding
+        try:
+            paths[path_name] = path_factory(config.rms_norm_eps)
+        except PathUnavailable as unavailable:
+            raise PathUnavailable(f"path {path_name!r}: {unavailable}") from unavailable
     parameters = build_replay_model(config)
     reference = greedy_decode(
         make_composed_path(config.rms_norm_eps),
@@ -494,15 +510,17 @@ def run_replay(
         config,
         steps=steps,
         path_name=REFERENCE_PATH,
+        progress=progress,
     )
     report = ReplayReport(config, steps, reference)
-    for path_name, path_factory in path_factories.items():
-        try:
-            path = path_factory(config.rms_norm_eps)
-        except PathUnavailable as unavailable:
-            raise PathUnavailable(f"path {path_name!r}: {unavailable}") from unavailable
-        trace = greedy_decode(path, parameters, config, steps=steps, path_name=path_name)
-        report.comparisons.append(compare_decode_traces(trace, reference))
+    try:
+        for path_name, path in paths.items():
+            trace = greedy_decode(
+                path, parameters, config, steps=steps, path_name=path_name, progress=progress
+            )
+            report.comparisons.append(compare_decode_traces(trace, reference))
+    except KeyboardInterrupt:
+        raise cli.InterruptedWithPartialResult(report) from None
     return report
 
 
@@ -546,6 +564,7 @@ def format_replay_report(report: ReplayReport) -> str:
     return "\n".join(lines)
 
 
+PROGRESS_INTERVAL_SECONDS = 2.0
 _DTYPES_BY_NAME = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 
@@ -596,13 +615,30 @@ def main(
     def run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cli.select_device(arguments.device, parser)
         path_names = arguments.path_names or default_names
-        report = run_replay(
-            {path_name: selectable[path_name] for path_name in path_names},
-            config=ReplayModelConfig(seed=arguments.seed, dtype=_DTYPES_BY_NAME[arguments.dtype]),
-            steps=arguments.steps,
+        progress = cli.StepProgress(
+            "replay, tokens", (len(path_names) + 1) * arguments.steps,
+            min_interval_s=PROGRESS_INTERVAL_SECONDS,
         )
+        try:
+            report = run_replay(
+                {path_name: selectable[path_name] for path_name in path_names},
+                config=ReplayModelConfig(
+                    seed=arguments.seed, dtype=_DTYPES_BY_NAME[arguments.dtype]
+                ),
+                steps=arguments.steps,
+                progress=progress.step,
+            )
+        except cli.InterruptedWithPartialResult as interrupted:
+            if isinstance(interrupted.partial, ReplayReport):
+                print(format_replay_report(interrupted.partial))
+                print(f"replay: INTERRUPTED after {len(interrupted.partial.comparisons)} of "
+                      f"{len(path_names)} paths; the report covers only those")
+            raise
         print(format_replay_report(report))
-        return 0 if report.passed else 1
+        if not arguments.path_names and path_factories is None:
+            for line in skipped_path_lines("replay", unavailable_paths(list(selectable))):
+                print(line)
+        return cli.EXIT_OK if report.passed else cli.EXIT_MISMATCH
 
     return cli.run_tool(_replay_parser(list(selectable), default_names), run, argv)
 

@@ -27,11 +27,11 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union, cast
 
 import mlx.core as mx
 
-from mlx_dualnorm.dual_head_norm import available_modes
+from mlx_dualnorm.dual_head_norm import Mode, available_modes
 from mlx_dualnorm.dual_head_norm_rope import (
     CompiledDualHeadNormRope,
     composed_dual_head_norm_rope,
@@ -158,8 +158,9 @@ def rope_case_inputs(case: RopeParityCase, seed: int) -> RopeInputs:
     keys = (4.0 * mx.random.normal(case.key_shape, key=key_key)).astype(dtype)
     query_weight = key_weight = None
     if case.weighted:
-        query_weight = mx.random.uniform(-2.0, 2.0, (case.width,), key=query_weight_key).astype(dtype)
-        key_weight = mx.random.uniform(-2.0, 2.0, (case.width,), key=key_weight_key).astype(dtype)
+        query_weight = mx.random.uniform(-2.0, 2.0, (case.width,), key=query_weight_key)
+        key_weight = mx.random.uniform(-2.0, 2.0, (case.width,), key=key_weight_key)
+        query_weight, key_weight = query_weight.astype(dtype), key_weight.astype(dtype)
     offset: Union[int, mx.array] = (
         case.offset if isinstance(case.offset, int) else mx.array(case.offset, dtype=mx.int32)
     )
@@ -188,7 +189,7 @@ def _rope_call(path_name: str, case: RopeParityCase) -> RopeCall:
         base=ROPE_BASE,
         traditional=case.traditional,
         scale=case.scale,
-        mode=path_name.removeprefix(ROPE_PATH_PREFIX),  # type: ignore[arg-type]
+        mode=cast(Mode, path_name.removeprefix(ROPE_PATH_PREFIX)),
     )
 
     def call(inputs: RopeInputs) -> tuple[mx.array, mx.array]:
