@@ -21,17 +21,32 @@ void dualnorm_new_compile_ids(uintptr_t* ids, size_t count) {
   }
 }
 
+/* A growable array of ids, owned by the record that holds it. */
+typedef struct id_list {
+  uintptr_t* ids;
+  size_t count;
+  size_t capacity;
+} id_list;
+
 typedef struct applying_thread {
   struct applying_thread* next;
-  uintptr_t* queued_ids; /* owned; erased and emptied by the thread itself */
-  size_t queued_count;
-  size_t queued_capacity;
+  /* The first compile id of every open object this thread applied: only
+   * these threads can hold its traces, so only they get its ids queued at
+   * close. Written under applying_threads_lock. */
+  id_list applied_objects;
+  id_list queued_ids; /* erased and emptied by the thread itself */
   atomic_bool has_queued_ids; /* read without the lock on every apply */
 } applying_thread;
 
 static pthread_mutex_t applying_threads_lock = PTHREAD_MUTEX_INITIALIZER;
 static applying_thread* applying_threads = NULL;
 static _Thread_local applying_thread* this_applying_thread = NULL;
+/* The objects this thread noted lately, direct-mapped by serial: an apply
+ * of one of them takes no lock. An entry may outlive the object's close;
+ * ids are never reused, so it can only skip noting a closed object, whose
+ * applies fail before tracing anything. */
+enum { RECENT_OBJECT_SLOTS = 16 };
+static _Thread_local uintptr_t recent_objects[RECENT_OBJECT_SLOTS];
 static pthread_key_t applying_thread_key;
 static pthread_once_t applying_thread_key_once = PTHREAD_ONCE_INIT;
 
@@ -51,7 +66,8 @@ static void forget_applying_thread(void* record) {
   }
   pthread_cond_broadcast(&applying_thread_forgotten);
   pthread_mutex_unlock(&applying_threads_lock);
-  free(exiting->queued_ids);
+  free(exiting->applied_objects.ids);
+  free(exiting->queued_ids.ids);
   free(exiting);
 }
 
@@ -59,22 +75,74 @@ static void create_applying_thread_key(void) {
   pthread_key_create(&applying_thread_key, forget_applying_thread);
 }
 
-bool dualnorm_register_applying_thread(void) {
+/* Appends `count` ids to `list`; the caller holds applying_threads_lock. */
+static bool append_ids(id_list* list, const uintptr_t* ids, size_t count) {
+  if (list->count + count > list->capacity) {
+    size_t capacity = 2 * (list->count + count);
+    uintptr_t* grown = realloc(list->ids, capacity * sizeof *grown);
+    if (grown == NULL) {
+      return false;
+    }
+    list->ids = grown;
+    list->capacity = capacity;
+  }
+  memcpy(list->ids + list->count, ids, count * sizeof *ids);
+  list->count += count;
+  return true;
+}
+
+/* Removes `id` from `list` if there (order is not kept); whether it was. */
+static bool remove_id(id_list* list, uintptr_t id) {
+  for (size_t index = 0; index < list->count; ++index) {
+    if (list->ids[index] == id) {
+      list->ids[index] = list->ids[--list->count];
+      return true;
+    }
+  }
+  return false;
+}
+
+static applying_thread* registered_this_thread(void) {
   if (this_applying_thread != NULL) {
-    return true;
+    return this_applying_thread;
   }
   pthread_once(&applying_thread_key_once, create_applying_thread_key);
   applying_thread* record = calloc(1, sizeof *record);
   if (record == NULL || pthread_setspecific(applying_thread_key, record) != 0) {
     free(record);
-    return false;
+    return NULL;
   }
   pthread_mutex_lock(&applying_threads_lock);
   record->next = applying_threads;
   applying_threads = record;
   pthread_mutex_unlock(&applying_threads_lock);
   this_applying_thread = record;
-  return true;
+  return record;
+}
+
+bool dualnorm_register_applying_thread(const uintptr_t* object_compile_ids) {
+  uintptr_t object = object_compile_ids[0];
+  uintptr_t* recent = &recent_objects[(object >> COMPILE_ID_SERIAL_SHIFT) % RECENT_OBJECT_SLOTS];
+  if (*recent == object) {
+    return true;
+  }
+  applying_thread* record = registered_this_thread();
+  if (record == NULL) {
+    return false;
+  }
+  pthread_mutex_lock(&applying_threads_lock);
+  bool noted = false;
+  for (size_t index = 0; index < record->applied_objects.count && !noted; ++index) {
+    noted = record->applied_objects.ids[index] == object;
+  }
+  if (!noted) {
+    noted = append_ids(&record->applied_objects, &object, 1);
+  }
+  pthread_mutex_unlock(&applying_threads_lock);
+  if (noted) {
+    *recent = object;
+  }
+  return noted;
 }
 
 int dualnorm_erase_queued_compile_ids(void) {
@@ -83,10 +151,9 @@ int dualnorm_erase_queued_compile_ids(void) {
     return 0;
   }
   pthread_mutex_lock(&applying_threads_lock);
-  uintptr_t* queued_ids = record->queued_ids;
-  size_t queued_count = record->queued_count;
-  record->queued_ids = NULL;
-  record->queued_count = record->queued_capacity = 0;
+  uintptr_t* queued_ids = record->queued_ids.ids;
+  size_t queued_count = record->queued_ids.count;
+  record->queued_ids = (id_list){0};
   atomic_store_explicit(&record->has_queued_ids, false, memory_order_relaxed);
   pthread_mutex_unlock(&applying_threads_lock);
   int status = 0;
@@ -97,36 +164,36 @@ int dualnorm_erase_queued_compile_ids(void) {
   return status;
 }
 
-/* Appends `count` ids to a thread's queue; the caller holds the lock. */
-static bool queue_compile_ids(applying_thread* record, const uintptr_t* ids, size_t count) {
-  if (record->queued_count + count > record->queued_capacity) {
-    size_t capacity = 2 * (record->queued_count + count);
-    uintptr_t* grown = realloc(record->queued_ids, capacity * sizeof *grown);
-    if (grown == NULL) {
-      return false;
-    }
-    record->queued_ids = grown;
-    record->queued_capacity = capacity;
-  }
-  memcpy(record->queued_ids + record->queued_count, ids, count * sizeof *ids);
-  record->queued_count += count;
-  atomic_store_explicit(&record->has_queued_ids, true, memory_order_release);
-  return true;
-}
-
 int dualnorm_erase_compile_ids_everywhere(const uintptr_t* ids, size_t count) {
   int status = 0;
   for (size_t index = 0; index < count; ++index) {
     status |= mlx_detail_compile_erase(ids[index]);
   }
+  /* Only threads that applied this object can hold its traces; the others
+   * get nothing queued, however long they stay idle. */
   pthread_mutex_lock(&applying_threads_lock);
   for (applying_thread* record = applying_threads; record != NULL; record = record->next) {
-    if (record != this_applying_thread && !queue_compile_ids(record, ids, count)) {
+    if (!remove_id(&record->applied_objects, ids[0]) || record == this_applying_thread) {
+      continue;
+    }
+    if (append_ids(&record->queued_ids, ids, count)) {
+      atomic_store_explicit(&record->has_queued_ids, true, memory_order_release);
+    } else {
       status = 1;
     }
   }
   pthread_mutex_unlock(&applying_threads_lock);
   return status;
+}
+
+size_t mlx_dualnorm_pending_erasure_entries(void) {
+  size_t queued = 0;
+  pthread_mutex_lock(&applying_threads_lock);
+  for (applying_thread* record = applying_threads; record != NULL; record = record->next) {
+    queued += record->queued_ids.count + record->applied_objects.count;
+  }
+  pthread_mutex_unlock(&applying_threads_lock);
+  return queued;
 }
 
 /* The registered threads other than the caller; the caller holds the lock. */

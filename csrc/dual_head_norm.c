@@ -228,8 +228,7 @@ struct mlx_dualnorm_compiled_dual_head_norm_ {
 /* Frees the compiled graphs and erases their traces from every thread's
  * cache; the caller holds trace_lock or is the only user. */
 static int release_compiled_graphs(mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
-  int status = dualnorm_release_layout_graphs(&dual_head_norm->graphs,
-                                              dual_head_norm->mode != MLX_DUALNORM_MODE_COMPOSED);
+  int status = dualnorm_release_layout_graphs(&dual_head_norm->graphs);
   dual_head_norm->closed = true;
   return status;
 }
@@ -441,8 +440,9 @@ int mlx_dualnorm_apply_compiled_dual_head_norm(
   if (status == MLX_DUALNORM_OK) {
     status = dualnorm_check_float64_placement(&call, operation, error);
   }
-  if (status == MLX_DUALNORM_OK && (!dualnorm_register_applying_thread() ||
-                                     dualnorm_erase_queued_compile_ids() != 0)) {
+  if (status == MLX_DUALNORM_OK &&
+      (!dualnorm_register_applying_thread(dual_head_norm->graphs.compile_ids) ||
+       dualnorm_erase_queued_compile_ids() != 0)) {
     status = dualnorm_fail_in_mlx(error, operation);
   }
   if (status == MLX_DUALNORM_OK) {

@@ -111,6 +111,13 @@ void mlx_dualnorm_install_error_handler(void);
  * before finalization (with the GIL released) lets them finish. */
 size_t mlx_dualnorm_await_thread_exits(unsigned timeout_ms);
 
+/* How many compile-cache entries are held for threads other than their
+ * owners: ids queued for a thread's next apply plus the open objects each
+ * thread noted it applied. It grows only with objects a thread applied
+ * itself, never with what other threads create and close; for tests and
+ * soak runs that check closing costs bounded memory. */
+size_t mlx_dualnorm_pending_erasure_entries(void);
+
 /* Registers the fused CUDA mode process-wide (NULL unregisters it). The
  * table must outlive every object created while it is registered. A build
  * without fused/ never calls this: AUTO then resolves to COMPILED. */

@@ -214,8 +214,7 @@ struct mlx_dualnorm_dual_head_norm_rope_ {
 /* Frees the closures and erases their traces from every thread's cache;
  * the caller holds lifetime_lock exclusively or is the only user. */
 static int release_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  int status = dualnorm_release_layout_graphs(&norm_rope->graphs,
-                                              norm_rope->mode != MLX_DUALNORM_MODE_COMPOSED);
+  int status = dualnorm_release_layout_graphs(&norm_rope->graphs);
   norm_rope->closed = true;
   return status;
 }
@@ -560,8 +559,9 @@ int mlx_dualnorm_apply_dual_head_norm_rope(
   bool fused = false;
   int status = inspect_inputs(norm_rope, &call, &offset, queries, keys, query_scale_weight,
                               key_scale_weight, rope_offset, error);
-  if (status == MLX_DUALNORM_OK && (!dualnorm_register_applying_thread() ||
-                                     dualnorm_erase_queued_compile_ids() != 0)) {
+  if (status == MLX_DUALNORM_OK &&
+      (!dualnorm_register_applying_thread(norm_rope->graphs.compile_ids) ||
+       dualnorm_erase_queued_compile_ids() != 0)) {
     status = dualnorm_fail_in_mlx(error, operation);
   }
   if (status == MLX_DUALNORM_OK && norm_rope->mode == MLX_DUALNORM_MODE_FUSED) {

@@ -9,11 +9,10 @@ static int weight_layout(bool has_query_weight, bool has_key_weight) {
          (has_key_weight ? KEY_WEIGHTED_LAYOUT : 0);
 }
 
-int dualnorm_release_layout_graphs(dualnorm_layout_graphs* graphs, bool were_compiled) {
-  int status = 0;
-  if (were_compiled) {
-    status |= dualnorm_erase_compile_ids_everywhere(graphs->compile_ids, WEIGHT_LAYOUT_COUNT);
-  }
+int dualnorm_release_layout_graphs(dualnorm_layout_graphs* graphs) {
+  /* Composed graphs were never compiled, so erasing finds nothing; it still
+   * drops the threads' notes that they applied this object. */
+  int status = dualnorm_erase_compile_ids_everywhere(graphs->compile_ids, WEIGHT_LAYOUT_COUNT);
   for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
     status |= mlx_closure_free(graphs->compiled[layout]);
     status |= mlx_closure_free(graphs->plain[layout]);

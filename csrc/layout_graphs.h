@@ -41,9 +41,9 @@ typedef struct dualnorm_layout_graphs {
 mlx_vector_array dualnorm_graph_inputs(const dual_head_norm_call* call,
                                        const mlx_array* extra_input, int* layout);
 
-/* Frees every closure, leaving empty handles, and, where the graphs were
- * compiled, erases their traces from every thread's compile cache
- * (compile_erasure.h). Non-zero when a free or an erase failed. */
-int dualnorm_release_layout_graphs(dualnorm_layout_graphs* graphs, bool were_compiled);
+/* Frees every closure, leaving empty handles, and erases their traces from
+ * every thread's compile cache (compile_erasure.h). Non-zero when a free or
+ * an erase failed. */
+int dualnorm_release_layout_graphs(dualnorm_layout_graphs* graphs);
 
 #endif
