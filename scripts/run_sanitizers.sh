@@ -2,9 +2,10 @@
 # Runs mlx_dualnorm's C code under AddressSanitizer (LeakSanitizer
 # included) and UndefinedBehaviorSanitizer, in two stages:
 #
-#   1. C: tests/c/dual_head_norm_c_test.c built as a C caller's program is
-#      (examples/dual_head_norm_example.c): the test and csrc/*.c
-#      compiled instrumented with a C compiler, linked with -lmlxc from the
+#   1. C: tests/c/dual_head_norm_c_test.c built with only a C compiler,
+#      from the sources (tests/test_c_example.py builds it against the
+#      installed libmlx_dualnorm instead): the test and csrc/*.c
+#      compiled instrumented, linked with -lmlxc from the
 #      bundled subset installed instrumented (scripts/build_subset_mlx_c.sh)
 #      or, with MLX_C_DIR=PREFIX, from that (upstream, uninstrumented) mlx-c.
 #      No Python in the process, so every report is about this code or MLX.
