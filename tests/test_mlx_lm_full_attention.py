@@ -116,7 +116,10 @@ def test_greedy_generation_is_bit_identical(model_type, prework_calls):
 
 def test_layers_with_other_ropes_run_their_own_code(prework_calls):
     """A scaled-RoPE layer (Llama3RoPE, with its frequency table) keeps
-    mlx-lm's own __call__; the other layer still goes through the patch."""
+    mlx-lm's own __call__, decided once at its first call: from then on
+    its class's __call__ is mlx-lm's function itself, with nothing of the
+    patch's per call. The other layer still goes through the patch, and
+    unpatching gives both their mlx-lm class back."""
     model = build_model("qwen3")
     first, second = attention_layers(model)
     second.rope = Llama3RoPE(128, max_position_embeddings=4096, base=1e6,
@@ -125,10 +128,16 @@ def test_layers_with_other_ropes_run_their_own_code(prework_calls):
                                              "high_freq_factor": 4.0})
     prompt = mx.array(list(range(3, 15)))
     reference = greedy_generate(model, prompt, 8)
+    attention_class = type(first)
+    mlx_lm_call = attention_class.__call__
     with integration.patch():
         patched = greedy_generate(model, prompt, 8)
+        assert type(second).__call__ is mlx_lm_call
+        assert type(second).__name__ == attention_class.__name__
+        assert isinstance(second, attention_class) and type(first) is not attention_class
     assert compare_traces(reference, patched).identical
-    assert prework_calls == {"fused": 10, "original": 10}
+    assert prework_calls == {"fused": 10, "original": 0}
+    assert type(first) is type(second) is attention_class
 
 
 def test_a_raising_prework_runs_the_original(monkeypatch):

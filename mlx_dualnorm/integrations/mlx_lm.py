@@ -61,10 +61,12 @@ Importing this module imports mlx-lm; ``import mlx_dualnorm`` does not.
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import sys
 import threading
 import warnings
+import weakref
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -73,6 +75,8 @@ import mlx.nn as nn
 from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm, Mode
 from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
+
+_LOGGER = logging.getLogger(__name__)
 
 GATED_DELTA_MODULE = "mlx_lm.models.gated_delta"
 # mlx-lm gained gated_delta.normalize_qk in 0.32.0 (0.31.x normalizes q and k
@@ -636,7 +640,7 @@ def _qwen3_attention_call(self, x, mask=None, cache=None):
     head_keys = self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1)
     rotated = _rotated_queries_and_keys(self, head_queries, head_keys, cache)
     if rotated is None:
-        return _original_attention_calls[type(self)](self, x, mask, cache)
+        return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
     values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
     output = _attention_output(self, *rotated, values, cache, mask, batch, length)
     return self.o_proj(output)
@@ -650,7 +654,7 @@ def _qwen3_next_attention_call(self, x, mask=None, cache=None):
     head_keys = self.k_proj(x).reshape(batch, length, self.num_key_value_heads, -1)
     rotated = _rotated_queries_and_keys(self, head_queries, head_keys, cache)
     if rotated is None:
-        return _original_attention_calls[type(self)](self, x, mask, cache)
+        return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
     values = self.v_proj(x).reshape(batch, length, self.num_key_value_heads, -1)
     values = values.transpose(0, 2, 1, 3)
     output = _attention_output(self, *rotated, values, cache, mask, batch, length)
@@ -675,6 +679,94 @@ def _full_attention_classes():
         yield getattr(module, class_name), _ATTENTION_REPLACEMENTS[replacement_name]
 
 
+# ---- One decision per layer ------------------------------------------------------
+#
+# The patch decides once per attention layer, at its first call, whether it
+# engages, and then moves the layer to a subclass whose __call__ is the
+# outcome: the replacement for a layer it engages, the class's own
+# __call__ for a layer it leaves alone (a scaled RoPE, other norms). A layer
+# left alone then runs exactly mlx-lm's code, with no check of ours per
+# call. The subclasses keep the class's name and module (the layers' code
+# looks names up in its module), and unpatching moves every layer back.
+
+# (attention class, engaged) -> the subclass layers of that outcome get.
+_decided_classes: dict = {}
+# id(layer) -> a weak reference to it (modules are dicts, so unhashable).
+_decided_layers: dict = {}
+_decided_layers_lock = threading.Lock()
+
+
+def _decided_class(attention_class, replacement, engaged: bool):
+    key = (attention_class, engaged)
+    decided = _decided_classes.get(key)
+    if decided is None:
+        original = _original_attention_calls[attention_class]
+        decided = type(
+            attention_class.__name__,
+            (attention_class,),
+            {
+                "__module__": attention_class.__module__,
+                "__qualname__": attention_class.__qualname__,
+                "__call__": replacement if engaged else original,
+                "mlx_dualnorm_original_call": original,
+                "mlx_dualnorm_engaged": engaged,
+            },
+        )
+        _decided_classes[key] = decided
+    return decided
+
+
+def _layer_engages(attention) -> bool:
+    """Whether the layer's norms and RoPE are what the package computes."""
+    try:
+        rope, query_norm, key_norm = attention.rope, attention.q_norm, attention.k_norm
+    except AttributeError:
+        return False
+    return _is_plain_norm_rope(rope, query_norm, key_norm)
+
+
+def _deciding_call(attention_class, replacement):
+    """The patched class's __call__: decides for the layer, moves it to its
+    subclass, then runs the outcome."""
+
+    def first_call(self, x, mask=None, cache=None):
+        if type(self) is not attention_class:  # a subclass of mlx-lm's: leave it alone
+            return _original_attention_calls[attention_class](self, x, mask, cache)
+        engaged = _layer_engages(self)
+        if not engaged:
+            _log_fallback_once(attention_class, "its norms or RoPE are not plain nn.RMSNorm / nn.RoPE")
+        decided = _decided_class(attention_class, replacement, engaged)
+        with _decided_layers_lock:
+            object.__setattr__(self, "__class__", decided)
+            _decided_layers[id(self)] = weakref.ref(self, _forget_layer(id(self)))
+        return decided.__call__(self, x, mask, cache)
+
+    setattr(first_call, REPLACEMENT_MARKER, True)
+    first_call.__wrapped__ = _original_attention_calls[attention_class]
+    return first_call
+
+
+def _forget_layer(layer_id: int):
+    def forget(_reference) -> None:
+        with _decided_layers_lock:
+            _decided_layers.pop(layer_id, None)
+
+    return forget
+
+
+_logged_fallbacks: set = set()
+
+
+def _log_fallback_once(attention_class, reason: str) -> None:
+    key = (attention_class, reason)
+    if key not in _logged_fallbacks:
+        _logged_fallbacks.add(key)
+        _LOGGER.debug(
+            "%s.%s runs mlx-lm's own code: %s",
+            attention_class.__module__, attention_class.__qualname__, reason,
+        )
+
+
 def _install_full_attention_calls(mode: Optional[Mode]) -> None:
     global _full_attention_mode
     _full_attention_mode = mode
@@ -682,9 +774,15 @@ def _install_full_attention_calls(mode: Optional[Mode]) -> None:
         current = attention_class.__dict__["__call__"]
         if getattr(current, REPLACEMENT_MARKER, False) is not True:
             _original_attention_calls[attention_class] = current
-        attention_class.__call__ = replacement
+        attention_class.__call__ = _deciding_call(attention_class, replacement)
 
 
 def _restore_full_attention_calls() -> None:
     for attention_class, original in _original_attention_calls.items():
         attention_class.__call__ = original
+    with _decided_layers_lock:
+        for reference in list(_decided_layers.values()):
+            layer = reference()
+            if layer is not None:
+                object.__setattr__(layer, "__class__", type(layer).__mro__[1])
+        _decided_layers.clear()
