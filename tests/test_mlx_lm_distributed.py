@@ -199,26 +199,31 @@ def test_every_engaged_family_with_shard_is_covered():
     assert uncovered == []
 
 
-def test_launch_reports_a_failing_rank_although_mlx_launch_exits_0(tmp_path):
+@pytest.mark.parametrize("launcher", distributed.LAUNCHERS)
+def test_launch_reports_a_failing_rank_although_mlx_launch_exits_0(tmp_path, launcher):
     result = distributed.launch(
         ["check", "--families", "no_such_family", "--out", str(tmp_path)],
-        ranks=RANKS, timeout_s=120,
+        ranks=RANKS, timeout_s=120, launcher=launcher,
     )
     assert not result.timed_out, result.describe()
     assert not result.ok and result.failed_ranks, result.describe()
     assert "no_such_family" in result.stderr
 
 
-def test_launch_kills_the_launcher_and_its_ranks_at_the_time_limit(tmp_path):
+@pytest.mark.parametrize("launcher", distributed.LAUNCHERS)
+def test_launch_kills_the_launcher_and_its_ranks_at_the_time_limit(tmp_path, launcher):
     result = distributed.launch(
-        ["check", "--tokens", "64", "--out", str(tmp_path)], ranks=RANKS, timeout_s=3
+        ["check", "--tokens", "64", "--out", str(tmp_path)], ranks=RANKS, timeout_s=3,
+        launcher=launcher,
     )
     assert result.timed_out and not result.ok
     deadline = time.monotonic() + 20  # killed ranks are reaped by their new parent
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(result.process_group, 0)
-        except ProcessLookupError:
-            return
+    remaining = list(result.process_groups)
+    while remaining and time.monotonic() < deadline:
+        for group in list(remaining):
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                remaining.remove(group)
         time.sleep(0.1)
-    pytest.fail(f"processes of group {result.process_group} outlived the time limit")
+    assert remaining == [], f"processes of groups {remaining} outlived the time limit"
