@@ -13,10 +13,12 @@ Two parts, one module:
   step and how often the package's objects ran per forward pass. ``bench``
   times decode tokens of one sharded model, patched and unpatched in
   interleaved rounds.
-* The launcher, :func:`launch`, which starts those ranks with ``mlx.launch``
-  on the ring backend on loopback only (127.0.0.1, free ports chosen here),
-  bounded in time, and kills every process it started when the time runs out
-  or it is interrupted.
+* The launcher, :func:`launch`, which starts those ranks on the ring backend
+  on loopback only (127.0.0.1, free ports chosen here), through
+  ``mlx.launch`` or directly with what it hands the ranks, bounded in time,
+  and kills every process it started when the time runs out, a rank fails,
+  or it is interrupted. :func:`bench_over_ranks` and
+  :func:`run_ranks_command` (``mlx-lm-bench --ranks N``) launch ``bench``.
 
 The check's arrays go to ``rank<r>.npz`` (``family/scenario`` keys, steps x
 vocabulary logits) and the rest to ``rank<r>.json`` in the ``--out``
