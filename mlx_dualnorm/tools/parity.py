@@ -8,7 +8,10 @@ normalized_keys)``, built per epsilon by a factory ``make_path(eps)``. An
 output agrees when its shape and dtype match the composed path's and
 ``mx.array_equal(actual, expected, equal_nan=True)`` holds; ``bitwise=True``
 additionally demands identical bit patterns (signed zeros, NaN signs and
-payloads), which the compiled path meets on CPU today.
+payloads). Bits are the promise, so the command line compares bits unless
+``--values`` asks for values only. It also checks the dual head norm +
+RoPE (:mod:`mlx_dualnorm.tools.rope_parity`), and ends with a one-line
+verdict, after a line for each path it left out and why.
 
 Why a designed matrix rather than the Cartesian product: the axes below
 (11 widths x 5 dtype configurations x 3 head layouts x 8 batch sizes x 2
