@@ -11,7 +11,7 @@ import statistics
 
 import pytest
 
-from mlx_dualnorm.tools import benchmark, cli, replay
+from mlx_dualnorm.tools import benchmark, command, replay
 
 TINY_BENCH = ["--quick", "--repeats", "3", "--layers", "2", "--paths", "compiled"]
 
@@ -103,7 +103,7 @@ def test_bench_interrupted_prints_the_completed_repeats_and_exits_130(monkeypatc
     assert "interrupted" in captured.err and "Traceback" not in captured.err
 
 
-class InterruptingProgress(cli.StepProgress):
+class InterruptingProgress(command.StepProgress):
     """A progress report that presses Ctrl-C at its ``interrupt_at``-th step
     of a stage whose name contains ``stage_word``."""
 
@@ -119,7 +119,7 @@ class InterruptingProgress(cli.StepProgress):
 def test_replay_interrupted_prints_the_paths_compared(monkeypatch, capsys):
     monkeypatch.setattr(InterruptingProgress, "stage_word", "replay")
     monkeypatch.setattr(InterruptingProgress, "interrupt_at", 2 * 3 + 1)  # in the 3rd decode
-    monkeypatch.setattr(replay.cli, "StepProgress", InterruptingProgress)
+    monkeypatch.setattr(replay.command, "StepProgress", InterruptingProgress)
     arguments = ["--steps", "3", "--path", "compiled", "--path", "mx_compile"]
     assert replay.main(arguments) == 130
     captured = capsys.readouterr()
@@ -154,7 +154,7 @@ def test_mlx_lm_bench_interrupted_prints_finished_and_partial_measurements(monke
 
     monkeypatch.setattr(InterruptingProgress, "stage_word", "generation")
     monkeypatch.setattr(InterruptingProgress, "interrupt_at", 3)  # round 2 of 3, one path done
-    monkeypatch.setattr(mlx_lm_bench.cli, "StepProgress", InterruptingProgress)
+    monkeypatch.setattr(mlx_lm_bench.command, "StepProgress", InterruptingProgress)
     arguments = [
         "--quick", "--layers", "8", "--prework-tokens", "5", "--prework-repeats", "2",
         "--models", "qwen3_next", "--tokens", "4", "--generation-repeats", "3",

@@ -13,6 +13,8 @@ The product is :mod:`mlx_dualnorm` itself (``CompiledDualHeadNorm``,
 * :mod:`~mlx_dualnorm.tools.mlx_lm_check`, :mod:`~mlx_dualnorm.tools.mlx_lm_bench`
   and :mod:`~mlx_dualnorm.tools.mlx_lm_synthetic`: the mlx-lm patch checked
   and timed on mlx-lm's own models (these import mlx-lm);
+* :mod:`~mlx_dualnorm.tools.command`: what every command shares (parser,
+  argument types, exit statuses, progress lines);
 * :mod:`~mlx_dualnorm.tools.cli`: the command line.
 
 Importing this package imports none of them.

@@ -55,7 +55,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from mlx_dualnorm.tools import cli
+from mlx_dualnorm.tools import command
 from mlx_dualnorm.tools.paths import (
     COMPILED_PATH,
     FUSED_PATH,
@@ -253,7 +253,7 @@ class MetricResult:
     def ratio_of_medians(self, path: str, reference: str = BASELINE_PATH) -> Optional[float]:
         """median(path) / median(reference): the ratio printed beside those
         medians (None if either did not run)."""
-        return cli.ratio_of_medians(self.samples.get(path, []), self.samples.get(reference, []))
+        return command.ratio_of_medians(self.samples.get(path, []), self.samples.get(reference, []))
 
     def to_json(self) -> dict:
         paths = {}
@@ -668,7 +668,7 @@ def run_benchmark(
 
     ``progress``, if given, receives one line per stage and per repeat,
     with the time left (the CLI sends them to stderr). Ctrl-C raises
-    :class:`~mlx_dualnorm.tools.cli.InterruptedWithPartialResult` carrying
+    :class:`~mlx_dualnorm.tools.command.InterruptedWithPartialResult` carrying
     the report of the repeats that completed."""
     config = config or BenchmarkConfig()
     if config.repeats < 1 or config.layers < 1:
@@ -678,7 +678,7 @@ def run_benchmark(
     cpu_pressure_at_start = _cpu_pressure()
     measurement = _Measurement(config, progress)
     host_loop_us = measurement.host_loop_overhead_us()
-    repeats_progress = cli.StepProgress(
+    repeats_progress = command.StepProgress(
         "repeats", config.repeats, emit=progress or (lambda line: None)
     )
     completed_repeats = 0
@@ -708,7 +708,7 @@ def run_benchmark(
             completed_repeats += 1
             repeats_progress.step()
     except KeyboardInterrupt:
-        raise cli.InterruptedWithPartialResult(report()) from None
+        raise command.InterruptedWithPartialResult(report()) from None
     finally:
         measurement.close_paths()
     return report()
@@ -947,7 +947,7 @@ def progress_to_stderr(message: str) -> None:
 
 
 def _benchmark_parser() -> argparse.ArgumentParser:
-    parser = cli.tool_parser(
+    parser = command.tool_parser(
         "bench",
         "Time every path against the composed path (two mx.fast.rms_norm calls): host us "
         "per call, us per decode token, prefill time and peak memory. Every ratio is "
@@ -957,15 +957,15 @@ def _benchmark_parser() -> argparse.ArgumentParser:
                         help=f"write {JSON_FILE_NAME} and {CHART_FILE_NAME} into this folder")
     parser.add_argument("--quick", action="store_true",
                         help="a few-second smoke run (fewer repeats and samples)")
-    parser.add_argument("--repeats", type=cli.positive_int, default=None,
+    parser.add_argument("--repeats", type=command.positive_int, default=None,
                         help="repeats (default: 11, or 3 with --quick)")
-    parser.add_argument("--layers", type=cli.positive_int, default=48,
+    parser.add_argument("--layers", type=command.positive_int, default=48,
                         help="chained dual calls per decode token")
     parser.add_argument("--paths", default=None,
                         help=f"comma-separated paths (default: all of {', '.join(PATH_REGISTRY)}); "
                              f"{BASELINE_PATH} is always added")
-    parser.add_argument("--eps", type=cli.non_negative_float, default=1e-6, help="RMS epsilon")
-    cli.add_device_argument(parser)
+    parser.add_argument("--eps", type=command.non_negative_float, default=1e-6, help="RMS epsilon")
+    command.add_device_argument(parser)
     parser.add_argument("--no-plot", action="store_true",
                         help="with --output-dir, skip the PNG chart")
     parser.add_argument("--all-metrics", action="store_true",
@@ -1002,11 +1002,11 @@ def _write_files(report: BenchmarkReport, output_dir: pathlib.Path, plot: bool) 
 
 
 def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    cli.select_device(arguments.device, parser)
+    command.select_device(arguments.device, parser)
     config = _config_from_arguments(arguments, parser)
     try:
         report = run_benchmark(config, progress=progress_to_stderr)
-    except cli.InterruptedWithPartialResult as interrupted:
+    except command.InterruptedWithPartialResult as interrupted:
         partial = interrupted.partial
         if isinstance(partial, BenchmarkReport) and partial.config.repeats:
             print(format_report_table(partial, all_metrics=arguments.all_metrics))
@@ -1020,7 +1020,7 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m mlx_dualnorm bench``: prints the table; 2 on bad usage."""
-    return cli.run_tool(_benchmark_parser(), _run, argv)
+    return command.run_tool(_benchmark_parser(), _run, argv)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,8 @@
 """``python -m mlx_dualnorm``: the package's main job and its sub-commands.
 
-One skeleton for every command: :func:`tool_parser` gives each sub-command
-its usage line (``python -m mlx_dualnorm NAME ...``) and shows every
-option's default once; :func:`run_tool` turns argparse's exits, a path or
-package that cannot run here, and Ctrl-C into exit statuses, so each tool's
-``main(argv)`` returns an int whether it runs from the shell or from a test.
+What every command shares (its parser, argument types, exit statuses and
+progress lines) is :mod:`mlx_dualnorm.tools.command`; this module lists the
+sub-commands, dispatches to them and runs the main job.
 
 Exit statuses, the same for every command: 0 ok, 1 a mismatch (outputs,
 tokens or bits differ), 2 bad usage or something that cannot run here (a
@@ -15,8 +13,8 @@ Global options (``--device``) may come before the sub-command or after it:
 ``python -m mlx_dualnorm --device cpu parity --quick`` and
 ``python -m mlx_dualnorm parity --quick --device cpu`` are the same command.
 
-Sub-command modules are imported only when named, so ``--help`` and the
-main job never import mlx-lm.
+The modules of the mlx-lm sub-commands are imported only when named, so
+``--help`` and the main job never import mlx-lm.
 """
 
 from __future__ import annotations
@@ -24,46 +22,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import math
-import statistics
 import sys
-import time
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
-__all__ = [
-    "EXIT_INTERRUPTED",
-    "EXIT_MISMATCH",
-    "EXIT_OK",
-    "EXIT_USAGE",
-    "InterruptedWithPartialResult",
-    "SUBCOMMANDS",
-    "StepProgress",
-    "SubCommand",
-    "Unavailable",
-    "add_device_argument",
-    "main",
-    "non_negative_float",
-    "positive_int",
-    "positive_int_list",
-    "ratio_of_medians",
-    "run_tool",
-    "select_device",
-    "tool_parser",
-]
+from mlx_dualnorm.tools import benchmark, parity, rope_parity
+from mlx_dualnorm.tools.command import (
+    EXIT_MISMATCH,
+    EXIT_OK,
+    EXIT_USAGE,
+    PROGRAM,
+    DefaultShownOnceFormatter,
+    add_device_argument,
+    run_tool,
+    select_device,
+)
+from mlx_dualnorm.tools.paths import PATH_REGISTRY, REFERENCE_PATH, unavailable_paths
 
-PROGRAM = "python -m mlx_dualnorm"
-EXIT_OK = 0
-EXIT_MISMATCH = 1
-EXIT_USAGE = 2  # bad usage, or what was asked cannot run here
-EXIT_INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (SIGINT)
-
-
-class Unavailable(Exception):
-    """What a tool was asked to run cannot run here (a mode this build or
-    device lacks, an unsupported mlx-lm): :func:`run_tool` prints the
-    message on one line and exits 2, with no traceback."""
+__all__ = ["SUBCOMMANDS", "SubCommand", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,182 +91,6 @@ MAIN_JOB_DESCRIPTION = (
 )
 
 
-class _DefaultShownOnceFormatter(argparse.HelpFormatter):
-    """Appends "(default: X)" to an option's help, except where the help
-    already says its default, for flags (off unless given) and where the
-    default is None (the help says what leaving it out does)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help_text = action.help or ""
-        if (
-            "(default" in help_text
-            or "default:" in help_text
-            or action.default in (None, False, argparse.SUPPRESS)
-            or action.nargs == 0  # a flag: store_true, store_const, help
-            or not action.option_strings
-        ):
-            return help_text
-        return f"{help_text} (default: %(default)s)"
-
-
-def tool_parser(subcommand_name: str, description: str) -> argparse.ArgumentParser:
-    """The parser of one sub-command: its usage line names the command as
-    typed, and every option's help shows its default once."""
-    return argparse.ArgumentParser(
-        prog=f"{PROGRAM} {subcommand_name}",
-        description=description,
-        formatter_class=_DefaultShownOnceFormatter,
-    )
-
-
-class InterruptedWithPartialResult(KeyboardInterrupt):
-    """Ctrl-C inside a measurement, carrying what it had measured so far
-    (``partial``), so the command can print it before exiting 130. Still a
-    KeyboardInterrupt for any caller that does not look."""
-
-    def __init__(self, partial: object) -> None:
-        super().__init__()
-        self.partial = partial
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type`` of a count that must be at least 1: a bad value is
-    a usage error (exit 2) naming the option, not a traceback later."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """argparse ``type`` of a finite number >= 0 (an epsilon)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be finite and at least 0, got {text}")
-    return value
-
-
-def positive_int_list(text: str) -> list[int]:
-    """argparse ``type`` of comma-separated counts, each at least 1; an
-    empty string is an empty list (measure none)."""
-    return [positive_int(part.strip()) for part in text.split(",") if part.strip()]
-
-
-DEVICE_CHOICES = ("default", "cpu", "gpu")
-
-
-def add_device_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device",
-        choices=DEVICE_CHOICES,
-        default="default",
-        help="MLX default device to run on ('default' keeps MLX's choice)",
-    )
-
-
-def select_device(device_name: str, parser: argparse.ArgumentParser) -> None:
-    """``--device``: "gpu" without a GPU backend is a usage error (exit 2),
-    not a traceback."""
-    if device_name == "cpu":
-        mx.set_default_device(mx.cpu)
-    elif device_name == "gpu":
-        if not mx.is_available(mx.gpu):
-            parser.error("--device gpu: this MLX has no GPU backend")
-        mx.set_default_device(mx.gpu)
-
-
-def run_tool(
-    parser: argparse.ArgumentParser,
-    run: Callable[[argparse.Namespace, argparse.ArgumentParser], int],
-    argv: Optional[Sequence[str]],
-) -> int:
-    """Parses ``argv`` and runs the tool. argparse exits (0 after --help, 2
-    on bad usage, also from ``parser.error`` inside ``run``) come back as
-    the exit status; so do :class:`Unavailable` and a path's
-    ``PathUnavailable`` (2, one line on stderr) and Ctrl-C (130: a tool
-    that has partial results prints them before the interrupt reaches
-    here)."""
-    from mlx_dualnorm.tools.paths import PathUnavailable
-
-    try:
-        arguments = parser.parse_args(list(argv) if argv is not None else None)
-        return run(arguments, parser)
-    except SystemExit as exit_request:
-        code = exit_request.code
-        return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
-    except (Unavailable, PathUnavailable) as cannot_run:
-        print(f"{parser.prog}: {cannot_run}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-
-
-def ratio_of_medians(values: Sequence[float], reference_values: Sequence[float]) -> Optional[float]:
-    """median(values) / median(reference_values): the ratio a table prints
-    beside those two medians, so the three never contradict each other (a
-    median of per-round ratios can fall on the other side of 1). The
-    per-round ratios' min..max is the spread to print with it. None when
-    either is empty or the reference median is not positive."""
-    if not values or not reference_values:
-        return None
-    reference_median = statistics.median(reference_values)
-    if not reference_median > 0:
-        return None
-    return statistics.median(values) / reference_median
-
-
-class StepProgress:
-    """One line per step on stderr: which step of how many, the time so
-    far and an estimate of the time left (from the mean step so far), so
-    a long run shows it is moving and how long it will take.
-
-    ``steps`` is the total expected; ``step(detail)`` reports one more
-    done, on stderr or to ``emit``. With ``min_interval_s``, a step is printed only that long after
-    the last printed one (and the last step always), for runs of many
-    short steps."""
-
-    def __init__(
-        self,
-        stage: str,
-        steps: int,
-        *,
-        min_interval_s: float = 0.0,
-        emit: Optional[Callable[[str], None]] = None,
-    ) -> None:
-        self.stage = stage
-        self.emit = emit
-        self.steps = max(steps, 1)
-        self.done = 0
-        self.started = time.perf_counter()
-        self.min_interval_s = min_interval_s
-        self._last_printed = self.started
-
-    def step(self, detail: str = "") -> None:
-        self.done += 1
-        now = time.perf_counter()
-        if now - self._last_printed < self.min_interval_s and self.done < self.steps:
-            return
-        self._last_printed = now
-        elapsed = now - self.started
-        left = elapsed / self.done * max(self.steps - self.done, 0)
-        suffix = f" {detail}" if detail else ""
-        line = (
-            f"{self.stage}: {self.done}/{self.steps}{suffix}, "
-            f"{elapsed:.0f} s so far, ~{left:.0f} s left"
-        )
-        if self.emit is not None:
-            self.emit(line)
-        else:
-            print(line, file=sys.stderr, flush=True)
-
-
 def _main_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROGRAM,
@@ -297,7 +98,7 @@ def _main_parser() -> argparse.ArgumentParser:
         description=MAIN_JOB_DESCRIPTION,
         epilog=f"'{PROGRAM} SUB-COMMAND --help' shows a sub-command's options; "
         "global options (--device) go before or after the sub-command.",
-        formatter_class=_DefaultShownOnceFormatter,
+        formatter_class=DefaultShownOnceFormatter,
     )
     add_device_argument(parser)
     subcommands = parser.add_subparsers(
@@ -321,7 +122,7 @@ def _run_subcommand(subcommand: SubCommand, argv: Sequence[str]) -> int:
             "(pip install 'mlx_dualnorm[mlx-lm]')",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     return int(module.main(list(argv)))
 
 
@@ -329,9 +130,6 @@ def _run_main_job(arguments: argparse.Namespace, parser: argparse.ArgumentParser
     """The quick bit-parity check of every path the quick benchmark times
     (and of the norm + RoPE), the benchmark's summary, then the parity
     verdict as the last line, with the paths skipped and why."""
-    from mlx_dualnorm.tools import benchmark, parity, rope_parity
-    from mlx_dualnorm.tools.paths import PATH_REGISTRY, REFERENCE_PATH, unavailable_paths
-
     select_device(arguments.device, parser)
     mlx_version = getattr(mx, "__version__")  # not in MLX's type stubs
     print(f"mlx_dualnorm on {mx.default_device()} (MLX {mlx_version})\n")

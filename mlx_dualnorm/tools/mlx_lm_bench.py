@@ -52,7 +52,7 @@ import mlx_lm.models.gated_delta as gated_delta_module
 
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.tools import cli
+from mlx_dualnorm.tools import command
 from mlx_dualnorm.tools.mlx_lm_check import greedy_generate
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DECODE_MODELS,
@@ -111,10 +111,10 @@ def _partial_on_interrupt(partial: object) -> Iterator[None]:
     ``partial``, the result being filled in, so the rounds done are printed."""
     try:
         yield
-    except cli.InterruptedWithPartialResult:
+    except command.InterruptedWithPartialResult:
         raise
     except KeyboardInterrupt:
-        raise cli.InterruptedWithPartialResult(partial) from None
+        raise command.InterruptedWithPartialResult(partial) from None
 
 
 @dataclasses.dataclass
@@ -154,7 +154,7 @@ class PairedTiming:
             "patched_time": spread(self.patched),
             # What the tables print: the ratio of the two medians, and the
             # per-round ratios as its spread.
-            "time_ratio_of_medians": cli.ratio_of_medians(self.patched, self.unpatched),
+            "time_ratio_of_medians": command.ratio_of_medians(self.patched, self.unpatched),
             "time_ratio_patched_over_unpatched": spread(self.time_ratios),
         }
 
@@ -194,7 +194,7 @@ def run_prework(
 ) -> PairedTiming:
     """Microseconds per token of ``layers`` chained q/k normalizations.
     ``progress`` hears of each path's round; on Ctrl-C the rounds so far
-    come with the interrupt (:class:`~mlx_dualnorm.tools.cli.InterruptedWithPartialResult`)."""
+    come with the interrupt (:class:`~mlx_dualnorm.tools.command.InterruptedWithPartialResult`)."""
     queries, keys = _decode_inputs()
     with integration.patch(mode):  # what mlx-lm's layers call while patched
         patched = gated_delta_module.normalize_qk
@@ -517,28 +517,28 @@ def _mlx_lm_version() -> str:
 
 
 def _bench_parser() -> argparse.ArgumentParser:
-    parser = cli.tool_parser(
+    parser = command.tool_parser(
         "mlx-lm-bench",
         "mlx-lm's normalize_qk against the mlx_dualnorm patch: q/k prework at the "
         "Qwen3-Next decode shape and per-token generation time of small random models. "
         "Ratios are patched time / unpatched time: lower is better.",
     )
     parser.add_argument(
-        "--layers", type=cli.positive_int_list, default="36,48",
+        "--layers", type=command.positive_int_list, default="36,48",
         help="comma-separated chained layer counts for the prework ('' for none)",
     )
-    parser.add_argument("--prework-tokens", type=cli.positive_int,
+    parser.add_argument("--prework-tokens", type=command.positive_int,
                         help="tokens per prework round (default: 200, or 50 reduced)")
-    parser.add_argument("--prework-repeats", type=cli.positive_int,
+    parser.add_argument("--prework-repeats", type=command.positive_int,
                         help="prework rounds (default: 7, or 3 reduced)")
     parser.add_argument(
         "--models",
         default=",".join(SYNTHETIC_MODEL_TYPES),
         help="comma-separated synthetic models to generate with ('' for none)",
     )
-    parser.add_argument("--tokens", type=cli.positive_int,
+    parser.add_argument("--tokens", type=command.positive_int,
                         help="greedy tokens per generation round (default: 64, or 32 reduced)")
-    parser.add_argument("--generation-repeats", type=cli.positive_int,
+    parser.add_argument("--generation-repeats", type=command.positive_int,
                         help="generation rounds (default: 5, or 2 reduced)")
     parser.add_argument(
         "--decode-models",
@@ -546,9 +546,9 @@ def _bench_parser() -> argparse.ArgumentParser:
         help="comma-separated models at released dimensions to time decode tokens with "
         f"({', '.join(DECODE_MODELS)}; '' for none)",
     )
-    parser.add_argument("--decode-steps", type=cli.positive_int,
+    parser.add_argument("--decode-steps", type=command.positive_int,
                         help="greedy decode steps per round (default: 32, or 4 reduced)")
-    parser.add_argument("--decode-rounds", type=cli.positive_int,
+    parser.add_argument("--decode-rounds", type=command.positive_int,
                         help="decode rounds, each path once per round "
                         "(default: 5, or 2 reduced)")
     parser.add_argument("--mode", default=None, help="mode for patch() (default: its own)")
@@ -572,7 +572,7 @@ def _bench_parser() -> argparse.ArgumentParser:
         help="instead: the decode models with Model.shard, tensor-parallel over this many ranks "
         "on loopback (mlx.launch, ring backend), patched vs unpatched ms/token",
     )
-    cli.add_device_argument(parser)
+    command.add_device_argument(parser)
     return parser
 
 
@@ -605,7 +605,7 @@ def _checked_arguments(
     except ValueError as error:
         parser.error(str(error))
     except RuntimeError as unsupported_mlx_lm:  # patch() names the supported releases
-        raise cli.Unavailable(str(unsupported_mlx_lm)) from unsupported_mlx_lm
+        raise command.Unavailable(str(unsupported_mlx_lm)) from unsupported_mlx_lm
     return layer_counts, model_types, decode_models
 
 
@@ -642,7 +642,7 @@ def _measure_all(
         nonlocal stage
         stage += 1
         results.interrupted_in = name
-        return cli.StepProgress(f"[{stage}/{stages}] {name}", steps, min_interval_s=1.0).step
+        return command.StepProgress(f"[{stage}/{stages}] {name}", steps, min_interval_s=1.0).step
 
     for layers in layer_counts:
         progress = next_stage(f"prework, {layers} layers", 2 * arguments.prework_repeats)
@@ -688,7 +688,7 @@ def _report_mismatches(measurements: list[DecodeMeasurement]) -> bool:
 
 
 def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    cli.select_device(arguments.device, parser)
+    command.select_device(arguments.device, parser)
     layer_counts, model_types, decode_models = _checked_arguments(arguments, parser)
     if arguments.ranks is not None:  # mlx_dualnorm.tools.mlx_lm_distributed launches them
         if arguments.ranks < 2:
@@ -701,7 +701,7 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         _measure_all(arguments, layer_counts, model_types, decode_models, results)
     except KeyboardInterrupt as interrupt:
-        if isinstance(interrupt, cli.InterruptedWithPartialResult):
+        if isinstance(interrupt, command.InterruptedWithPartialResult):
             results.keep_partial(interrupt.partial)
         _print_report(arguments, results, time.perf_counter() - started)
         raise
@@ -746,7 +746,7 @@ def _print_report(arguments: argparse.Namespace, results: _Results, seconds: flo
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m mlx_dualnorm mlx-lm-bench``; see the module doc."""
-    return cli.run_tool(_bench_parser(), _run, argv)
+    return command.run_tool(_bench_parser(), _run, argv)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import mlx.nn as nn
 
 from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import Mode
-from mlx_dualnorm.tools import cli
+from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DEFAULT_SEED,
@@ -327,7 +327,7 @@ def _median_text(milliseconds: list[float]) -> str:
 def _ratio_text(result: CheckResult) -> str:
     """patched / unpatched: the ratio of the medians printed beside it,
     then the per-round ratios' range and the number of rounds."""
-    ratio = cli.ratio_of_medians(result.patched_round_ms, result.unpatched_round_ms)
+    ratio = command.ratio_of_medians(result.patched_round_ms, result.unpatched_round_ms)
     ratios = result.round_time_ratios
     if ratio is None or not ratios:
         return "patched / unpatched n/a"
@@ -370,7 +370,7 @@ def _vocabulary_size(config: dict) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = cli.tool_parser(
+    parser = command.tool_parser(
         "mlx-lm-check",
         "Greedy generation through mlx-lm with and without the mlx_dualnorm patch: "
         "identical token ids and bit-identical logits (exit 0), a divergence (exit 1), "
@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a small random model with real gated-delta head widths",
     )
     parser.add_argument(
-        "--tokens", type=cli.positive_int, default=64, help="greedy tokens to generate"
+        "--tokens", type=command.positive_int, default=64, help="greedy tokens to generate"
     )
     parser.add_argument(
         "--prompt",
@@ -396,11 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
         "default: a fixed prompt of token ids",
     )
     parser.add_argument(
-        "--prompt-tokens", type=cli.positive_int, default=12, help="length of the fixed prompt"
+        "--prompt-tokens", type=command.positive_int, default=12, help="length of the fixed prompt"
     )
     parser.add_argument(
         "--rounds",
-        type=cli.positive_int,
+        type=command.positive_int,
         default=DEFAULT_TIMING_ROUNDS,
         help="timing rounds, each way once per round (the first is the compared one)",
     )
@@ -413,17 +413,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seed", type=int, default=DEFAULT_SEED, help="--synthetic only: weight seed"
     )
-    cli.add_device_argument(parser)
+    command.add_device_argument(parser)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m mlx_dualnorm mlx-lm-check``; see the module doc."""
-    return cli.run_tool(build_parser(), _run, argv)
+    return command.run_tool(build_parser(), _run, argv)
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    cli.select_device(args.device, parser)
+    command.select_device(args.device, parser)
     try:
         # An unsupported mlx-lm, or a mode that cannot run here, is refused
         # before any model is built.

@@ -67,7 +67,7 @@ import mlx.core as mx
 
 from mlx_dualnorm._bits import count_bit_differences, count_value_differences
 from mlx_dualnorm.dual_head_norm import composed_dual_head_norm
-from mlx_dualnorm.tools import cli, paths
+from mlx_dualnorm.tools import command, paths
 from mlx_dualnorm.tools.paths import (
     PATH_REGISTRY,
     REFERENCE_PATH,
@@ -1116,7 +1116,7 @@ def _parity_parser(
 ) -> argparse.ArgumentParser:
     from mlx_dualnorm.tools.rope_parity import ROPE_FAMILY
 
-    parser = cli.tool_parser(
+    parser = command.tool_parser(
         "parity",
         "Check dual head norm paths against two mx.fast.rms_norm calls, and the "
         "dual head norm + RoPE against composed_dual_head_norm_rope: same shape, "
@@ -1152,7 +1152,7 @@ def _parity_parser(
     )
     # Bits are the default; --bitwise stays accepted for command lines that say so.
     parser.add_argument("--bitwise", action="store_true", help=argparse.SUPPRESS)
-    cli.add_device_argument(parser)
+    command.add_device_argument(parser)
     return parser
 
 
@@ -1200,7 +1200,7 @@ def check_paths(
         else []
     )
     matrix_name = "quick" if quick else "full"
-    progress = cli.StepProgress(
+    progress = command.StepProgress(
         f"parity, {matrix_name} matrix, cases",
         len(cases) if path_factories else 0,
         min_interval_s=PROGRESS_INTERVAL_SECONDS,
@@ -1260,7 +1260,7 @@ def main(
         default_names = list(path_factories)
 
     def run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-        cli.select_device(arguments.device, parser)
+        command.select_device(arguments.device, parser)
         named = arguments.path_names or default_names
         for name in named:
             if name in rope_names and name not in rope_parity.available_rope_paths():
@@ -1280,9 +1280,9 @@ def main(
                 print(line)
         print(parity_verdict(reports))
         passed = all(report.passed for report in reports)
-        return cli.EXIT_OK if passed else cli.EXIT_MISMATCH
+        return command.EXIT_OK if passed else command.EXIT_MISMATCH
 
-    return cli.run_tool(_parity_parser([*selectable, *rope_names], default_names), run, argv)
+    return command.run_tool(_parity_parser([*selectable, *rope_names], default_names), run, argv)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from typing import Callable, Mapping, Optional, Sequence, cast
 import mlx.core as mx
 
 from mlx_dualnorm._bits import bit_difference_mask
-from mlx_dualnorm.tools import cli
+from mlx_dualnorm.tools import command
 from mlx_dualnorm.tools.paths import (
     PATH_REGISTRY,
     REFERENCE_PATH,
@@ -520,7 +520,7 @@ def run_replay(
             )
             report.comparisons.append(compare_decode_traces(trace, reference))
     except KeyboardInterrupt:
-        raise cli.InterruptedWithPartialResult(report) from None
+        raise command.InterruptedWithPartialResult(report) from None
     return report
 
 
@@ -569,7 +569,7 @@ _DTYPES_BY_NAME = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx
 
 
 def _replay_parser(path_names: Sequence[str], default_names: Sequence[str]) -> argparse.ArgumentParser:
-    parser = cli.tool_parser(
+    parser = command.tool_parser(
         "replay",
         "Greedy-decode a small gated-delta + attention model with each dual head norm "
         "path and compare its tokens and hidden-state bits with the composed path's. "
@@ -583,7 +583,7 @@ def _replay_parser(path_names: Sequence[str], default_names: Sequence[str]) -> a
         help=f"path to replay (repeatable; default: {', '.join(default_names)})",
     )
     parser.add_argument(
-        "--steps", type=cli.positive_int, default=DEFAULT_DECODE_STEPS,
+        "--steps", type=command.positive_int, default=DEFAULT_DECODE_STEPS,
         help="greedy tokens to decode",
     )
     parser.add_argument(
@@ -592,7 +592,7 @@ def _replay_parser(path_names: Sequence[str], default_names: Sequence[str]) -> a
     parser.add_argument(
         "--dtype", choices=sorted(_DTYPES_BY_NAME), default="bfloat16", help="model dtype"
     )
-    cli.add_device_argument(parser)
+    command.add_device_argument(parser)
     return parser
 
 
@@ -613,9 +613,9 @@ def main(
         selectable, default_names = dict(path_factories), list(path_factories)
 
     def run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-        cli.select_device(arguments.device, parser)
+        command.select_device(arguments.device, parser)
         path_names = arguments.path_names or default_names
-        progress = cli.StepProgress(
+        progress = command.StepProgress(
             "replay, tokens", (len(path_names) + 1) * arguments.steps,
             min_interval_s=PROGRESS_INTERVAL_SECONDS,
         )
@@ -628,7 +628,7 @@ def main(
                 steps=arguments.steps,
                 progress=progress.step,
             )
-        except cli.InterruptedWithPartialResult as interrupted:
+        except command.InterruptedWithPartialResult as interrupted:
             if isinstance(interrupted.partial, ReplayReport):
                 print(format_replay_report(interrupted.partial))
                 print(f"replay: INTERRUPTED after {len(interrupted.partial.comparisons)} of "
@@ -638,9 +638,9 @@ def main(
         if not arguments.path_names and path_factories is None:
             for line in skipped_path_lines("replay", unavailable_paths(list(selectable))):
                 print(line)
-        return cli.EXIT_OK if report.passed else cli.EXIT_MISMATCH
+        return command.EXIT_OK if report.passed else command.EXIT_MISMATCH
 
-    return cli.run_tool(_replay_parser(list(selectable), default_names), run, argv)
+    return command.run_tool(_replay_parser(list(selectable), default_names), run, argv)
 
 
 if __name__ == "__main__":
