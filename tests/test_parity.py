@@ -15,14 +15,6 @@ from conftest import assert_bit_identical
 from mlx_dualnorm import CompiledDualHeadNorm, available_modes, composed_dual_head_norm
 from mlx_dualnorm.tools import parity
 from mlx_dualnorm.tools.parity import (
-    BATCH_SIZES,
-    DTYPE_CONFIGURATIONS,
-    FAMILY_NAMES,
-    HEAD_LAYOUTS,
-    NON_CONTIGUOUS_INPUT_LAYOUTS,
-    NON_CONTIGUOUS_WEIGHT_LAYOUTS,
-    SPECIAL_VALUE_PROFILES,
-    WIDTHS,
     DualNormPath,
     ParityCase,
     Weighting,
@@ -32,6 +24,17 @@ from mlx_dualnorm.tools.parity import (
     check_path_parity,
     make_composed_path,
     run_parity_matrix,
+)
+from mlx_dualnorm.tools.parity_matrix import (
+    BATCH_SIZES,
+    DTYPE_CONFIGURATIONS,
+    FAMILY_NAMES,
+    FULL_MATRIX_ELEMENT_BUDGET,
+    HEAD_LAYOUTS,
+    NON_CONTIGUOUS_INPUT_LAYOUTS,
+    NON_CONTIGUOUS_WEIGHT_LAYOUTS,
+    SPECIAL_VALUE_PROFILES,
+    WIDTHS,
 )
 
 # The fused path joins every registered-path check where this MLX has CUDA.
@@ -312,7 +315,7 @@ def test_full_matrix_covers_every_required_axis(seed: int) -> None:
     }
     # Wide rows are also seen with many rows at once (a shortened prefill).
     assert {case.width for case in cases if case.sequence_length >= 16} >= set(WIDTHS)
-    assert max(case.query_element_count for case in cases) <= parity.FULL_MATRIX_ELEMENT_BUDGET
+    assert max(case.query_element_count for case in cases) <= FULL_MATRIX_ELEMENT_BUDGET
 
 
 def test_matrices_are_deterministic_from_the_seed() -> None:

@@ -16,12 +16,18 @@ A path is a factory ``make_path(eps)`` returning a callable
 normalized_keys)``, weights possibly None. A factory (or a call, for one
 shape) raises :class:`PathUnavailable` where the path cannot run here; the
 tools then skip it and say why. :func:`register_path` adds a path.
+
+A command that checks paths (parity, replay) chooses them through
+:class:`PathSelection`: what ``--path`` accepts, what runs when no path is
+named; a path named that cannot run here stops the command before it runs
+anything (exit 2).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import mlx.core as mx
 
@@ -40,9 +46,11 @@ __all__ = [
     "PATH_REGISTRY",
     "PYTHON_COMPILE_PATH",
     "PYTHON_COMPILE_SHAPED_PATH",
+    "PathSelection",
     "PathUnavailable",
     "REFERENCE_PATH",
     "RegisteredPath",
+    "build_path",
     "describe_paths",
     "make_compiled_path",
     "make_composed_path",
@@ -50,6 +58,7 @@ __all__ = [
     "make_mx_compile_path",
     "make_mx_compile_shaped_path",
     "package_mode_factory",
+    "refuse_unavailable",
     "register_path",
     "routinely_checked_paths",
     "skipped_path_lines",
@@ -229,3 +238,74 @@ def skipped_path_lines(tool_name: str, skipped: "dict[str, str]") -> list[str]:
     """One line per path a tool left out, with the reason: a skip is never
     silent."""
     return [f"{tool_name}: {name} skipped: {reason}" for name, reason in skipped.items()]
+
+
+def build_path(name: str, factory: DualNormPathFactory, eps: float) -> DualNormPath:
+    """``factory(eps)``; its PathUnavailable names the path."""
+    try:
+        return factory(eps)
+    except PathUnavailable as unavailable:
+        raise PathUnavailable(f"path {name!r}: {unavailable}") from unavailable
+
+
+def refuse_unavailable(reasons: Mapping[str, str]) -> None:
+    """Raises PathUnavailable for the first of the paths named (with the
+    reason each cannot run here), so the command exits 2 before running
+    any path."""
+    for name, reason in reasons.items():
+        raise PathUnavailable(f"path {name!r}: {reason}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PathSelection:
+    """The paths a command may be asked for with ``--path``, and those it
+    runs when none is named.
+
+    ``factories``: the dual norm paths ``--path`` accepts (every registered
+    path but the reference, or a caller's own); ``extra_names``: names it
+    accepts that are not dual norm paths (parity's norm + RoPE paths);
+    ``default_names``: what runs without ``--path``; ``registered``: whether
+    these are the registered paths rather than a caller's own (a test's)."""
+
+    factories: dict[str, DualNormPathFactory]
+    default_names: list[str]
+    extra_names: list[str] = dataclasses.field(default_factory=list)
+    registered: bool = True
+
+    @classmethod
+    def of(
+        cls,
+        path_factories: Optional[Mapping[str, DualNormPathFactory]],
+        default_factories: Mapping[str, DualNormPathFactory],
+        *,
+        extra_names: Sequence[str] = (),
+        extra_default_names: Sequence[str] = (),
+    ) -> "PathSelection":
+        """The registered paths, ``default_factories`` (and
+        ``extra_default_names``) running by default; or, when
+        ``path_factories`` is given, those alone, all by default, with no
+        extra names."""
+        if path_factories is not None:
+            return cls(dict(path_factories), list(path_factories), registered=False)
+        return cls(
+            {name: path.factory for name, path in PATH_REGISTRY.items() if name != REFERENCE_PATH},
+            [*default_factories, *extra_default_names],
+            list(extra_names),
+        )
+
+    def add_path_argument(self, parser: argparse.ArgumentParser, verb: str) -> None:
+        parser.add_argument(
+            "--path",
+            dest="path_names",
+            action="append",
+            choices=[*self.factories, *self.extra_names],
+            help=f"path to {verb} (repeatable; default: {', '.join(self.default_names)})",
+        )
+
+    def named(self, arguments: argparse.Namespace) -> list[str]:
+        """The paths ``--path`` named, or the default ones."""
+        return arguments.path_names or self.default_names
+
+    def factories_named(self, names: Sequence[str]) -> dict[str, DualNormPathFactory]:
+        """The dual norm paths among ``names`` (extra names left out)."""
+        return {name: self.factories[name] for name in names if name in self.factories}

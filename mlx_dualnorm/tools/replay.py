@@ -41,11 +41,11 @@ import mlx.core as mx
 from mlx_dualnorm._bits import bit_difference_mask
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.tools.paths import (
-    PATH_REGISTRY,
     REFERENCE_PATH,
     DualNormPath,
     DualNormPathFactory,
-    PathUnavailable,
+    PathSelection,
+    build_path,
     describe_paths,
     make_composed_path,
     routinely_checked_paths,
@@ -497,12 +497,10 @@ def run_replay(
     ``progress`` hears of every token of every decode. Ctrl-C after the
     reference decode raises InterruptedWithPartialResult carrying the
     report of the paths compared so far."""
-    paths = {}
-    for path_name, path_factory in path_factories.items():  # refuse before decoding
-        try:
-            paths[path_name] = path_factory(config.rms_norm_eps)
-        except PathUnavailable as unavailable:
-            raise PathUnavailable(f"path {path_name!r}: {unavailable}") from unavailable
+    paths = {  # built before decoding: a path that cannot run here refuses at once
+        path_name: build_path(path_name, path_factory, config.rms_norm_eps)
+        for path_name, path_factory in path_factories.items()
+    }
     parameters = build_replay_model(config)
     reference = greedy_decode(
         make_composed_path(config.rms_norm_eps),
@@ -568,20 +566,14 @@ PROGRESS_INTERVAL_SECONDS = 2.0
 _DTYPES_BY_NAME = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 
-def _replay_parser(path_names: Sequence[str], default_names: Sequence[str]) -> argparse.ArgumentParser:
+def _replay_parser(selection: PathSelection) -> argparse.ArgumentParser:
     parser = command.tool_parser(
         "replay",
         "Greedy-decode a small gated-delta + attention model with each dual head norm "
         "path and compare its tokens and hidden-state bits with the composed path's. "
         "Exit status 1 if any path diverges.",
     )
-    parser.add_argument(
-        "--path",
-        dest="path_names",
-        action="append",
-        choices=list(path_names),
-        help=f"path to replay (repeatable; default: {', '.join(default_names)})",
-    )
+    selection.add_path_argument(parser, "replay")
     parser.add_argument(
         "--steps", type=command.positive_int, default=DEFAULT_DECODE_STEPS,
         help="greedy tokens to decode",
@@ -604,24 +596,18 @@ def main(
     """``python -m mlx_dualnorm replay``: exits 1 if any path's decode
     differs from the composed path's in any token or hidden bit.
     ``path_factories`` replaces the registered paths (for tests)."""
-    if path_factories is None:
-        selectable = {
-            name: path.factory for name, path in PATH_REGISTRY.items() if name != REFERENCE_PATH
-        }
-        default_names = list(PATH_FACTORIES)
-    else:
-        selectable, default_names = dict(path_factories), list(path_factories)
+    selection = PathSelection.of(path_factories, PATH_FACTORIES)
 
     def run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         command.select_device(arguments.device, parser)
-        path_names = arguments.path_names or default_names
+        path_names = selection.named(arguments)
         progress = command.StepProgress(
             "replay, tokens", (len(path_names) + 1) * arguments.steps,
             min_interval_s=PROGRESS_INTERVAL_SECONDS,
         )
         try:
             report = run_replay(
-                {path_name: selectable[path_name] for path_name in path_names},
+                selection.factories_named(path_names),
                 config=ReplayModelConfig(
                     seed=arguments.seed, dtype=_DTYPES_BY_NAME[arguments.dtype]
                 ),
@@ -635,12 +621,12 @@ def main(
                       f"{len(path_names)} paths; the report covers only those")
             raise
         print(format_replay_report(report))
-        if not arguments.path_names and path_factories is None:
-            for line in skipped_path_lines("replay", unavailable_paths(list(selectable))):
+        if not arguments.path_names and selection.registered:
+            for line in skipped_path_lines("replay", unavailable_paths(list(selection.factories))):
                 print(line)
         return command.EXIT_OK if report.passed else command.EXIT_MISMATCH
 
-    return command.run_tool(_replay_parser(list(selectable), default_names), run, argv)
+    return command.run_tool(_replay_parser(selection), run, argv)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,14 @@ that call it:
 
 Each mode of this build and device that is not the reference is a path
 (``rope_compiled``, and ``rope_fused`` where it runs); the comparison and the
-report are those of :mod:`mlx_dualnorm.tools.parity`, whose command line
-runs this matrix after the dual norm's.
+report are those of :mod:`mlx_dualnorm.tools.parity_report`; the command
+line of :mod:`mlx_dualnorm.tools.parity` runs this matrix after the dual
+norm's.
 """
 
 from __future__ import annotations
 
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union, cast
 
@@ -36,7 +36,8 @@ from mlx_dualnorm.dual_head_norm_rope import (
     CompiledDualHeadNormRope,
     composed_dual_head_norm_rope,
 )
-from mlx_dualnorm.tools.parity import ParityMismatch, ParityReport, compare_dual_outputs
+from mlx_dualnorm.tools.parity_inputs import case_key
+from mlx_dualnorm.tools.parity_report import ParityReport, compare_call
 
 __all__ = [
     "ROPE_PATH_DESCRIPTIONS",
@@ -46,6 +47,7 @@ __all__ = [
     "build_rope_parity_matrix",
     "rope_case_inputs",
     "run_rope_parity_matrix",
+    "unavailable_rope_paths",
 ]
 
 ROPE_FAMILY = "norm_rope"
@@ -151,8 +153,9 @@ class RopeInputs:
 
 def rope_case_inputs(case: RopeParityCase, seed: int) -> RopeInputs:
     """Evaluated inputs of one case, from the seed and its description."""
-    case_key = mx.random.key(((seed & 0xFFFFFFFF) << 32) | zlib.crc32(case.describe().encode()))
-    query_key, key_key, query_weight_key, key_weight_key = mx.random.split(case_key, 4)
+    query_key, key_key, query_weight_key, key_weight_key = mx.random.split(
+        case_key(case.describe(), seed), 4
+    )
     dtype = getattr(mx, case.dtype_name)
     queries = (4.0 * mx.random.normal(case.query_shape, key=query_key)).astype(dtype)
     keys = (4.0 * mx.random.normal(case.key_shape, key=key_key)).astype(dtype)
@@ -178,6 +181,17 @@ def available_rope_paths() -> list[str]:
         for mode in available_modes()
         if mode != "composed" and ROPE_PATH_PREFIX + mode in ROPE_PATH_DESCRIPTIONS
     ]
+
+
+def unavailable_rope_paths(path_names: Sequence[str]) -> dict[str, str]:
+    """Of the rope paths named, those this build or device cannot run, each
+    with the reason."""
+    available = available_rope_paths()
+    return {
+        name: f"mode {name.removeprefix(ROPE_PATH_PREFIX)!r} is not available here"
+        for name in path_names
+        if name not in available
+    }
 
 
 def _rope_call(path_name: str, case: RopeParityCase) -> RopeCall:
@@ -213,7 +227,16 @@ def run_rope_parity_matrix(
     reported as the dual norm's parity is."""
     reports = {
         path_name: ParityReport(
-            path_name, matrix_name, seed, bitwise, reference_description=ROPE_REFERENCE_DESCRIPTION
+            path_name,
+            matrix_name,
+            seed,
+            bitwise,
+            reference_description=ROPE_REFERENCE_DESCRIPTION,
+            path_description=(
+                f"{path_name}: {ROPE_PATH_DESCRIPTIONS[path_name]}"
+                if path_name in ROPE_PATH_DESCRIPTIONS
+                else ""
+            ),
         )
         for path_name in path_names
     }
@@ -234,14 +257,8 @@ def run_rope_parity_matrix(
         mx.eval(expected)
         for path_name, report in reports.items():
             started = time.perf_counter()
-            mismatch: Optional[ParityMismatch] = None
-            try:
-                actual = _rope_call(path_name, case)(inputs)
-                mx.eval(actual)
-                differences = compare_dual_outputs(actual, expected, bitwise=bitwise)
-                if differences:
-                    mismatch = ParityMismatch(case, differences)
-            except Exception as error:  # a raising path breaks the contract
-                mismatch = ParityMismatch(case, error=f"{type(error).__name__}: {error}")
+            mismatch = compare_call(
+                case, lambda: _rope_call(path_name, case)(inputs), expected, bitwise
+            )
             report.record(case.family, mismatch, time.perf_counter() - started)
     return reports
