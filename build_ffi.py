@@ -293,6 +293,7 @@ CDEF_HEADERS = (
     "mlxc/mlx/c/compile.h",
     "mlxc/mlx/c/optional.h",
     "mlxc/mlx/c/fast.h",
+    "dual_head_norm_common.h",
     "dual_head_norm.h",
     "dual_head_norm_rope.h",
     "fused/fused_dual_head_norm.h",
@@ -325,7 +326,8 @@ def assemble_cdef() -> str:
 
 
 def composite_sources() -> list[str]:
-    """The plain-C composite: every .c file directly in csrc/."""
+    """The plain-C composite: every .c file directly in csrc/ (public
+    headers beside them, the helpers' own headers in csrc/private/)."""
     return sorted(str(path.relative_to(ROOT)) for path in CSRC.glob("*.c"))
 
 

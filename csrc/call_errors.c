@@ -1,6 +1,6 @@
 /* How the package's C entry points report failures: into the caller's
  * mlx_dualnorm_error, before they return (see call_errors.h). */
-#include "call_errors.h"
+#include "private/call_errors.h"
 
 #include <stdarg.h>
 #include <stdbool.h>

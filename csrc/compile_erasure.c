@@ -1,6 +1,8 @@
 /* Erasing compile-cache entries from every thread's cache (see
  * compile_erasure.h). */
-#include "compile_erasure.h"
+#include "private/compile_erasure.h"
+
+#include "dual_head_norm_common.h" /* the public functions defined here */
 
 #include <pthread.h>
 #include <stdatomic.h>

@@ -64,11 +64,11 @@
 
 #include "dual_head_norm_rope.h"
 
-#include "call_errors.h"
-#include "compile_erasure.h"
-#include "head_norm_input.h"
-#include "layout_graphs.h"
-#include "mode_choice.h"
+#include "private/call_errors.h"
+#include "private/compile_erasure.h"
+#include "private/head_norm_input.h"
+#include "private/layout_graphs.h"
+#include "private/mode_choice.h"
 
 #include <limits.h>
 #include <math.h>

@@ -11,8 +11,8 @@
  * scale, offset), as one replay of a compiled MLX graph whose primitives
  * and order are those of the six composed calls, so the bits are theirs.
  *
- * Plain C over the public mlx-c API, like dual_head_norm.h, whose status,
- * mode and error types it shares. The fused CUDA mode is a plug-in
+ * Plain C over the public mlx-c API, like dual_head_norm.h; the status,
+ * mode and error types are dual_head_norm_common.h's. The fused CUDA mode is a plug-in
  * (fused/), as for the dual head norm: one kernel launch normalizes,
  * rotates and transposes every row of both inputs, with the bits of the
  * six composed calls.
@@ -22,7 +22,7 @@
 
 #include <stdbool.h>
 
-#include "dual_head_norm.h"
+#include "dual_head_norm_common.h"
 #include "mlx/c/mlx.h"
 
 #ifdef __cplusplus

@@ -1,7 +1,7 @@
 /* One call's inputs, read and checked once (see head_norm_input.h). */
-#include "head_norm_input.h"
+#include "private/head_norm_input.h"
 
-#include "call_errors.h"
+#include "private/call_errors.h"
 
 #include <float.h>
 #include <math.h>

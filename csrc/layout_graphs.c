@@ -1,7 +1,7 @@
 /* An object's graphs, one per weight layout (see layout_graphs.h). */
-#include "layout_graphs.h"
+#include "private/layout_graphs.h"
 
-#include "compile_erasure.h"
+#include "private/compile_erasure.h"
 
 /* The layout of a call with (or without) each weight. */
 static int weight_layout(bool has_query_weight, bool has_key_weight) {

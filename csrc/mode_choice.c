@@ -1,7 +1,7 @@
 /* Which mode an object runs in (see mode_choice.h). */
-#include "mode_choice.h"
+#include "private/mode_choice.h"
 
-#include "call_errors.h"
+#include "private/call_errors.h"
 
 int dualnorm_resolve_mode(mlx_dualnorm_mode requested, bool fused_available,
                           int (*prepare_fused)(void), const char* operation,

@@ -8,10 +8,10 @@
  * when a failure inside a graph builder propagates out through the closure
  * and the compiled graph, each layer reporting again.
  */
-#ifndef MLX_DUALNORM_CALL_ERRORS_H
-#define MLX_DUALNORM_CALL_ERRORS_H
+#ifndef MLX_DUALNORM_PRIVATE_CALL_ERRORS_H
+#define MLX_DUALNORM_PRIVATE_CALL_ERRORS_H
 
-#include "dual_head_norm.h"
+#include "dual_head_norm_common.h"
 
 /* Forgets the calling thread's MLX message: the start of an entry point. */
 void dualnorm_begin_call(void);

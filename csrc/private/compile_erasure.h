@@ -14,8 +14,8 @@
  * only on the threads that applied that object: what is held for a thread
  * is bounded by the objects it applied itself, so threads that sit idle
  * while others create and close objects accumulate nothing. */
-#ifndef MLX_DUALNORM_COMPILE_ERASURE_H
-#define MLX_DUALNORM_COMPILE_ERASURE_H
+#ifndef MLX_DUALNORM_PRIVATE_COMPILE_ERASURE_H
+#define MLX_DUALNORM_PRIVATE_COMPILE_ERASURE_H
 
 #include <stdbool.h>
 #include <stddef.h>

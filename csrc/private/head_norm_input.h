@@ -8,13 +8,13 @@
  * trace time, and reports them as invalid arguments. The facts read here
  * also choose the call's route: nothing about an input is read twice.
  */
-#ifndef MLX_DUALNORM_HEAD_NORM_INPUT_H
-#define MLX_DUALNORM_HEAD_NORM_INPUT_H
+#ifndef MLX_DUALNORM_PRIVATE_HEAD_NORM_INPUT_H
+#define MLX_DUALNORM_PRIVATE_HEAD_NORM_INPUT_H
 
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "dual_head_norm.h"
+#include "dual_head_norm_common.h"
 
 /* What one call knows about one side, read once by inspect_head_norm_input
  * and used by the checks and the route choice alike. */

@@ -5,15 +5,15 @@
  * composed mode) and the compile id it was compiled under. This is how they
  * are indexed and released.
  */
-#ifndef MLX_DUALNORM_LAYOUT_GRAPHS_H
-#define MLX_DUALNORM_LAYOUT_GRAPHS_H
+#ifndef MLX_DUALNORM_PRIVATE_LAYOUT_GRAPHS_H
+#define MLX_DUALNORM_PRIVATE_LAYOUT_GRAPHS_H
 
 #include <stdbool.h>
 #include <stdint.h>
 
 #include "mlx/c/mlx.h"
 
-#include "head_norm_input.h"
+#include "private/head_norm_input.h"
 
 /* Weight layouts, indexing the graphs: bit 0 = a query weight, bit 1 = a
  * key weight. */

@@ -1,11 +1,11 @@
 /* Which mode an object runs in (internal): both composites resolve the
  * requested mode the same way, given what their fused backend can do. */
-#ifndef MLX_DUALNORM_MODE_CHOICE_H
-#define MLX_DUALNORM_MODE_CHOICE_H
+#ifndef MLX_DUALNORM_PRIVATE_MODE_CHOICE_H
+#define MLX_DUALNORM_PRIVATE_MODE_CHOICE_H
 
 #include <stdbool.h>
 
-#include "dual_head_norm.h"
+#include "dual_head_norm_common.h"
 
 /* Resolves `requested` into `*resolved` (never AUTO). AUTO takes FUSED where
  * `fused_available` and `prepare_fused()` (compiling the kernel) succeeds,

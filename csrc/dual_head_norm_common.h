@@ -1,0 +1,88 @@
+/* What both composites of mlx_dualnorm share: the status every fallible
+ * call returns, the modes an object runs in, the error record a failed
+ * call fills, and the process-wide set-up.
+ *
+ * dual_head_norm.h (the dual head norm) and dual_head_norm_rope.h (the
+ * dual head norm + RoPE) include this header; a program includes those.
+ *
+ * Errors travel with the call: every fallible entry point takes an
+ * `mlx_dualnorm_error*` (NULL when the caller does not want the details)
+ * that it fills before it returns a non-zero status. Nothing is left in
+ * shared or thread-local state for the caller to collect later.
+ */
+#ifndef MLX_DUALNORM_DUAL_HEAD_NORM_COMMON_H
+#define MLX_DUALNORM_DUAL_HEAD_NORM_COMMON_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "mlx/c/mlx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum mlx_dualnorm_status_ {
+  MLX_DUALNORM_OK = 0,
+  /* MLX itself failed; the description is MLX's first message. */
+  MLX_DUALNORM_MLX_FAILURE = 1,
+  /* An input the composed path would reject, or one a compiled replay
+   * would not check (a weight whose length is not the width). */
+  MLX_DUALNORM_INVALID_ARGUMENT = 2,
+  /* The object was closed. */
+  MLX_DUALNORM_CLOSED = 3,
+} mlx_dualnorm_status;
+
+/* How an object runs. AUTO resolves, at construction, to FUSED where a
+ * fused backend is registered, MLX has a CUDA GPU and the kernel compiles,
+ * else to COMPILED. */
+typedef enum mlx_dualnorm_mode_ {
+  MLX_DUALNORM_MODE_AUTO = 0,
+  /* The composed MLX calls, built on every call (the reference path). */
+  MLX_DUALNORM_MODE_COMPOSED = 1,
+  /* One replay of the compiled dual-output graph (traced once per input
+   * shape). */
+  MLX_DUALNORM_MODE_COMPILED = 2,
+  /* One CUDA kernel launch for both inputs (fused/); inputs it does not
+   * support take the compiled graph, with the same bits. */
+  MLX_DUALNORM_MODE_FUSED = 3,
+} mlx_dualnorm_mode;
+
+/* What a failed call reports. `operation` is a static string, the short
+ * label of the operation that failed (never freed); `description` says
+ * what went wrong, for failures inside MLX MLX's own first message (the
+ * root cause). The description holds at most 1023 bytes and a terminating
+ * NUL. */
+typedef struct mlx_dualnorm_error_ {
+  mlx_dualnorm_status status;
+  const char* operation;
+  char description[1024];
+} mlx_dualnorm_error;
+
+/* Installs the mlx-c error handler that keeps each thread's first MLX
+ * message for the call in flight (mlx-c's default handler exits the
+ * process). Call once before anything else; the Python package does so at
+ * import. Idempotent. */
+void mlx_dualnorm_install_error_handler(void);
+
+/* Waits, at most `timeout_ms`, until every other thread that applied an
+ * object of this package has finished exiting (its thread-local
+ * destructors, MLX's included, have run); returns how many have not. For
+ * an interpreter's exit hook: a thread's exit runs MLX's thread-local
+ * destructors, and those of MLX's Python module take the GIL, which aborts
+ * the process once interpreter finalization has begun. Waiting for them
+ * before finalization (with the GIL released) lets them finish. */
+size_t mlx_dualnorm_await_thread_exits(unsigned timeout_ms);
+
+/* How many compile-cache entries are held for threads other than their
+ * owners: ids queued for a thread's next apply plus the open objects each
+ * thread noted it applied. It grows only with objects a thread applied
+ * itself, never with what other threads create and close; for tests and
+ * soak runs that check closing costs bounded memory. */
+size_t mlx_dualnorm_pending_erasure_entries(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
