@@ -19,7 +19,8 @@ check_installed_mlx()
 
 # _binding first: it loads mlx.core (and so libmlx.so) before the extension
 # modules, which then reuse that very runtime.
-from mlx_dualnorm import _binding  # noqa: F401, E402  (isort: skip)
+from mlx_dualnorm import _binding, dual_head_norm, dual_head_norm_rope  # noqa: E402  (isort: skip)
+from mlx_dualnorm._composite import Mode
 from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
 from mlx_dualnorm.dual_head_norm import (
     CompiledDualHeadNorm,
@@ -31,11 +32,17 @@ from mlx_dualnorm.dual_head_norm_rope import (
     composed_dual_head_norm_rope,
 )
 
+# The one binding of the bridge, before any call can reach it.
+_binding.bind_bridges(
+    dual_head_norm._as_array, dual_head_norm_rope._as_array, dual_head_norm_rope._as_offset_array
+)
+
 __all__ = [
     "CompiledDualHeadNorm",
     "CompiledDualHeadNormRope",
     "DualHeadNormValueError",
     "MlxCError",
+    "Mode",
     "available_modes",
     "composed_dual_head_norm",
     "composed_dual_head_norm_rope",

@@ -6,9 +6,10 @@ the extensions (they then reuse it: one MLX runtime per process) and MLX's
 nanobind types are registered before the bridge looks them up. Then the
 mlx-c error handler is installed, so no MLX error can ever reach mlx-c's
 default handler (which exits), the fused modes are registered where this
-build has them, and the bridge is bound to the composite's apply function
-exported by the cffi module, to the converter for arguments that are not
-``mx.array`` and to the package's exception types.
+build has them. The package's ``__init__`` then binds the bridge, once, to
+both composites' apply functions exported by the cffi module, to their
+converters for arguments that are not ``mx.array`` and to the package's
+exception types (:func:`bind_bridges`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import mlx_dualnorm._interop as _interop
 from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
 from mlx_dualnorm._native import ffi, lib
 
-__all__ = ["apply_compiled_dual_head_norm", "bind_bridge", "call_native", "ffi", "lib"]
+__all__ = ["apply_compiled_dual_head_norm", "bind_bridges", "call_native", "ffi", "lib"]
 
 lib.mlx_dualnorm_install_error_handler()
 lib.mlx_dualnorm_set_fused_backend(lib.mlx_dualnorm_fused_backend_table())
@@ -53,15 +54,27 @@ def _let_exiting_threads_finish() -> None:
 atexit.register(_let_exiting_threads_finish)
 
 
-def bind_bridge(convert_array: Callable[[object, str], Any]) -> None:
-    """Binds the bridge; `convert_array(value, argument_name)` turns an
-    argument that is not an ``mx.array`` into one, or raises TypeError."""
+def bind_bridges(
+    convert_array: Callable[[object, str], Any],
+    convert_rope_array: Callable[[object, str], Any],
+    convert_offset: Callable[[object], Any],
+) -> None:
+    """Binds the bridge to both composites' apply functions, once, at
+    import. Each ``convert_*_array(value, argument_name)`` turns an
+    argument of its composite that is not an ``mx.array`` into one, or
+    raises TypeError; ``convert_offset(value)`` does that for a RoPE offset
+    that is neither an ``mx.array`` nor an int within int32."""
     _interop.bind(
         _function_address("mlx_dualnorm_apply_compiled_dual_head_norm"),
         _function_address("mlx_vector_array_free"),
         convert_array,
         DualHeadNormValueError,
         MlxCError,
+    )
+    _interop.bind_rope(
+        _function_address("mlx_dualnorm_apply_dual_head_norm_rope"),
+        convert_rope_array,
+        convert_offset,
     )
 
 

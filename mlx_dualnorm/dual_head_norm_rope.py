@@ -15,7 +15,6 @@ MLX graph: one crossing into C per call, lazy outputs, no copies.
 
 from __future__ import annotations
 
-import functools
 import numbers
 from typing import Optional, Union
 
@@ -23,9 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_dualnorm._interop as _interop
-from mlx_dualnorm._binding import _function_address, call_native, ffi, lib
-from mlx_dualnorm._errors import DualHeadNormValueError
-from mlx_dualnorm.dual_head_norm import (
+from mlx_dualnorm._binding import call_native, ffi, lib
+from mlx_dualnorm._composite import (
     _MODE_NAMES,
     ArrayLike,
     Mode,
@@ -34,10 +32,11 @@ from mlx_dualnorm.dual_head_norm import (
     _as_mx_array,
     _default_stream,
     _mode_value,
-    _NO_NATIVE,
     _NativeComposite,
+    _NO_NATIVE,
     _output_count_error,
 )
+from mlx_dualnorm._errors import DualHeadNormValueError
 
 __all__ = ["CompiledDualHeadNormRope", "composed_dual_head_norm_rope"]
 
@@ -291,8 +290,7 @@ def _as_offset_array(offset: object) -> mx.array:
         ) from None
 
 
-_interop.bind_rope(
-    _function_address("mlx_dualnorm_apply_dual_head_norm_rope"),
-    functools.partial(_as_mx_array, operation=APPLY_NORM_ROPE_OPERATION),
-    _as_offset_array,
-)
+def _as_array(value: object, argument_name: str) -> mx.array:
+    """The bridge's converter for this composite's arguments that are not
+    ``mx.array``."""
+    return _as_mx_array(value, argument_name, APPLY_NORM_ROPE_OPERATION)
