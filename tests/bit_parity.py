@@ -1,8 +1,10 @@
 """Bit-level comparison for the reliability tests.
 
 The reliability suite promises the composed path's BITS: same dtype, same
-shape, same bit pattern everywhere, through the package's one comparison
-(``mlx_dualnorm._bits``), with context in each failure message.
+shape, same bit pattern everywhere, through the tests' one bit-exact
+assertion (``conftest.assert_bit_identical``), with context in each failure
+message. Here: the reference those checks compare with, and what the
+epsilon contract adds to them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from conftest import assert_bit_identical
 from mlx_dualnorm import composed_dual_head_norm
 from mlx_dualnorm._bits import count_bit_differences
 
@@ -55,17 +58,6 @@ def composed_reference(
     return normalized(queries, query_weight), normalized(keys, key_weight)
 
 
-def assert_same_bits(
-    actual: mx.array, expected: mx.array, context: str = "", nan_payloads_may_differ: bool = False
-) -> None:
-    """Same dtype, same shape, same bits in every element (NaN payloads
-    excepted only when asked: see docs/reliability.md on NaN payloads)."""
-    assert actual.dtype == expected.dtype, (context, actual.dtype, expected.dtype)
-    assert actual.shape == expected.shape, (context, actual.shape, expected.shape)
-    mismatches = mismatched_elements(actual, expected, nan_payloads_may_differ)
-    assert mismatches == 0, f"{context}: {mismatches} of {actual.size} elements differ in bits"
-
-
 def assert_normalized_with_eps(
     outputs: tuple[mx.array, mx.array],
     inputs: tuple,
@@ -79,7 +71,7 @@ def assert_normalized_with_eps(
     assert isinstance(outputs, tuple) and len(outputs) == 2, (context, outputs)
     expected = composed_dual_head_norm(*inputs, eps=eps)
     for side, actual, reference in zip(("queries", "keys"), outputs, expected):
-        assert_same_bits(actual, reference, f"{context} {side} eps={eps!r}")
+        assert_bit_identical(actual, reference, f"{context} {side} eps={eps!r}")
     for other_eps in other_epsilons:
         if other_eps == eps:
             continue

@@ -2,19 +2,73 @@
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import pytest
+from hypothesis import settings
 
 from mlx_dualnorm._bits import count_bit_differences
 
+# ---- Hypothesis profiles ---------------------------------------------------------
+#
+# The property tests of test_parity_properties.py take most of a full run: on
+# two CPU cores each example compiles kernels (g++) for its epsilon, dtype and
+# rank, about 1 to 4 s an example. Their example counts are written for
+# Hypothesis' default profile (max_examples 100) and scale with the profile
+# loaded (scaled_examples), never below MINIMUM_EXAMPLES:
+#
+#   profile    selected by                      compiled vs composed / replays
+#                                               over new shapes / interleaved eps
+#   default    neither variable set             60 / 25 / 20 examples  (~240 s)
+#   ci         CI set (HYPOTHESIS_PROFILE wins)  15 /  6 /  5 examples  (~60 s)
+#   thorough   HYPOTHESIS_PROFILE=thorough      240 / 100 / 80 examples
+#
+# The ci profile keeps Hypothesis' own CI settings (derandomized, so a
+# failure reproduces with HYPOTHESIS_PROFILE=ci; no example database; no
+# deadline): its 15 examples still span ranks 1-4, the three dtypes, every
+# weighting and special values; 6 replays chain 2-5 shapes each; 5 epsilon
+# pairs alternate four calls each. The thorough profile is for exploring
+# before a release.
+MINIMUM_EXAMPLES = 5
+settings.register_profile(
+    "ci", parent=settings.get_profile("ci"), max_examples=25, deadline=None
+)
+settings.register_profile("thorough", max_examples=400, deadline=None)
+if os.environ.get("HYPOTHESIS_PROFILE"):
+    settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
+elif os.environ.get("CI"):
+    settings.load_profile("ci")
 
-def assert_bit_identical(actual: mx.array, expected: mx.array) -> None:
+
+def scaled_examples(default_profile_examples: int) -> int:
+    """A test's ``max_examples`` under the loaded profile: the count it runs
+    under the default profile (100 examples), scaled by the loaded
+    profile's ``max_examples`` / 100."""
+    scaled = round(default_profile_examples * settings.default.max_examples / 100)
+    return max(MINIMUM_EXAMPLES, scaled)
+
+
+
+def assert_bit_identical(
+    actual: mx.array,
+    expected: mx.array,
+    context: str = "",
+    nan_payloads_may_differ: bool = False,
+) -> None:
     """Same dtype, same shape, same bits in every element (signed zeros and
-    NaN payloads included): the package's one comparison rule."""
-    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    differing = count_bit_differences(actual, expected)
-    assert differing == 0, f"{differing} of {actual.size} elements differ in bits"
+    NaN payloads included): the package's one comparison rule, the one
+    bit-exact assertion of the tests. ``context`` opens each failure
+    message; ``nan_payloads_may_differ`` lets a NaN match any NaN (see
+    docs/reliability.md on NaN payloads)."""
+    where = (context,) if context else ()
+    assert actual.dtype == expected.dtype, (*where, actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (*where, actual.shape, expected.shape)
+    differing = count_bit_differences(
+        actual, expected, nan_payloads_may_differ=nan_payloads_may_differ
+    )
+    prefix = f"{context}: " if context else ""
+    assert differing == 0, f"{prefix}{differing} of {actual.size} elements differ in bits"
 
 
 def assert_transforms_agree(transform: str, actual, expected, primals, vmap_arguments) -> None:

@@ -24,7 +24,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 import pytest
-from bit_parity import ON_GPU, assert_same_bits, composed_reference
+from bit_parity import ON_GPU, composed_reference
+from conftest import assert_bit_identical
 from isolated_process import describe, run_python
 
 from mlx_dualnorm import (
@@ -200,8 +201,8 @@ OPERATION_NAMES = (
 def assert_valid_call_works() -> None:
     outputs = NORM(QUERIES, KEYS, WEIGHT, None)
     expected = composed_dual_head_norm(QUERIES, KEYS, WEIGHT, None, EPS)
-    assert_same_bits(outputs[0], expected[0], "queries after a bad call")
-    assert_same_bits(outputs[1], expected[1], "keys after a bad call")
+    assert_bit_identical(outputs[0], expected[0], "queries after a bad call")
+    assert_bit_identical(outputs[1], expected[1], "keys after a bad call")
 
 
 def test_the_table_has_at_least_forty_cases():
@@ -290,8 +291,8 @@ def test_inputs_the_composed_path_accepts_match_it_bit_for_bit(case: AcceptedInp
     mx.eval(expected)  # the composed path accepts this input
     norm = NORM if case.eps == EPS else CompiledDualHeadNorm(case.eps)
     outputs = norm(*inputs)
-    assert_same_bits(outputs[0], expected[0], f"{case.name}: queries")
-    assert_same_bits(outputs[1], expected[1], f"{case.name}: keys")
+    assert_bit_identical(outputs[0], expected[0], f"{case.name}: queries")
+    assert_bit_identical(outputs[1], expected[1], f"{case.name}: keys")
 
 
 STREAMS = {
@@ -311,7 +312,7 @@ def test_stream_arguments_the_composed_path_accepts(stream):
     outputs = NORM(QUERIES, KEYS, WEIGHT, WEIGHT, stream=stream)
     mx.eval(outputs)
     for actual, reference in zip(outputs, expected):
-        assert_same_bits(actual, reference, "stream argument")
+        assert_bit_identical(actual, reference, "stream argument")
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.bool_])
@@ -323,8 +324,8 @@ def test_numpy_inputs_match_the_composed_path_on_the_same_values(dtype):
     weight = np.linspace(0.5, 1.5, WIDTH, dtype=np.float32)
     outputs = NORM(queries, KEYS, weight, None)
     expected = composed_dual_head_norm(mx.array(queries), KEYS, mx.array(weight), None, EPS)
-    assert_same_bits(outputs[0], expected[0], "numpy queries")
-    assert_same_bits(outputs[1], expected[1], "keys")
+    assert_bit_identical(outputs[0], expected[0], "numpy queries")
+    assert_bit_identical(outputs[1], expected[1], "keys")
 
 
 # Widths 0 and 1 crash or mis-shape MLX 0.32.4's shapeless compile (its
@@ -332,7 +333,7 @@ def test_numpy_inputs_match_the_composed_path_on_the_same_values(dtype):
 # 1). A crash would take pytest down, so these run in a child process.
 DEGENERATE_WIDTH_CHECK = """
     import mlx.core as mx
-    from bit_parity import assert_same_bits, composed_reference
+    from bit_parity import composed_reference
     from mlx_dualnorm import CompiledDualHeadNorm
 
     norm = CompiledDualHeadNorm(1e-5)
@@ -344,8 +345,8 @@ DEGENERATE_WIDTH_CHECK = """
             keys = mx.random.normal((2, 8), key=mx.random.key(9))
             expected = composed_reference(queries, keys, weight, None, 1e-5)
             outputs = norm(queries, keys, weight, None)
-            assert_same_bits(outputs[0], expected[0], f"{shape} weighted={weighted}")
-            assert_same_bits(outputs[1], expected[1], f"keys next to {shape}")
+            assert_bit_identical(outputs[0], expected[0], f"{shape} weighted={weighted}")
+            assert_bit_identical(outputs[1], expected[1], f"keys next to {shape}")
             print("ok", shape, weighted)
 """
 

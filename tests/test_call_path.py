@@ -16,7 +16,7 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
-from bit_parity import assert_same_bits
+from conftest import assert_bit_identical
 from isolated_process import describe, run_python
 
 from mlx_dualnorm import (
@@ -76,8 +76,8 @@ def test_a_subclass_that_skips_init_is_a_type_error_and_a_proper_one_works():
     values = mx.random.normal((2, 8), key=mx.random.key(1))
     outputs = norm(Proper(values), values)
     expected = composed_dual_head_norm(values, values, eps=1e-6)
-    assert_same_bits(outputs[0], expected[0])
-    assert_same_bits(outputs[1], expected[1])
+    assert_bit_identical(outputs[0], expected[0])
+    assert_bit_identical(outputs[1], expected[1])
 
 
 class CyclicGarbage:
@@ -121,8 +121,8 @@ def test_numpy_arrays_of_either_byte_order_are_converted(dtype):
     outputs = norm(values, values)
     native = mx.array(values.astype(values.dtype.newbyteorder("=")))
     expected = composed_dual_head_norm(native, native, eps=1e-6)
-    assert_same_bits(outputs[0], expected[0])
-    assert_same_bits(outputs[1], expected[1])
+    assert_bit_identical(outputs[0], expected[0])
+    assert_bit_identical(outputs[1], expected[1])
 
 
 def test_a_big_endian_integer_array_is_rejected_as_rms_norm_would():

@@ -30,7 +30,8 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from bit_parity import ON_GPU, assert_same_bits, composed_reference, mismatched_elements
+from bit_parity import ON_GPU, composed_reference, mismatched_elements
+from conftest import assert_bit_identical
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -179,7 +180,7 @@ def test_compiled_path_agrees_with_the_composed_path(call, eps):
             mismatched_elements(actual, expected) != 0
         ):
             event("only NaN payloads differ (known: test_nan_payload_of_nan_times_nan)")
-        assert_same_bits(actual, expected, side, nan_payloads_may_differ=True)
+        assert_bit_identical(actual, expected, side, nan_payloads_may_differ=True)
 
 
 @FUZZ_SETTINGS
@@ -213,7 +214,7 @@ def test_nan_payload_of_nan_times_nan():
     queries = mx.array([float("nan"), -1.3e-4]).astype(mx.float16)
     weight = mx.array([float("nan"), -1.3e-4])
     outputs = NORMS[1e-5](queries, mx.ones((1, 4)), weight, None)
-    assert_same_bits(outputs[0], mx.fast.rms_norm(queries, weight, 1e-5), "queries")
+    assert_bit_identical(outputs[0], mx.fast.rms_norm(queries, weight, 1e-5), "queries")
 
 
 # ---- epsilons ------------------------------------------------------------------
@@ -284,5 +285,5 @@ def test_any_valid_epsilon_reaches_the_compiled_kernel_exactly(eps):
     with CompiledDualHeadNorm(eps) as norm:
         outputs = norm(queries, keys)
         expected = composed_dual_head_norm(queries, keys, eps=eps)
-        assert_same_bits(outputs[0], expected[0], f"queries eps={eps!r}")
-        assert_same_bits(outputs[1], expected[1], f"keys eps={eps!r}")
+        assert_bit_identical(outputs[0], expected[0], f"queries eps={eps!r}")
+        assert_bit_identical(outputs[1], expected[1], f"keys eps={eps!r}")

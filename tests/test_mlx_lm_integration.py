@@ -19,7 +19,7 @@ pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
 import mlx_lm.models.gated_delta as gated_delta  # noqa: E402
-from conftest import assert_bit_identical as assert_same_bits  # noqa: E402
+from conftest import assert_bit_identical  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
@@ -115,7 +115,7 @@ def test_fold_is_bit_identical(no_fallback, dtype, width, eps, inv_scale):
         expected = ORIGINAL(queries, keys, inv_scale=inv_scale, eps=eps)
         actual = integration.normalize_qk(queries, keys, inv_scale=inv_scale, eps=eps)
         for a, e in zip(actual, expected):
-            assert_same_bits(a, e)
+            assert_bit_identical(a, e)
 
 
 def test_special_values_are_bit_identical(no_fallback):
@@ -128,7 +128,7 @@ def test_special_values_are_bit_identical(no_fallback):
         expected = ORIGINAL(queries, keys, inv_scale=128**-0.5, eps=eps)
         actual = integration.normalize_qk(queries, keys, inv_scale=128**-0.5, eps=eps)
         for a, e in zip(actual, expected):
-            assert_same_bits(a, e)
+            assert_bit_identical(a, e)
 
 
 def test_one_fold_per_key_however_many_calls():
@@ -169,7 +169,7 @@ def test_cache_is_thread_safe(no_fallback):
     assert len(results) == 40
     for outputs in results:
         for a, e in zip(outputs, expected):
-            assert_same_bits(a, e)
+            assert_bit_identical(a, e)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -202,7 +202,7 @@ def test_transforms_are_bit_identical(transform, dtype):
         return mx.compile(normalized)(queries, keys)
 
     for a, e in zip(transformed(integration.normalize_qk), transformed(ORIGINAL)):
-        assert_same_bits(a, e)
+        assert_bit_identical(a, e)
 
 
 # ---- Fallbacks ----------------------------------------------------------------
@@ -228,7 +228,7 @@ def assert_same_outcome(expected, actual):
     else:
         for a, e in zip(actual, expected):
             if isinstance(e, mx.array):
-                assert_same_bits(a, e)
+                assert_bit_identical(a, e)
             else:  # a numpy inv_scale makes numpy results: same type, dtype, shape, bytes
                 assert type(a) is type(e) and a.dtype == e.dtype and a.shape == e.shape
                 assert np.asarray(a).tobytes() == np.asarray(e).tobytes()
@@ -411,7 +411,7 @@ def test_mode_is_passed_through(no_fallback):
         queries, keys = random_pair((1, 1, 16, 128), mx.bfloat16)
         expected = ORIGINAL(queries, keys, inv_scale=128**-0.5, eps=1e-6)
         for a, e in zip(replacement(queries, keys, inv_scale=128**-0.5, eps=1e-6), expected):
-            assert_same_bits(a, e)
+            assert_bit_identical(a, e)
     (fold,) = integration._folded_norms.values()
     assert fold.dual_head_norm.mode == "compiled"
     with integration.patch(mode="compiled"):
@@ -471,7 +471,7 @@ def test_greedy_generation_is_bit_identical(monkeypatch, model_type, dtype):
     assert comparison.tokens_identical and comparison.logits_bit_identical, comparison
     assert len(patched.step_logits) == GENERATED_TOKENS + 1
     for a, e in zip(patched.step_logits, reference.step_logits):
-        assert_same_bits(a, e)
+        assert_bit_identical(a, e)
     # 3 gated-delta layers x (prompt chunk + GENERATED_TOKENS + 1 steps)
     assert counts.calls == counts.folded == 3 * (GENERATED_TOKENS + 2)
     assert ((1, 1, 16, 128), dtype) in shapes  # the real decode shape
