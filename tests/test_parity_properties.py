@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bit_parity import composed_reference
-from conftest import assert_bit_identical
+from conftest import assert_bit_identical, scaled_examples
 from mlx_dualnorm import CompiledDualHeadNorm, composed_dual_head_norm
 from mlx_dualnorm.tools.parity import ValueProfile, generate_head_values
 
@@ -65,7 +65,7 @@ SPECIAL_ENTRY_VALUES = (
 MAX_ELEMENTS_PER_INPUT = 48_000
 
 PROPERTY_SETTINGS = settings(
-    max_examples=60,
+    max_examples=scaled_examples(60),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -194,7 +194,7 @@ def test_compiled_dual_head_norm_equals_two_rms_norms(problem) -> None:
     )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=scaled_examples(25), deadline=None)
 @given(
     rank=st.integers(2, 4),
     dtype=st.sampled_from(FLOATING_DTYPES),
@@ -221,7 +221,7 @@ def test_one_norm_replays_over_changing_shapes(rank, dtype, weighted, shapes, se
         assert_compiled_matches_composed(norm, queries, keys, weight, weight, 1e-6)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=scaled_examples(20), deadline=None)
 @given(
     first_eps=st.sampled_from(EPSILON_CHOICES),
     second_eps=st.sampled_from(EPSILON_CHOICES),
