@@ -1,6 +1,6 @@
-"""Exhaustive parity sweep of the mlx-lm fold (minutes; not collected by pytest).
+"""Exhaustive parity sweep of the mlx-lm fold (minutes; a tool, not a test).
 
-    python tests/mlx_lm_fold_sweep.py [--widths 2,3,128] [--quick]
+    python bench/mlx_lm_fold_sweep.py [--widths 2,3,128] [--quick]
 
 Compares ``mlx_dualnorm.integrations.mlx_lm.normalize_qk`` (the scales folded
 into constant weights, one dual call) with mlx-lm's own ``normalize_qk``
