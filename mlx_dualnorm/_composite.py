@@ -52,6 +52,7 @@ class _NativeComposite:
     _constructor_arguments: tuple[tuple[Any, ...], dict[str, Any]]
     _close_native: Callable[..., int]  # the subclass's C close function
     _operation: str  # the label of this class's errors
+    _close_operation: str  # the label of close()'s errors
 
     def __new__(cls, *arguments: Any, **options: Any):
         composite = super().__new__(cls)
@@ -80,16 +81,19 @@ class _NativeComposite:
             raise self._uninitialized_error()
         return native
 
-    def _uninitialized_error(self) -> TypeError:
+    def _uninitialized_error(self, operation: str = "") -> TypeError:
         return TypeError(
-            f"[{self._operation}] this {type(self).__name__} was never initialized "
-            "(made by __new__ without __init__)"
+            f"[{operation or self._operation}] this {type(self).__name__} was never "
+            "initialized (made by __new__ without __init__)"
         )
 
     def close(self) -> None:
         """Releases the compiled graphs and their compile-cache entries.
         Later calls raise ``DualHeadNormValueError``; closing twice is fine."""
-        call_native(self._close_native, self._native)
+        native = self._handle[0]
+        if native is None:
+            raise self._uninitialized_error(self._close_operation)
+        call_native(self._close_native, native)
 
     def __enter__(self: _Composite) -> _Composite:
         self._native  # refuses an object never initialized

@@ -14,8 +14,7 @@ class MlxCError(RuntimeError):
     """An MLX or mlx-c failure, naming the operation that failed.
 
     Attributes:
-        operation: what was being done, e.g. ``"apply the compiled MLX dual
-            head norm"``.
+        operation: the operation's label, e.g. ``"dual_head_norm"``.
         description: what went wrong; for failures inside MLX, MLX's own
             first message (the root cause).
     """

@@ -33,9 +33,11 @@ from mlx_dualnorm._composite import (
 
 __all__ = ["CompiledDualHeadNorm", "Mode", "available_modes", "composed_dual_head_norm"]
 
-APPLY_DUAL_HEAD_NORM_OPERATION = "apply the compiled MLX dual head norm"
-COMPILE_DUAL_HEAD_NORM_OPERATION = "compile the MLX dual head norm graph"
-COMPOSED_DUAL_HEAD_NORM_OPERATION = "composed dual head norm"
+# The labels of this module's errors, ``[label] message``, as MLX's ops do
+# (the C library reports the same ones).
+DUAL_HEAD_NORM_OPERATION = "dual_head_norm"  # construct and call
+DUAL_HEAD_NORM_CLOSE_OPERATION = "dual_head_norm_close"
+COMPOSED_DUAL_HEAD_NORM_OPERATION = "composed_dual_head_norm"
 
 
 def available_modes() -> tuple[str, ...]:
@@ -93,12 +95,13 @@ class CompiledDualHeadNorm(_NativeComposite):
 
     __slots__ = ()  # _handle[0]: mlx_dualnorm_compiled_dual_head_norm*
     _close_native = lib.mlx_dualnorm_compiled_dual_head_norm_close
-    _operation = COMPILE_DUAL_HEAD_NORM_OPERATION
+    _operation = DUAL_HEAD_NORM_OPERATION
+    _close_operation = DUAL_HEAD_NORM_CLOSE_OPERATION
 
     def __init__(self, eps: float = 1e-6, mode: Mode = "auto") -> None:
         self._refuse_reinitialization()
-        rms_norm_epsilon = _as_epsilon(eps, COMPILE_DUAL_HEAD_NORM_OPERATION)
-        mode_value = _mode_value(mode, COMPILE_DUAL_HEAD_NORM_OPERATION)
+        rms_norm_epsilon = _as_epsilon(eps, DUAL_HEAD_NORM_OPERATION)
+        mode_value = _mode_value(mode, DUAL_HEAD_NORM_OPERATION)
         created = ffi.new("mlx_dualnorm_compiled_dual_head_norm **")
         call_native(
             lib.mlx_dualnorm_compiled_dual_head_norm_new, created, rms_norm_epsilon, mode_value
@@ -146,7 +149,7 @@ class CompiledDualHeadNorm(_NativeComposite):
             MlxCError: MLX failed while building the graph.
         """
         if stream is not None:
-            with _default_stream(stream, APPLY_DUAL_HEAD_NORM_OPERATION):
+            with _default_stream(stream, DUAL_HEAD_NORM_OPERATION):
                 return self(queries, keys, query_weight, key_weight)
         # The local keeps the C object alive for the whole call.
         native, address = self._handle
@@ -157,7 +160,7 @@ class CompiledDualHeadNorm(_NativeComposite):
         )
         # The C builders' fixed order, queries then keys: the tuple as is.
         if len(graph_outputs) != 2:
-            raise _output_count_error(graph_outputs, APPLY_DUAL_HEAD_NORM_OPERATION)
+            raise _output_count_error(graph_outputs, DUAL_HEAD_NORM_OPERATION)
         return graph_outputs
 
     def __repr__(self) -> str:
@@ -169,4 +172,4 @@ class CompiledDualHeadNorm(_NativeComposite):
 def _as_array(value: object, argument_name: str) -> mx.array:
     """The bridge's converter for this composite's arguments that are not
     ``mx.array``."""
-    return _as_mx_array(value, argument_name, APPLY_DUAL_HEAD_NORM_OPERATION)
+    return _as_mx_array(value, argument_name, DUAL_HEAD_NORM_OPERATION)

@@ -40,9 +40,11 @@ from mlx_dualnorm._errors import DualHeadNormValueError
 
 __all__ = ["CompiledDualHeadNormRope", "composed_dual_head_norm_rope"]
 
-APPLY_NORM_ROPE_OPERATION = "apply the compiled MLX dual head norm rope"
-COMPILE_NORM_ROPE_OPERATION = "compile the MLX dual head norm rope graph"
-COMPOSED_NORM_ROPE_OPERATION = "composed dual head norm rope"
+# The labels of this module's errors, ``[label] message``, as MLX's ops do
+# (the C library reports the same ones).
+DUAL_HEAD_NORM_ROPE_OPERATION = "dual_head_norm_rope"  # construct and call
+DUAL_HEAD_NORM_ROPE_CLOSE_OPERATION = "dual_head_norm_rope_close"
+COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION = "composed_dual_head_norm_rope"
 
 # What mx.fast.rope takes as offset: an int, or an integer mx.array (a
 # scalar, or one value per batch entry).
@@ -67,7 +69,7 @@ def composed_dual_head_norm_rope(
 ) -> tuple[mx.array, mx.array]:
     """The reference path: ``rms_norm``, transpose to ``(B, H, L, D)`` and
     ``rope``, for each side, as mlx-lm's Qwen3 attention calls them."""
-    rms_norm_epsilon = _as_epsilon(eps, COMPOSED_NORM_ROPE_OPERATION)
+    rms_norm_epsilon = _as_epsilon(eps, COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION)
 
     def normalized_and_rotated(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
         normalized = mx.fast.rms_norm(inputs, weight, rms_norm_epsilon, stream=stream)
@@ -116,7 +118,8 @@ class CompiledDualHeadNormRope(_NativeComposite):
 
     __slots__ = ()  # _handle[0]: mlx_dualnorm_dual_head_norm_rope*
     _close_native = lib.mlx_dualnorm_dual_head_norm_rope_close
-    _operation = COMPILE_NORM_ROPE_OPERATION
+    _operation = DUAL_HEAD_NORM_ROPE_OPERATION
+    _close_operation = DUAL_HEAD_NORM_ROPE_CLOSE_OPERATION
 
     def __init__(
         self,
@@ -129,7 +132,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
         mode: Mode = "auto",
     ) -> None:
         self._refuse_reinitialization()
-        operation = COMPILE_NORM_ROPE_OPERATION
+        operation = DUAL_HEAD_NORM_ROPE_OPERATION
         rms_norm_epsilon = _as_epsilon(eps, operation)
         rope = ffi.new("mlx_dualnorm_rope_parameters *")
         rope.dims = _as_dims(dims)
@@ -208,7 +211,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
             MlxCError: MLX failed while building the graph.
         """
         if stream is not None:
-            with _default_stream(stream, APPLY_NORM_ROPE_OPERATION):
+            with _default_stream(stream, DUAL_HEAD_NORM_ROPE_OPERATION):
                 return self(queries, keys, query_weight, key_weight, offset=offset)
         # The local keeps the C object alive for the whole call.
         native, address = self._handle
@@ -219,7 +222,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
         )
         # The C builders' fixed order, queries then keys: the tuple as is.
         if len(graph_outputs) != 2:
-            raise _output_count_error(graph_outputs, APPLY_NORM_ROPE_OPERATION)
+            raise _output_count_error(graph_outputs, DUAL_HEAD_NORM_ROPE_OPERATION)
         return graph_outputs
 
     def __repr__(self) -> str:
@@ -236,12 +239,12 @@ def _as_dims(dims: object) -> int:
     """dims as the C int the constructor checks (positive, even)."""
     if isinstance(dims, bool) or not isinstance(dims, numbers.Integral):
         raise TypeError(
-            f"[{COMPILE_NORM_ROPE_OPERATION}] dims must be an int, not {type(dims).__name__}"
+            f"[{DUAL_HEAD_NORM_ROPE_OPERATION}] dims must be an int, not {type(dims).__name__}"
         )
     value = int(dims)
     if not _INT32_MIN <= value <= _INT32_MAX:
         raise DualHeadNormValueError(
-            COMPILE_NORM_ROPE_OPERATION, f"dims must be positive and even, got {value}"
+            DUAL_HEAD_NORM_ROPE_OPERATION, f"dims must be positive and even, got {value}"
         )
     return value
 
@@ -249,7 +252,7 @@ def _as_dims(dims: object) -> int:
 def _as_flag(value: object, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(
-            f"[{COMPILE_NORM_ROPE_OPERATION}] {name} must be a bool, not {type(value).__name__}"
+            f"[{DUAL_HEAD_NORM_ROPE_OPERATION}] {name} must be a bool, not {type(value).__name__}"
         )
     return bool(value)
 
@@ -258,14 +261,14 @@ def _as_float32_argument(value: object, name: str) -> float:
     """A real number, which C rounds to float32 as MLX's binding does."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"[{COMPILE_NORM_ROPE_OPERATION}] {name} must be a real number, "
+            f"[{DUAL_HEAD_NORM_ROPE_OPERATION}] {name} must be a real number, "
             f"not {type(value).__name__}"
         )
     try:
         return float(value)
     except OverflowError:  # an int or Fraction beyond a double
         raise DualHeadNormValueError(
-            COMPILE_NORM_ROPE_OPERATION, f"{name} is beyond the range of a float"
+            DUAL_HEAD_NORM_ROPE_OPERATION, f"{name} is beyond the range of a float"
         ) from None
 
 
@@ -276,21 +279,21 @@ def _as_offset_array(offset: object) -> mx.array:
     a numpy integer or array, a bool or a float, whose dtype the C checks
     then refuse as rope does); anything else is a TypeError."""
     if isinstance(offset, (np.ndarray, np.generic)):
-        return _as_mx_array(np.asarray(offset), "offset", APPLY_NORM_ROPE_OPERATION)
+        return _as_mx_array(np.asarray(offset), "offset", DUAL_HEAD_NORM_ROPE_OPERATION)
     if not isinstance(offset, (int, float, complex)):  # bool is an int
         raise TypeError(
-            f"[{APPLY_NORM_ROPE_OPERATION}] offset must be an int or an mlx.core.array "
+            f"[{DUAL_HEAD_NORM_ROPE_OPERATION}] offset must be an int or an mlx.core.array "
             f"(what mx.fast.rope takes), not {type(offset).__name__}"
         )
     try:
         return mx.array(offset)
     except (TypeError, ValueError, OverflowError, RuntimeError) as error:  # MLX: bad_cast
         raise DualHeadNormValueError(
-            APPLY_NORM_ROPE_OPERATION, f"offset {offset!r} is not an MLX array value: {error}"
+            DUAL_HEAD_NORM_ROPE_OPERATION, f"offset {offset!r} is not an MLX array value: {error}"
         ) from None
 
 
 def _as_array(value: object, argument_name: str) -> mx.array:
     """The bridge's converter for this composite's arguments that are not
     ``mx.array``."""
-    return _as_mx_array(value, argument_name, APPLY_NORM_ROPE_OPERATION)
+    return _as_mx_array(value, argument_name, DUAL_HEAD_NORM_ROPE_OPERATION)

@@ -33,10 +33,11 @@ from mlx_dualnorm import (
     DualHeadNormValueError,
     composed_dual_head_norm,
 )
-from mlx_dualnorm.dual_head_norm import (
-    APPLY_DUAL_HEAD_NORM_OPERATION as APPLY_OPERATION,
-    COMPILE_DUAL_HEAD_NORM_OPERATION as COMPILE_OPERATION,
-)
+from mlx_dualnorm.dual_head_norm import DUAL_HEAD_NORM_OPERATION as OPERATION
+
+# The labels of errors the C side raises itself.
+APPLY_OPERATION = "apply the compiled MLX dual head norm"
+COMPILE_OPERATION = "compile the MLX dual head norm graph"
 EPS = 1e-5
 WIDTH = 64
 
@@ -191,6 +192,7 @@ if not GPU_AVAILABLE:
 
 
 OPERATION_NAMES = (
+    f"[{OPERATION}]",
     APPLY_OPERATION,
     COMPILE_OPERATION,
     "CompiledDualHeadNorm.__call__",  # Python's own argument-count errors

@@ -25,10 +25,11 @@ from mlx_dualnorm import (
     MlxCError,
     composed_dual_head_norm,
 )
-from mlx_dualnorm.dual_head_norm import (
-    APPLY_DUAL_HEAD_NORM_OPERATION as APPLY_OPERATION,
-    COMPILE_DUAL_HEAD_NORM_OPERATION as COMPILE_OPERATION,
-)
+from mlx_dualnorm.dual_head_norm import DUAL_HEAD_NORM_OPERATION as OPERATION
+
+# The labels of errors the C side raises itself.
+APPLY_OPERATION = "apply the compiled MLX dual head norm"
+COMPILE_OPERATION = "compile the MLX dual head norm graph"
 
 MLX_MESSAGE_FORM = re.compile(r"^\[[^\]]+\] \S")
 POSITIONS = ("queries", "keys", "query_weight", "key_weight")
@@ -137,7 +138,7 @@ def test_a_big_endian_integer_array_is_rejected_as_rms_norm_would():
 def test_numpy_dtypes_mlx_cannot_hold_are_a_clear_type_error(position, dtype):
     norm = CompiledDualHeadNorm(1e-6)
     size = 8 if position.endswith("weight") else (2, 8)
-    with pytest.raises(TypeError, match=rf"^\[{APPLY_OPERATION}\] {position} has numpy dtype"):
+    with pytest.raises(TypeError, match=rf"^\[{OPERATION}\] {position} has numpy dtype"):
         call_with(norm, position, np.zeros(size, dtype=dtype))
 
 
@@ -146,7 +147,7 @@ def test_the_converters_type_error_reaches_the_caller_unchanged():
     with pytest.raises(TypeError) as raised:
         norm([[1.0, 2.0]], mx.ones((2, 8)))
     assert str(raised.value) == (
-        f"[{APPLY_OPERATION}] queries must be an mlx.core.array or numpy.ndarray, not list"
+        f"[{OPERATION}] queries must be an mlx.core.array or numpy.ndarray, not list"
     )
 
 
@@ -194,7 +195,7 @@ def test_a_gpu_stream_on_a_cpu_only_mlx_names_the_call_and_keeps_mlxs_reason():
     norm = CompiledDualHeadNorm(1e-6)
     with pytest.raises(DualHeadNormValueError) as raised:
         norm(mx.ones((2, 8)), mx.ones((2, 8)), stream=mx.gpu)
-    assert raised.value.operation == APPLY_OPERATION
+    assert raised.value.operation == OPERATION
     assert "Cannot get gpu stream without gpu backend" in raised.value.description
     outputs = norm(mx.ones((2, 8)), mx.ones((2, 8)), stream=mx.cpu)  # still usable
     mx.eval(outputs)

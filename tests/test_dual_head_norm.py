@@ -263,7 +263,7 @@ def test_short_weight_after_a_good_trace_is_still_rejected():
 @pytest.mark.parametrize("bad", ["queries", 3.0, [1.0, 2.0], None, object()])
 def test_non_array_argument_is_a_type_error(bad):
     norm = CompiledDualHeadNorm(EPS)
-    with pytest.raises(TypeError, match=r"^\[apply the compiled MLX dual head norm\] queries"):
+    with pytest.raises(TypeError, match=r"^\[dual_head_norm\] queries"):
         norm(bad, mx.ones((2, 8)))
     with pytest.raises(TypeError, match="key_weight must be"):
         norm(mx.ones((2, 8)), mx.ones((2, 8)), None, "weight")
@@ -308,7 +308,7 @@ def test_a_bridge_giving_other_than_two_outputs_is_an_mlx_error(monkeypatch, rng
     monkeypatch.setattr(
         facade, "apply_compiled_dual_head_norm", lambda *arguments: (queries,) * count
     )
-    expected = rf"^\[apply the compiled MLX dual head norm\] .*returned {count} outputs, expected 2"
+    expected = rf"^\[dual_head_norm\] .*returned {count} outputs, expected 2"
     with pytest.raises(MlxCError, match=expected):
         CompiledDualHeadNorm(EPS, "compiled")(queries, queries)
 

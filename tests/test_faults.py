@@ -26,9 +26,9 @@ from isolated_process import describe, run_python
 
 from mlx_dualnorm import CompiledDualHeadNorm, DualHeadNormValueError, MlxCError
 from mlx_dualnorm._native import ffi, lib
-from mlx_dualnorm.dual_head_norm import APPLY_DUAL_HEAD_NORM_OPERATION as APPLY_OPERATION
 
-# The C side's name for close (the facade never formats it itself).
+# The C side's names for apply and close (the facade never formats them itself).
+APPLY_OPERATION = "apply the compiled MLX dual head norm"
 CLOSE_OPERATION = "close the compiled MLX dual head norm"
 EPS = 1e-4
 OTHER_EPS = 1e-2

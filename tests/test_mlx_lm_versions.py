@@ -38,7 +38,7 @@ CHECK_REFUSAL = textwrap.dedent(
 
 def _assert_refused(process) -> None:
     assert process.returncode == 0, describe(process)
-    assert "REFUSED [patch mlx-lm's normalize_qk] mlx-lm 0.32.2 has no" in process.stdout, describe(
+    assert "REFUSED [mlx_lm.patch] mlx-lm 0.32.2 has no" in process.stdout, describe(
         process
     )
     assert "supports mlx-lm 0.32.0 to 0.32.2" in process.stdout
@@ -79,7 +79,7 @@ def test_patch_refuses_mlx_lm_without_gated_delta_module() -> None:
         """
     )
     assert process.returncode == 0, describe(process)
-    assert "REFUSED [patch mlx-lm's normalize_qk] mlx-lm 0.32.2 has no" in process.stdout, describe(
+    assert "REFUSED [mlx_lm.patch] mlx-lm 0.32.2 has no" in process.stdout, describe(
         process
     )
     assert "UNPATCHED False" in process.stdout

@@ -100,8 +100,9 @@ __all__ = [
     "unpatch",
 ]
 
-PATCH_OPERATION = "patch mlx-lm's normalize_qk"
-FOLD_OPERATION = "fold normalize_qk's scales into the dual head norm"
+# The labels of this integration's errors and warnings, ``[label] message``.
+PATCH_OPERATION = "mlx_lm.patch"
+NORMALIZE_QK_OPERATION = "mlx_lm.normalize_qk"
 
 MLX_LM_PACKAGE = "mlx_lm"
 PATCHED_ATTRIBUTE = "normalize_qk"
@@ -297,7 +298,7 @@ def _build_folded_norm(mode, dtype, width, query_rank, key_rank, eps, inv_scale,
         return _UNFOLDABLE
     if not probe_matches:
         warnings.warn(
-            f"{FOLD_OPERATION}: not bit-identical to mlx-lm's normalize_qk for "
+            f"[{NORMALIZE_QK_OPERATION}] not bit-identical to mlx-lm's normalize_qk for "
             f"dtype {dtype}, width {width}, eps {eps!r}, inv_scale {inv_scale!r} "
             f"(mode {mode!r}); those calls run mlx-lm's own function",
             RuntimeWarning,
@@ -517,7 +518,7 @@ def _check_mode(mode: Mode) -> None:
     try:
         _new_dual_head_norm(1e-6, mode).close()
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{PATCH_OPERATION}: mode {mode!r} cannot run here: {error}") from error
+        raise ValueError(f"[{PATCH_OPERATION}] mode {mode!r} cannot run here: {error}") from error
 
 
 def unpatch() -> MlxLmPatch:
