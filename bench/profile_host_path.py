@@ -50,8 +50,8 @@ import mlx.core as mx
 
 from mlx_dualnorm import CompiledDualHeadNorm
 from mlx_dualnorm._binding import apply_compiled_dual_head_norm, ffi, lib
-from mlx_dualnorm.tools.benchmark import (
-    GATED_DELTA_DECODE,
+from mlx_dualnorm.tools.benchmark import GATED_DELTA_DECODE
+from mlx_dualnorm.tools.benchmark_measurements import (
     ScenarioInputs,
     make_inputs,
     time_graph_builds,
