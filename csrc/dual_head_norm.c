@@ -67,7 +67,6 @@
 #include "private/layout_graphs.h"
 #include "private/mode_choice.h"
 
-#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -107,15 +106,16 @@ static float baked_rms_norm_epsilon(void) {
 
 /* ---- The fused backend --------------------------------------------------- */
 
-static const mlx_dualnorm_fused_backend* _Atomic registered_fused_backend = NULL;
+/* Registration, mode resolution and which calls the kernel takes are
+ * mode_choice.h's, shared with the norm + RoPE. */
+static dualnorm_fused_registration fused_registration = {NULL};
 
 void mlx_dualnorm_set_fused_backend(const mlx_dualnorm_fused_backend* backend) {
-  atomic_store(&registered_fused_backend, backend);
+  dualnorm_register_fused_kernel(&fused_registration, backend == NULL ? NULL : &backend->kernel);
 }
 
 bool mlx_dualnorm_fused_mode_available(void) {
-  const mlx_dualnorm_fused_backend* backend = atomic_load(&registered_fused_backend);
-  return backend != NULL && backend->available();
+  return dualnorm_fused_kernel_available(&fused_registration);
 }
 
 /* ---- Graph builders ------------------------------------------------------ */
@@ -209,6 +209,13 @@ static int (*const graph_builders[WEIGHT_LAYOUT_COUNT])(mlx_vector_array*,
     [WEIGHTED_LAYOUT] = build_weighted_graph,
 };
 
+/* The plain builder of one layout: a plain function, which reads the
+ * epsilon from the slot (the owner is not needed). */
+static mlx_closure new_plain_graph(const void* owner, int layout) {
+  (void)owner;
+  return mlx_closure_new_func(graph_builders[layout]);
+}
+
 /* ---- The compiled dual head norm ----------------------------------------- */
 
 struct mlx_dualnorm_compiled_dual_head_norm_ {
@@ -233,45 +240,15 @@ static int release_compiled_graphs(mlx_dualnorm_compiled_dual_head_norm* dual_he
   return status;
 }
 
-/* Resolves the requested mode (mode_choice.h) with the registered fused
- * backend; `*fused_backend` is that backend in FUSED mode, else NULL. */
-static int resolve_mode(mlx_dualnorm_mode requested, mlx_dualnorm_mode* resolved,
-                        const mlx_dualnorm_fused_backend** fused_backend,
-                        mlx_dualnorm_error* error) {
-  const mlx_dualnorm_fused_backend* backend = atomic_load(&registered_fused_backend);
-  bool fused_available = backend != NULL && backend->available();
-  int status = dualnorm_resolve_mode(requested, fused_available,
-                                     fused_available ? backend->prepare : NULL,
-                                     COMPILE_DUAL_HEAD_NORM_OPERATION, resolved, error);
-  *fused_backend = status == MLX_DUALNORM_OK && *resolved == MLX_DUALNORM_MODE_FUSED ? backend
-                                                                                     : NULL;
-  return status;
-}
-
-/* Builds the plain and (unless composed) compiled closure of every layout. */
+/* Builds the plain and (unless composed) compiled closure of every layout,
+ * the epsilon's bits as the compile constant. */
 static int compile_graphs(mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
   float rms_norm_epsilon = dual_head_norm->rms_norm_epsilon;
   uint32_t epsilon_bits;
   memcpy(&epsilon_bits, &rms_norm_epsilon, sizeof epsilon_bits);
   const uint64_t compile_constants[1] = {epsilon_bits};
-  dualnorm_new_compile_ids(dual_head_norm->graphs.compile_ids, WEIGHT_LAYOUT_COUNT);
-  for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
-    dual_head_norm->graphs.compiled[layout] = mlx_closure_new();
-    dual_head_norm->graphs.plain[layout] = mlx_closure_new_func(graph_builders[layout]);
-  }
-  for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
-    if (dual_head_norm->graphs.plain[layout].ctx == NULL) {
-      return 1;
-    }
-    if (dual_head_norm->mode != MLX_DUALNORM_MODE_COMPOSED &&
-        mlx_detail_compile(&dual_head_norm->graphs.compiled[layout],
-                           dual_head_norm->graphs.plain[layout],
-                           dual_head_norm->graphs.compile_ids[layout],
-                           /* shapeless: */ false, compile_constants, 1) != 0) {
-      return 1;
-    }
-  }
-  return 0;
+  return dualnorm_compile_layout_graphs(&dual_head_norm->graphs, dual_head_norm->mode,
+                                        new_plain_graph, dual_head_norm, compile_constants, 1);
 }
 
 int mlx_dualnorm_compiled_dual_head_norm_new(mlx_dualnorm_compiled_dual_head_norm** res,
@@ -288,8 +265,9 @@ int mlx_dualnorm_compiled_dual_head_norm_new(mlx_dualnorm_compiled_dual_head_nor
     return status;
   }
   mlx_dualnorm_mode resolved_mode = MLX_DUALNORM_MODE_COMPILED;
-  const mlx_dualnorm_fused_backend* fused_backend = NULL;
-  status = resolve_mode(mode, &resolved_mode, &fused_backend, error);
+  const mlx_dualnorm_fused_kernel* fused_kernel = NULL;
+  status = dualnorm_resolve_mode(mode, &fused_registration, operation, &resolved_mode,
+                                 &fused_kernel, error);
   if (status != MLX_DUALNORM_OK) {
     return status;
   }
@@ -299,7 +277,8 @@ int mlx_dualnorm_compiled_dual_head_norm_new(mlx_dualnorm_compiled_dual_head_nor
   }
   dual_head_norm->rms_norm_epsilon = (float)rms_norm_epsilon;
   dual_head_norm->mode = resolved_mode;
-  dual_head_norm->fused_backend = fused_backend;
+  /* The kernel is its table's first member (mode_choice.h). */
+  dual_head_norm->fused_backend = (const mlx_dualnorm_fused_backend*)fused_kernel;
   if (compile_graphs(dual_head_norm) != 0) {
     status = dualnorm_fail_in_mlx(error, operation);
     release_compiled_graphs(dual_head_norm);
@@ -331,21 +310,15 @@ typedef enum dual_head_norm_route {
   PLAIN_GRAPH_ROUTE,
 } dual_head_norm_route;
 
-/* Whether the fused kernel computes exactly what rms_norm would: one
- * float dtype for every input, rows on both sides, ranks the kernel
- * indexes, rows that fit its 32-bit row index, the CUDA GPU by default. */
+/* Whether the fused kernel computes exactly what rms_norm would: the
+ * inputs fit the kernel (mode_choice.h), the CUDA GPU by default. */
 static int fused_kernel_takes(const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm,
                               dual_head_norm_call* call, bool* takes,
                               mlx_dualnorm_error* error) {
-  const head_norm_input* queries = &call->queries;
-  const head_norm_input* keys = &call->keys;
-  int max_rank = dual_head_norm->fused_backend->max_rank;
-  mlx_dtype dtype = queries->dtype;
-  *takes = dualnorm_is_fused_dtype(dtype) && queries->weight_dtype == dtype &&
-           keys->dtype == dtype && keys->weight_dtype == dtype && queries->size > 0 &&
-           keys->size > 0 && queries->rank <= (size_t)max_rank && keys->rank <= (size_t)max_rank &&
-           queries->rows + keys->rows <= (size_t)INT_MAX;
-  return *takes ? dualnorm_default_device_is_gpu(call, APPLY_DUAL_HEAD_NORM_OPERATION, takes, error) : MLX_DUALNORM_OK;
+  *takes = dualnorm_fused_kernel_fits(&dual_head_norm->fused_backend->kernel, call);
+  return *takes ? dualnorm_default_device_is_gpu(call, APPLY_DUAL_HEAD_NORM_OPERATION, takes,
+                                                 error)
+                : MLX_DUALNORM_OK;
 }
 
 static int choose_route(const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm,

@@ -26,17 +26,11 @@
 extern "C" {
 #endif
 
-/* The fused CUDA mode, as the composite sees it: a table of functions a
- * fused build provides (fused/fused_dual_head_norm.h). The composite
- * decides which calls it takes (float32/float16/bfloat16 shared by every
- * input, rows on both sides, rank <= max_rank, fewer than 2^31 rows, the
- * CUDA GPU as default device); the backend only launches. */
+/* The fused CUDA mode of the dual head norm, as the composite sees it
+ * (the shared part and its contract: mlx_dualnorm_fused_kernel). */
 typedef struct mlx_dualnorm_fused_backend_ {
-  /* True when the running MLX has a CUDA GPU. */
-  bool (*available)(void);
-  /* Compiles the kernel, once per process; later calls return the first
-   * outcome. 0 on success; non-zero with the reason sent to mlx_error. */
-  int (*prepare)(void);
+  /* First member: the composite registers a pointer to it. */
+  mlx_dualnorm_fused_kernel kernel;
   /* Sets `*res` (allocated when empty, owned by the caller) to the lazy
    * normalized queries and keys, in that order, from one launch. Inputs
    * are borrowed; an empty weight handle means no weight. 0 on success;
@@ -47,8 +41,6 @@ typedef struct mlx_dualnorm_fused_backend_ {
                const mlx_array query_scale_weight,
                const mlx_array key_scale_weight,
                float rms_norm_epsilon);
-  /* Highest input rank the kernel indexes. */
-  int max_rank;
 } mlx_dualnorm_fused_backend;
 
 /* Opaque: the compiled graphs (one per weight layout) and the epsilon they

@@ -1,6 +1,7 @@
 /* What both composites of mlx_dualnorm share: the status every fallible
  * call returns, the modes an object runs in, the error record a failed
- * call fills, and the process-wide set-up.
+ * call fills, the part of a fused backend both share, and the process-wide
+ * set-up.
  *
  * dual_head_norm.h (the dual head norm) and dual_head_norm_rope.h (the
  * dual head norm + RoPE) include this header; a program includes those.
@@ -58,6 +59,26 @@ typedef struct mlx_dualnorm_error_ {
   const char* operation;
   char description[1024];
 } mlx_dualnorm_error;
+
+/* The part of a fused CUDA backend that both composites' tables share
+ * (mlx_dualnorm_fused_backend, mlx_dualnorm_fused_rope_backend: each
+ * begins with one, followed by its own launch). A fused build provides the
+ * tables (fused/fused_dual_head_norm.h). The composite decides which calls
+ * the kernel takes (one float dtype, float32/float16/bfloat16, for every
+ * input and weight; rows on both sides; rank <= max_rank; rows no wider
+ * than max_width; fewer than 2^31 rows; the CUDA GPU as default device;
+ * and what the operation itself adds); the backend only launches. */
+typedef struct mlx_dualnorm_fused_kernel_ {
+  /* True when the running MLX has a CUDA GPU. */
+  bool (*available)(void);
+  /* Compiles the kernel, once per process; later calls return the first
+   * outcome. 0 on success; non-zero with the reason sent to mlx_error. */
+  int (*prepare)(void);
+  /* Highest input rank the kernel indexes. */
+  int max_rank;
+  /* Widest rows (last dimension) the kernel takes. */
+  int max_width;
+} mlx_dualnorm_fused_kernel;
 
 /* Installs the mlx-c error handler that keeps each thread's first MLX
  * message for the call in flight (mlx-c's default handler exits the

@@ -70,10 +70,8 @@
 #include "private/layout_graphs.h"
 #include "private/mode_choice.h"
 
-#include <limits.h>
 #include <math.h>
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -93,15 +91,17 @@ enum { COMPILED_GRAPH_MAX_ROWS = 48 };
 
 /* ---- The fused backend --------------------------------------------------- */
 
-static const mlx_dualnorm_fused_rope_backend* _Atomic registered_fused_rope_backend = NULL;
+/* Registration, mode resolution and which calls the kernel takes are
+ * mode_choice.h's, shared with the dual head norm. */
+static dualnorm_fused_registration fused_rope_registration = {NULL};
 
 void mlx_dualnorm_set_fused_rope_backend(const mlx_dualnorm_fused_rope_backend* backend) {
-  atomic_store(&registered_fused_rope_backend, backend);
+  dualnorm_register_fused_kernel(&fused_rope_registration,
+                                 backend == NULL ? NULL : &backend->kernel);
 }
 
 bool mlx_dualnorm_fused_rope_mode_available(void) {
-  const mlx_dualnorm_fused_rope_backend* backend = atomic_load(&registered_fused_rope_backend);
-  return backend != NULL && backend->available();
+  return dualnorm_fused_kernel_available(&fused_rope_registration);
 }
 
 /* ---- Graph builder ------------------------------------------------------- */
@@ -221,8 +221,8 @@ static int release_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
 
 /* The plain builder of one layout, carrying its own copy of the constants
  * (an empty handle, with the reason sent to mlx_error, on failure). */
-static mlx_closure new_plain_graph(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                                   int layout) {
+static mlx_closure new_plain_graph(const void* owner, int layout) {
+  const mlx_dualnorm_dual_head_norm_rope* norm_rope = owner;
   graph_constants* constants = malloc(sizeof *constants);
   if (constants == NULL) {
     mlx_error("[%s] out of host memory", COMPILE_NORM_ROPE_OPERATION);
@@ -247,46 +247,18 @@ static uint64_t float_bits(float value) {
   return bits;
 }
 
-/* Builds the plain and (unless composed) compiled closure of every layout. */
+/* Builds the plain and (unless composed) compiled closure of every layout,
+ * shape-specialized (see the file comment), with every constant the
+ * builder reads as a compile constant. */
 static int compile_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
   const mlx_dualnorm_rope_parameters* rope = &norm_rope->rope;
   const uint64_t compile_constants[5] = {
       float_bits(norm_rope->rms_norm_epsilon), (uint64_t)(uint32_t)rope->dims,
       rope->traditional, float_bits(rope->base), float_bits(rope->scale),
   };
-  dualnorm_new_compile_ids(norm_rope->graphs.compile_ids, WEIGHT_LAYOUT_COUNT);
-  for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
-    norm_rope->graphs.compiled[layout] = mlx_closure_new();
-    norm_rope->graphs.plain[layout] = new_plain_graph(norm_rope, layout);
-  }
-  for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
-    if (norm_rope->graphs.plain[layout].ctx == NULL) {
-      return 1;
-    }
-    /* Shape-specialized (see the file comment). */
-    if (norm_rope->mode != MLX_DUALNORM_MODE_COMPOSED &&
-        mlx_detail_compile(&norm_rope->graphs.compiled[layout], norm_rope->graphs.plain[layout],
-                           norm_rope->graphs.compile_ids[layout], false, compile_constants,
-                           sizeof compile_constants / sizeof compile_constants[0]) != 0) {
-      return 1;
-    }
-  }
-  return 0;
-}
-
-/* Resolves the requested mode (mode_choice.h) with the registered fused
- * backend; `*fused_backend` is that backend in FUSED mode, else NULL. */
-static int resolve_mode(mlx_dualnorm_mode requested, mlx_dualnorm_mode* resolved,
-                        const mlx_dualnorm_fused_rope_backend** fused_backend,
-                        mlx_dualnorm_error* error) {
-  const mlx_dualnorm_fused_rope_backend* backend = atomic_load(&registered_fused_rope_backend);
-  bool fused_available = backend != NULL && backend->available();
-  int status = dualnorm_resolve_mode(requested, fused_available,
-                                     fused_available ? backend->prepare : NULL,
-                                     COMPILE_NORM_ROPE_OPERATION, resolved, error);
-  *fused_backend = status == MLX_DUALNORM_OK && *resolved == MLX_DUALNORM_MODE_FUSED ? backend
-                                                                                     : NULL;
-  return status;
+  return dualnorm_compile_layout_graphs(&norm_rope->graphs, norm_rope->mode, new_plain_graph,
+                                        norm_rope, compile_constants,
+                                        sizeof compile_constants / sizeof compile_constants[0]);
 }
 
 /* The constructor's argument checks, before anything is allocated. */
@@ -316,10 +288,11 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
                               "the result pointer is NULL");
   }
   mlx_dualnorm_mode resolved_mode = MLX_DUALNORM_MODE_COMPILED;
-  const mlx_dualnorm_fused_rope_backend* fused_backend = NULL;
+  const mlx_dualnorm_fused_kernel* fused_kernel = NULL;
   int status = check_constants(rms_norm_epsilon, &rope, error);
   if (status == MLX_DUALNORM_OK) {
-    status = resolve_mode(mode, &resolved_mode, &fused_backend, error);
+    status = dualnorm_resolve_mode(mode, &fused_rope_registration, operation, &resolved_mode,
+                                   &fused_kernel, error);
   }
   if (status != MLX_DUALNORM_OK) {
     return status;
@@ -332,7 +305,8 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
   norm_rope->rms_norm_epsilon = (float)rms_norm_epsilon;
   norm_rope->rope = rope;
   norm_rope->mode = resolved_mode;
-  norm_rope->fused_backend = fused_backend;
+  /* The kernel is its table's first member (mode_choice.h). */
+  norm_rope->fused_backend = (const mlx_dualnorm_fused_rope_backend*)fused_kernel;
   if (compile_graphs(norm_rope) != 0) {
     status = dualnorm_fail_in_mlx(error, operation);
     release_graphs(norm_rope);
@@ -469,21 +443,13 @@ static bool offset_fits_side(const head_norm_input* side, const rope_offset_inpu
 }
 
 /* Whether the fused kernel computes exactly what the composed calls would:
- * one float dtype for every input and weight, rows on both sides, widths
- * it stages, rows that fit its 32-bit row index, an offset MLX reads in
+ * the inputs fit the kernel (mode_choice.h), an offset MLX reads in
  * bounds, the CUDA GPU by default. */
 static int fused_kernel_takes(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
                               dual_head_norm_call* call, const rope_offset_input* offset,
                               bool* takes, mlx_dualnorm_error* error) {
-  const head_norm_input* queries = &call->queries;
-  const head_norm_input* keys = &call->keys;
-  int max_width = norm_rope->fused_backend->max_width;
-  mlx_dtype dtype = queries->dtype;
-  *takes = dualnorm_is_fused_dtype(dtype) && queries->weight_dtype == dtype &&
-           keys->dtype == dtype && keys->weight_dtype == dtype && queries->size > 0 &&
-           keys->size > 0 && queries->width <= max_width && keys->width <= max_width &&
-           queries->rows + keys->rows <= (size_t)INT_MAX && offset_fits_side(queries, offset) &&
-           offset_fits_side(keys, offset);
+  *takes = dualnorm_fused_kernel_fits(&norm_rope->fused_backend->kernel, call) &&
+           offset_fits_side(&call->queries, offset) && offset_fits_side(&call->keys, offset);
   return *takes ? dualnorm_default_device_is_gpu(call, APPLY_NORM_ROPE_OPERATION, takes, error)
                 : MLX_DUALNORM_OK;
 }

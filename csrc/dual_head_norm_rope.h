@@ -39,18 +39,12 @@ typedef struct mlx_dualnorm_rope_parameters_ {
   float scale;
 } mlx_dualnorm_rope_parameters;
 
-/* The fused CUDA mode, as the composite sees it: a table of functions a
- * fused build provides (fused/fused_dual_head_norm.h). The composite
- * decides which calls it takes (one float dtype for every input and
- * weight, rows on both sides, widths up to max_width, fewer than 2^31
- * rows, an offset MLX reads per batch entry or as a scalar, the CUDA GPU
- * as default device); the backend only launches. */
+/* The fused CUDA mode of the norm + RoPE, as the composite sees it (the
+ * shared part and its contract: mlx_dualnorm_fused_kernel). The composite
+ * also sends it only an offset MLX reads per batch entry or as a scalar. */
 typedef struct mlx_dualnorm_fused_rope_backend_ {
-  /* True when the running MLX has a CUDA GPU. */
-  bool (*available)(void);
-  /* Compiles the kernel, once per process; later calls return the first
-   * outcome. 0 on success; non-zero with the reason sent to mlx_error. */
-  int (*prepare)(void);
+  /* First member: the composite registers a pointer to it. */
+  mlx_dualnorm_fused_kernel kernel;
   /* Sets `*res` (allocated when empty, owned by the caller) to the lazy
    * rotated queries and keys, in that order, from one launch. Inputs are
    * borrowed; an empty weight handle means no weight. 0 on success;
@@ -63,8 +57,6 @@ typedef struct mlx_dualnorm_fused_rope_backend_ {
                const mlx_array rope_offset,
                float rms_norm_epsilon,
                mlx_dualnorm_rope_parameters rope);
-  /* Widest rows (last dimension) the kernel takes. */
-  int max_width;
 } mlx_dualnorm_fused_rope_backend;
 
 /* Registers the fused CUDA mode of the norm + RoPE process-wide (NULL

@@ -1,4 +1,4 @@
-/* An object's graphs, one per weight layout (see layout_graphs.h). */
+/* An object's graphs, one per weight layout (see private/layout_graphs.h). */
 #include "private/layout_graphs.h"
 
 #include "private/compile_erasure.h"
@@ -7,6 +7,30 @@
 static int weight_layout(bool has_query_weight, bool has_key_weight) {
   return (has_query_weight ? QUERY_WEIGHTED_LAYOUT : 0) |
          (has_key_weight ? KEY_WEIGHTED_LAYOUT : 0);
+}
+
+int dualnorm_compile_layout_graphs(dualnorm_layout_graphs* graphs, mlx_dualnorm_mode mode,
+                                   dualnorm_new_plain_graph new_plain_graph, const void* owner,
+                                   const uint64_t* compile_constants, size_t constant_count) {
+  dualnorm_new_compile_ids(graphs->compile_ids, WEIGHT_LAYOUT_COUNT);
+  /* Every handle is made first, so a failure leaves handles that release
+   * frees, whatever was not made. */
+  for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
+    graphs->compiled[layout] = mlx_closure_new();
+    graphs->plain[layout] = new_plain_graph(owner, layout);
+  }
+  for (int layout = 0; layout < WEIGHT_LAYOUT_COUNT; ++layout) {
+    if (graphs->plain[layout].ctx == NULL) {
+      return 1;
+    }
+    if (mode != MLX_DUALNORM_MODE_COMPOSED &&
+        mlx_detail_compile(&graphs->compiled[layout], graphs->plain[layout],
+                           graphs->compile_ids[layout], /* shapeless: */ false,
+                           compile_constants, constant_count) != 0) {
+      return 1;
+    }
+  }
+  return 0;
 }
 
 int dualnorm_release_layout_graphs(dualnorm_layout_graphs* graphs) {

@@ -265,10 +265,13 @@ int apply_fused_kernel(
 }
 
 const mlx_dualnorm_fused_backend fused_backend = {
-    fused_backend_available,
-    prepare_fused_kernel,
+    {
+        fused_backend_available,
+        prepare_fused_kernel,
+        MLX_DUALNORM_MAX_RANK,
+        std::numeric_limits<int>::max(), // rows of any width
+    },
     apply_fused_kernel,
-    MLX_DUALNORM_MAX_RANK,
 };
 
 /* ---- The fused dual head norm + RoPE ----------------------------------- */
@@ -336,10 +339,13 @@ int apply_fused_rope_kernel(
 }
 
 const mlx_dualnorm_fused_rope_backend fused_rope_backend = {
-    fused_backend_available,
-    prepare_fused_rope_kernel,
+    {
+        fused_backend_available,
+        prepare_fused_rope_kernel,
+        4, // (batch, sequence, heads, head dim), the only rank the composite sends
+        mlx_dualnorm_fused::kMaxRopeRowWidth,
+    },
     apply_fused_rope_kernel,
-    mlx_dualnorm_fused::kMaxRopeRowWidth,
 };
 
 } // namespace
