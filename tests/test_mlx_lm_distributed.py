@@ -31,6 +31,7 @@ pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 from conftest import assert_bit_identical  # noqa: E402
 
 from mlx_dualnorm.tools import mlx_lm_distributed as distributed  # noqa: E402
+from mlx_dualnorm.tools import mlx_lm_launcher  # noqa: E402
 
 RANKS = 2
 TOKENS = 3
@@ -45,7 +46,7 @@ PATCHED_SCENARIOS = [name for name, (_, patching) in SCENARIOS.items()
 def ranks(tmp_path_factory) -> list[tuple[dict, dict]]:
     """Per rank, (results, logits) of one ``check`` job over every family."""
     out = tmp_path_factory.mktemp("mlx_lm_distributed")
-    result = distributed.launch(
+    result = mlx_lm_launcher.launch(
         ["check", "--tokens", str(TOKENS), "--out", str(out)],
         ranks=RANKS, timeout_s=LAUNCH_TIMEOUT_S,
     )
@@ -199,9 +200,9 @@ def test_every_engaged_family_with_shard_is_covered():
     assert uncovered == []
 
 
-@pytest.mark.parametrize("launcher", distributed.LAUNCHERS)
+@pytest.mark.parametrize("launcher", mlx_lm_launcher.LAUNCHERS)
 def test_launch_reports_a_failing_rank_although_mlx_launch_exits_0(tmp_path, launcher):
-    result = distributed.launch(
+    result = mlx_lm_launcher.launch(
         ["check", "--families", "no_such_family", "--out", str(tmp_path)],
         ranks=RANKS, timeout_s=120, launcher=launcher,
     )
@@ -210,9 +211,9 @@ def test_launch_reports_a_failing_rank_although_mlx_launch_exits_0(tmp_path, lau
     assert "no_such_family" in result.stderr
 
 
-@pytest.mark.parametrize("launcher", distributed.LAUNCHERS)
+@pytest.mark.parametrize("launcher", mlx_lm_launcher.LAUNCHERS)
 def test_launch_kills_the_launcher_and_its_ranks_at_the_time_limit(tmp_path, launcher):
-    result = distributed.launch(
+    result = mlx_lm_launcher.launch(
         ["check", "--tokens", "64", "--out", str(tmp_path)], ranks=RANKS, timeout_s=3,
         launcher=launcher,
     )

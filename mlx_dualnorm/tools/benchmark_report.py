@@ -15,6 +15,7 @@ import statistics
 from typing import Optional, Sequence
 
 from mlx_dualnorm.tools.benchmark_measurements import run_benchmark
+from mlx_dualnorm.tools.command import spread
 from mlx_dualnorm.tools.benchmark_results import (
     BASELINE_PATH,
     DECODE_TOKEN,
@@ -25,7 +26,6 @@ from mlx_dualnorm.tools.benchmark_results import (
     BenchmarkReport,
     MetricResult,
     metric_key,
-    spread,
 )
 from mlx_dualnorm.tools.paths import describe_paths
 

@@ -11,10 +11,10 @@ ratios taken per repeat give its spread.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from mlx_dualnorm.tools import command
+from mlx_dualnorm.tools.command import spread
 from mlx_dualnorm.tools.paths import PATH_REGISTRY, REFERENCE_PATH
 
 __all__ = [
@@ -27,7 +27,6 @@ __all__ = [
     "REPORT_SCHEMA",
     "Scenario",
     "metric_key",
-    "spread",
 ]
 
 REPORT_SCHEMA = "mlx_dualnorm.benchmark/2"
@@ -155,14 +154,6 @@ class BenchmarkConfig:
 
 
 # ---- Results -------------------------------------------------------------------
-
-
-def spread(samples: Sequence[float]) -> dict[str, float]:
-    return {
-        "min": min(samples),
-        "median": statistics.median(samples),
-        "max": max(samples),
-    }
 
 
 @dataclasses.dataclass

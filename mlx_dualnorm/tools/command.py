@@ -46,6 +46,7 @@ __all__ = [
     "ratio_of_medians",
     "run_tool",
     "select_device",
+    "spread",
     "tool_parser",
 ]
 
@@ -175,6 +176,15 @@ def run_tool(
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """min, median and max of ``values``: how a table sums up the repeats."""
+    return {
+        "min": min(values),
+        "median": statistics.median(values),
+        "max": max(values),
+    }
 
 
 def ratio_of_medians(values: Sequence[float], reference_values: Sequence[float]) -> Optional[float]:

@@ -53,6 +53,16 @@ import mlx_lm.models.gated_delta as gated_delta_module
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.integrations import mlx_lm as integration
 from mlx_dualnorm.tools import command
+from mlx_dualnorm.tools.mlx_lm_bench_results import (
+    DECODE_DTYPE_OF_WEIGHTS,
+    DECODE_SHAPE,
+    PATCHED,
+    UNPATCHED,
+    DecodeMeasurement,
+    PairedTiming,
+    format_decode_table,
+    format_table,
+)
 from mlx_dualnorm.tools.mlx_lm_check import greedy_generate
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DECODE_MODELS,
@@ -75,13 +85,10 @@ __all__ = [
 ]
 
 REPORT_SCHEMA = "mlx_dualnorm.mlx_lm_bench/3"
-DECODE_SHAPE = (1, 1, 16, 128)
 DECODE_DTYPE = mx.bfloat16
 HEAD_WIDTH = DECODE_SHAPE[-1]
 INV_SCALE = HEAD_WIDTH**-0.5  # what qwen3_next / qwen3_5 pass
 EPS = 1e-6
-UNPATCHED = "mlx-lm"
-PATCHED = "patched"
 FULL_DEFAULTS = {
     "prework_tokens": 200, "prework_repeats": 7, "tokens": 64, "generation_repeats": 5,
     "decode_steps": 32, "decode_rounds": 5,
@@ -90,7 +97,6 @@ QUICK_DEFAULTS = {
     "prework_tokens": 50, "prework_repeats": 3, "tokens": 32, "generation_repeats": 2,
     "decode_steps": 4, "decode_rounds": 2,
 }
-DECODE_DTYPE_OF_WEIGHTS = mx.bfloat16  # the dtype of the released checkpoints
 DECODE_PROMPT_TOKENS = 16
 QUICK_DECODE_VOCABULARY = 8192  # the real 151936 makes a quick build slow on 2 cores
 WARM_UP_DECODE_STEPS = 2
@@ -115,48 +121,6 @@ def _partial_on_interrupt(partial: object) -> Iterator[None]:
         raise
     except KeyboardInterrupt:
         raise command.InterruptedWithPartialResult(partial) from None
-
-
-@dataclasses.dataclass
-class PairedTiming:
-    """Per-round times of both paths, in ``unit``, and their ratios."""
-
-    name: str
-    unit: str
-    unpatched: list[float]
-    patched: list[float]
-
-    def times_of(self, path: str) -> list[float]:
-        return self.patched if path == PATCHED else self.unpatched
-
-    @property
-    def complete_rounds(self) -> int:
-        return min(len(self.unpatched), len(self.patched))
-
-    @property
-    def time_ratios(self) -> list[float]:
-        """Per round, patched time / unpatched time: lower is better."""
-        return [p / u for u, p in zip(self.unpatched, self.patched) if u > 0]
-
-    def summary(self) -> dict:
-        def spread(values: list[float]) -> dict:
-            return {
-                "min": min(values),
-                "median": statistics.median(values),
-                "max": max(values),
-            }
-
-        return {
-            "name": self.name,
-            "unit": self.unit,
-            "rounds": self.complete_rounds,
-            "unpatched_time": spread(self.unpatched),
-            "patched_time": spread(self.patched),
-            # What the tables print: the ratio of the two medians, and the
-            # per-round ratios as its spread.
-            "time_ratio_of_medians": command.ratio_of_medians(self.patched, self.unpatched),
-            "time_ratio_patched_over_unpatched": spread(self.time_ratios),
-        }
 
 
 # ---- Prework at the decode shape ---------------------------------------------
@@ -262,53 +226,6 @@ def _vocabulary_size(model_type: str) -> int:
 # ---- Decode at the dimensions of released models -----------------------------
 
 
-@dataclasses.dataclass
-class DecodeMeasurement:
-    """One decode model's paired rounds, what it was, and whether every
-    round's greedy tokens agreed."""
-
-    model: str
-    resembles: str
-    config: dict
-    quick_reduced: bool  # fewer layers and a smaller vocabulary than the real model
-    prompt_tokens: int
-    decode_steps: int
-    timing: PairedTiming
-    token_mismatch: Optional[str]  # None when every round gave the same tokens
-
-    def dimensions(self) -> dict:
-        config = self.config
-        dimensions = {
-            name: config[name]
-            for name in (
-                "hidden_size", "num_hidden_layers", "intermediate_size",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-            )
-        }
-        if config["model_type"] == "qwen3_next":
-            interval = config["full_attention_interval"]
-            dimensions["full_attention_layers"] = config["num_hidden_layers"] // interval
-            dimensions["gated_delta_layers"] = (
-                config["num_hidden_layers"] - dimensions["full_attention_layers"]
-            )
-        return dimensions
-
-    def summary(self) -> dict:
-        return {
-            **self.timing.summary(),
-            "model": self.model,
-            "model_type": self.config["model_type"],
-            "resembles": self.resembles,
-            "dimensions": self.dimensions(),
-            "weights_dtype": str(DECODE_DTYPE_OF_WEIGHTS).rsplit(".", 1)[-1],
-            "quick_reduced": self.quick_reduced,
-            "prompt_tokens": self.prompt_tokens,
-            "decode_steps_per_round": self.decode_steps,
-            "greedy_tokens_identical": self.token_mismatch is None,
-            "token_mismatch": self.token_mismatch,
-        }
-
-
 def _timed_greedy_decode(
     model, prompt: mx.array, steps: int, progress: Optional[StepReport] = None, detail: str = ""
 ) -> tuple[list[int], float]:
@@ -411,91 +328,6 @@ def decode_progress_steps(steps: int, rounds: int) -> int:
     """How many tokens :func:`run_decode` reports: the warm-up runs', then
     every round's, both ways, the prefill's first token included."""
     return 2 * (WARM_UP_DECODE_STEPS + 1) + 2 * rounds * (steps + 1)
-
-
-# ---- Report ------------------------------------------------------------------
-
-
-def _table_header(first_column: str, width: int) -> str:
-    return (
-        f"{first_column:<{width}} {'unit':<9} {'unpatched':>10} {PATCHED:>10} {'ratio':>7}"
-        "  (per-round min..max)"
-    )
-
-
-def _table_row(name: str, width: int, unit: str, summary: dict, ratio_digits: int) -> str:
-    """One paired measurement: median times, their ratio, then the range of
-    the per-round ratios, with ``ratio_digits`` decimals."""
-    spread = summary["time_ratio_patched_over_unpatched"]
-    return (
-        f"{name:<{width}} {unit:<9} "
-        f"{summary['unpatched_time']['median']:>10.3f} "
-        f"{summary['patched_time']['median']:>10.3f} "
-        f"{summary['time_ratio_of_medians']:>6.{ratio_digits}f}x  "
-        f"({spread['min']:.{ratio_digits}f}..{spread['max']:.{ratio_digits}f}, "
-        f"{summary['rounds']} rounds)"
-    )
-
-
-def format_table(timings: list[PairedTiming]) -> str:
-    lines = [_table_header("measurement", 34)]
-    lines += [
-        _table_row(timing.name, 34, timing.unit, timing.summary(), ratio_digits=2)
-        for timing in timings
-    ]
-    lines += [
-        "columns: median time per round, unpatched (mlx-lm's normalize_qk) and patched "
-        "(mlx_dualnorm.integrations.mlx_lm.patch());",
-        "  ratio = median patched time / median unpatched time, then the per-round ratios' "
-        "min..max: lower is better, below 1.00x the patch is faster",
-        f"  prework_N_layers: N chained q/k normalizations at {DECODE_SHAPE} bfloat16, "
-        "one eval per token",
-        "  generation_MODEL_DTYPE: ms per decode token of a small random mlx-lm model",
-    ]
-    return "\n".join(lines)
-
-
-def _dimensions_text(dimensions: dict) -> str:
-    layers = f"{dimensions['num_hidden_layers']} layers"
-    if "gated_delta_layers" in dimensions:
-        layers += (
-            f" ({dimensions['gated_delta_layers']} gated-delta, "
-            f"{dimensions['full_attention_layers']} full-attention)"
-        )
-    return (
-        f"{layers}, hidden {dimensions['hidden_size']}, MLP {dimensions['intermediate_size']}, "
-        f"{dimensions['num_attention_heads']}/{dimensions['num_key_value_heads']} heads x "
-        f"{dimensions['head_dim']}, vocabulary {dimensions['vocab_size']}"
-    )
-
-
-def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> str:
-    if not measurements:
-        return ""
-    first = measurements[0]
-    lines = [
-        f"decode, random bfloat16 weights at released models' dimensions, on {device}: "
-        f"{first.prompt_tokens}-token prompt, then {first.decode_steps} greedy decode steps "
-        "per round (KV cache, one eval per token)",
-        _table_header("model", 16),
-    ]
-    for measurement in measurements:
-        summary = measurement.summary()
-        lines.append(_table_row(measurement.model, 16, "ms/token", summary, ratio_digits=3))
-        lines.append(f"  like {measurement.resembles}: {_dimensions_text(summary['dimensions'])}")
-        if measurement.quick_reduced:
-            real = DECODE_MODELS[measurement.model].config
-            lines.append(
-                f"  QUICK: reduced from {real['num_hidden_layers']} layers and vocabulary "
-                f"{real['vocab_size']}; not the real model's time per token"
-            )
-        tokens = "identical" if measurement.token_mismatch is None else "MISMATCH"
-        lines.append(f"  greedy tokens, patched vs unpatched, every round: {tokens}")
-    lines.append(
-        "  ratio = median patched / median unpatched time per decode token, then the "
-        "per-round ratios' min..max: lower is better, below 1.000x the patch is faster"
-    )
-    return "\n".join(lines)
 
 
 def _environment() -> dict:
@@ -690,10 +522,10 @@ def _report_mismatches(measurements: list[DecodeMeasurement]) -> bool:
 def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command.select_device(arguments.device, parser)
     layer_counts, model_types, decode_models = _checked_arguments(arguments, parser)
-    if arguments.ranks is not None:  # mlx_dualnorm.tools.mlx_lm_distributed launches them
+    if arguments.ranks is not None:  # mlx_dualnorm.tools.mlx_lm_launcher launches them
         if arguments.ranks < 2:
             parser.error("--ranks must be at least 2")
-        from mlx_dualnorm.tools.mlx_lm_distributed import run_ranks_command
+        from mlx_dualnorm.tools.mlx_lm_launcher import run_ranks_command
 
         return run_ranks_command(arguments, decode_models, QUICK_DECODE_VOCABULARY)
     started = time.perf_counter()

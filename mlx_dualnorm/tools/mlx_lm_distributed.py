@@ -1,24 +1,20 @@
-"""mlx-lm sharded over ``mx.distributed``, with and without the patch.
+"""mlx-lm sharded over ``mx.distributed``, with and without the patch: the
+rank program.
 
-Two parts, one module:
+``python -m mlx_dualnorm.tools.mlx_lm_distributed`` is what every rank of an
+``mlx.launch`` job runs. ``check`` builds small random models of the mlx-lm
+families the patch engages that can be split over ranks (``FAMILIES``), runs
+each in every arrangement of ``SCENARIOS`` (unsharded; tensor-parallel by
+``Model.shard``, patched before the model is built or only after it was
+sharded; pipeline-parallel by ``pipeline`` where the family has it), greedy
+through mlx-lm's ``generate_step``, and writes per rank the tokens, the
+logits of every step and how often the package's objects ran per forward
+pass. ``bench`` times decode tokens of one sharded model, patched and
+unpatched in interleaved rounds.
 
-* The rank program, ``python -m mlx_dualnorm.tools.mlx_lm_distributed``,
-  which every rank of an ``mlx.launch`` job runs. ``check`` builds small
-  random models of the mlx-lm families the patch engages that can be split
-  over ranks (``FAMILIES``), runs each in every arrangement of
-  ``SCENARIOS`` (unsharded; tensor-parallel by ``Model.shard``, patched
-  before the model is built or only after it was sharded; pipeline-parallel
-  by ``pipeline`` where the family has it), greedy through mlx-lm's
-  ``generate_step``, and writes per rank the tokens, the logits of every
-  step and how often the package's objects ran per forward pass. ``bench``
-  times decode tokens of one sharded model, patched and unpatched in
-  interleaved rounds.
-* The launcher, :func:`launch`, which starts those ranks on the ring backend
-  on loopback only (127.0.0.1, free ports chosen here), through
-  ``mlx.launch`` or directly with what it hands the ranks, bounded in time,
-  and kills every process it started when the time runs out, a rank fails,
-  or it is interrupted. :func:`bench_over_ranks` and
-  :func:`run_ranks_command` (``mlx-lm-bench --ranks N``) launch ``bench``.
+The ranks are started by :mod:`mlx_dualnorm.tools.mlx_lm_launcher` (on
+loopback, bounded in time), which also launches ``bench`` for
+``mlx-lm-bench --ranks N``.
 
 The check's arrays go to ``rank<r>.npz`` (``family/scenario`` keys, steps x
 vocabulary logits) and the rest to ``rank<r>.json`` in the ``--out``
@@ -28,53 +24,30 @@ folder; :func:`load_check_results` reads both back.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import functools
 import json
 import os
-import signal
-import site
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 __all__ = [
     "FAMILIES",
+    "RANK_PROGRAM",
     "SCENARIOS",
-    "LAUNCHERS",
-    "LaunchResult",
-    "bench_over_ranks",
-    "format_bench_report",
-    "free_port_run",
-    "launch",
     "load_check_results",
     "main",
     "run_check",
-    "run_ranks_command",
     "run_bench",
 ]
 
 RANK_PROGRAM = "mlx_dualnorm.tools.mlx_lm_distributed"
-LOOPBACK = "127.0.0.1"
 PROMPT_LENGTH = 12
 SEED = 20261201
-
-# mlx.launch is a console script; its entry point is resolved in the child,
-# so this works wherever mlx is installed, with or without the script on PATH.
-LAUNCHER_CODE = (
-    "import sys\n"
-    "from importlib.metadata import entry_points\n"
-    "(script,) = entry_points(group='console_scripts', name='mlx.launch')\n"
-    "sys.argv[0] = 'mlx.launch'\n"
-    "sys.exit(script.load()())\n"
-)
 
 _TINY_DECODER = {
     "hidden_size": 64,
@@ -471,303 +444,6 @@ def _bench_main(arguments, group) -> int:
     if group.rank() == 0:
         (Path(arguments.out) / "bench.json").write_text(json.dumps(report, indent=1))
     return 1 if report["token_mismatches"] else 0
-
-
-# ---- The launcher -----------------------------------------------------------
-
-
-@dataclasses.dataclass
-class LaunchResult:
-    returncode: Optional[int]  # None: killed at the time limit
-    stdout: str
-    stderr: str
-    seconds: float
-    process_groups: list[int]  # one per process started, its children in it
-
-    @property
-    def timed_out(self) -> bool:
-        return self.returncode is None
-
-    @property
-    def failed_ranks(self) -> list[str]:
-        """mlx.launch's lines about ranks that failed or were killed: it
-        exits 0 even then, so its status alone says nothing about them."""
-        return [line.strip() for line in self.stderr.splitlines() if "Node with rank" in line]
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0 and not self.failed_ranks
-
-    def describe(self) -> str:
-        status = "killed at the time limit" if self.timed_out else f"exit status {self.returncode}"
-        return (
-            f"mlx.launch: {status} after {self.seconds:.1f} s\n--- stdout ---\n"
-            f"{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-4000:]}"
-        )
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive loopback ports free right now (the
-    ring backend listens on ``starting_port + rank``), from the range the
-    system hands out for port 0."""
-    for _ in range(64):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((LOOPBACK, 0))
-            start = probe.getsockname()[1]
-        if start + count <= 65535 and all(_bindable(start + i) for i in range(count)):
-            return start
-    raise RuntimeError(f"no {count} consecutive free ports on {LOOPBACK}")
-
-
-def _rank_environment() -> dict:
-    """This environment, with the folder this package was imported from put
-    first on the ranks' import path where the interpreter would not find it
-    by itself (a source tree); an installed package needs nothing."""
-    import mlx_dualnorm
-
-    environment = dict(os.environ)
-    package_parent = str(Path(mlx_dualnorm.__file__).resolve().parent.parent)
-    site_folders = {str(Path(p).resolve()) for p in site.getsitepackages()}
-    with contextlib.suppress(Exception):
-        site_folders.add(str(Path(site.getusersitepackages()).resolve()))
-    if package_parent not in site_folders:
-        environment["PYTHONPATH"] = os.pathsep.join(
-            [package_parent, *filter(None, [environment.get("PYTHONPATH")])]
-        )
-    environment.setdefault("PYTHONFAULTHANDLER", "1")
-    return environment
-
-
-def _kill_groups(processes: Sequence[subprocess.Popen]) -> None:
-    """Kills the process group each of ``processes`` leads (itself and what
-    it started: mlx.launch's ranks) and reaps the processes."""
-    for process in processes:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-    for process in processes:
-        process.wait()
-
-
-def _wait_for_all_or_a_failure(processes: Sequence[subprocess.Popen], deadline: float) -> list:
-    """The exit statuses once all processes ended or one failed (the others
-    still running, None: they would wait for it forever in a collective);
-    TimeoutError past ``deadline``."""
-    while True:
-        codes = [process.poll() for process in processes]
-        if all(code is not None for code in codes) or any(code for code in codes):
-            return codes
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        time.sleep(0.05)
-
-
-MLX_LAUNCH, DIRECT = "mlx.launch", "direct"
-LAUNCHERS = (MLX_LAUNCH, DIRECT)
-
-
-def launch(
-    rank_arguments: Sequence[str],
-    *,
-    ranks: int = 2,
-    timeout_s: float = 120.0,
-    cwd: Optional[Path] = None,
-    attempts: int = 2,
-    launcher: str = MLX_LAUNCH,
-) -> LaunchResult:
-    """Runs the rank program with ``rank_arguments`` on ``ranks`` ranks of
-    the ring backend on loopback, with this interpreter, on free ports.
-
-    ``launcher`` "mlx.launch" runs ``mlx.launch --backend ring --hosts
-    127.0.0.1 -n <ranks>``, as a user would; "direct" starts the ranks here
-    with what mlx.launch hands them (``MLX_RANK``, ``MLX_HOSTFILE`` naming a
-    file with one ``["127.0.0.1:<port>"]`` per rank), for timing: mlx.launch
-    relays the ranks' output in threads that poll without blocking, about
-    0.4 of a core measured on a 2-core machine, taken from the ranks.
-
-    Past ``timeout_s`` every process started is killed (``returncode``
-    None): each leads a process group, killed whole. A run whose ports were taken
-    in the meantime is retried on new ones, up to ``attempts`` runs."""
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher {launcher!r}: choose from {', '.join(LAUNCHERS)}")
-    result = _launch_once(rank_arguments, ranks, timeout_s, cwd, launcher)
-    for _ in range(attempts - 1):
-        if result.timed_out or result.ok or not _ports_were_taken(result):
-            break
-        result = _launch_once(rank_arguments, ranks, timeout_s, cwd, launcher)
-    return result
-
-
-def _ports_were_taken(result: LaunchResult) -> bool:
-    text = (result.stdout + result.stderr).lower()
-    return "address already in use" in text or "couldn't bind" in text
-
-
-def _launch_once(rank_arguments, ranks, timeout_s, cwd, launcher) -> LaunchResult:
-    rank_command = [sys.executable, "-m", RANK_PROGRAM, *rank_arguments]
-    first_port = free_port_run(ranks)
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory() as scratch:
-        scratch_path = Path(scratch)
-        environment = _rank_environment()
-        if launcher == MLX_LAUNCH:
-            commands = [[
-                sys.executable, "-c", LAUNCHER_CODE,
-                "--backend", "ring", "--hosts", LOOPBACK, "-n", str(ranks),
-                "--starting-port", str(first_port), "--", *rank_command,
-            ]]
-            environments = [environment]
-        else:
-            hostfile = scratch_path / "hostfile.json"
-            hostfile.write_text(json.dumps(
-                [[f"{LOOPBACK}:{first_port + rank}"] for rank in range(ranks)]
-            ))
-            commands = [rank_command] * ranks
-            environments = [
-                {**environment, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
-                for rank in range(ranks)
-            ]
-        outputs = [
-            (open(scratch_path / f"stdout{i}", "w+"), open(scratch_path / f"stderr{i}", "w+"))
-            for i in range(len(commands))
-        ]
-        processes: list[subprocess.Popen] = []
-        returncode: Optional[int] = None
-        try:
-            for index, (command, rank_environment) in enumerate(zip(commands, environments)):
-                # Each process leads a process group of its own, so one kill
-                # per group reaches it and everything it started.
-                # mlx.launch polls its stdin: a pipe left open keeps that
-                # poll blocking (at end of file it would spin a core).
-                processes.append(subprocess.Popen(
-                    command, stdin=subprocess.PIPE, stdout=outputs[index][0],
-                    stderr=outputs[index][1], cwd=str(cwd or scratch), env=rank_environment,
-                    start_new_session=True,
-                ))
-            codes = _wait_for_all_or_a_failure(processes, time.monotonic() + timeout_s)
-            returncode = next((code for code in codes if code not in (0, None)), 0)
-            if launcher == DIRECT and returncode != 0:
-                outputs[0][1].write("".join(
-                    f"Node with rank {rank} exited with code {code}\n"
-                    for rank, code in enumerate(codes) if code not in (0, None)
-                ))
-        except TimeoutError:
-            returncode = None
-        finally:
-            # Also on success: a rank that outlived the launcher would hold a port.
-            _kill_groups(processes)
-            for process in processes:
-                if process.stdin is not None:
-                    process.stdin.close()
-        texts = []
-        for stdout, stderr in outputs:
-            stdout.seek(0)
-            stderr.seek(0)
-            texts.append((stdout.read(), stderr.read()))
-            stdout.close()
-            stderr.close()
-        return LaunchResult(
-            returncode, "".join(out for out, _ in texts), "".join(err for _, err in texts),
-            time.monotonic() - started, [process.pid for process in processes],
-        )
-
-
-# ---- Launched bench ------------------------------------------------------------
-
-
-def bench_over_ranks(
-    model_name: str,
-    *,
-    ranks: int = 2,
-    steps: int = 16,
-    rounds: int = 5,
-    layers: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    timeout_s: float = 600.0,
-    launcher: str = DIRECT,
-) -> dict:
-    """Launches ``bench`` on ``ranks`` loopback ranks and returns rank 0's
-    report (:func:`run_bench`); raises RuntimeError when the job fails.
-    The ranks are started directly by default: mlx.launch's output relay
-    would take CPU from them (:func:`launch`)."""
-    with tempfile.TemporaryDirectory() as out:
-        arguments = ["bench", "--model", model_name, "--steps", str(steps),
-                     "--rounds", str(rounds), "--out", out]
-        if layers is not None:
-            arguments += ["--layers", str(layers)]
-        if vocab_size is not None:
-            arguments += ["--vocab-size", str(vocab_size)]
-        result = launch(arguments, ranks=ranks, timeout_s=timeout_s, launcher=launcher)
-        report_path = Path(out) / "bench.json"
-        if not report_path.exists():
-            raise RuntimeError(result.describe())
-        report = json.loads(report_path.read_text())
-    report["launch_seconds"] = result.seconds
-    report["launcher"] = launcher
-    report["ok"] = result.ok
-    return report
-
-
-def format_bench_report(report: dict) -> str:
-    """Median and range over rounds of ms/token, both paths, and the ratio."""
-
-    def spread(values: list, digits: int) -> str:
-        return (f"{statistics.median(values):.{digits}f} "
-                f"[{min(values):.{digits}f} .. {max(values):.{digits}f}]")
-
-    config = report["config"]
-    shape = ", ".join(f"{key} {config[key]}" for key in
-                      ("num_hidden_layers", "hidden_size", "vocab_size") if key in config)
-    lines = [
-        f"decode, {report['model']} ({shape}), tensor-parallel over {report['ranks']} ranks "
-        f"(ring backend, loopback), {report['rounds']} interleaved rounds of "
-        f"{report['decode_steps']} decode steps; median [min .. max] over rounds:",
-        f"  unpatched  {spread(report['unpatched'], 2)} ms/token",
-        f"  patched    {spread(report['patched'], 2)} ms/token",
-        f"  patched / unpatched  {spread(report['ratios_patched_over_unpatched'], 3)}",
-    ]
-    if report["token_mismatches"]:
-        lines.append(f"  TOKEN MISMATCH in {report['token_mismatches']} rounds")
-    return "\n".join(lines)
-
-
-def run_ranks_command(arguments, decode_models: Sequence[str], quick_vocabulary: int) -> int:
-    """``mlx-lm-bench --ranks N``: each decode model whose family has
-    ``Model.shard``, tensor-parallel over N loopback ranks, patched vs
-    unpatched; prints the table (and writes ``--json``). 1 on a token
-    mismatch or a failed rank."""
-    from mlx_dualnorm.tools.mlx_lm_synthetic import DECODE_MODELS
-
-    import importlib
-
-    reports = []
-    for name in decode_models:
-        model_type = DECODE_MODELS[name].config["model_type"]
-        if not hasattr(importlib.import_module(f"mlx_lm.models.{model_type}").Model, "shard"):
-            print(f"{name}: mlx-lm's {model_type} has no Model.shard; left out", file=sys.stderr)
-            continue
-        print(f"decode over {arguments.ranks} ranks, {name} ...", file=sys.stderr, flush=True)
-        quick_layers = DECODE_MODELS[name].quick_layers if arguments.quick else None
-        report = bench_over_ranks(
-            name, ranks=arguments.ranks, steps=arguments.decode_steps,
-            rounds=arguments.decode_rounds, layers=quick_layers,
-            vocab_size=quick_vocabulary if arguments.quick else None,
-        )
-        print(format_bench_report(report), flush=True)
-        reports.append(report)
-    if arguments.json:
-        Path(arguments.json).write_text(json.dumps({"ranks": reports}, indent=2) + "\n")
-        print(f"wrote {arguments.json}", file=sys.stderr)
-    failed = any(report["token_mismatches"] or not report["ok"] for report in reports)
-    return 1 if failed else 0
 
 
 # ---- Command line ------------------------------------------------------------
