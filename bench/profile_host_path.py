@@ -9,7 +9,7 @@ gated-delta decode shape (q, k ``(1, 1, 16, 128)`` bf16, no weights):
 
      facade        CompiledDualHeadNorm.__call__              (Python)
      bridge        mlx_dualnorm._interop.apply                (nanobind)
-     C apply       mlx_dualnorm_apply_compiled_dual_head_norm (via cffi)
+     C apply       mlx_dualnorm_compiled_dual_head_norm_apply (via cffi)
      replay        mlx_closure_apply of an identical shapeless compiled
                    graph, built here through cffi              (via cffi)
 
@@ -203,14 +203,14 @@ def run_ladder(batches: int, calls_per_batch: int, rounds: int) -> dict[str, flo
         "reference: 1 x mx.fast.rms_norm": lambda q, k, wq, wk: mx.fast.rms_norm(q, wq, EPSILON),
         "reference: Python mx.compile replay": python_compiled,
     }
-    apply = lib.mlx_dualnorm_apply_compiled_dual_head_norm
+    apply = lib.mlx_dualnorm_compiled_dual_head_norm_apply
     closure_apply = lib.mlx_closure_apply
     query_handle, key_handle = cffi_graph.query_handle, cffi_graph.key_handle
     compiled_graph, input_vector = cffi_graph.compiled_graph, cffi_graph.input_vector
     epsilon_getter = lib.mlx_dualnorm_compiled_dual_head_norm_epsilon
     cffi_rungs: dict[str, Callable[[object], object]] = {
         "empty cffi call (floor)": lambda slot: epsilon_getter(native),
-        "C apply: mlx_dualnorm_apply_... (cffi)": lambda slot: apply(
+        "C apply: mlx_dualnorm_..._apply (cffi)": lambda slot: apply(
             slot, native, query_handle, key_handle, empty, empty, error
         ),
         "replay: mlx_closure_apply (cffi)": lambda slot: closure_apply(
@@ -244,7 +244,7 @@ def ladder_breakdown(ladder: dict[str, float]) -> list[tuple[str, float]]:
     cffi_floor = ladder["empty cffi call (floor)"]
     facade = ladder["facade: CompiledDualHeadNorm.__call__"]
     bridge = ladder["bridge: _interop.apply"]
-    c_apply = ladder["C apply: mlx_dualnorm_apply_... (cffi)"] - cffi_floor
+    c_apply = ladder["C apply: mlx_dualnorm_..._apply (cffi)"] - cffi_floor
     replay = ladder["replay: mlx_closure_apply (cffi)"] - cffi_floor
     return [
         ("Python facade (__call__ body, unpack, checks)", facade - bridge),
@@ -315,7 +315,7 @@ PROFILE_FRAMES = (
     ("facade CompiledDualHeadNorm.__call__", r"^CompiledDualHeadNorm\.__call__ "),
     ("nanobind dispatch (nb_func_vectorcall)", r"nb_func_vectorcall"),
     ("bridge apply (array_bridge.cpp)", r"^(\(anonymous namespace\)::)?apply \(array_bridge"),
-    ("C apply mlx_dualnorm_apply_compiled_dual_head_norm", r"^mlx_dualnorm_apply_compiled_dual_head_norm"),
+    ("C apply mlx_dualnorm_compiled_dual_head_norm_apply", r"^mlx_dualnorm_compiled_dual_head_norm_apply"),
     ("mlx_vector_array_new_data / _free", r"^mlx_vector_array_(new_data|free) "),
     ("pthread mutex lock/unlock", r"pthread_mutex_(un)?lock"),
     ("mlx_closure_apply", r"^mlx_closure_apply "),
@@ -391,7 +391,7 @@ CALL_LAYERS = (
     ("nanobind dispatch + bridge (casts, borrow, output wrapping, tuple)",
      "nanobind dispatch (nb_func_vectorcall)"),
     ("C apply around the replay (checks, input vector, lock, error record)",
-     "C apply mlx_dualnorm_apply_compiled_dual_head_norm"),
+     "C apply mlx_dualnorm_compiled_dual_head_norm_apply"),
     ("mlx-c closure + std::function + compile-cache lookup", "mlx_closure_apply"),
     ("MLX compile_replace (rebuilding the 10-primitive graph)", "MLX compile_replace (the replay)"),
 )

@@ -392,7 +392,7 @@ static int apply_graph(mlx_vector_array* res, mlx_dualnorm_compiled_dual_head_no
   return MLX_DUALNORM_OK;
 }
 
-int mlx_dualnorm_apply_compiled_dual_head_norm(
+int mlx_dualnorm_compiled_dual_head_norm_apply(
     mlx_vector_array* res, mlx_dualnorm_compiled_dual_head_norm* dual_head_norm,
     const mlx_array queries, const mlx_array keys, const mlx_array query_scale_weight,
     const mlx_array key_scale_weight, mlx_dualnorm_error* error) {

@@ -83,7 +83,7 @@ float mlx_dualnorm_compiled_dual_head_norm_epsilon(
  * referenced by the lazy outputs. On success `*res` (allocated when empty,
  * owned by the caller) holds exactly two lazy arrays: the normalized
  * queries first, the normalized keys second. Thread-safe. */
-int mlx_dualnorm_apply_compiled_dual_head_norm(
+int mlx_dualnorm_compiled_dual_head_norm_apply(
     mlx_vector_array* res,
     mlx_dualnorm_compiled_dual_head_norm* dual_head_norm,
     const mlx_array queries,

@@ -510,7 +510,7 @@ static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* 
   return MLX_DUALNORM_OK;
 }
 
-int mlx_dualnorm_apply_dual_head_norm_rope(
+int mlx_dualnorm_dual_head_norm_rope_apply(
     mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
     const mlx_array queries, const mlx_array keys, const mlx_array query_scale_weight,
     const mlx_array key_scale_weight, const mlx_array rope_offset, mlx_dualnorm_error* error) {

@@ -110,7 +110,7 @@ mlx_dualnorm_rope_parameters mlx_dualnorm_dual_head_norm_rope_parameters(
  * referenced by the lazy outputs. On success `*res` (allocated when empty,
  * owned by the caller) holds exactly two lazy arrays: the rotated queries
  * first, the rotated keys second. Thread-safe. */
-int mlx_dualnorm_apply_dual_head_norm_rope(
+int mlx_dualnorm_dual_head_norm_rope_apply(
     mlx_vector_array* res,
     mlx_dualnorm_dual_head_norm_rope* norm_rope,
     const mlx_array queries,

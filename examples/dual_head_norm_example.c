@@ -92,7 +92,7 @@ static bool check_parity(mlx_dualnorm_compiled_dual_head_norm* norm, const char*
   mlx_array normalized_keys = mlx_array_new();
   float eps = mlx_dualnorm_compiled_dual_head_norm_epsilon(norm);
   bool same = false;
-  if (mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, keys, query_weight,
+  if (mlx_dualnorm_compiled_dual_head_norm_apply(&outputs, norm, queries, keys, query_weight,
                                                  key_weight, &error) != MLX_DUALNORM_OK) {
     printf("%s: [%s] %s\n", label, error.operation, error.description);
   } else if (mlx_vector_array_size(outputs) == 2 &&
@@ -118,7 +118,7 @@ static bool check_rejected_weight(mlx_dualnorm_compiled_dual_head_norm* norm,
   mlx_array no_weight = mlx_array_new();
   mlx_vector_array outputs = mlx_vector_array_new();
   mlx_dualnorm_error error;
-  int status = mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, keys,
+  int status = mlx_dualnorm_compiled_dual_head_norm_apply(&outputs, norm, queries, keys,
                                                           short_weight, no_weight, &error);
   if (status != MLX_DUALNORM_OK) {
     printf("rejected: status %d [%s] %s\n", status, error.operation, error.description);

@@ -65,14 +65,14 @@ def bind_bridges(
     raises TypeError; ``convert_offset(value)`` does that for a RoPE offset
     that is neither an ``mx.array`` nor an int within int32."""
     _interop.bind(
-        _function_address("mlx_dualnorm_apply_compiled_dual_head_norm"),
+        _function_address("mlx_dualnorm_compiled_dual_head_norm_apply"),
         _function_address("mlx_vector_array_free"),
         convert_array,
         DualHeadNormValueError,
         MlxCError,
     )
     _interop.bind_rope(
-        _function_address("mlx_dualnorm_apply_dual_head_norm_rope"),
+        _function_address("mlx_dualnorm_dual_head_norm_rope_apply"),
         convert_rope_array,
         convert_offset,
     )

@@ -422,7 +422,7 @@ def test_c_api_refuses_null_and_empty_handles():
     error = ffi.new("mlx_dualnorm_error *")
     empty = ffi.new("mlx_array *")[0]
     result = ffi.new("mlx_vector_array *")
-    status = lib.mlx_dualnorm_apply_dual_head_norm_rope(
+    status = lib.mlx_dualnorm_dual_head_norm_rope_apply(
         result, ffi.NULL, empty, empty, empty, empty, empty, error
     )
     assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT
@@ -431,7 +431,7 @@ def test_c_api_refuses_null_and_empty_handles():
     rope = ffi.new("mlx_dualnorm_rope_parameters *", dict(dims=4, base=1e4, scale=1.0))
     assert lib.mlx_dualnorm_dual_head_norm_rope_new(created, 1e-6, rope[0], 0, error) == 0
     norm_rope = ffi.gc(created[0], lib.mlx_dualnorm_dual_head_norm_rope_free)
-    status = lib.mlx_dualnorm_apply_dual_head_norm_rope(
+    status = lib.mlx_dualnorm_dual_head_norm_rope_apply(
         result, norm_rope, empty, empty, empty, empty, empty, error
     )
     assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT

@@ -93,7 +93,7 @@ def test_c_level_invalid_arguments_are_statuses_not_crashes():
     norm = CompiledDualHeadNorm(EPS)
     result = ffi.new("mlx_vector_array*", lib.mlx_vector_array_new())
     empty = lib.mlx_array_new()
-    apply = lib.mlx_dualnorm_apply_compiled_dual_head_norm
+    apply = lib.mlx_dualnorm_compiled_dual_head_norm_apply
     error = new_error_record()
     invalid = lib.MLX_DUALNORM_INVALID_ARGUMENT
     assert apply(ffi.NULL, norm._native, empty, empty, empty, empty, error) == invalid

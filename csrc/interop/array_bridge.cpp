@@ -42,7 +42,7 @@ const char APPLY_NORM_ROPE_OPERATION[] = "apply the compiled MLX dual head norm 
  * life of the process: one reference each, never released, so nothing here
  * runs Python code during interpreter teardown. */
 struct BoundFunctions {
-  decltype(&mlx_dualnorm_apply_compiled_dual_head_norm) apply = nullptr;
+  decltype(&mlx_dualnorm_compiled_dual_head_norm_apply) apply = nullptr;
   decltype(&mlx_vector_array_free) free_vector = nullptr;
   nb::handle convert_array;    // (value, argument_name) -> mx.array, or raises
   nb::handle value_error_type; // bad input or a closed object
@@ -55,7 +55,7 @@ BoundFunctions bound;
  * the facade's converters, whose messages name that operation. Kept for
  * the life of the process, as `bound`. */
 struct BoundRopeFunctions {
-  decltype(&mlx_dualnorm_apply_dual_head_norm_rope) apply = nullptr;
+  decltype(&mlx_dualnorm_dual_head_norm_rope_apply) apply = nullptr;
   nb::handle convert_array;  // (value, argument_name) -> mx.array, or raises
   nb::handle convert_offset; // value -> mx.array, or raises
 };

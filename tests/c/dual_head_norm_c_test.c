@@ -153,7 +153,7 @@ static void check_apply(mlx_dualnorm_compiled_dual_head_norm* norm, float eps, f
                         mlx_array key_weight, const char* context) {
   mlx_vector_array outputs = mlx_vector_array_new();
   mlx_dualnorm_error error = {MLX_DUALNORM_OK, "", ""};
-  int status = mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, keys,
+  int status = mlx_dualnorm_compiled_dual_head_norm_apply(&outputs, norm, queries, keys,
                                                           query_weight, key_weight, &error);
   CHECK(status == MLX_DUALNORM_OK, "%s: apply failed: [%s] %s", context, error.operation,
         error.description);
@@ -352,34 +352,34 @@ static void test_invalid_arguments_and_lifecycle(void) {
   CHECK(mlx_dualnorm_compiled_dual_head_norm_mode(norm) == MLX_DUALNORM_MODE_COMPILED,
         "AUTO without a fused backend resolved to %d",
         (int)mlx_dualnorm_compiled_dual_head_norm_mode(norm));
-  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, empty, queries, empty,
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_apply(&outputs, norm, empty, queries, empty,
                                                             empty, &error),
                  &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "empty array handle",
                  "empty queries");
-  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, scalar, empty,
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_apply(&outputs, norm, queries, scalar, empty,
                                                             empty, &error),
                  &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "at least 1 dimension",
                  "0-d keys");
-  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries,
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_apply(&outputs, norm, queries, queries,
                                                             short_weight, empty, &error),
                  &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "7 elements",
                  "short weight");
-  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries,
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_apply(&outputs, norm, queries, queries,
                                                             scalar, empty, &error),
                  &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "1 dimension",
                  "0-d weight");
-  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, integer_queries,
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_apply(&outputs, norm, integer_queries,
                                                             queries, empty, empty, &error),
                  &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "int32",
                  "int32 queries");
-  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(NULL, norm, queries, queries, empty,
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_apply(NULL, norm, queries, queries, empty,
                                                             empty, &error),
                  &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "NULL",
                  "NULL result vector");
-  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, NULL, queries, queries,
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_apply(&outputs, NULL, queries, queries,
                                                             empty, empty, &error),
                  &error, MLX_DUALNORM_INVALID_ARGUMENT, APPLY_OPERATION, "NULL", "NULL object");
-  CHECK(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries, short_weight,
+  CHECK(mlx_dualnorm_compiled_dual_head_norm_apply(&outputs, norm, queries, queries, short_weight,
                                                    empty, NULL) == MLX_DUALNORM_INVALID_ARGUMENT,
         "a NULL error record changed the status of a rejected apply");
   CHECK(mlx_vector_array_size(outputs) == 0, "a rejected apply filled the outputs");
@@ -387,7 +387,7 @@ static void test_invalid_arguments_and_lifecycle(void) {
 
   CHECK(mlx_dualnorm_compiled_dual_head_norm_close(norm, &error) == MLX_DUALNORM_OK,
         "close failed: [%s] %s", error.operation, error.description);
-  expect_failure(mlx_dualnorm_apply_compiled_dual_head_norm(&outputs, norm, queries, queries,
+  expect_failure(mlx_dualnorm_compiled_dual_head_norm_apply(&outputs, norm, queries, queries,
                                                             empty, empty, &error),
                  &error, MLX_DUALNORM_CLOSED, APPLY_OPERATION, "closed", "apply after close");
   CHECK(mlx_dualnorm_compiled_dual_head_norm_close(norm, NULL) == MLX_DUALNORM_OK,
