@@ -14,6 +14,7 @@ pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import full_attention  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_bench  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     DECODE_MODELS,
@@ -47,7 +48,7 @@ def patch_states_per_run(monkeypatch):
 def corrupt_full_attention_prework(monkeypatch):
     """Patched full-attention layers attend with zeroed queries: a patch
     that computes the wrong prework."""
-    rotated_queries_and_keys = integration._rotated_queries_and_keys
+    rotated_queries_and_keys = full_attention._rotated_queries_and_keys
 
     def zeroed_queries(attention, queries, keys, cache):
         rotated = rotated_queries_and_keys(attention, queries, keys, cache)
@@ -56,7 +57,7 @@ def corrupt_full_attention_prework(monkeypatch):
         rotated_queries, rotated_keys = rotated
         return mx.zeros_like(rotated_queries), rotated_keys
 
-    monkeypatch.setattr(integration, "_rotated_queries_and_keys", zeroed_queries)
+    monkeypatch.setattr(full_attention, "_rotated_queries_and_keys", zeroed_queries)
 
 
 @pytest.mark.parametrize("model", list(DECODE_MODELS))

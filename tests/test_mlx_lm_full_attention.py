@@ -19,6 +19,7 @@ from mlx_lm.models.rope_utils import Llama3RoPE  # noqa: E402
 
 from mlx_dualnorm import available_modes  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import full_attention  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model  # noqa: E402
 
@@ -78,14 +79,14 @@ def prework_calls(monkeypatch):
     """Counts the full-attention calls that went through one norm + RoPE
     call, and those that ran mlx-lm's own __call__."""
     counts = {"fused": 0, "original": 0}
-    rotated = integration._rotated_queries_and_keys
+    rotated = full_attention._rotated_queries_and_keys
 
     def counting(attention, queries, keys, cache):
         result = rotated(attention, queries, keys, cache)
         counts["fused" if result is not None else "original"] += 1
         return result
 
-    monkeypatch.setattr(integration, "_rotated_queries_and_keys", counting)
+    monkeypatch.setattr(full_attention, "_rotated_queries_and_keys", counting)
     return counts
 
 
@@ -100,7 +101,7 @@ def test_greedy_generation_is_bit_identical(model_type, prework_calls):
     assert prework_calls == {"fused": 0, "original": 0}
     with integration.patch():  # mode "auto": the fused kernel on a CUDA GPU
         patched = greedy_generate(model, prompt, GENERATED_TOKENS)
-        prework_modes = {norm_rope.mode for norm_rope in integration._norm_ropes.values()}
+        prework_modes = {norm_rope.mode for norm_rope in full_attention._norm_ropes.values()}
 
     assert prework_modes == {"fused" if "fused" in available_modes() else "compiled"}
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
@@ -148,7 +149,7 @@ def test_a_raising_prework_runs_the_original(monkeypatch):
     def broken(rope, query_norm, key_norm):
         raise RuntimeError("broken")
 
-    monkeypatch.setattr(integration, "_norm_rope_for", broken)
+    monkeypatch.setattr(full_attention, "_norm_rope_for", broken)
     with integration.patch():
         patched = greedy_generate(model, prompt, 4)
     assert compare_traces(reference, patched).identical
@@ -181,7 +182,7 @@ def test_modes_reach_the_norm_rope(prework_calls):
     with integration.patch(mode="composed"):
         patched = greedy_generate(model, prompt, 3)
     assert compare_traces(reference, patched).identical
-    modes = {norm_rope.mode for norm_rope in integration._norm_ropes.values()}
+    modes = {norm_rope.mode for norm_rope in full_attention._norm_ropes.values()}
     assert modes == {"composed"}
     integration.clear_cache()
 

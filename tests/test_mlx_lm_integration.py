@@ -23,6 +23,8 @@ from conftest import assert_bit_identical  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import _shared  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import gated_delta as fold_module  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_bench, mlx_lm_check  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import (  # noqa: E402
     compare_traces,
@@ -54,20 +56,20 @@ def no_fallback(monkeypatch):
     def fail(*arguments):
         raise AssertionError("normalize_qk fell back to mlx-lm's function")
 
-    monkeypatch.setattr(integration, "_fall_back", fail)
+    monkeypatch.setattr(fold_module, "_fall_back", fail)
 
 
 @pytest.fixture
 def fallback_calls(monkeypatch):
     """Counts the calls that run mlx-lm's own function."""
     calls = []
-    fall_back = integration._fall_back
+    fall_back = fold_module._fall_back
 
     def counting(*arguments):
         calls.append(arguments)
         return fall_back(*arguments)
 
-    monkeypatch.setattr(integration, "_fall_back", counting)
+    monkeypatch.setattr(fold_module, "_fall_back", counting)
     return calls
 
 
@@ -138,7 +140,7 @@ def test_one_fold_per_key_however_many_calls():
         batched = mx.broadcast_to(queries, (batch, 1, 16, 128))
         for _ in range(5):
             integration.normalize_qk(batched, keys, inv_scale=128**-0.5, eps=1e-6)
-    assert len(integration._folded_norms) == 1
+    assert len(fold_module._folded_norms) == 1
 
 
 def test_cache_is_thread_safe(no_fallback):
@@ -165,7 +167,7 @@ def test_cache_is_thread_safe(no_fallback):
     for thread in threads:
         thread.join()
     assert not errors
-    assert len(integration._folded_norms) == 1
+    assert len(fold_module._folded_norms) == 1
     assert len(results) == 40
     for outputs in results:
         for a, e in zip(outputs, expected):
@@ -290,7 +292,7 @@ def test_a_raising_fold_falls_back(monkeypatch, fallback_calls):
 
     queries, keys = random_pair((1, 1, 16, 128), mx.bfloat16)
     integration.normalize_qk(queries, keys, inv_scale=128**-0.5, eps=1e-6)
-    monkeypatch.setattr(integration._FoldedScaleNorm, "__call__", broken)
+    monkeypatch.setattr(fold_module._FoldedScaleNorm, "__call__", broken)
     expected, actual = run_both(queries, keys, 128**-0.5, 1e-6)
     assert_same_outcome(expected, actual)
     assert len(fallback_calls) == 1
@@ -299,9 +301,9 @@ def test_a_raising_fold_falls_back(monkeypatch, fallback_calls):
 def test_a_fold_failing_its_probe_warns_and_falls_back(monkeypatch, fallback_calls):
     """A fold that would change results is never used."""
     integration.clear_cache()
-    wrong_epsilon = integration._new_dual_head_norm
+    wrong_epsilon = fold_module._new_dual_head_norm
     monkeypatch.setattr(
-        integration, "_new_dual_head_norm", lambda rms_eps, mode: wrong_epsilon(0.25, mode)
+        fold_module, "_new_dual_head_norm", lambda rms_eps, mode: wrong_epsilon(0.25, mode)
     )
     queries, keys = random_pair((1, 1, 16, 128), mx.bfloat16)
     with pytest.warns(RuntimeWarning, match="not bit-identical"):
@@ -319,17 +321,17 @@ def test_nan_scalars_never_reach_the_cache(fallback_calls):
         assert_same_outcome(expected, actual)
         expected, actual = run_both(queries, keys, 0.125, float("nan"))
         assert_same_outcome(expected, actual)
-    assert not integration._folded_norms
+    assert not fold_module._folded_norms
 
 
 def test_cache_is_bounded(monkeypatch, fallback_calls):
     integration.clear_cache()
-    monkeypatch.setattr(integration, "MAX_CACHED_FOLDS", 2)
+    monkeypatch.setattr(_shared, "MAX_CACHED_FOLDS", 2)
     queries, keys = random_pair((2, 64), mx.float32)
     for inv_scale in (0.5, 0.25, 0.125):
         expected, actual = run_both(queries, keys, inv_scale, 1e-6)
         assert_same_outcome(expected, actual)
-    assert len(integration._folded_norms) == 2
+    assert len(fold_module._folded_norms) == 2
     assert len(fallback_calls) == 1
     integration.clear_cache()
 
@@ -412,7 +414,7 @@ def test_mode_is_passed_through(no_fallback):
         expected = ORIGINAL(queries, keys, inv_scale=128**-0.5, eps=1e-6)
         for a, e in zip(replacement(queries, keys, inv_scale=128**-0.5, eps=1e-6), expected):
             assert_bit_identical(a, e)
-    (fold,) = integration._folded_norms.values()
+    (fold,) = fold_module._folded_norms.values()
     assert fold.dual_head_norm.mode == "compiled"
     with integration.patch(mode="compiled"):
         assert gated_delta.normalize_qk is replacement  # one function per mode
@@ -450,7 +452,7 @@ def test_greedy_generation_is_bit_identical(monkeypatch, model_type, dtype):
     prompt = prompt_token_ids(512)
 
     shapes = []
-    fold_call = integration._FoldedScaleNorm.__call__
+    fold_call = fold_module._FoldedScaleNorm.__call__
 
     def recording_fold_call(self, queries, keys):
         shapes.append((queries.shape, queries.dtype))
@@ -460,8 +462,8 @@ def test_greedy_generation_is_bit_identical(monkeypatch, model_type, dtype):
         raise AssertionError("normalize_qk fell back to mlx-lm's function")
 
     reference = greedy_generate(model, prompt, GENERATED_TOKENS)
-    monkeypatch.setattr(integration, "_fall_back", fail)  # every call must fold
-    monkeypatch.setattr(integration._FoldedScaleNorm, "__call__", recording_fold_call)
+    monkeypatch.setattr(fold_module, "_fall_back", fail)  # every call must fold
+    monkeypatch.setattr(fold_module._FoldedScaleNorm, "__call__", recording_fold_call)
     with integration.patch(), count_normalize_qk_calls() as counts:
         patched = greedy_generate(model, prompt, GENERATED_TOKENS)
 
@@ -501,7 +503,7 @@ def test_check_reports_a_divergence(monkeypatch, capsys):
         normalized_queries, normalized_keys = ORIGINAL(queries, keys, inv_scale=inv_scale, eps=eps)
         return normalized_queries * (1 + 2.0**-7), normalized_keys
 
-    monkeypatch.setattr(integration, "_normalize_qk", off_by_one_ulp)
+    monkeypatch.setattr(fold_module, "_normalize_qk", off_by_one_ulp)
     assert mlx_lm_check.main(["--synthetic", "qwen3_5", "--tokens", "4"]) == 1
     output = capsys.readouterr().out
     assert "RESULT: DIVERGED" in output and "the PATCH changed the output" in output

@@ -37,6 +37,7 @@ from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration
+from mlx_dualnorm.integrations.mlx_lm import gated_delta
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DEFAULT_SEED,
     SYNTHETIC_MODEL_TYPES,
@@ -192,8 +193,8 @@ def count_normalize_qk_calls() -> Iterator[NormalizeQkCallCounts]:
     wrapping the integration's entry point and its fallback (module
     globals, read at each call). Not thread-safe: for this check only."""
     counts = NormalizeQkCallCounts()
-    entry_point: Callable = integration._normalize_qk
-    fall_back: Callable = integration._fall_back
+    entry_point: Callable = gated_delta._normalize_qk
+    fall_back: Callable = gated_delta._fall_back
 
     def counting_entry_point(*arguments):
         counts.calls += 1
@@ -203,13 +204,13 @@ def count_normalize_qk_calls() -> Iterator[NormalizeQkCallCounts]:
         counts.original += 1
         return fall_back(*arguments)
 
-    integration._normalize_qk = counting_entry_point
-    integration._fall_back = counting_fall_back
+    gated_delta._normalize_qk = counting_entry_point
+    gated_delta._fall_back = counting_fall_back
     try:
         yield counts
     finally:
-        integration._normalize_qk = entry_point
-        integration._fall_back = fall_back
+        gated_delta._normalize_qk = entry_point
+        gated_delta._fall_back = fall_back
 
 
 # ---- The check ---------------------------------------------------------------

@@ -1,0 +1,76 @@
+"""Routes mlx-lm's q/k prework through mlx_dualnorm, bit for bit.
+
+* Gated-delta layers (qwen3_next, qwen3_5, kimi_linear, kimi_k3,
+  olmo_hybrid, bailing_moe_v3): ``mlx_lm.models.gated_delta.normalize_qk``,
+  two ``rms_norm`` graph builds and two scalar multiplies, becomes ONE call
+  of :class:`~mlx_dualnorm.CompiledDualHeadNorm`, its scales folded into
+  constant weights (:mod:`.gated_delta`).
+* Full-attention layers (qwen3, qwen3_moe, qwen3_next's attention): the
+  ``rms_norm`` by ``q_norm`` / ``k_norm``, the transpose and ``nn.RoPE``
+  become ONE call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope` with
+  the layer's own weights and constants (:mod:`.full_attention`).
+
+Anything the package does not compute exactly (other dtypes, a scaled RoPE,
+other norms, a call that raises) runs mlx-lm's own code, never an
+approximation; each such reason is logged once, at debug level, to the
+``mlx_dualnorm.integrations.mlx_lm`` logger.
+
+    >>> from mlx_dualnorm.integrations import mlx_lm as dualnorm_mlx_lm
+    >>> dualnorm_mlx_lm.patch()            # for the rest of the process
+    >>> with dualnorm_mlx_lm.patch(): ...  # or for one block
+
+Importing this package imports mlx-lm; ``import mlx_dualnorm`` does not.
+Each layer shape has a module of its own here; :mod:`._patching` installs
+and restores them all.
+"""
+
+from __future__ import annotations
+
+from mlx_dualnorm.integrations.mlx_lm._shared import SUPPORTED_MLX_LM
+
+try:
+    import mlx_lm  # noqa: F401
+except ModuleNotFoundError as missing:
+    if missing.name != "mlx_lm":
+        raise
+    raise ModuleNotFoundError(
+        "mlx_dualnorm.integrations.mlx_lm needs mlx-lm, which is not installed: "
+        f"pip install 'mlx_dualnorm[mlx-lm]' (it supports {SUPPORTED_MLX_LM})",
+        name="mlx_lm",
+    ) from missing
+
+from mlx_dualnorm.integrations.mlx_lm._patching import (  # noqa: E402
+    MLX_LM_PACKAGE,
+    PATCH_OPERATION,
+    PATCHED_ATTRIBUTE,
+    MlxLmPatch,
+    clear_cache,
+    is_patched,
+    patch,
+    unpatch,
+)
+from mlx_dualnorm.integrations.mlx_lm._shared import (  # noqa: E402
+    MAX_CACHED_FOLDS,
+    PLAIN_SCALAR_TYPES,
+    REPLACEMENT_MARKER,
+)
+from mlx_dualnorm.integrations.mlx_lm.full_attention import FULL_ATTENTION_CLASSES  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.gated_delta import (  # noqa: E402
+    FOLDABLE_DTYPES,
+    GATED_DELTA_MODULE,
+    MIN_FOLDABLE_WIDTH,
+    NORMALIZE_QK_OPERATION,
+    ORIGINAL_NORMALIZE_QK,
+    PROBE_ROWS,
+    normalize_qk,
+)
+
+__all__ = [
+    "MlxLmPatch",
+    "ORIGINAL_NORMALIZE_QK",
+    "clear_cache",
+    "is_patched",
+    "normalize_qk",
+    "patch",
+    "unpatch",
+]

@@ -1,0 +1,58 @@
+"""What the integration's layer shapes share: the constants of what they
+take, the marker on their replacements, the bounded cache of built objects
+and the once-per-reason log of calls that run mlx-lm's own code."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+LOGGER = logging.getLogger("mlx_dualnorm.integrations.mlx_lm")
+
+# mlx-lm gained gated_delta.normalize_qk in 0.32.0 (0.31.x normalizes q and k
+# inside each model); the integration is tested on 0.32.2, the mlx-lm extra.
+SUPPORTED_MLX_LM = "mlx-lm 0.32.0 to 0.32.2 (tested on 0.32.2, which the mlx-lm extra installs)"
+
+# Marks our replacements, so a reloaded copy of this package still knows them.
+REPLACEMENT_MARKER = "_mlx_dualnorm_replacement"
+
+PLAIN_SCALAR_TYPES = (float, int)
+# Keys are model constants (a few per model); past this, new keys run the
+# original instead of growing the cache.
+MAX_CACHED_FOLDS = 256
+
+
+def cached_or_built(cache: dict, lock, key, build: Callable[[], object], when_full):
+    """``cache[key]``, built once under ``lock`` on a miss, or ``when_full``
+    (nothing built) once the cache holds MAX_CACHED_FOLDS entries. A hit
+    takes no lock: it runs for every layer of every decode step."""
+    value = cache.get(key)
+    if value is not None:
+        return value
+    with lock:
+        value = cache.get(key)
+        if value is None:
+            if len(cache) >= MAX_CACHED_FOLDS:
+                return when_full
+            value = build()
+            cache[key] = value
+        return value
+
+
+
+_logged_fallbacks: set = set()
+
+
+def log_fallback_once(
+    place: str, reason: object, outcome: str = "runs mlx-lm's own code"
+) -> None:
+    """Logs at debug level, once per ``(place, reason)``, that ``place``
+    ran mlx-lm's own code (or another ``outcome``) and why. ``reason`` is a
+    sentence, or the exception caught, logged once per exception type."""
+    key = (place, type(reason) if isinstance(reason, BaseException) else reason)
+    if key in _logged_fallbacks:
+        return
+    _logged_fallbacks.add(key)
+    if isinstance(reason, BaseException):
+        reason = f"{type(reason).__name__}: {reason}"
+    LOGGER.debug("%s %s: %s", place, outcome, reason)

@@ -1,0 +1,281 @@
+"""Full-attention layers: the q/k norm + RoPE as one call.
+
+``qwen3``, ``qwen3_moe`` and ``qwen3_next``'s attention: their q/k prework is ``rms_norm`` by ``q_norm`` / ``k_norm``, a
+transpose to ``(B, H, L, D)`` and ``nn.RoPE`` at ``cache.offset``, six
+graph nodes per layer. ``patch()`` also replaces those attention classes'
+``__call__`` with one written here that runs the same projections, cache
+update and attention, and makes the prework ONE call of
+:class:`~mlx_dualnorm.CompiledDualHeadNormRope` with the layer's own
+weights, epsilon and RoPE constants: the same primitives in the same order,
+so the bits are the same. A layer whose RoPE is not exactly ``nn.RoPE``
+(the scaled-RoPE classes of ``rope_utils``, frequency tables), whose norms
+are not exactly ``nn.RMSNorm`` with one epsilon, or whose call raises in the
+prework, runs the class's own ``__call__``. On MLX's CUDA backend the
+prework is one kernel launch (the fused mode), as the gated-delta norm is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+import weakref
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_dualnorm._composite import Mode
+from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
+from mlx_dualnorm.integrations.mlx_lm._shared import (
+    PLAIN_SCALAR_TYPES,
+    REPLACEMENT_MARKER,
+    cached_or_built,
+    log_fallback_once,
+)
+
+# (module, attention class, how its __call__ is replaced). Modules that do
+# not import (an older mlx-lm) are skipped.
+FULL_ATTENTION_CLASSES = (
+    ("mlx_lm.models.qwen3", "Attention", "qwen3"),
+    ("mlx_lm.models.qwen3_moe", "Attention", "qwen3"),
+    ("mlx_lm.models.qwen3_next", "Qwen3NextAttention", "qwen3_next"),
+)
+
+# class -> its own __call__, recorded the first time it is patched.
+_original_attention_calls: dict = {}
+_norm_ropes: dict = {}
+_norm_ropes_lock = threading.Lock()
+_full_attention_mode: Optional[Mode] = None
+
+
+# mlx.nn.Module is a dict of its submodules and arrays: reading them as
+# items skips Module.__getattr__, Python code that costs about 0.5 µs a
+# lookup on a 2-core CPU, several per layer and decode token.
+_module_item = dict.get
+
+
+def _norm_rope_for(rope, query_norm, key_norm):
+    """The cached CompiledDualHeadNormRope for a layer's constants, or None
+    where the layer's norms or RoPE are not exactly what it computes.
+
+    Runs for every layer of every decode step, so a known layer costs one
+    dict lookup: the key holds everything the result depends on, read
+    afresh each call (a module swapped or a constant changed in place gets
+    a new key), with the types that change what MLX makes of a value (an
+    int 1 is not the bool ``traditional``)."""
+    key = (
+        _full_attention_mode, type(rope), type(query_norm), type(key_norm),
+        query_norm.eps, key_norm.eps, rope.dims, type(rope.dims),
+        rope.traditional, type(rope.traditional), rope.base, rope.scale,
+    )
+    norm_rope = _norm_ropes.get(key)
+    if norm_rope is not None or not _is_plain_norm_rope(rope, query_norm, key_norm):
+        return norm_rope
+    mode = _full_attention_mode
+    return cached_or_built(
+        _norm_ropes, _norm_ropes_lock, key,
+        lambda: CompiledDualHeadNormRope(
+            query_norm.eps, rope.dims, base=rope.base, traditional=rope.traditional,
+            scale=rope.scale, **({} if mode is None else {"mode": mode}),
+        ),
+        None,
+    )
+
+
+def _is_plain_norm_rope(rope, query_norm, key_norm) -> bool:
+    """Whether the layer computes what CompiledDualHeadNormRope does: plain
+    nn.RMSNorm on both sides with one plain eps, then plain nn.RoPE with
+    plain constants."""
+    if type(rope) is not nn.RoPE or not (type(query_norm) is type(key_norm) is nn.RMSNorm):
+        return False
+    eps = query_norm.eps
+    if type(eps) not in PLAIN_SCALAR_TYPES or type(key_norm.eps) is not type(eps):
+        return False
+    if key_norm.eps != eps or type(rope.dims) is not int or type(rope.traditional) is not bool:
+        return False
+    return type(rope.base) in PLAIN_SCALAR_TYPES and type(rope.scale) in PLAIN_SCALAR_TYPES
+
+
+def _rotated_queries_and_keys(attention, queries, keys, cache):
+    """(B, H, L, D) queries and keys, normalized and rotated in one call, or
+    None (the caller then runs the class's own __call__)."""
+    try:
+        item = _module_item
+        rope, query_norm = item(attention, "rope"), item(attention, "q_norm")
+        key_norm = item(attention, "k_norm")
+        if rope is None or query_norm is None or key_norm is None:  # not kept as items
+            rope, query_norm, key_norm = attention.rope, attention.q_norm, attention.k_norm
+        norm_rope = _norm_rope_for(rope, query_norm, key_norm)
+        if norm_rope is None:
+            return None
+        query_weight, key_weight = item(query_norm, "weight"), item(key_norm, "weight")
+        if query_weight is None or key_weight is None:
+            query_weight, key_weight = query_norm.weight, key_norm.weight
+        return norm_rope(
+            queries, keys, query_weight, key_weight, offset=0 if cache is None else cache.offset
+        )
+    except Exception as error:  # anything unexpected runs mlx-lm's own code instead
+        log_fallback_once("the full-attention norm + RoPE", error)
+        return None
+
+
+def _attention_output(attention, queries, keys, values, cache, mask, batch, length):
+    """The cache update and attention of mlx-lm's layers, as (B, L, H*D)."""
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+    # The model module's own name, looked up at each call as its code does.
+    attend = sys.modules[type(attention).__module__].scaled_dot_product_attention
+    attended = attend(queries, keys, values, cache=cache, scale=attention.scale, mask=mask)
+    return attended.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+
+
+def _qwen3_attention_call(self, x, mask=None, cache=None):
+    """Qwen3 / Qwen3-MoE attention with the q/k prework in one call."""
+    batch, length, _ = x.shape
+    head_queries = self.q_proj(x).reshape(batch, length, self.n_heads, -1)
+    head_keys = self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1)
+    rotated = _rotated_queries_and_keys(self, head_queries, head_keys, cache)
+    if rotated is None:
+        return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
+    values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    output = _attention_output(self, *rotated, values, cache, mask, batch, length)
+    return self.o_proj(output)
+
+
+def _qwen3_next_attention_call(self, x, mask=None, cache=None):
+    """Qwen3-Next's gated full attention with the q/k prework in one call."""
+    batch, length, _ = x.shape
+    projected = self.q_proj(x).reshape(batch, length, self.num_attention_heads, -1)
+    head_queries, gate = mx.split(projected, 2, axis=-1)
+    head_keys = self.k_proj(x).reshape(batch, length, self.num_key_value_heads, -1)
+    rotated = _rotated_queries_and_keys(self, head_queries, head_keys, cache)
+    if rotated is None:
+        return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
+    values = self.v_proj(x).reshape(batch, length, self.num_key_value_heads, -1)
+    values = values.transpose(0, 2, 1, 3)
+    output = _attention_output(self, *rotated, values, cache, mask, batch, length)
+    return self.o_proj(output * mx.sigmoid(gate.reshape(batch, length, -1)))
+
+
+_ATTENTION_REPLACEMENTS = {
+    "qwen3": _qwen3_attention_call,
+    "qwen3_next": _qwen3_next_attention_call,
+}
+for _replacement in _ATTENTION_REPLACEMENTS.values():
+    setattr(_replacement, REPLACEMENT_MARKER, True)
+
+
+def _full_attention_classes():
+    """(class, replacement) for every covered class mlx-lm has."""
+    for module_name, class_name, replacement_name in FULL_ATTENTION_CLASSES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        yield getattr(module, class_name), _ATTENTION_REPLACEMENTS[replacement_name]
+
+
+# ---- One decision per layer ------------------------------------------------------
+#
+# The patch decides once per attention layer, at its first call, whether it
+# engages, and then moves the layer to a subclass whose __call__ is the
+# outcome: the replacement for a layer it engages, the class's own
+# __call__ for a layer it leaves alone (a scaled RoPE, other norms). A layer
+# left alone then runs exactly mlx-lm's code, with no check of ours per
+# call. The subclasses keep the class's name and module (the layers' code
+# looks names up in its module), and unpatching moves every layer back.
+
+# (attention class, engaged) -> the subclass layers of that outcome get.
+_decided_classes: dict = {}
+# id(layer) -> a weak reference to it (modules are dicts, so unhashable).
+_decided_layers: dict = {}
+_decided_layers_lock = threading.Lock()
+
+
+def _decided_class(attention_class, replacement, engaged: bool):
+    key = (attention_class, engaged)
+    decided = _decided_classes.get(key)
+    if decided is None:
+        original = _original_attention_calls[attention_class]
+        decided = type(
+            attention_class.__name__,
+            (attention_class,),
+            {
+                "__module__": attention_class.__module__,
+                "__qualname__": attention_class.__qualname__,
+                "__call__": replacement if engaged else original,
+                "mlx_dualnorm_original_call": original,
+                "mlx_dualnorm_engaged": engaged,
+            },
+        )
+        _decided_classes[key] = decided
+    return decided
+
+
+def _layer_engages(attention) -> bool:
+    """Whether the layer's norms and RoPE are what the package computes."""
+    try:
+        rope, query_norm, key_norm = attention.rope, attention.q_norm, attention.k_norm
+    except AttributeError:
+        return False
+    return _is_plain_norm_rope(rope, query_norm, key_norm)
+
+
+def _deciding_call(attention_class, replacement):
+    """The patched class's __call__: decides for the layer, moves it to its
+    subclass, then runs the outcome."""
+
+    def first_call(self, x, mask=None, cache=None):
+        if type(self) is not attention_class:  # a subclass of mlx-lm's: leave it alone
+            return _original_attention_calls[attention_class](self, x, mask, cache)
+        engaged = _layer_engages(self)
+        if not engaged:
+            log_fallback_once(
+                f"{attention_class.__module__}.{attention_class.__qualname__}",
+                "its norms or RoPE are not plain nn.RMSNorm / nn.RoPE",
+            )
+        decided = _decided_class(attention_class, replacement, engaged)
+        with _decided_layers_lock:
+            object.__setattr__(self, "__class__", decided)
+            _decided_layers[id(self)] = weakref.ref(self, _forget_layer(id(self)))
+        return decided.__call__(self, x, mask, cache)
+
+    setattr(first_call, REPLACEMENT_MARKER, True)
+    first_call.__wrapped__ = _original_attention_calls[attention_class]
+    return first_call
+
+
+def _forget_layer(layer_id: int):
+    def forget(_reference) -> None:
+        with _decided_layers_lock:
+            _decided_layers.pop(layer_id, None)
+
+    return forget
+
+
+def _install_full_attention_calls(mode: Optional[Mode]) -> None:
+    global _full_attention_mode
+    _full_attention_mode = mode
+    for attention_class, replacement in _full_attention_classes():
+        current = attention_class.__dict__["__call__"]
+        if getattr(current, REPLACEMENT_MARKER, False) is not True:
+            _original_attention_calls[attention_class] = current
+        attention_class.__call__ = _deciding_call(attention_class, replacement)
+
+
+def clear_norm_ropes() -> None:
+    """Drops every cached norm + RoPE object."""
+    with _norm_ropes_lock:
+        _norm_ropes.clear()
+
+
+def _restore_full_attention_calls() -> None:
+    for attention_class, original in _original_attention_calls.items():
+        attention_class.__call__ = original
+    with _decided_layers_lock:
+        for reference in list(_decided_layers.values()):
+            layer = reference()
+            if layer is not None:
+                object.__setattr__(layer, "__class__", type(layer).__mro__[1])
+        _decided_layers.clear()
