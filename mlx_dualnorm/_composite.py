@@ -116,6 +116,12 @@ def _rebuild_composite(cls, arguments: tuple, options: dict):
     return cls(*arguments, **options)
 
 
+def _float32_repr(value: float) -> str:
+    """The shortest literal that reads back as the same float32 (``1e-06``
+    for the float32 nearest 1e-6, whose double ``repr`` has 16 digits)."""
+    return repr(float(np.format_float_positional(np.float32(value), unique=True, trim="-")))
+
+
 def _mode_value(mode: object, operation: str) -> int:
     """The C enum value of a mode name, checked."""
     if not isinstance(mode, str):

@@ -33,3 +33,7 @@ class DualHeadNormValueError(MlxCError, ValueError):
     ``mx.fast.rms_norm`` raises for the same input, that is also an
     :class:`MlxCError` carrying the operation."""
 
+
+# Tracebacks and pickles name them where users import them from.
+MlxCError.__module__ = DualHeadNormValueError.__module__ = "mlx_dualnorm"
+

@@ -25,6 +25,7 @@ from mlx_dualnorm._composite import (
     _as_epsilon,
     _as_mx_array,
     _default_stream,
+    _float32_repr,
     _mode_value,
     _NativeComposite,
     _NO_NATIVE,
@@ -166,7 +167,7 @@ class CompiledDualHeadNorm(_NativeComposite):
     def __repr__(self) -> str:
         if self._handle is _NO_NATIVE:
             return "CompiledDualHeadNorm(<uninitialized>)"
-        return f"CompiledDualHeadNorm(eps={self.eps!r}, mode={self.mode!r})"
+        return f"CompiledDualHeadNorm(eps={_float32_repr(self.eps)}, mode={self.mode!r})"
 
 
 def _as_array(value: object, argument_name: str) -> mx.array:

@@ -31,6 +31,7 @@ from mlx_dualnorm._composite import (
     _as_epsilon,
     _as_mx_array,
     _default_stream,
+    _float32_repr,
     _mode_value,
     _NativeComposite,
     _NO_NATIVE,
@@ -58,8 +59,8 @@ def composed_dual_head_norm_rope(
     keys: mx.array,
     query_weight: Optional[mx.array] = None,
     key_weight: Optional[mx.array] = None,
+    eps: Optional[float] = None,
     *,
-    eps: float,
     dims: int,
     base: float,
     traditional: bool = False,
@@ -68,7 +69,13 @@ def composed_dual_head_norm_rope(
     stream: StreamLike = None,
 ) -> tuple[mx.array, mx.array]:
     """The reference path: ``rms_norm``, transpose to ``(B, H, L, D)`` and
-    ``rope``, for each side, as mlx-lm's Qwen3 attention calls them."""
+    ``rope``, for each side, as mlx-lm's Qwen3 attention calls them. ``eps``
+    is required, by position (as in :func:`composed_dual_head_norm`) or by
+    keyword."""
+    if eps is None:
+        raise TypeError(
+            f"[{COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION}] missing the required argument eps"
+        )
     rms_norm_epsilon = _as_epsilon(eps, COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION)
 
     def normalized_and_rotated(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
@@ -229,9 +236,9 @@ class CompiledDualHeadNormRope(_NativeComposite):
         if self._handle is _NO_NATIVE:
             return "CompiledDualHeadNormRope(<uninitialized>)"
         return (
-            f"CompiledDualHeadNormRope(eps={self.eps!r}, dims={self.dims!r}, "
-            f"base={self.base!r}, traditional={self.traditional!r}, "
-            f"scale={self.scale!r}, mode={self.mode!r})"
+            f"CompiledDualHeadNormRope(eps={_float32_repr(self.eps)}, dims={self.dims!r}, "
+            f"base={_float32_repr(self.base)}, traditional={self.traditional!r}, "
+            f"scale={_float32_repr(self.scale)}, mode={self.mode!r})"
         )
 
 
@@ -284,6 +291,10 @@ def _as_offset_array(offset: object) -> mx.array:
         raise TypeError(
             f"[{DUAL_HEAD_NORM_ROPE_OPERATION}] offset must be an int or an mlx.core.array "
             f"(what mx.fast.rope takes), not {type(offset).__name__}"
+        )
+    if isinstance(offset, (float, complex)):
+        raise DualHeadNormValueError(
+            DUAL_HEAD_NORM_ROPE_OPERATION, f"offset must be an integer, not {offset!r}"
         )
     try:
         return mx.array(offset)

@@ -453,7 +453,7 @@ def test_properties_and_repr():
     for mode in MODES:
         assert CompiledDualHeadNormRope(1e-6, 32, base=1e4, mode=mode).mode == mode
     assert repr(norm_rope) == (
-        "CompiledDualHeadNormRope(eps=9.999999974752427e-07, dims=32, base=1000000.0, "
+        "CompiledDualHeadNormRope(eps=1e-06, dims=32, base=1000000.0, "
         f"traditional=True, scale=0.25, mode={AUTO_MODE!r})"
     )
 

@@ -1,0 +1,71 @@
+"""Small edges of the public API: reprs, argument forms, exception names."""
+
+from __future__ import annotations
+
+import pickle
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_dualnorm
+from mlx_dualnorm import (
+    CompiledDualHeadNorm,
+    CompiledDualHeadNormRope,
+    DualHeadNormValueError,
+    MlxCError,
+    composed_dual_head_norm,
+    composed_dual_head_norm_rope,
+)
+
+
+@pytest.mark.parametrize("eps, shown", [(1e-6, "1e-06"), (1e-5, "1e-05"), (0, "0.0"), (0.1, "0.1")])
+def test_repr_shows_the_shortest_float32_literal(eps, shown):
+    norm = CompiledDualHeadNorm(eps, mode="compiled")
+    assert repr(norm) == f"CompiledDualHeadNorm(eps={shown}, mode='compiled')"
+    # The literal reads back as the very float32 in use.
+    assert np.float32(float(shown)) == np.float32(norm.eps)
+    norm_rope = CompiledDualHeadNormRope(eps, 64, base=1e4, scale=0.1, mode="compiled")
+    assert repr(norm_rope) == (
+        f"CompiledDualHeadNormRope(eps={shown}, dims=64, base=10000.0, traditional=False, "
+        "scale=0.1, mode='compiled')"
+    )
+
+
+@pytest.mark.parametrize("offset", [1.5, 2.0, 1j])
+def test_a_python_float_offset_is_refused_as_not_an_integer(offset):
+    queries = mx.ones((1, 2, 4, 64))
+    norm_rope = CompiledDualHeadNormRope(1e-6, 64, base=1e4)
+    with pytest.raises(DualHeadNormValueError) as raised:
+        norm_rope(queries, queries, offset=offset)
+    assert str(raised.value) == f"[dual_head_norm_rope] offset must be an integer, not {offset!r}"
+
+
+def test_both_composed_functions_take_eps_by_position_or_keyword():
+    queries, weight = mx.ones((1, 2, 4, 64)), mx.ones((64,))
+    for composed, options in (
+        (composed_dual_head_norm, {}),
+        (composed_dual_head_norm_rope, {"dims": 64, "base": 1e4}),
+    ):
+        by_position = composed(queries, queries, weight, None, 1e-5, **options)
+        by_keyword = composed(queries, queries, weight, None, eps=1e-5, **options)
+        for positional, keyword in zip(by_position, by_keyword):
+            assert mx.array_equal(positional, keyword).item()
+
+
+def test_composed_dual_head_norm_rope_still_requires_eps():
+    queries = mx.ones((1, 2, 4, 64))
+    with pytest.raises(TypeError, match=r"^\[composed_dual_head_norm_rope\] missing .* eps"):
+        composed_dual_head_norm_rope(queries, queries, dims=64, base=1e4)
+
+
+@pytest.mark.parametrize("error_type", [MlxCError, DualHeadNormValueError])
+def test_exceptions_are_named_from_the_package_and_pickle(error_type):
+    assert error_type.__module__ == "mlx_dualnorm"
+    assert getattr(mlx_dualnorm, error_type.__name__) is error_type
+    error = error_type("dual_head_norm", "something went wrong")
+    copied = pickle.loads(pickle.dumps(error))
+    assert type(copied) is error_type
+    assert (copied.operation, copied.description, str(copied)) == (
+        "dual_head_norm", "something went wrong", "[dual_head_norm] something went wrong"
+    )
