@@ -75,13 +75,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char COMPILE_DUAL_HEAD_NORM_OPERATION[] =
-    "compile the MLX dual head norm graph";
-static const char APPLY_DUAL_HEAD_NORM_OPERATION[] =
-    "apply the compiled MLX dual head norm";
-static const char CLOSE_DUAL_HEAD_NORM_OPERATION[] =
-    "close the compiled MLX dual head norm";
-static const char BUILD_DUAL_HEAD_NORM_GRAPH_OPERATION[] = "build the dual head norm graph";
+/* The labels of the errors, as MLX writes "[rms_norm] ...": construction
+ * and apply are the operation itself. */
+static const char COMPILE_DUAL_HEAD_NORM_OPERATION[] = "dual_head_norm";
+static const char APPLY_DUAL_HEAD_NORM_OPERATION[] = "dual_head_norm";
+static const char CLOSE_DUAL_HEAD_NORM_OPERATION[] = "dual_head_norm_close";
+static const char BUILD_DUAL_HEAD_NORM_GRAPH_OPERATION[] = "dual_head_norm_graph";
 
 /* ---- The process-wide epsilon slot --------------------------------------- */
 
@@ -405,10 +404,10 @@ int mlx_dualnorm_compiled_dual_head_norm_apply(
   dual_head_norm_call call = {0};
   dual_head_norm_route route = COMPILED_GRAPH_ROUTE;
   int status = dualnorm_inspect_head_norm_input(&call.queries, operation, "queries", queries,
-                                                "query scale weight", query_scale_weight, error);
+                                                "query_weight", query_scale_weight, error);
   if (status == MLX_DUALNORM_OK) {
     status = dualnorm_inspect_head_norm_input(&call.keys, operation, "keys", keys,
-                                              "key scale weight", key_scale_weight, error);
+                                              "key_weight", key_scale_weight, error);
   }
   if (status == MLX_DUALNORM_OK) {
     status = dualnorm_check_float64_placement(&call, operation, error);

@@ -77,11 +77,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char COMPILE_NORM_ROPE_OPERATION[] =
-    "compile the MLX dual head norm rope graph";
-static const char APPLY_NORM_ROPE_OPERATION[] = "apply the compiled MLX dual head norm rope";
-static const char CLOSE_NORM_ROPE_OPERATION[] = "close the compiled MLX dual head norm rope";
-static const char BUILD_NORM_ROPE_GRAPH_OPERATION[] = "build the dual head norm rope graph";
+/* The labels of the errors, as MLX writes "[rope] ...": construction and
+ * apply are the operation itself. */
+static const char COMPILE_NORM_ROPE_OPERATION[] = "dual_head_norm_rope";
+static const char APPLY_NORM_ROPE_OPERATION[] = "dual_head_norm_rope";
+static const char CLOSE_NORM_ROPE_OPERATION[] = "dual_head_norm_rope_close";
+static const char BUILD_NORM_ROPE_GRAPH_OPERATION[] = "dual_head_norm_rope_graph";
 
 /* (B, L, H, D) -> (B, H, L, D), as mlx-lm's attention transposes. */
 static const int HEAD_MAJOR_AXES[4] = {0, 2, 1, 3};
@@ -405,11 +406,11 @@ static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
                           const mlx_array rope_offset, mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_OPERATION;
   int status = dualnorm_inspect_head_norm_input(&call->queries, operation, "queries", queries,
-                                                "query scale weight", query_scale_weight,
+                                                "query_weight", query_scale_weight,
                                                 error);
   if (status == MLX_DUALNORM_OK) {
     status = dualnorm_inspect_head_norm_input(&call->keys, operation, "keys", keys,
-                                              "key scale weight", key_scale_weight, error);
+                                              "key_weight", key_scale_weight, error);
   }
   if (status == MLX_DUALNORM_OK) {
     status = inspect_rope_offset(rope_offset, offset, error);

@@ -132,7 +132,7 @@ int dualnorm_check_float64_placement(dual_head_norm_call* call, const char* oper
                                      mlx_dualnorm_error* error) {
   const head_norm_input* sides[2] = {&call->queries, &call->keys};
   static const char* const input_names[2] = {"queries", "keys"};
-  static const char* const weight_names[2] = {"query scale weight", "key scale weight"};
+  static const char* const weight_names[2] = {"query_weight", "key_weight"};
   for (int index = 0; index < 2; ++index) {
     bool input_is_float64 = sides[index]->dtype == MLX_FLOAT64;
     if (!input_is_float64 && sides[index]->weight_dtype != MLX_FLOAT64) {

@@ -36,8 +36,8 @@ from mlx_dualnorm import (
 from mlx_dualnorm.dual_head_norm import DUAL_HEAD_NORM_OPERATION as OPERATION
 
 # The labels of errors the C side raises itself.
-APPLY_OPERATION = "apply the compiled MLX dual head norm"
-COMPILE_OPERATION = "compile the MLX dual head norm graph"
+APPLY_OPERATION = "dual_head_norm"
+COMPILE_OPERATION = "dual_head_norm"
 EPS = 1e-5
 WIDTH = 64
 

@@ -172,7 +172,7 @@ def assert_example_succeeded(run: subprocess.CompletedProcess) -> None:
         assert f"{layout}: queries and keys bit-identical to mlx_fast_rms_norm" in lines, output
     # Status 2 is MLX_DUALNORM_INVALID_ARGUMENT; then [operation] description.
     assert (
-        "rejected: status 2 [apply the compiled MLX dual head norm] query scale weight "
+        "rejected: status 2 [dual_head_norm] query_weight "
         "has 64 elements but the last dimension of queries is 128"
     ) in lines, output
     assert lines[-1] == "summary: 2 parity checks, 0 mismatched; short weight rejected", output

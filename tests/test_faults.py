@@ -28,8 +28,8 @@ from mlx_dualnorm import CompiledDualHeadNorm, DualHeadNormValueError, MlxCError
 from mlx_dualnorm._native import ffi, lib
 
 # The C side's names for apply and close (the facade never formats them itself).
-APPLY_OPERATION = "apply the compiled MLX dual head norm"
-CLOSE_OPERATION = "close the compiled MLX dual head norm"
+APPLY_OPERATION = "dual_head_norm"
+CLOSE_OPERATION = "dual_head_norm_close"
 EPS = 1e-4
 OTHER_EPS = 1e-2
 
@@ -120,7 +120,7 @@ def test_the_epsilon_is_checked_before_rounding_to_float32():
         assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT, bad_epsilon
         assert "eps must be finite, >= 0" in reported(error)[2]
     for bad_epsilon in (-1e-50, 1e39):
-        with pytest.raises(DualHeadNormValueError, match=r"^\[compile the MLX dual head norm graph"):
+        with pytest.raises(DualHeadNormValueError, match=r"^\[dual_head_norm\]"):
             CompiledDualHeadNorm(bad_epsilon)
 
 

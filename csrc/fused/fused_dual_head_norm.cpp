@@ -34,6 +34,10 @@ namespace {
 
 namespace mx = mlx::core;
 
+/* The labels of each kernel's errors, as MLX writes "[rms_norm] ...". */
+const char kDualRmsNormOperation[] = "fused_dual_rms_norm";
+const char kDualRmsNormRopeOperation[] = "fused_dual_rms_norm_rope";
+
 #ifdef MLX_DUALNORM_WITH_CUDA
 
 /* The NVRTC entry points used, resolved with dlsym (nvrtcProgram is an
@@ -51,16 +55,17 @@ struct NvrtcLibrary {
 };
 
 template <typename Function>
-void resolve(void* library, const char* symbol, Function& function) {
+void resolve(void* library, const char* symbol, Function& function,
+             const std::string& operation) {
   function = reinterpret_cast<Function>(dlsym(library, symbol));
   if (function == nullptr) {
-    throw std::runtime_error(std::string("[fused dual head norm] NVRTC lacks ") + symbol);
+    throw std::runtime_error("[" + operation + "] NVRTC lacks " + symbol);
   }
 }
 
 /* The handle stays open for the process: MLX's CUDA backend holds the same
  * library, and the compiled cubin outlives the compiler anyway. */
-NvrtcLibrary open_nvrtc() {
+NvrtcLibrary open_nvrtc(const std::string& operation) {
   static const char* const candidates[] = {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"};
   void* library = nullptr;
   for (int flags : {RTLD_NOW | RTLD_NOLOAD, RTLD_NOW}) {
@@ -75,26 +80,26 @@ NvrtcLibrary open_nvrtc() {
   }
   if (library == nullptr) {
     throw std::runtime_error(
-        "[fused dual head norm] NVRTC (libnvrtc.so) was not found; MLX's CUDA "
-        "backend ships it as a dependency");
+        "[" + operation +
+        "] NVRTC (libnvrtc.so) was not found; MLX's CUDA backend ships it as a dependency");
   }
   NvrtcLibrary nvrtc;
-  resolve(library, "nvrtcCreateProgram", nvrtc.create_program);
-  resolve(library, "nvrtcCompileProgram", nvrtc.compile_program);
-  resolve(library, "nvrtcGetCUBINSize", nvrtc.get_cubin_size);
-  resolve(library, "nvrtcGetCUBIN", nvrtc.get_cubin);
-  resolve(library, "nvrtcGetProgramLogSize", nvrtc.get_program_log_size);
-  resolve(library, "nvrtcGetProgramLog", nvrtc.get_program_log);
-  resolve(library, "nvrtcDestroyProgram", nvrtc.destroy_program);
+  resolve(library, "nvrtcCreateProgram", nvrtc.create_program, operation);
+  resolve(library, "nvrtcCompileProgram", nvrtc.compile_program, operation);
+  resolve(library, "nvrtcGetCUBINSize", nvrtc.get_cubin_size, operation);
+  resolve(library, "nvrtcGetCUBIN", nvrtc.get_cubin, operation);
+  resolve(library, "nvrtcGetProgramLogSize", nvrtc.get_program_log_size, operation);
+  resolve(library, "nvrtcGetProgramLog", nvrtc.get_program_log, operation);
+  resolve(library, "nvrtcDestroyProgram", nvrtc.destroy_program, operation);
   return nvrtc;
 }
 
-size_t device_info_number(const char* key) {
+size_t device_info_number(const char* key, const std::string& operation) {
   const auto& info = mx::device_info(mx::Device::gpu);
   auto entry = info.find(key);
   if (entry == info.end() || !std::holds_alternative<size_t>(entry->second)) {
     throw std::runtime_error(
-        std::string("[fused dual head norm] MLX reports no GPU ") + key +
+        "[" + operation + "] MLX reports no GPU " + key +
         "; the fused kernel needs the CUDA backend");
   }
   return std::get<size_t>(entry->second);
@@ -104,10 +109,10 @@ size_t device_info_number(const char* key) {
  * the errors. The program is destroyed on every path. */
 std::string compile_kernel_cubin(const std::string& source, const char* program_name,
                                  const std::string& operation) {
-  NvrtcLibrary nvrtc = open_nvrtc();
+  NvrtcLibrary nvrtc = open_nvrtc(operation);
   std::string architecture = "--gpu-architecture=sm_" +
-                             std::to_string(device_info_number("compute_capability_major")) +
-                             std::to_string(device_info_number("compute_capability_minor"));
+                             std::to_string(device_info_number("compute_capability_major", operation)) +
+                             std::to_string(device_info_number("compute_capability_minor", operation));
   NvrtcLibrary::Program program = nullptr;
   if (nvrtc.create_program(&program, source.c_str(), program_name, 0, nullptr, nullptr) != 0) {
     throw std::runtime_error("[" + operation + "] nvrtcCreateProgram failed");
@@ -161,13 +166,13 @@ PreparedKernel& prepared_kernel() {
       mlx_dualnorm_fused::set_kernel_cubin(compile_kernel_cubin(
           std::string(mlx_dualnorm_fused::kRowNormalizationSource) +
               mlx_dualnorm_fused::kDualRmsNormEntrySource,
-          "mlx_dualnorm_dual_rms_norm.cu", "fused dual head norm"));
+          "mlx_dualnorm_dual_rms_norm.cu", kDualRmsNormOperation));
     } catch (const std::exception& e) {
       kernel.failure = e.what();
     }
 #else
-    kernel.failure =
-        "[fused dual head norm] mlx_dualnorm was built without MLX's CUDA headers";
+    kernel.failure = std::string("[") + kDualRmsNormOperation +
+                     "] mlx_dualnorm was built without MLX's CUDA headers";
 #endif
   });
   return kernel;
@@ -190,16 +195,17 @@ const mx::array* borrowed_weight_or_null(const mlx_array weight) {
 #endif // MLX_DUALNORM_WITH_CUDA
 
 /* Runs `body`; 0 on success, 1 with the message sent to mlx-c's error
- * handler on any throw (no exception crosses the C boundary). */
+ * handler on any throw (no exception crosses the C boundary); `operation`
+ * labels a throw that carries no message of its own. */
 template <typename Body>
-int report_failures(Body&& body) {
+int report_failures(const char* operation, Body&& body) {
   try {
     body();
     return 0;
   } catch (const std::exception& e) {
     mlx_error("%s", e.what());
   } catch (...) {
-    mlx_error("[fused dual head norm] unknown C++ exception");
+    mlx_error("[%s] unknown C++ exception", operation);
   }
   return 1;
 }
@@ -218,7 +224,7 @@ bool fused_backend_available() {
 }
 
 int prepare_fused_kernel() {
-  return report_failures([] {
+  return report_failures(kDualRmsNormOperation, [] {
     PreparedKernel& kernel = prepared_kernel();
     if (!kernel.failure.empty()) {
       throw std::runtime_error(kernel.failure);
@@ -246,7 +252,7 @@ int apply_fused_kernel(
     const mlx_array key_scale_weight,
     float rms_norm_epsilon) {
   std::vector<mx::array> outputs;
-  int status = report_failures([&] {
+  int status = report_failures(kDualRmsNormOperation, [&] {
     PreparedKernel& kernel = prepared_kernel();
     if (!kernel.failure.empty()) {
       throw std::runtime_error(kernel.failure);
@@ -287,20 +293,20 @@ PreparedKernel& prepared_rope_kernel() {
       mlx_dualnorm_fused::set_rope_kernel_cubin(compile_kernel_cubin(
           std::string(mlx_dualnorm_fused::kRowNormalizationSource) +
               mlx_dualnorm_fused::kDualRmsNormRopeEntrySource,
-          "mlx_dualnorm_dual_rms_norm_rope.cu", "fused dual head norm rope"));
+          "mlx_dualnorm_dual_rms_norm_rope.cu", kDualRmsNormRopeOperation));
     } catch (const std::exception& e) {
       kernel.failure = e.what();
     }
 #else
-    kernel.failure =
-        "[fused dual head norm rope] mlx_dualnorm was built without MLX's CUDA headers";
+    kernel.failure = std::string("[") + kDualRmsNormRopeOperation +
+                     "] mlx_dualnorm was built without MLX's CUDA headers";
 #endif
   });
   return kernel;
 }
 
 int prepare_fused_rope_kernel() {
-  return report_failures([] {
+  return report_failures(kDualRmsNormRopeOperation, [] {
     PreparedKernel& kernel = prepared_rope_kernel();
     if (!kernel.failure.empty()) {
       throw std::runtime_error(kernel.failure);
@@ -318,7 +324,7 @@ int apply_fused_rope_kernel(
     float rms_norm_epsilon,
     mlx_dualnorm_rope_parameters rope) {
   std::vector<mx::array> outputs;
-  int status = report_failures([&] {
+  int status = report_failures(kDualRmsNormRopeOperation, [&] {
     PreparedKernel& kernel = prepared_rope_kernel();
     if (!kernel.failure.empty()) {
       throw std::runtime_error(kernel.failure);

@@ -28,7 +28,7 @@ namespace mx = mlx::core;
 /* Inputs in this order; the weights follow where present. */
 enum { kQueriesInput = 0, kKeysInput = 1, kFirstWeightInput = 2 };
 
-const char kOperation[] = "fused dual head norm";
+const char kOperation[] = "fused_dual_rms_norm";
 
 /* The cubin's kernels: mlx_dualnorm_dual_rms_norm_contiguous_float32 and so on. */
 KernelModule& kernel_module() {

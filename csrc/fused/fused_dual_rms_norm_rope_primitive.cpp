@@ -41,7 +41,7 @@ enum { kQueriesInput = 0, kKeysInput = 1, kOffsetInput = 2, kFirstWeightInput = 
 /* (B, L, H, D) -> (B, H, L, D), as mlx-lm's attention transposes. */
 const std::vector<int> kHeadMajorAxes = {0, 2, 1, 3};
 
-const char kOperation[] = "fused dual head norm rope";
+const char kOperation[] = "fused_dual_rms_norm_rope";
 
 /* The cubin's kernels: mlx_dualnorm_dual_rms_norm_rope_contiguous_float32 and so
  * on. */

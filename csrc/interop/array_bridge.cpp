@@ -33,8 +33,9 @@ namespace mx = mlx::core;
 
 namespace {
 
-const char APPLY_DUAL_HEAD_NORM_OPERATION[] = "apply the compiled MLX dual head norm";
-const char APPLY_NORM_ROPE_OPERATION[] = "apply the compiled MLX dual head norm rope";
+/* The composites' labels (dual_head_norm.c, dual_head_norm_rope.c). */
+const char APPLY_DUAL_HEAD_NORM_OPERATION[] = "dual_head_norm";
+const char APPLY_NORM_ROPE_OPERATION[] = "dual_head_norm_rope";
 
 /* What bind() received. The composite's functions live in the cffi module
  * (this module links no mlx-c), so the handles it creates are freed by the

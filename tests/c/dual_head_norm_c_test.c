@@ -51,9 +51,9 @@ static pthread_mutex_t report_lock = PTHREAD_MUTEX_INITIALIZER;
 static const float EPSILONS[] = {1e-2f, 1e-4f, 1e-6f};
 
 /* The operations the composite names in its error records. */
-static const char COMPILE_OPERATION[] = "compile the MLX dual head norm graph";
-static const char APPLY_OPERATION[] = "apply the compiled MLX dual head norm";
-static const char CLOSE_OPERATION[] = "close the compiled MLX dual head norm";
+static const char COMPILE_OPERATION[] = "dual_head_norm";
+static const char APPLY_OPERATION[] = "dual_head_norm";
+static const char CLOSE_OPERATION[] = "dual_head_norm_close";
 enum { EPSILON_COUNT = 3 };
 
 /* ---- arrays ------------------------------------------------------------ */
