@@ -336,6 +336,7 @@ def test_numpy_inputs_match_the_composed_path_on_the_same_values(dtype):
 DEGENERATE_WIDTH_CHECK = """
     import mlx.core as mx
     from bit_parity import composed_reference
+    from conftest import assert_bit_identical
     from mlx_dualnorm import CompiledDualHeadNorm
 
     norm = CompiledDualHeadNorm(1e-5)

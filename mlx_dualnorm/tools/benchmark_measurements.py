@@ -44,7 +44,7 @@ from mlx_dualnorm.tools.benchmark_results import (
     Scenario,
     metric_key,
 )
-from mlx_dualnorm.tools.paths import PATH_REGISTRY, PathUnavailable
+from mlx_dualnorm.tools.paths import PATH_REGISTRY, DualNormPath, PathUnavailable
 
 __all__ = [
     "ScenarioInputs",
@@ -58,10 +58,6 @@ __all__ = [
     "time_graph_builds",
 ]
 
-DualHeadNormCall = Callable[
-    [mx.array, mx.array, Optional[mx.array], Optional[mx.array]],
-    "tuple[mx.array, mx.array]",
-]
 # Host timing only keeps a call's outputs, so it also takes calls that return
 # something else (the empty-loop baseline returns None).
 TimedCall = Callable[[mx.array, mx.array, Optional[mx.array], Optional[mx.array]], object]
@@ -146,7 +142,7 @@ def time_graph_builds(
 
 
 def run_decode_token(
-    call: DualHeadNormCall, inputs: ScenarioInputs, layers: int
+    call: DualNormPath, inputs: ScenarioInputs, layers: int
 ) -> tuple[int, int]:
     """One decode token: ``layers`` chained dual calls, one eval.
     Returns (build ns, total ns)."""
@@ -162,7 +158,7 @@ def run_decode_token(
     return built - started, finished - started
 
 
-def run_prefill_call(call: DualHeadNormCall, inputs: ScenarioInputs) -> tuple[int, int]:
+def run_prefill_call(call: DualNormPath, inputs: ScenarioInputs) -> tuple[int, int]:
     """One evaluated dual call. Returns (ns, peak bytes above the memory
     already held when it started)."""
     mx.reset_peak_memory()
@@ -180,8 +176,8 @@ Sample = tuple
 
 
 def interleaved_samples(
-    calls: dict[str, DualHeadNormCall],
-    take_sample: Callable[[DualHeadNormCall], Sample],
+    calls: dict[str, DualNormPath],
+    take_sample: Callable[[DualNormPath], Sample],
     samples: int,
     warmup: int,
     per_turn: int = 1,
@@ -282,7 +278,7 @@ def _progress(message: str, progress: Optional[Callable[[str], None]]) -> None:
 
 def _build_paths(
     names: Sequence[str], eps: float
-) -> tuple[dict[str, DualHeadNormCall], dict[str, dict]]:
+) -> tuple[dict[str, DualNormPath], dict[str, dict]]:
     calls, status = {}, {}
     for name in names:
         path = PATH_REGISTRY[name]
@@ -297,7 +293,7 @@ def _build_paths(
 
 
 def _warm_up(
-    calls: dict[str, DualHeadNormCall],
+    calls: dict[str, DualNormPath],
     status: dict[str, dict],
     inputs: dict[str, ScenarioInputs],
 ) -> dict[str, set[str]]:
@@ -346,7 +342,7 @@ class _Measurement:
         metric = self.metrics.setdefault(key, MetricResult(key, kind, scenario))
         metric.samples.setdefault(path, []).append(value)
 
-    def paths_for(self, scenario: Scenario, repeat: int) -> dict[str, DualHeadNormCall]:
+    def paths_for(self, scenario: Scenario, repeat: int) -> dict[str, DualNormPath]:
         """The paths that run at ``scenario``, the first one rotating per repeat."""
         return {
             name: self.calls[name]

@@ -194,6 +194,13 @@ class _LayerCache:
         ]
 
 
+def _project_heads(normalized_input: mx.array, projection: mx.array, heads: int) -> mx.array:
+    """``normalized_input @ projection`` split into ``heads`` heads:
+    ``(batch, sequence, heads, projection width / heads)``."""
+    batch, sequence_length, _ = normalized_input.shape
+    return (normalized_input @ projection).reshape(batch, sequence_length, heads, -1)
+
+
 def _gated_delta_mixer(
     normalized_input: mx.array,
     parameters: Mapping[str, mx.array],
@@ -208,15 +215,9 @@ def _gated_delta_mixer(
     head_width = config.gated_delta_head_width
     value_width = config.gated_delta_value_width
 
-    queries = (normalized_input @ parameters[prefix + "query_projection"]).reshape(
-        batch, sequence_length, key_heads, head_width
-    )
-    keys = (normalized_input @ parameters[prefix + "key_projection"]).reshape(
-        batch, sequence_length, key_heads, head_width
-    )
-    values = (normalized_input @ parameters[prefix + "value_projection"]).reshape(
-        batch, sequence_length, value_heads, value_width
-    )
+    queries = _project_heads(normalized_input, parameters[prefix + "query_projection"], key_heads)
+    keys = _project_heads(normalized_input, parameters[prefix + "key_projection"], key_heads)
+    values = _project_heads(normalized_input, parameters[prefix + "value_projection"], value_heads)
     # The path under test, as mlx-lm's gated-delta layers call it:
     # weightless, then scaled (queries by 1/d, keys by 1/sqrt(d)).
     normalized_queries, normalized_keys = dual_head_norm(queries, keys, None, None)
@@ -266,14 +267,13 @@ def _full_attention_mixer(
 ) -> mx.array:
     batch, sequence_length, _ = normalized_input.shape
     head_width = config.attention_head_width
-    queries = (normalized_input @ parameters[prefix + "query_projection"]).reshape(
-        batch, sequence_length, config.attention_query_heads, head_width
+    key_value_heads = config.attention_key_value_heads
+    queries = _project_heads(
+        normalized_input, parameters[prefix + "query_projection"], config.attention_query_heads
     )
-    keys = (normalized_input @ parameters[prefix + "key_projection"]).reshape(
-        batch, sequence_length, config.attention_key_value_heads, head_width
-    )
-    values = (normalized_input @ parameters[prefix + "value_projection"]).reshape(
-        batch, sequence_length, config.attention_key_value_heads, head_width
+    keys = _project_heads(normalized_input, parameters[prefix + "key_projection"], key_value_heads)
+    values = _project_heads(
+        normalized_input, parameters[prefix + "value_projection"], key_value_heads
     )
     # The path under test with q/k norm weights, as full-attention layers use it.
     normalized_queries, normalized_keys = dual_head_norm(
@@ -283,22 +283,19 @@ def _full_attention_mixer(
         parameters[prefix + "key_norm_weight"],
     )
     position_offset = 0 if cache.cached_keys is None else cache.cached_keys.shape[2]
-    rotated_queries = mx.fast.rope(
-        normalized_queries.transpose(0, 2, 1, 3),
-        config.attention_rotary_width,
-        traditional=False,
-        base=10000.0,
-        scale=1.0,
-        offset=position_offset,
-    )
-    rotated_keys = mx.fast.rope(
-        normalized_keys.transpose(0, 2, 1, 3),
-        config.attention_rotary_width,
-        traditional=False,
-        base=10000.0,
-        scale=1.0,
-        offset=position_offset,
-    )
+
+    def rotated(normalized: mx.array) -> mx.array:
+        """Head-major, RoPE at the cache's position."""
+        return mx.fast.rope(
+            normalized.transpose(0, 2, 1, 3),
+            config.attention_rotary_width,
+            traditional=False,
+            base=10000.0,
+            scale=1.0,
+            offset=position_offset,
+        )
+
+    rotated_queries, rotated_keys = rotated(normalized_queries), rotated(normalized_keys)
     head_major_values = values.transpose(0, 2, 1, 3)
     if cache.cached_keys is not None and cache.cached_values is not None:
         rotated_keys = mx.concatenate([cache.cached_keys, rotated_keys], axis=2)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union, cast
+from typing import Callable, Sequence, Union, cast
 
 import mlx.core as mx
 
@@ -36,7 +36,7 @@ from mlx_dualnorm.dual_head_norm_rope import (
     CompiledDualHeadNormRope,
     composed_dual_head_norm_rope,
 )
-from mlx_dualnorm.tools.parity_inputs import case_key
+from mlx_dualnorm.tools.parity_inputs import DualNormInputs, case_key
 from mlx_dualnorm.tools.parity_report import ParityReport, compare_call
 
 __all__ = [
@@ -143,11 +143,9 @@ def build_rope_parity_matrix(quick: bool = False) -> list[RopeParityCase]:
 
 
 @dataclass(frozen=True)
-class RopeInputs:
-    queries: mx.array
-    keys: mx.array
-    query_weight: Optional[mx.array]
-    key_weight: Optional[mx.array]
+class RopeInputs(DualNormInputs):
+    """A dual norm's inputs and the RoPE's position offset."""
+
     offset: Union[int, mx.array]
 
 
