@@ -7,28 +7,12 @@
  * calls mlx_fast_rms_norm on each input exactly as two separate calls
  * would, so MLX emits the same kernels over the same inputs.
  *
- * Graph builders are plain function pointers that cannot capture the RMS
- * epsilon, and mlx_fast_rms_norm bakes its epsilon into the graph at trace
- * time, so the epsilon rides in a process-wide slot. MLX traces at the first
- * APPLY, not at compile, and traces again whenever the compile cache misses
- * (a new shape or dtype, a new thread, a new default stream, or on every
- * call when compilation is disabled). Each apply therefore stores its own
- * object's epsilon in the slot and holds the trace lock across the apply, so
- * any trace that apply triggers reads that object's epsilon, whatever other
- * objects and threads do meanwhile. A cache hit does not read the slot.
- *
- * In fused mode, supported inputs skip the graph: one CUDA kernel launch
- * (the registered fused backend) takes the epsilon as a kernel argument, so
- * neither the slot nor the lock is involved.
- *
- * Each object compiles under ids of its own, never reused, with its
- * epsilon's bits as a compile constant: MLX's compile cache is per thread
- * and mlx_detail_compile_erase clears only the calling thread's, so a
- * reused id (MLX's default, the closure's address) could let a new object
- * replay an old object's trace, with the old epsilon, on another thread.
- * Closing erases the closing thread's entries at once and hands every other
- * thread's to that thread's next apply (or its exit, which drops its cache):
- * a graph traced on a worker and closed elsewhere leaves nothing behind.
+ * Constants at trace time: the builders are plain function pointers, so the
+ * epsilon rides in a process-wide slot that each apply fills under the
+ * trace lock; compile ids of each object's own, erased from every thread's
+ * cache at close. docs/design.md ("Epsilon and constants at trace time")
+ * says why, and how the norm + RoPE differs. In fused mode, supported
+ * inputs skip the graph: the epsilon is a kernel argument.
  *
  * The graph is traced once per input shape (and dtype), not shapeless: a
  * shapeless trace cannot fold rms_norm's element count into a constant, so
@@ -85,8 +69,8 @@ static const char BUILD_DUAL_HEAD_NORM_GRAPH_OPERATION[] = "dual_head_norm_graph
 /* ---- The process-wide epsilon slot --------------------------------------- */
 
 /* Written only under trace_lock, by the apply about to (maybe) trace; read by
- * the builders during that trace. Atomic so a builder run outside any apply
- * (a caller composing its own closure) still reads a whole value. */
+ * the builders during that trace (docs/design.md). Atomic so a builder run
+ * outside any apply still reads a whole value. */
 static _Atomic uint32_t baked_rms_norm_epsilon_bits = 0;
 static pthread_mutex_t trace_lock = PTHREAD_MUTEX_INITIALIZER;
 

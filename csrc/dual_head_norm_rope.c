@@ -11,20 +11,11 @@
  * mlx_fast_rope_dynamic takes it), so a decode step at a new position
  * replays the graph instead of tracing it again.
  *
- * Constants at trace time: a payload closure, not a process-wide slot.
- * The builder needs the object's epsilon and RoPE parameters when MLX
- * traces, which happens at an apply, on the first call and on every cache
- * miss (new shape or dtype, new thread, new default stream, compile
- * disabled). dual_head_norm.c keeps its epsilon in a process-wide slot and
- * serializes every apply of every object under one trace lock so that the
- * slot holds the right value during any trace. Here each closure carries
- * its own copy of the constants (mlx_closure_new_func_payload; the closure
- * and every copy MLX keeps share it, freed with the last), so a trace can
- * only ever read the constants of the object whose closure it is running:
- * the contract holds by construction, under any interleaving of objects,
- * threads and dtypes, and applies of different objects need no common lock.
- * A per-object read-write lock only keeps close() from freeing the
- * closures under an apply in flight.
+ * Constants at trace time: each builder closure carries its own copy of
+ * the constants (mlx_closure_new_func_payload), so a trace reads only its
+ * own object's; a per-object read-write lock only keeps close from freeing
+ * the closures under an apply in flight. docs/design.md ("Epsilon and
+ * constants at trace time") says why, and how the dual head norm differs.
  *
  * Shape-specialized compile, not shapeless. On MLX's CPU backend
  * mx.fast.rope has no kernel: it returns its op graph (arange, slices,
