@@ -189,8 +189,12 @@ def _full_attention_classes():
 # (attention class, engaged) -> the subclass layers of that outcome get.
 _decided_classes: dict = {}
 # id(layer) -> a weak reference to it (modules are dicts, so unhashable).
+# No weakref callbacks: one could run inside the lock (a garbage collection
+# while a layer is registered) and wait on it. Dead entries are pruned
+# instead whenever the table has doubled since the last pruning.
 _decided_layers: dict = {}
 _decided_layers_lock = threading.Lock()
+_decided_layers_pruned_size = 64
 
 
 def _decided_class(attention_class, replacement, engaged: bool):
@@ -236,9 +240,11 @@ def _deciding_call(attention_class, replacement):
                 "its norms or RoPE are not plain nn.RMSNorm / nn.RoPE",
             )
         decided = _decided_class(attention_class, replacement, engaged)
+        reference = weakref.ref(self)
+        object.__setattr__(self, "__class__", decided)
         with _decided_layers_lock:
-            object.__setattr__(self, "__class__", decided)
-            _decided_layers[id(self)] = weakref.ref(self, _forget_layer(id(self)))
+            _decided_layers[id(self)] = reference
+            _prune_decided_layers()
         return decided.__call__(self, x, mask, cache)
 
     setattr(first_call, REPLACEMENT_MARKER, True)
@@ -246,12 +252,16 @@ def _deciding_call(attention_class, replacement):
     return first_call
 
 
-def _forget_layer(layer_id: int):
-    def forget(_reference) -> None:
-        with _decided_layers_lock:
-            _decided_layers.pop(layer_id, None)
-
-    return forget
+def _prune_decided_layers() -> None:
+    """Drops the entries of collected layers once the table has doubled;
+    the caller holds _decided_layers_lock."""
+    global _decided_layers_pruned_size
+    if len(_decided_layers) < 2 * _decided_layers_pruned_size:
+        return
+    for layer_id, reference in list(_decided_layers.items()):
+        if reference() is None:
+            del _decided_layers[layer_id]
+    _decided_layers_pruned_size = max(64, len(_decided_layers))
 
 
 def _install_full_attention_calls(mode: Optional[Mode]) -> None:
@@ -274,8 +284,9 @@ def _restore_full_attention_calls() -> None:
     for attention_class, original in _original_attention_calls.items():
         attention_class.__call__ = original
     with _decided_layers_lock:
-        for reference in list(_decided_layers.values()):
-            layer = reference()
-            if layer is not None:
-                object.__setattr__(layer, "__class__", type(layer).__mro__[1])
+        references = list(_decided_layers.values())
         _decided_layers.clear()
+    for reference in references:
+        layer = reference()
+        if layer is not None:
+            object.__setattr__(layer, "__class__", type(layer).__mro__[1])
