@@ -83,40 +83,27 @@ mx::array copied_array_of_dtype(const void* data, const int* shape, int dim, mlx
  * crashes on an array that is not evaluated; here that is a reported error. */
 template <typename Element>
 const Element* evaluated_data(const mlx_array arr, const char* c_function) {
-  try {
+  return value_or<const Element*>(nullptr, [&] {
     const mx::array& array = object_of(arr);
     if (!array.is_available()) {
       throw std::invalid_argument(
           std::string("[") + c_function + "] the array is not evaluated");
     }
     return array.data<Element>();
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return nullptr;
-  }
+  });
 }
 
 /* One property of a non-empty array; `fallback` with a reported error for
  * an empty handle (upstream returns 0, nullptr or MLX_BOOL likewise). */
 template <typename Value, typename Read>
 Value array_property(const mlx_array arr, Value fallback, Read read) {
-  try {
-    return read(object_of(arr));
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return fallback;
-  }
+  return value_or(fallback, [&] { return read(object_of(arr)); });
 }
 
 } // namespace
 
 extern "C" size_t mlx_dtype_size(mlx_dtype dtype) {
-  try {
-    return to_cpp_dtype(dtype).size();
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 0;
-  }
+  return value_or<size_t>(0, [&] { return to_cpp_dtype(dtype).size(); });
 }
 
 extern "C" mlx_array mlx_array_new(void) {
@@ -133,22 +120,12 @@ extern "C" mlx_array mlx_array_new_data(
     const int* shape,
     int dim,
     mlx_dtype dtype) {
-  try {
-    return new_handle<mlx_array>(copied_array_of_dtype(data, shape, dim, dtype));
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return mlx_array{nullptr};
-  }
+  return value_or(mlx_array{nullptr},
+      [&] { return new_handle<mlx_array>(copied_array_of_dtype(data, shape, dim, dtype)); });
 }
 
 extern "C" int mlx_array_set(mlx_array* arr, const mlx_array src) {
-  try {
-    store(arr, object_of(src));
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  return status_of([&] { store(arr, object_of(src)); });
 }
 
 extern "C" size_t mlx_array_itemsize(const mlx_array arr) {
@@ -183,13 +160,7 @@ extern "C" mlx_dtype mlx_array_dtype(const mlx_array arr) {
 }
 
 extern "C" int mlx_array_eval(mlx_array arr) {
-  try {
-    object_of(arr).eval();
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  return status_of([&] { object_of(arr).eval(); });
 }
 
 #define DEFINE_DATA_ACCESSOR(NAME, ELEMENT)                               \

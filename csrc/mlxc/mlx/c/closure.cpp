@@ -47,7 +47,7 @@ extern "C" int mlx_closure_free(mlx_closure cls) {
  * it is a reported error and an empty handle. */
 extern "C" mlx_closure mlx_closure_new_func(
     int (*fun)(mlx_vector_array*, const mlx_vector_array)) {
-  try {
+  return value_or(mlx_closure{nullptr}, [&] {
     if (fun == nullptr) {
       throw std::invalid_argument("[mlx_closure_new_func] expected a non-NULL function");
     }
@@ -56,17 +56,14 @@ extern "C" mlx_closure mlx_closure_new_func(
         return fun(result, input);
       });
     });
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return mlx_closure{nullptr};
-  }
+  });
 }
 
 extern "C" mlx_closure mlx_closure_new_func_payload(
     int (*fun)(mlx_vector_array*, const mlx_vector_array, void*),
     void* payload,
     void (*dtor)(void*)) {
-  try {
+  return value_or(mlx_closure{nullptr}, [&] {
     if (fun == nullptr) {
       throw std::invalid_argument("[mlx_closure_new_func_payload] expected a non-NULL function");
     }
@@ -82,21 +79,12 @@ extern "C" mlx_closure mlx_closure_new_func_payload(
             return fun(result, input, shared_payload.get());
           });
     });
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return mlx_closure{nullptr};
-  }
+  });
 }
 
 extern "C" int mlx_closure_apply(
     mlx_vector_array* res,
     mlx_closure cls,
     const mlx_vector_array input) {
-  try {
-    store(res, object_of(cls)(object_of(input)));
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  return status_of([&] { store(res, object_of(cls)(object_of(input))); });
 }

@@ -9,13 +9,7 @@
 using namespace bundled_mlx_c;
 
 extern "C" int mlx_compile(mlx_closure* res, const mlx_closure fun, bool shapeless) {
-  try {
-    store(res, ArrayFunction(mx::compile(object_of(fun), shapeless)));
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  return status_of([&] { store(res, ArrayFunction(mx::compile(object_of(fun), shapeless))); });
 }
 
 /* Upstream reads `constants` unchecked; NULL with a non-zero count is a
@@ -27,56 +21,28 @@ extern "C" int mlx_detail_compile(
     bool shapeless,
     const uint64_t* constants,
     size_t num_constants) {
-  try {
+  return status_of([&] {
     if (num_constants > 0 && constants == nullptr) {
       throw std::invalid_argument("[mlx_detail_compile] expected non-NULL constants");
     }
     store(res,
         ArrayFunction(mx::detail::compile(object_of(fun), fun_id, shapeless,
             std::vector<uint64_t>(constants, constants + num_constants))));
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  });
 }
 
 extern "C" int mlx_detail_compile_erase(uintptr_t fun_id) {
-  try {
-    mx::detail::compile_erase(mx::detail::compile_cache(), fun_id);
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  return status_of([&] { mx::detail::compile_erase(mx::detail::compile_cache(), fun_id); });
 }
 
 extern "C" int mlx_detail_compile_clear_cache(void) {
-  try {
-    mx::detail::compile_clear_cache(mx::detail::compile_cache());
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  return status_of([] { mx::detail::compile_clear_cache(mx::detail::compile_cache()); });
 }
 
 extern "C" int mlx_disable_compile(void) {
-  try {
-    mx::disable_compile();
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  return status_of([] { mx::disable_compile(); });
 }
 
 extern "C" int mlx_enable_compile(void) {
-  try {
-    mx::enable_compile();
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  return status_of([] { mx::enable_compile(); });
 }

@@ -9,13 +9,10 @@ extern "C" mlx_device mlx_device_new(void) {
 }
 
 extern "C" mlx_device mlx_device_new_type(mlx_device_type type, int index) {
-  try {
+  return value_or(mlx_device{nullptr}, [&] {
     return new_handle<mlx_device>(
         mx::Device(type == MLX_GPU ? mx::Device::gpu : mx::Device::cpu, index));
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return mlx_device{nullptr};
-  }
+  });
 }
 
 extern "C" int mlx_device_free(mlx_device dev) {
@@ -24,25 +21,15 @@ extern "C" int mlx_device_free(mlx_device dev) {
 }
 
 extern "C" int mlx_get_default_device(mlx_device* dev) {
-  try {
-    store(dev, mx::default_device());
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  return status_of([&] { store(dev, mx::default_device()); });
 }
 
 /* Upstream dereferences a NULL `type`; here it is a reported error. */
 extern "C" int mlx_device_get_type(mlx_device_type* type, mlx_device dev) {
-  try {
+  return status_of([&] {
     if (type == nullptr) {
       throw std::invalid_argument("expected a non-NULL mlx_device_type*");
     }
     *type = object_of(dev).type == mx::Device::gpu ? MLX_GPU : MLX_CPU;
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  });
 }

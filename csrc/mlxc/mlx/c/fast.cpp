@@ -15,17 +15,13 @@ extern "C" int mlx_fast_rms_norm(
     const mlx_array weight,
     float eps,
     const mlx_stream s) {
-  try {
+  return status_of([&] {
     std::optional<mx::array> optional_weight;
     if (weight.ctx != nullptr) {
       optional_weight = object_of(weight);
     }
     store(res, mx::fast::rms_norm(object_of(x), optional_weight, eps, object_of(s)));
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  });
 }
 
 extern "C" int mlx_fast_rope_dynamic(
@@ -38,7 +34,7 @@ extern "C" int mlx_fast_rope_dynamic(
     const mlx_array offset,
     const mlx_array freqs /* may be null */,
     const mlx_stream s) {
-  try {
+  return status_of([&] {
     std::optional<float> optional_base;
     if (base.has_value) {
       optional_base = base.value;
@@ -50,9 +46,5 @@ extern "C" int mlx_fast_rope_dynamic(
     store(res,
         mx::fast::rope(object_of(x), dims, traditional, optional_base, scale,
             object_of(offset), optional_freqs, object_of(s)));
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  });
 }

@@ -17,15 +17,11 @@ extern "C" int mlx_transpose_axes(
     const int* axes,
     size_t axes_num,
     const mlx_stream s) {
-  try {
+  return status_of([&] {
     if (axes == nullptr && axes_num > 0) {
       throw std::invalid_argument("[mlx_transpose_axes] NULL axes with a non-zero count");
     }
     std::vector<int> permutation(axes, axes + axes_num);
     store(res, mx::transpose(object_of(a), std::move(permutation), object_of(s)));
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  });
 }

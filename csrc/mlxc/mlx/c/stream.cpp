@@ -14,29 +14,15 @@ extern "C" int mlx_stream_free(mlx_stream stream) {
 }
 
 extern "C" int mlx_get_default_stream(mlx_stream* stream, mlx_device dev) {
-  try {
-    store(stream, mx::default_stream(object_of(dev)));
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  return status_of([&] { store(stream, mx::default_stream(object_of(dev))); });
 }
 
 extern "C" mlx_stream mlx_default_cpu_stream_new(void) {
-  try {
-    return new_handle<mlx_stream>(mx::default_stream(mx::Device::cpu));
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return mlx_stream{nullptr};
-  }
+  return value_or(mlx_stream{nullptr},
+      [] { return new_handle<mlx_stream>(mx::default_stream(mx::Device::cpu)); });
 }
 
 extern "C" mlx_stream mlx_default_gpu_stream_new(void) {
-  try {
-    return new_handle<mlx_stream>(mx::default_stream(mx::Device::gpu));
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return mlx_stream{nullptr};
-  }
+  return value_or(mlx_stream{nullptr},
+      [] { return new_handle<mlx_stream>(mx::default_stream(mx::Device::gpu)); });
 }

@@ -25,12 +25,7 @@ ArrayVector arrays_of(const mlx_array* data, size_t n) {
 
 /* As upstream, a NEW vector is a non-empty handle holding no arrays. */
 extern "C" mlx_vector_array mlx_vector_array_new(void) {
-  try {
-    return new_handle<mlx_vector_array>(ArrayVector{});
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return mlx_vector_array{nullptr};
-  }
+  return value_or(mlx_vector_array{nullptr}, [] { return new_handle<mlx_vector_array>(ArrayVector{}); });
 }
 
 extern "C" int mlx_vector_array_free(mlx_vector_array vec) {
@@ -39,54 +34,27 @@ extern "C" int mlx_vector_array_free(mlx_vector_array vec) {
 }
 
 extern "C" mlx_vector_array mlx_vector_array_new_data(const mlx_array* data, size_t n) {
-  try {
-    return new_handle<mlx_vector_array>(arrays_of(data, n));
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return mlx_vector_array{nullptr};
-  }
+  return value_or(mlx_vector_array{nullptr},
+      [&] { return new_handle<mlx_vector_array>(arrays_of(data, n)); });
 }
 
 extern "C" int mlx_vector_array_set_data(
     mlx_vector_array* vec,
     const mlx_array* data,
     size_t n) {
-  try {
-    store(vec, arrays_of(data, n));
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  return status_of([&] { store(vec, arrays_of(data, n)); });
 }
 
 extern "C" int mlx_vector_array_append_value(mlx_vector_array vec, const mlx_array val) {
-  try {
-    object_of(vec).push_back(object_of(val));
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  return status_of([&] { object_of(vec).push_back(object_of(val)); });
 }
 
 extern "C" size_t mlx_vector_array_size(mlx_vector_array vec) {
-  try {
-    return object_of(vec).size();
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 0;
-  }
+  return value_or<size_t>(0, [&] { return object_of(vec).size(); });
 }
 
 /* An index past the end is the std::out_of_range of std::vector::at,
  * reported with its message, as upstream. */
 extern "C" int mlx_vector_array_get(mlx_array* res, const mlx_vector_array vec, size_t idx) {
-  try {
-    store(res, object_of(vec).at(idx));
-    return 0;
-  } catch (const std::exception& error) {
-    mlx_error("%s", error.what());
-    return 1;
-  }
+  return status_of([&] { store(res, object_of(vec).at(idx)); });
 }

@@ -12,8 +12,9 @@
  *   - store()      sets an out-parameter: overwrites the object of a
  *                  non-empty handle, allocates one for an empty handle;
  *   - free_object() deletes the object (an empty handle is a no-op).
- * The C functions wrap each C++ call in try/catch, report what MLX threw
- * through mlx_error (error.h) and return 1 or an empty handle, as upstream.
+ * The C functions run each C++ call through status_of() or value_or(),
+ * which report what MLX threw through mlx_error (error.h) and return 1 or a
+ * fallback (0, NULL, an empty handle), as upstream's try/catch does.
  *
  * Where upstream's behaviour is undefined (it dereferences or indexes
  * unchecked), the subset reports an error instead: a NULL out-parameter, a
@@ -24,7 +25,9 @@
 #ifndef BUNDLED_MLX_C_PRIVATE_H
 #define BUNDLED_MLX_C_PRIVATE_H
 
+#include <exception>
 #include <functional>
+#include <source_location>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -119,6 +122,40 @@ void store(Handle* out, ObjectOf<Handle> value) {
 template <typename Handle>
 void free_object(Handle handle) {
   delete static_cast<ObjectOf<Handle>*>(handle.ctx);
+}
+
+/* Reports `error` through mlx_error at `where`: the C function's own file
+ * and line, as upstream's per-function catch names them. */
+inline void report(const std::exception& error, const std::source_location& where) {
+  _mlx_error(where.file_name(), static_cast<int>(where.line()), "%s", error.what());
+}
+
+/* For a C function returning a status: runs `body`, returns 0; returns 1
+ * when it throws, with what it threw reported. */
+template <typename Body>
+int status_of(Body body, std::source_location where = std::source_location::current()) {
+  try {
+    body();
+    return 0;
+  } catch (const std::exception& error) {
+    report(error, where);
+    return 1;
+  }
+}
+
+/* For a C function returning a value: what `body` returns, or `fallback`
+ * when it throws, with what it threw reported. */
+template <typename Value, typename Body>
+Value value_or(
+    Value fallback,
+    Body body,
+    std::source_location where = std::source_location::current()) {
+  try {
+    return body();
+  } catch (const std::exception& error) {
+    report(error, where);
+    return fallback;
+  }
 }
 
 } // namespace bundled_mlx_c
