@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Literal, TypeVar, Union
+from typing import Any, Callable, Iterator, Literal, NamedTuple, TypeVar, Union
 
 import mlx.core as mx
 import numpy as np
@@ -27,6 +27,19 @@ _MODES: dict[str, int] = {
 _MODE_NAMES = {value: name for name, value in _MODES.items()}
 
 _Composite = TypeVar("_Composite", bound="_NativeComposite")
+
+
+class _CFunctions(NamedTuple):
+    """The C functions a composite calls on its C object after making it,
+    named as the C header names them: ``<C type>_close`` and so on."""
+
+    close: Callable[[Any], int]
+    epsilon: Callable[[Any], float]
+    mode: Callable[[Any], int]
+
+    @classmethod
+    def named(cls, c_type: str) -> _CFunctions:
+        return cls(*(getattr(lib, f"{c_type}_{function}") for function in cls._fields))
 
 # An object made by __new__ whose __init__ has not run: no C object, and
 # an address the facades refuse before crossing into C.
@@ -50,9 +63,8 @@ class _NativeComposite:
     _handle: tuple[Any, int]  # (cdata freed by ffi.gc, the same pointer as an int)
     # (args, kwargs) that make an equal, independent object: copies and pickles.
     _constructor_arguments: tuple[tuple[Any, ...], dict[str, Any]]
-    _close_native: Callable[..., int]  # the subclass's C close function
-    _operation: str  # the label of this class's errors
-    _close_operation: str  # the label of close()'s errors
+    _c_functions: _CFunctions  # the subclass's C object's
+    _operation: str  # the label of this class's errors; close()'s are "<label>_close"
 
     def __new__(cls, *arguments: Any, **options: Any):
         composite = super().__new__(cls)
@@ -81,6 +93,16 @@ class _NativeComposite:
             raise self._uninitialized_error()
         return native
 
+    @property
+    def eps(self) -> float:
+        """The RMS epsilon baked into the graphs, as the float32 MLX uses."""
+        return float(self._c_functions.epsilon(self._native))
+
+    @property
+    def mode(self) -> str:
+        """The mode chosen at construction: "composed", "compiled" or "fused"."""
+        return _MODE_NAMES[self._c_functions.mode(self._native)]
+
     def _uninitialized_error(self, operation: str = "") -> TypeError:
         return TypeError(
             f"[{operation or self._operation}] this {type(self).__name__} was never "
@@ -92,8 +114,17 @@ class _NativeComposite:
         Later calls raise ``DualHeadNormValueError``; closing twice is fine."""
         native = self._handle[0]
         if native is None:
-            raise self._uninitialized_error(self._close_operation)
-        call_native(self._close_native, native)
+            raise self._uninitialized_error(f"{self._operation}_close")
+        call_native(self._c_functions.close, native)
+
+    def __repr__(self) -> str:
+        if self._handle is _NO_NATIVE:
+            return f"{type(self).__name__}(<uninitialized>)"
+        return f"{type(self).__name__}({self._constants_repr()})"
+
+    def _constants_repr(self) -> str:
+        """The constants the object was made with, as its repr shows them."""
+        raise NotImplementedError
 
     def __enter__(self: _Composite) -> _Composite:
         self._native  # refuses an object never initialized

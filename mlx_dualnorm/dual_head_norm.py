@@ -17,27 +17,14 @@ from typing import Optional
 import mlx.core as mx
 
 from mlx_dualnorm._binding import apply_compiled_dual_head_norm, call_native, ffi, lib
-from mlx_dualnorm._composite import (
-    _MODE_NAMES,
-    ArrayLike,
-    Mode,
-    StreamLike,
-    _as_epsilon,
-    _as_mx_array,
-    _default_stream,
-    _float32_repr,
-    _mode_value,
-    _NativeComposite,
-    _NO_NATIVE,
-    _output_count_error,
-)
+from mlx_dualnorm import _composite
+from mlx_dualnorm._composite import ArrayLike, Mode, StreamLike, _NativeComposite
 
 __all__ = ["CompiledDualHeadNorm", "Mode", "available_modes", "composed_dual_head_norm"]
 
 # The labels of this module's errors, ``[label] message``, as MLX's ops do
-# (the C library reports the same ones).
+# (the C library reports the same ones); close()'s is the label + "_close".
 DUAL_HEAD_NORM_OPERATION = "dual_head_norm"  # construct and call
-DUAL_HEAD_NORM_CLOSE_OPERATION = "dual_head_norm_close"
 COMPOSED_DUAL_HEAD_NORM_OPERATION = "composed_dual_head_norm"
 
 
@@ -58,7 +45,7 @@ def composed_dual_head_norm(
     stream: StreamLike = None,
 ) -> tuple[mx.array, mx.array]:
     """The reference path: two ``mx.fast.rms_norm`` calls."""
-    rms_norm_epsilon = _as_epsilon(eps, COMPOSED_DUAL_HEAD_NORM_OPERATION)
+    rms_norm_epsilon = _composite._as_epsilon(eps, COMPOSED_DUAL_HEAD_NORM_OPERATION)
     return (
         mx.fast.rms_norm(queries, query_weight, rms_norm_epsilon, stream=stream),
         mx.fast.rms_norm(keys, key_weight, rms_norm_epsilon, stream=stream),
@@ -95,14 +82,13 @@ class CompiledDualHeadNorm(_NativeComposite):
     """
 
     __slots__ = ()  # _handle[0]: mlx_dualnorm_compiled_dual_head_norm*
-    _close_native = lib.mlx_dualnorm_compiled_dual_head_norm_close
+    _c_functions = _composite._CFunctions.named("mlx_dualnorm_compiled_dual_head_norm")
     _operation = DUAL_HEAD_NORM_OPERATION
-    _close_operation = DUAL_HEAD_NORM_CLOSE_OPERATION
 
     def __init__(self, eps: float = 1e-6, mode: Mode = "auto") -> None:
         self._refuse_reinitialization()
-        rms_norm_epsilon = _as_epsilon(eps, DUAL_HEAD_NORM_OPERATION)
-        mode_value = _mode_value(mode, DUAL_HEAD_NORM_OPERATION)
+        rms_norm_epsilon = _composite._as_epsilon(eps, DUAL_HEAD_NORM_OPERATION)
+        mode_value = _composite._mode_value(mode, DUAL_HEAD_NORM_OPERATION)
         created = ffi.new("mlx_dualnorm_compiled_dual_head_norm **")
         call_native(
             lib.mlx_dualnorm_compiled_dual_head_norm_new, created, rms_norm_epsilon, mode_value
@@ -110,16 +96,6 @@ class CompiledDualHeadNorm(_NativeComposite):
         self._own(
             created[0], lib.mlx_dualnorm_compiled_dual_head_norm_free, (eps,), {"mode": mode}
         )
-
-    @property
-    def eps(self) -> float:
-        """The epsilon baked into the graphs, as the float32 MLX uses."""
-        return float(lib.mlx_dualnorm_compiled_dual_head_norm_epsilon(self._native))
-
-    @property
-    def mode(self) -> str:
-        """The mode chosen at construction: "composed", "compiled" or "fused"."""
-        return _MODE_NAMES[lib.mlx_dualnorm_compiled_dual_head_norm_mode(self._native)]
 
     def __call__(
         self,
@@ -150,7 +126,7 @@ class CompiledDualHeadNorm(_NativeComposite):
             MlxCError: MLX failed while building the graph.
         """
         if stream is not None:
-            with _default_stream(stream, DUAL_HEAD_NORM_OPERATION):
+            with _composite._default_stream(stream, DUAL_HEAD_NORM_OPERATION):
                 return self(queries, keys, query_weight, key_weight)
         # The local keeps the C object alive for the whole call.
         native, address = self._handle
@@ -161,16 +137,14 @@ class CompiledDualHeadNorm(_NativeComposite):
         )
         # The C builders' fixed order, queries then keys: the tuple as is.
         if len(graph_outputs) != 2:
-            raise _output_count_error(graph_outputs, DUAL_HEAD_NORM_OPERATION)
+            raise _composite._output_count_error(graph_outputs, DUAL_HEAD_NORM_OPERATION)
         return graph_outputs
 
-    def __repr__(self) -> str:
-        if self._handle is _NO_NATIVE:
-            return "CompiledDualHeadNorm(<uninitialized>)"
-        return f"CompiledDualHeadNorm(eps={_float32_repr(self.eps)}, mode={self.mode!r})"
+    def _constants_repr(self) -> str:
+        return f"eps={_composite._float32_repr(self.eps)}, mode={self.mode!r}"
 
 
 def _as_array(value: object, argument_name: str) -> mx.array:
     """The bridge's converter for this composite's arguments that are not
     ``mx.array``."""
-    return _as_mx_array(value, argument_name, DUAL_HEAD_NORM_OPERATION)
+    return _composite._as_mx_array(value, argument_name, DUAL_HEAD_NORM_OPERATION)

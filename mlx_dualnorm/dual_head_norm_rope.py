@@ -16,35 +16,22 @@ MLX graph: one crossing into C per call, lazy outputs, no copies.
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Union
+from typing import Any, Callable, Generic, Optional, TypeVar, Union, overload
 
 import mlx.core as mx
 import numpy as np
 
 import mlx_dualnorm._interop as _interop
 from mlx_dualnorm._binding import call_native, ffi, lib
-from mlx_dualnorm._composite import (
-    _MODE_NAMES,
-    ArrayLike,
-    Mode,
-    StreamLike,
-    _as_epsilon,
-    _as_mx_array,
-    _default_stream,
-    _float32_repr,
-    _mode_value,
-    _NativeComposite,
-    _NO_NATIVE,
-    _output_count_error,
-)
+from mlx_dualnorm import _composite
+from mlx_dualnorm._composite import ArrayLike, Mode, StreamLike, _NativeComposite
 from mlx_dualnorm._errors import DualHeadNormValueError
 
 __all__ = ["CompiledDualHeadNormRope", "composed_dual_head_norm_rope"]
 
 # The labels of this module's errors, ``[label] message``, as MLX's ops do
-# (the C library reports the same ones).
+# (the C library reports the same ones); close()'s is the label + "_close".
 DUAL_HEAD_NORM_ROPE_OPERATION = "dual_head_norm_rope"  # construct and call
-DUAL_HEAD_NORM_ROPE_CLOSE_OPERATION = "dual_head_norm_rope_close"
 COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION = "composed_dual_head_norm_rope"
 
 # What mx.fast.rope takes as offset: an int, or an integer mx.array (a
@@ -76,7 +63,7 @@ def composed_dual_head_norm_rope(
         raise TypeError(
             f"[{COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION}] missing the required argument eps"
         )
-    rms_norm_epsilon = _as_epsilon(eps, COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION)
+    rms_norm_epsilon = _composite._as_epsilon(eps, COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION)
 
     def normalized_and_rotated(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
         normalized = mx.fast.rms_norm(inputs, weight, rms_norm_epsilon, stream=stream)
@@ -91,6 +78,35 @@ def composed_dual_head_norm_rope(
         )
 
     return normalized_and_rotated(queries, query_weight), normalized_and_rotated(keys, key_weight)
+
+
+_Parameter = TypeVar("_Parameter", int, bool, float)
+
+
+class _RopeParameter(Generic[_Parameter]):
+    """A read-only attribute of a :class:`CompiledDualHeadNormRope`: the
+    field of its C object's RoPE parameters that has the attribute's name,
+    converted to the Python type."""
+
+    def __init__(self, convert: Callable[[Any], _Parameter], doc: str) -> None:
+        self._convert: Callable[[Any], _Parameter] = convert
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._field = name
+
+    @overload
+    def __get__(self, composite: None, owner: type) -> _RopeParameter[_Parameter]: ...
+    @overload
+    def __get__(self, composite: CompiledDualHeadNormRope, owner: type) -> _Parameter: ...
+    def __get__(self, composite, owner):
+        if composite is None:
+            return self
+        parameters = lib.mlx_dualnorm_dual_head_norm_rope_parameters(composite._native)
+        return self._convert(getattr(parameters, self._field))
+
+    def __set__(self, composite: CompiledDualHeadNormRope, value: object) -> None:
+        raise AttributeError(f"{self._field} is read-only: it was fixed at construction")
 
 
 class CompiledDualHeadNormRope(_NativeComposite):
@@ -124,9 +140,8 @@ class CompiledDualHeadNormRope(_NativeComposite):
     """
 
     __slots__ = ()  # _handle[0]: mlx_dualnorm_dual_head_norm_rope*
-    _close_native = lib.mlx_dualnorm_dual_head_norm_rope_close
+    _c_functions = _composite._CFunctions.named("mlx_dualnorm_dual_head_norm_rope")
     _operation = DUAL_HEAD_NORM_ROPE_OPERATION
-    _close_operation = DUAL_HEAD_NORM_ROPE_CLOSE_OPERATION
 
     def __init__(
         self,
@@ -140,13 +155,13 @@ class CompiledDualHeadNormRope(_NativeComposite):
     ) -> None:
         self._refuse_reinitialization()
         operation = DUAL_HEAD_NORM_ROPE_OPERATION
-        rms_norm_epsilon = _as_epsilon(eps, operation)
+        rms_norm_epsilon = _composite._as_epsilon(eps, operation)
         rope = ffi.new("mlx_dualnorm_rope_parameters *")
         rope.dims = _as_dims(dims)
         rope.traditional = _as_flag(traditional, "traditional")
         rope.base = _as_float32_argument(base, "base")
         rope.scale = _as_float32_argument(scale, "scale")
-        mode_value = _mode_value(mode, operation)
+        mode_value = _composite._mode_value(mode, operation)
         created = ffi.new("mlx_dualnorm_dual_head_norm_rope **")
         call_native(
             lib.mlx_dualnorm_dual_head_norm_rope_new, created, rms_norm_epsilon, rope[0], mode_value
@@ -156,33 +171,11 @@ class CompiledDualHeadNormRope(_NativeComposite):
             {"base": base, "traditional": traditional, "scale": scale, "mode": mode},
         )
 
-    @property
-    def eps(self) -> float:
-        """The RMS epsilon baked into the graphs, as the float32 MLX uses."""
-        return float(lib.mlx_dualnorm_dual_head_norm_rope_epsilon(self._native))
-
-    @property
-    def dims(self) -> int:
-        return int(lib.mlx_dualnorm_dual_head_norm_rope_parameters(self._native).dims)
-
-    @property
-    def traditional(self) -> bool:
-        return bool(lib.mlx_dualnorm_dual_head_norm_rope_parameters(self._native).traditional)
-
-    @property
-    def base(self) -> float:
-        """RoPE's base, as the float32 MLX uses."""
-        return float(lib.mlx_dualnorm_dual_head_norm_rope_parameters(self._native).base)
-
-    @property
-    def scale(self) -> float:
-        """RoPE's position scale, as the float32 MLX uses."""
-        return float(lib.mlx_dualnorm_dual_head_norm_rope_parameters(self._native).scale)
-
-    @property
-    def mode(self) -> str:
-        """The mode chosen at construction: "composed", "compiled" or "fused"."""
-        return _MODE_NAMES[lib.mlx_dualnorm_dual_head_norm_rope_mode(self._native)]
+    # RoPE's constants, read back from the C object as it holds them.
+    dims = _RopeParameter(int, "The features RoPE rotates; the rest are copied.")
+    traditional = _RopeParameter(bool, "Whether RoPE rotates consecutive pairs, not halves.")
+    base = _RopeParameter(float, "RoPE's base, as the float32 MLX uses.")
+    scale = _RopeParameter(float, "RoPE's position scale, as the float32 MLX uses.")
 
     def __call__(
         self,
@@ -218,7 +211,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
             MlxCError: MLX failed while building the graph.
         """
         if stream is not None:
-            with _default_stream(stream, DUAL_HEAD_NORM_ROPE_OPERATION):
+            with _composite._default_stream(stream, DUAL_HEAD_NORM_ROPE_OPERATION):
                 return self(queries, keys, query_weight, key_weight, offset=offset)
         # The local keeps the C object alive for the whole call.
         native, address = self._handle
@@ -229,16 +222,14 @@ class CompiledDualHeadNormRope(_NativeComposite):
         )
         # The C builders' fixed order, queries then keys: the tuple as is.
         if len(graph_outputs) != 2:
-            raise _output_count_error(graph_outputs, DUAL_HEAD_NORM_ROPE_OPERATION)
+            raise _composite._output_count_error(graph_outputs, DUAL_HEAD_NORM_ROPE_OPERATION)
         return graph_outputs
 
-    def __repr__(self) -> str:
-        if self._handle is _NO_NATIVE:
-            return "CompiledDualHeadNormRope(<uninitialized>)"
+    def _constants_repr(self) -> str:
+        float32_repr = _composite._float32_repr
         return (
-            f"CompiledDualHeadNormRope(eps={_float32_repr(self.eps)}, dims={self.dims!r}, "
-            f"base={_float32_repr(self.base)}, traditional={self.traditional!r}, "
-            f"scale={_float32_repr(self.scale)}, mode={self.mode!r})"
+            f"eps={float32_repr(self.eps)}, dims={self.dims!r}, base={float32_repr(self.base)}, "
+            f"traditional={self.traditional!r}, scale={float32_repr(self.scale)}, mode={self.mode!r}"
         )
 
 
@@ -286,7 +277,7 @@ def _as_offset_array(offset: object) -> mx.array:
     a numpy integer or array, a bool or a float, whose dtype the C checks
     then refuse as rope does); anything else is a TypeError."""
     if isinstance(offset, (np.ndarray, np.generic)):
-        return _as_mx_array(np.asarray(offset), "offset", DUAL_HEAD_NORM_ROPE_OPERATION)
+        return _composite._as_mx_array(np.asarray(offset), "offset", DUAL_HEAD_NORM_ROPE_OPERATION)
     if not isinstance(offset, (int, float, complex)):  # bool is an int
         raise TypeError(
             f"[{DUAL_HEAD_NORM_ROPE_OPERATION}] offset must be an int or an mlx.core.array "
@@ -307,4 +298,4 @@ def _as_offset_array(offset: object) -> mx.array:
 def _as_array(value: object, argument_name: str) -> mx.array:
     """The bridge's converter for this composite's arguments that are not
     ``mx.array``."""
-    return _as_mx_array(value, argument_name, DUAL_HEAD_NORM_ROPE_OPERATION)
+    return _composite._as_mx_array(value, argument_name, DUAL_HEAD_NORM_ROPE_OPERATION)
