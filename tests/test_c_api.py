@@ -297,11 +297,13 @@ def test_compiled_closure_traces_once_and_shapeless_reuses_the_trace():
     assert lib.mlx_closure_free(closure) == 0
 
 
-def test_detail_compile_erase_clear_cache_and_disable_force_retraces():
+def compile_counting_rms_norm(fun_id: int):
+    """A counting rms-norm closure compiled (shapeless) under ``fun_id``, a
+    (2, 8) input, and a function that applies the compiled closure to it once
+    and returns how many times the closure has been traced so far."""
     builder = CountingRmsNormBuilder()
     closure = lib.mlx_closure_new_func(builder.callback)
     compiled = ffi.new("mlx_closure*", lib.mlx_closure_new())
-    fun_id = 0x5EED
     assert lib.mlx_detail_compile(compiled, closure, fun_id, True, ffi.NULL, 0) == 0
     x = new_float32_array(np.ones((2, 8)))
 
@@ -310,6 +312,13 @@ def test_detail_compile_erase_clear_cache_and_disable_force_retraces():
         assert status == 0
         assert lib.mlx_vector_array_free(outputs) == 0
         return builder.calls
+
+    return builder, closure, compiled, x, apply_and_count
+
+
+def test_detail_compile_erase_clear_cache_and_disable_force_retraces():
+    fun_id = 0x5EED
+    builder, closure, compiled, x, apply_and_count = compile_counting_rms_norm(fun_id)
 
     assert apply_and_count() == 1
     assert apply_and_count() == 1
@@ -327,18 +336,8 @@ def test_detail_compile_erase_drops_only_the_calling_threads_entry():
     """MLX's compile caches are per thread, and mlx_detail_compile_erase
     erases from the caller's: a worker thread that traced keeps its entry
     (no retrace there) while the erasing thread traces anew."""
-    builder = CountingRmsNormBuilder()
-    closure = lib.mlx_closure_new_func(builder.callback)
-    compiled = ffi.new("mlx_closure*", lib.mlx_closure_new())
     fun_id = 0x5EEE
-    assert lib.mlx_detail_compile(compiled, closure, fun_id, True, ffi.NULL, 0) == 0
-    x = new_float32_array(np.ones((2, 8)))
-
-    def apply_and_count() -> int:
-        status, outputs = apply_closure(compiled[0], x)
-        assert status == 0
-        assert lib.mlx_vector_array_free(outputs) == 0
-        return builder.calls
+    builder, closure, compiled, x, apply_and_count = compile_counting_rms_norm(fun_id)
 
     # The worker stays alive between requests: its cache lives as long as it.
     requests: queue.Queue = queue.Queue()
