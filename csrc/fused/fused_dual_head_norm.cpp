@@ -154,28 +154,50 @@ std::string compile_kernel_cubin(const std::string& source, const char* program_
 struct PreparedKernel {
   std::once_flag once;
   std::string failure;
+
+  /* Throws `failure`, the reason the kernel cannot run, if there is one. */
+  void require_ready() const {
+    if (!failure.empty()) {
+      throw std::runtime_error(failure);
+    }
+  }
 };
+
+/* Runs `compile_and_load` (compile a kernel, hand it to its primitive)
+ * once per `kernel`; what it throws becomes `kernel.failure`. */
+template <typename CompileAndLoad>
+PreparedKernel& prepared_once(PreparedKernel& kernel, CompileAndLoad compile_and_load) {
+  std::call_once(kernel.once, [&] {
+    try {
+      compile_and_load();
+    } catch (const std::exception& e) {
+      kernel.failure = e.what();
+    }
+  });
+  return kernel;
+}
+
+#ifndef MLX_DUALNORM_WITH_CUDA
+[[noreturn]] void throw_built_without_cuda(const char* operation) {
+  throw std::runtime_error(std::string("[") + operation +
+                           "] mlx_dualnorm was built without MLX's CUDA headers");
+}
+#endif
 
 /* Compiles the kernel and hands it to the primitive, once; `failure` says
  * why not. */
 PreparedKernel& prepared_kernel() {
   static PreparedKernel kernel;
-  std::call_once(kernel.once, [] {
+  return prepared_once(kernel, [] {
 #ifdef MLX_DUALNORM_WITH_CUDA
-    try {
-      mlx_dualnorm_fused::set_kernel_cubin(compile_kernel_cubin(
-          std::string(mlx_dualnorm_fused::kRowNormalizationSource) +
-              mlx_dualnorm_fused::kDualRmsNormEntrySource,
-          "mlx_dualnorm_dual_rms_norm.cu", kDualRmsNormOperation));
-    } catch (const std::exception& e) {
-      kernel.failure = e.what();
-    }
+    mlx_dualnorm_fused::set_kernel_cubin(compile_kernel_cubin(
+        std::string(mlx_dualnorm_fused::kRowNormalizationSource) +
+            mlx_dualnorm_fused::kDualRmsNormEntrySource,
+        "mlx_dualnorm_dual_rms_norm.cu", kDualRmsNormOperation));
 #else
-    kernel.failure = std::string("[") + kDualRmsNormOperation +
-                     "] mlx_dualnorm was built without MLX's CUDA headers";
+    throw_built_without_cuda(kDualRmsNormOperation);
 #endif
   });
-  return kernel;
 }
 
 #ifdef MLX_DUALNORM_WITH_CUDA
@@ -225,10 +247,7 @@ bool fused_backend_available() {
 
 int prepare_fused_kernel() {
   return report_failures(kDualRmsNormOperation, [] {
-    PreparedKernel& kernel = prepared_kernel();
-    if (!kernel.failure.empty()) {
-      throw std::runtime_error(kernel.failure);
-    }
+    prepared_kernel().require_ready();
   });
 }
 
@@ -253,10 +272,7 @@ int apply_fused_kernel(
     float rms_norm_epsilon) {
   std::vector<mx::array> outputs;
   int status = report_failures(kDualRmsNormOperation, [&] {
-    PreparedKernel& kernel = prepared_kernel();
-    if (!kernel.failure.empty()) {
-      throw std::runtime_error(kernel.failure);
-    }
+    prepared_kernel().require_ready();
 #ifdef MLX_DUALNORM_WITH_CUDA
     outputs = mlx_dualnorm_fused::fused_dual_rms_norm(
         borrowed_array(queries), borrowed_array(keys),
@@ -287,30 +303,21 @@ const mlx_dualnorm_fused_backend fused_backend = {
  * once; `failure` says why not. */
 PreparedKernel& prepared_rope_kernel() {
   static PreparedKernel kernel;
-  std::call_once(kernel.once, [] {
+  return prepared_once(kernel, [] {
 #ifdef MLX_DUALNORM_WITH_CUDA
-    try {
-      mlx_dualnorm_fused::set_rope_kernel_cubin(compile_kernel_cubin(
-          std::string(mlx_dualnorm_fused::kRowNormalizationSource) +
-              mlx_dualnorm_fused::kDualRmsNormRopeEntrySource,
-          "mlx_dualnorm_dual_rms_norm_rope.cu", kDualRmsNormRopeOperation));
-    } catch (const std::exception& e) {
-      kernel.failure = e.what();
-    }
+    mlx_dualnorm_fused::set_rope_kernel_cubin(compile_kernel_cubin(
+        std::string(mlx_dualnorm_fused::kRowNormalizationSource) +
+            mlx_dualnorm_fused::kDualRmsNormRopeEntrySource,
+        "mlx_dualnorm_dual_rms_norm_rope.cu", kDualRmsNormRopeOperation));
 #else
-    kernel.failure = std::string("[") + kDualRmsNormRopeOperation +
-                     "] mlx_dualnorm was built without MLX's CUDA headers";
+    throw_built_without_cuda(kDualRmsNormRopeOperation);
 #endif
   });
-  return kernel;
 }
 
 int prepare_fused_rope_kernel() {
   return report_failures(kDualRmsNormRopeOperation, [] {
-    PreparedKernel& kernel = prepared_rope_kernel();
-    if (!kernel.failure.empty()) {
-      throw std::runtime_error(kernel.failure);
-    }
+    prepared_rope_kernel().require_ready();
   });
 }
 
@@ -325,10 +332,7 @@ int apply_fused_rope_kernel(
     mlx_dualnorm_rope_parameters rope) {
   std::vector<mx::array> outputs;
   int status = report_failures(kDualRmsNormRopeOperation, [&] {
-    PreparedKernel& kernel = prepared_rope_kernel();
-    if (!kernel.failure.empty()) {
-      throw std::runtime_error(kernel.failure);
-    }
+    prepared_rope_kernel().require_ready();
 #ifdef MLX_DUALNORM_WITH_CUDA
     const mlx_dualnorm_fused::RopeConstants constants{rope.dims, rope.traditional, rope.base,
                                                       rope.scale};
