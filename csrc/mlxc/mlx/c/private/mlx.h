@@ -58,35 +58,13 @@ using ArrayFunction = std::function<ArrayVector(const ArrayVector&)>;
 template <typename Handle>
 struct HandleTraits;
 
-template <>
-struct HandleTraits<mlx_array> {
-  using Object = mx::array;
-  static constexpr const char* name = "mlx_array";
-};
-
-template <>
-struct HandleTraits<mlx_vector_array> {
-  using Object = ArrayVector;
-  static constexpr const char* name = "mlx_vector_array";
-};
-
-template <>
-struct HandleTraits<mlx_closure> {
-  using Object = ArrayFunction;
-  static constexpr const char* name = "mlx_closure";
-};
-
-template <>
-struct HandleTraits<mlx_device> {
-  using Object = mx::Device;
-  static constexpr const char* name = "mlx_device";
-};
-
-template <>
-struct HandleTraits<mlx_stream> {
-  using Object = mx::Stream;
-  static constexpr const char* name = "mlx_stream";
-};
+// clang-format off
+template <> struct HandleTraits<mlx_array>        { using Object = mx::array;     static constexpr const char* name = "mlx_array"; };
+template <> struct HandleTraits<mlx_vector_array> { using Object = ArrayVector;   static constexpr const char* name = "mlx_vector_array"; };
+template <> struct HandleTraits<mlx_closure>      { using Object = ArrayFunction; static constexpr const char* name = "mlx_closure"; };
+template <> struct HandleTraits<mlx_device>       { using Object = mx::Device;    static constexpr const char* name = "mlx_device"; };
+template <> struct HandleTraits<mlx_stream>       { using Object = mx::Stream;    static constexpr const char* name = "mlx_stream"; };
+// clang-format on
 
 template <typename Handle>
 using ObjectOf = typename HandleTraits<Handle>::Object;
