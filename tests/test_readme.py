@@ -89,11 +89,17 @@ def test_readme_has_the_blocks_it_promises() -> None:
     assert any(SETUP_LINE.match(line) for block in RUNNABLE for line in block.text.splitlines())
 
 
-@pytest.mark.parametrize(
-    "block",
-    [block for block in RUNNABLE if block.language == "python"],
-    ids=lambda block: f"python-line-{block.first_line}",
-)
+def each_runnable_block(language: str):
+    """Parametrizes a test over the README's runnable blocks of ``language``,
+    each named by the line it starts on."""
+    return pytest.mark.parametrize(
+        "block",
+        [block for block in RUNNABLE if block.language == language],
+        ids=lambda block: f"{language}-line-{block.first_line}",
+    )
+
+
+@each_runnable_block("python")
 def test_python_block_runs(block: CodeBlock, tmp_path: pathlib.Path) -> None:
     _skip_if_marked(block)
     _run([sys.executable, "-c", block.text], tmp_path)
@@ -121,11 +127,7 @@ def _check_setup_line(line: str, tmp_path: pathlib.Path) -> None:
     _run([sys.executable, "-m", *module_command], tmp_path)
 
 
-@pytest.mark.parametrize(
-    "block",
-    [block for block in RUNNABLE if block.language == "bash"],
-    ids=lambda block: f"bash-line-{block.first_line}",
-)
+@each_runnable_block("bash")
 def test_shell_block_runs(block: CodeBlock, tmp_path: pathlib.Path) -> None:
     _skip_if_marked(block)
     for line in block.text.splitlines():
