@@ -37,7 +37,7 @@ from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm import gated_delta
+from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DEFAULT_SEED,
     SYNTHETIC_MODEL_TYPES,
@@ -213,6 +213,48 @@ def count_normalize_qk_calls() -> Iterator[NormalizeQkCallCounts]:
         gated_delta._fall_back = fall_back
 
 
+@dataclasses.dataclass
+class AttentionLayerCounts:
+    """The full-attention layers the patch covers, by its decision (made at
+    each layer's first call), and the calls of the engaged ones that ran the
+    package's norm + RoPE."""
+
+    engaged: int = 0
+    left_alone: int = 0
+    norm_rope_calls: int = 0
+
+
+def count_decided_layers(model: nn.Module, counts: AttentionLayerCounts) -> None:
+    """Counts the model's attention layers the patch has decided, by
+    outcome; call while patched (unpatching gives them their class back)."""
+    for _, module in model.named_modules():
+        engaged = getattr(type(module), "mlx_dualnorm_engaged", None)
+        if engaged is True:
+            counts.engaged += 1
+        elif engaged is False:
+            counts.left_alone += 1
+
+
+@contextlib.contextmanager
+def count_norm_rope_calls() -> Iterator[AttentionLayerCounts]:
+    """Counts engaged full-attention calls that ran one norm + RoPE call,
+    by wrapping the integration's prework (a module global, read at each
+    call). Not thread-safe: for this check only."""
+    counts = AttentionLayerCounts()
+    prework: Callable = full_attention._rotated_queries_and_keys
+
+    def counting_prework(*arguments):
+        rotated = prework(*arguments)
+        counts.norm_rope_calls += rotated is not None
+        return rotated
+
+    full_attention._rotated_queries_and_keys = counting_prework
+    try:
+        yield counts
+    finally:
+        full_attention._rotated_queries_and_keys = prework
+
+
 # ---- The check ---------------------------------------------------------------
 
 
@@ -222,6 +264,7 @@ class CheckResult:
     patched: GreedyTrace
     comparison: TraceComparison
     counts: NormalizeQkCallCounts
+    attention: AttentionLayerCounts
     reference_repeat: Optional[TraceComparison] = None  # only after a divergence
     # Median ms per decode token of each timing round (the checked runs are
     # the first round), both ways: one round's ratio is noise on a busy CPU.
@@ -255,9 +298,13 @@ def run_check(
             greedy_generate(model, prompt, WARM_UP_TOKENS)
     with integration.unpatch():
         reference = greedy_generate(model, prompt, max_tokens)
-    with integration.patch(mode), count_normalize_qk_calls() as counts:
+    with integration.patch(mode), count_normalize_qk_calls() as counts, \
+            count_norm_rope_calls() as attention:
         patched = greedy_generate(model, prompt, max_tokens)
-    result = CheckResult(reference, patched, compare_traces(reference, patched), counts)
+        count_decided_layers(model, attention)
+    result = CheckResult(
+        reference, patched, compare_traces(reference, patched), counts, attention
+    )
     if not result.comparison.identical:
         with integration.unpatch():
             repeat = greedy_generate(model, prompt, max_tokens)
@@ -297,16 +344,19 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
         ),
         f"  normalize_qk:   {result.counts.calls / model_steps:.1f} calls per step, "
         f"{result.counts.folded} folded, {result.counts.original} ran mlx-lm's function",
+        f"  norm + RoPE:    attention layers engaged {result.attention.engaged}, "
+        f"left to mlx-lm's code {result.attention.left_alone}; "
+        f"{result.attention.norm_rope_calls / model_steps:.1f} calls per step",
         f"  ms per token:   unpatched {_median_text(result.unpatched_round_ms)}, "
         f"patched {_median_text(result.patched_round_ms)} (median over rounds of the "
         f"median over decode tokens); {_ratio_text(result)}",
         f"  first token:    unpatched {1e3 * result.reference.first_token_seconds:.1f} ms, "
         f"patched {1e3 * result.patched.first_token_seconds:.1f} ms (includes prompt processing)",
     ]
-    if result.counts.calls == 0:
+    if result.counts.folded == 0 and result.attention.norm_rope_calls == 0:
         lines.append(
-            "  note: this model never calls normalize_qk (no gated-delta layers); "
-            "the patch changes nothing for it"
+            "  note: no layer of this model ran the package's code (no gated-delta "
+            "layers, no covered full-attention layer); the patch changes nothing for it"
         )
     if result.reference_repeat is not None:
         lines.append(
