@@ -56,3 +56,31 @@ def test_mlx_lm_check_prints_a_ratio_agreeing_with_its_medians_with_range_and_ro
     unpatched, patched, ratio, lowest, highest = map(float, match.groups())
     assert ratio == pytest.approx(patched / unpatched, abs=0.006)
     assert lowest <= highest
+
+
+def test_tokens_that_change_between_rounds_are_a_mismatch_with_exit_1(monkeypatch, capsys):
+    """mlx-lm-bench times generation rounds that must give the same tokens;
+    when one does not, it prints what it measured and says so, exit 1 (not a
+    traceback). The change is made in the tool's own trace, MLX runs as is."""
+    from mlx_dualnorm.tools import mlx_lm_bench
+
+    generate = mlx_lm_bench.greedy_generate
+    rounds = []
+
+    def generate_with_a_changed_round(*arguments, **options):
+        trace = generate(*arguments, **options)
+        rounds.append(trace)
+        if len(rounds) == 4:  # a timed round, after the two warm-up rounds
+            trace.token_ids[-1] += 1
+        return trace
+
+    monkeypatch.setattr(mlx_lm_bench, "greedy_generate", generate_with_a_changed_round)
+    arguments = [
+        "--quick", "--layers", "2", "--prework-tokens", "2", "--models", "qwen3_5",
+        "--tokens", "2", "--generation-repeats", "2", "--decode-models", "",
+    ]
+    assert mlx_lm_bench.main(arguments) == 1
+    captured = capsys.readouterr()
+    assert "TOKEN MISMATCH: qwen3_5: greedy token ids changed between rounds" in captured.err
+    assert "Traceback" not in captured.err
+    assert "prework_2_layers" in captured.out  # what was measured before is printed

@@ -201,7 +201,7 @@ def run_generation(
         if expected_tokens is None:
             expected_tokens = trace.token_ids
         elif trace.token_ids != expected_tokens:
-            raise RuntimeError(f"{model_type}: token ids changed between runs")
+            raise GenerationMismatch(f"{model_type}: greedy token ids changed between rounds")
         return trace.median_decode_ms
 
     dtype_name = str(dtype or DEFAULT_DTYPES[model_type]).rsplit(".", 1)[-1]
@@ -441,6 +441,11 @@ def _checked_arguments(
     return layer_counts, model_types, decode_models
 
 
+class GenerationMismatch(Exception):
+    """A generation round gave other tokens than the first: the runs being
+    timed no longer compute the same thing, so their times compare nothing."""
+
+
 @dataclasses.dataclass
 class _Results:
     """What the run measured so far, in order: printed at the end, or when
@@ -532,6 +537,10 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     results = _Results()
     try:
         _measure_all(arguments, layer_counts, model_types, decode_models, results)
+    except GenerationMismatch as mismatch:
+        _print_report(arguments, results, time.perf_counter() - started)
+        print(f"TOKEN MISMATCH: {mismatch}", file=sys.stderr)
+        return command.EXIT_MISMATCH
     except KeyboardInterrupt as interrupt:
         if isinstance(interrupt, command.InterruptedWithPartialResult):
             results.keep_partial(interrupt.partial)

@@ -329,11 +329,12 @@ def run_ranks_command(arguments, decode_models: Sequence[str], quick_vocabulary:
             print(f"{name}: mlx-lm's {model_type} has no Model.shard; left out", file=sys.stderr)
             continue
         print(f"decode over {arguments.ranks} ranks, {name} ...", file=sys.stderr, flush=True)
-        quick_layers = DECODE_MODELS[name].quick_layers if arguments.quick else None
+        # The reduced run (asked for, or a CPU's default) as for one rank.
+        quick_layers = DECODE_MODELS[name].quick_layers if arguments.reduced else None
         report = bench_over_ranks(
             name, ranks=arguments.ranks, steps=arguments.decode_steps,
             rounds=arguments.decode_rounds, layers=quick_layers,
-            vocab_size=quick_vocabulary if arguments.quick else None,
+            vocab_size=quick_vocabulary if arguments.reduced else None,
         )
         print(format_bench_report(report), flush=True)
         reports.append(report)
