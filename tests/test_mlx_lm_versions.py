@@ -1,93 +1,270 @@
-"""patch() on an mlx-lm without ``gated_delta.normalize_qk`` raises, naming
-the supported mlx-lm releases, and leaves mlx-lm as it was.
+"""patch() across mlx-lm releases: on a release without
+``gated_delta.normalize_qk`` (0.31.x) it patches the full-attention classes
+whose code is proven to be what its replacements reproduce, greedy output
+bit-identical, warns once what it leaves, and raises only where nothing can
+be patched, leaving mlx-lm as it was.
 
-The older releases are reproduced with the real mlx-lm 0.32.2, in a fresh
-interpreter, by taking away exactly what they lack: mlx-lm 0.31.x ships
-``mlx_lm.models.gated_delta`` without ``normalize_qk`` (first test), and
-releases before gated-delta layers have no such module (second test, where
-``sys.modules[name] = None`` makes Python's import raise
-ModuleNotFoundError for it, as it does where the file is absent). The
-integration only ever looks for that module and attribute, so it sees what
-it would see on those releases; nothing of MLX is replaced.
+On the tested mlx-lm (0.32.2) the older releases are reproduced in a fresh
+interpreter by taking away exactly what they lack: mlx-lm 0.31.x ships
+``mlx_lm.models.gated_delta`` without ``normalize_qk``, and releases
+before gated-delta layers have no such module (``sys.modules[name] =
+None`` makes Python's import raise ModuleNotFoundError for it, as it does
+where the file is absent). The integration only ever looks for that module
+and attribute, so it sees what it would see on those releases; nothing of
+MLX is replaced. CI also runs this file with the real mlx-lm 0.31.3 first
+on the path, where the same scripts take nothing away.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import textwrap
 
 import pytest
 
 pytest.importorskip("mlx_lm")
 
+import mlx_lm.models.gated_delta as gated_delta  # noqa: E402
 from isolated_process import describe, run_python  # noqa: E402
 
-CHECK_REFUSAL = textwrap.dedent(
-    """
-    from mlx_dualnorm.integrations import mlx_lm as integration
-    try:
-        integration.patch()
-    except RuntimeError as error:
-        print("REFUSED", error)
-    else:
-        print("PATCHED", integration.is_patched())
-    integration.unpatch()
-    print("UNPATCHED", integration.is_patched())
-"""
+INSTALLED_HAS_NORMALIZE_QK = hasattr(gated_delta, "normalize_qk")
+on_the_tested_release = pytest.mark.skipif(
+    not INSTALLED_HAS_NORMALIZE_QK, reason="the installed mlx-lm is an older release"
 )
 
-
-def _assert_refused(process) -> None:
-    assert process.returncode == 0, describe(process)
-    assert "REFUSED [mlx_lm.patch] mlx-lm 0.32.2 has no" in process.stdout, describe(
-        process
-    )
-    assert "supports mlx-lm 0.32.0 to 0.32.2" in process.stdout
-    assert "pip install 'mlx-lm==0.32.2'" in process.stdout
-    assert "UNPATCHED False" in process.stdout
-
-
-def test_patch_refuses_mlx_lm_without_normalize_qk() -> None:
-    take_normalize_qk_away = """
-        import mlx_lm.models.gated_delta as gated_delta
-        original_rms_norm = gated_delta.mx.fast.rms_norm
+# gated_delta as mlx-lm 0.31.x ships it (a no-op there). The 0.32.x model
+# modules that import normalize_qk are imported first: they keep mlx-lm's
+# own function, as 0.31.x's models compute it inline.
+AS_MLX_LM_0_31 = """
+    import mlx_lm.models.gated_delta as gated_delta
+    import mlx_lm.models.qwen3_next
+    if hasattr(gated_delta, "normalize_qk"):
         del gated_delta.normalize_qk
-    """
-    check_unchanged = """
-        assert not hasattr(gated_delta, "normalize_qk"), "patch() must not add it"
-        assert gated_delta.mx.fast.rms_norm is original_rms_norm
-        print("UNCHANGED")
-    """
+"""
+
+GREEDY_PARITY = """
+    import warnings
+    import mlx_lm
+    from mlx_dualnorm.integrations import mlx_lm as integration
+    from mlx_dualnorm.integrations.mlx_lm import full_attention
+    from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate
+    from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model, prompt_token_ids
+
+    print("MLX_LM", mlx_lm.__version__)
+    model = build_synthetic_model("qwen3_next")  # 3 gated-delta layers, 1 full attention
+    prompt = prompt_token_ids(512)
+    reference = greedy_generate(model, prompt, 24)
+    fused_calls = []
+    prework = full_attention._rotated_queries_and_keys
+
+    def counting_prework(*arguments):
+        rotated = prework(*arguments)
+        fused_calls.append(rotated is not None)
+        return rotated
+
+    full_attention._rotated_queries_and_keys = counting_prework
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        integration.patch()
+        integration.patch()
+    print("WARNINGS", len(caught))
+    for warning in caught:
+        print("WARNING", warning.category.__name__, warning.message)
+    patched = greedy_generate(model, prompt, 24)
+    print("PATCHED", integration.is_patched())
+    print("IDENTICAL", compare_traces(reference, patched).identical)
+    print("FUSED", sum(fused_calls), "OF", len(fused_calls))
+    print("NORMALIZE_QK", hasattr(gated_delta, "normalize_qk"))
+    integration.unpatch()
+    print("UNPATCHED", integration.is_patched(), type(model.layers[3].self_attn).__mro__[1].__name__)
+"""
+
+
+def _script(*parts: str) -> str:
+    return "".join(textwrap.dedent(part) for part in parts)
+
+
+def test_without_normalize_qk_full_attention_is_patched_bit_identically() -> None:
+    process = run_python(_script(AS_MLX_LM_0_31, GREEDY_PARITY), timeout_s=300)
+    assert process.returncode == 0, describe(process)
+    output = process.stdout
+    assert "PATCHED True" in output and "IDENTICAL True" in output, describe(process)
+    # One attention layer: the prompt, then 25 steps (generate_step computes
+    # the step after the 24th token too).
+    assert "FUSED 26 OF 26" in output, describe(process)
+    assert "NORMALIZE_QK False" in output  # nothing added to mlx-lm
+    assert "WARNINGS 1" in output, describe(process)  # said once, not per patch()
+    assert "WARNING RuntimeWarning [mlx_lm.patch] mlx-lm 0.3" in output
+    assert "gated-delta layers run mlx-lm's own code (no fold)" in output
+    assert "full-attention layers of 3 classes engage" in output
+    assert "mlx_lm.models.qwen3_next.Qwen3NextAttention" in output
+    assert "pip install 'mlx-lm==0.32.2'" in output
+    # Unpatching gives the layer mlx-lm's class back: its base is nn.Module.
+    assert "UNPATCHED False Module" in output
+
+
+def test_a_class_whose_code_is_not_proven_is_never_touched() -> None:
+    """qwen3's Attention, its fingerprint taken out of the record, stays
+    mlx-lm's class with mlx-lm's __call__; the warning names it."""
     process = run_python(
-        textwrap.dedent(take_normalize_qk_away) + CHECK_REFUSAL + textwrap.dedent(check_unchanged)
+        _script(
+            AS_MLX_LM_0_31,
+            """
+            import warnings
+            import mlx_lm.models.qwen3 as qwen3
+            from mlx_dualnorm.integrations import mlx_lm as integration
+            from mlx_dualnorm.integrations.mlx_lm import _release_check
+
+            del _release_check.PROVEN_CLASS_CODE["mlx_lm.models.qwen3.Attention"]
+            original_call = qwen3.Attention.__call__
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                integration.patch()
+            print("MESSAGE", caught[0].message)
+            print("UNTOUCHED", qwen3.Attention.__call__ is original_call)
+            print("REASON", _release_check.unproven_classes[qwen3.Attention])
+            integration.unpatch()
+            """,
+        )
     )
-    assert "UNCHANGED" in process.stdout, describe(process)
-    _assert_refused(process)
+    assert process.returncode == 0, describe(process)
+    output = process.stdout
+    assert "UNTOUCHED True" in output, describe(process)
+    assert "full-attention layers of 2 classes engage" in output
+    assert "1 left to mlx-lm, their code differing" in output
+    assert "(mlx_lm.models.qwen3.Attention)" in output
+    assert "REASON its code in this mlx-lm is not the code the patch reproduces" in output
 
 
-def test_patch_refuses_mlx_lm_without_gated_delta_module() -> None:
+def test_patch_refuses_where_nothing_can_be_patched() -> None:
+    process = run_python(
+        _script(
+            AS_MLX_LM_0_31,
+            """
+            from mlx_dualnorm.integrations import mlx_lm as integration
+            from mlx_dualnorm.integrations.mlx_lm import _release_check, full_attention
+
+            _release_check.PROVEN_CLASS_CODE.clear()  # no class's code is the tested code
+            try:
+                integration.patch()
+            except RuntimeError as error:
+                print("REFUSED", error)
+            else:
+                print("PATCHED", integration.is_patched())
+            print("NOTHING_INSTALLED", not full_attention._original_attention_calls)
+            print("NORMALIZE_QK", hasattr(gated_delta, "normalize_qk"))
+            integration.unpatch()
+            print("UNPATCHED", integration.is_patched())
+            """,
+        )
+    )
+    assert process.returncode == 0, describe(process)
+    output = process.stdout
+    assert "REFUSED [mlx_lm.patch] mlx-lm 0.3" in output, describe(process)
+    assert "has no mlx_lm.models.gated_delta.normalize_qk" in output
+    assert "none of its attention classes has the code the patch reproduces" in output
+    assert "supports mlx-lm 0.32.0 to 0.32.2" in output
+    assert "pip install 'mlx-lm==0.32.2'" in output
+    assert "NOTHING_INSTALLED True" in output and "NORMALIZE_QK False" in output
+    assert "UNPATCHED False" in output
+
+
+@on_the_tested_release
+def test_an_mlx_lm_without_gated_delta_layers_gets_full_attention() -> None:
+    """No gated_delta module: qwen3_next (which imports it) is not there to
+    patch; qwen3 and qwen3_moe are, their code proven."""
     process = run_python(
         """
-        import sys
+        import sys, warnings
         import mlx_lm.models.gated_delta
         sys.modules["mlx_lm.models.gated_delta"] = None  # as if the file were absent
+        sys.modules.pop("mlx_lm.models.qwen3_next", None)
         from mlx_dualnorm.integrations import mlx_lm as integration
-        try:
-            integration.patch()
-        except RuntimeError as error:
-            print("REFUSED", error)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            print("PATCHED", integration.patch().patched)
+        print("MESSAGE", caught[0].message)
         print("UNPATCHED", integration.unpatch().patched)
         """
     )
     assert process.returncode == 0, describe(process)
-    assert "REFUSED [mlx_lm.patch] mlx-lm 0.32.2 has no" in process.stdout, describe(
-        process
-    )
-    assert "UNPATCHED False" in process.stdout
-
-
-def test_patch_works_on_the_supported_mlx_lm() -> None:
-    """The control: the same script on the unaltered mlx-lm patches."""
-    process = run_python(CHECK_REFUSAL)
-    assert process.returncode == 0, describe(process)
     assert "PATCHED True" in process.stdout, describe(process)
+    assert "full-attention layers of 2 classes engage (mlx_lm.models.qwen3.Attention, " \
+        "mlx_lm.models.qwen3_moe.Attention)" in process.stdout
     assert "UNPATCHED False" in process.stdout
+
+
+@on_the_tested_release
+def test_patch_on_the_tested_mlx_lm_says_nothing() -> None:
+    """The control: the unaltered mlx-lm patches everything, no warning."""
+    process = run_python(
+        """
+        import warnings
+        from mlx_dualnorm.integrations import mlx_lm as integration
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            print("PATCHED", integration.patch().patched)
+        print("UNPATCHED", integration.unpatch().patched)
+        """
+    )
+    assert process.returncode == 0, describe(process)
+    assert "PATCHED True" in process.stdout and "UNPATCHED False" in process.stdout
+
+
+@on_the_tested_release
+def test_every_registered_class_has_its_tested_code_recorded() -> None:
+    """The record the older releases are checked against holds the code of
+    every registered class as the tested release ships it."""
+    from mlx_dualnorm.integrations.mlx_lm import _release_check, full_attention
+
+    missing = []
+    for entry in full_attention._full_attention_classes():
+        attention_class = entry[0]
+        if not _release_check.is_proven(attention_class):
+            fingerprint = _release_check.code_fingerprint(attention_class)
+            name = _release_check.class_name(attention_class)
+            missing.append(f'    "{name}": frozenset({{"{fingerprint}"}}),')
+    assert not missing, "add to PROVEN_CLASS_CODE:\n" + "\n".join(missing)
+
+
+def _class_from_source(monkeypatch, tmp_path, name: str, source: str) -> type:
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(source))
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # inspect finds a class's source through its module, for the test's length.
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module.Attention
+
+
+def test_the_fingerprint_is_of_the_code_not_its_formatting(monkeypatch, tmp_path) -> None:
+    from mlx_dualnorm.integrations.mlx_lm._release_check import code_fingerprint
+
+    base = """
+        class Attention:
+            def __call__(self, x, mask=None, cache=None):
+                return self.rope(x, offset=cache.offset) * 2
+    """
+    reformatted = '''
+        class Attention:
+            """Documented."""
+
+            # a comment
+            def __call__(self, x, mask=None, cache=None):
+                """Also documented."""
+                return self.rope(
+                    x, offset=cache.offset
+                ) * 2
+    '''
+    other_constant = base.replace("* 2", "* 3")
+    other_argument = base.replace("offset=cache.offset", "offset=0")
+    fingerprints = [
+        code_fingerprint(_class_from_source(monkeypatch, tmp_path, f"attention_{index}", source))
+        for index, source in enumerate((base, reformatted, other_constant, other_argument))
+    ]
+    assert None not in fingerprints
+    assert fingerprints[0] == fingerprints[1]
+    assert len(set(fingerprints)) == 3

@@ -91,7 +91,13 @@ def greedy_generate(model: nn.Module, prompt: mx.array, max_tokens: int) -> Gree
     """``max_tokens`` greedy tokens from mlx-lm's ``generate_step``, logits
     recorded by a logits processor that returns them unchanged."""
     from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import greedy_sampler
+
+    try:
+        from mlx_lm.sample_utils import greedy_sampler
+    except ImportError:  # mlx-lm 0.31.x: its generate_step's own default, argmax
+
+        def greedy_sampler(logprobs: mx.array) -> mx.array:
+            return mx.argmax(logprobs, axis=-1)
 
     step_logits: list[mx.array] = []
 

@@ -11,7 +11,7 @@ import threading
 from typing import Optional
 
 from mlx_dualnorm._composite import Mode
-from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta
+from mlx_dualnorm.integrations.mlx_lm import _release_check, full_attention, gated_delta
 from mlx_dualnorm.integrations.mlx_lm._shared import (
     REPLACEMENT_MARKER,
     SUPPORTED_MLX_LM,
@@ -28,19 +28,34 @@ PATCH_OPERATION = "mlx_lm.patch"
 MLX_LM_PACKAGE = "mlx_lm"
 PATCHED_ATTRIBUTE = "normalize_qk"
 
+if ORIGINAL_NORMALIZE_QK is None:
+    # An mlx-lm older than the replacements' release line: only attention
+    # classes whose code is proven to be what a replacement reproduces are
+    # ever patched (see _release_check); the others are never touched.
+    full_attention._full_attention_classes = _release_check.proven_only(
+        full_attention._full_attention_classes
+    )
+
 
 def _check_mlx_lm_supported() -> None:
-    """Raises RuntimeError on an mlx-lm without ``gated_delta.normalize_qk``:
-    there the patch would change nothing, and saying so beats a silent no-op."""
+    """On an mlx-lm without ``gated_delta.normalize_qk`` (0.31.x): warns
+    once what the patch leaves there, or raises RuntimeError where it could
+    change nothing at all (no attention class whose code it reproduces):
+    saying so beats a silent no-op."""
     if ORIGINAL_NORMALIZE_QK is not None:
         return
-    version = getattr(sys.modules.get(MLX_LM_PACKAGE), "__version__", None)
-    installed = f"mlx-lm {version}" if isinstance(version, str) else "the installed mlx-lm"
-    raise RuntimeError(
-        f"[{PATCH_OPERATION}] {installed} has no {GATED_DELTA_MODULE}.{PATCHED_ATTRIBUTE}, "
-        f"the function this integration replaces; it supports {SUPPORTED_MLX_LM}: "
-        "pip install 'mlx-lm==0.32.2'"
-    )
+    installed = _release_check.installed_mlx_lm(MLX_LM_PACKAGE)
+    missing = f"{GATED_DELTA_MODULE}.{PATCHED_ATTRIBUTE}"
+    engaged = [
+        _release_check.class_name(entry[0]) for entry in full_attention._full_attention_classes()
+    ]
+    if not engaged:
+        raise RuntimeError(
+            f"[{PATCH_OPERATION}] {installed} has no {missing}, the function this integration "
+            "replaces, and none of its attention classes has the code the patch reproduces; "
+            f"it supports {SUPPORTED_MLX_LM}: pip install 'mlx-lm==0.32.2'"
+        )
+    _release_check.say_what_is_left_once(PATCH_OPERATION, installed, missing, engaged)
 
 
 def _is_ours_or_original(function) -> bool:
@@ -80,13 +95,15 @@ def _install(mode) -> None:
     """Installs ``mode``'s replacements, or the originals for ``_UNPATCHED``;
     the caller holds ``_patch_state_lock``."""
     global _installed_mode
-    if ORIGINAL_NORMALIZE_QK is None:  # nothing to point at: patch() has raised
-        return
+    # Without normalize_qk (an mlx-lm before 0.32.0) there is nothing to fold.
+    has_normalize_qk = ORIGINAL_NORMALIZE_QK is not None
     if mode is _UNPATCHED:
-        _point_mlx_lm_at(ORIGINAL_NORMALIZE_QK)
+        if has_normalize_qk:
+            _point_mlx_lm_at(ORIGINAL_NORMALIZE_QK)
         full_attention._restore_full_attention_calls()
     else:
-        _point_mlx_lm_at(gated_delta._replacement_for(mode))
+        if has_normalize_qk:
+            _point_mlx_lm_at(gated_delta._replacement_for(mode))
         full_attention._install_full_attention_calls(mode)
     _installed_mode = mode
 
@@ -135,7 +152,10 @@ def patch(mode: Optional[Mode] = None) -> MlxLmPatch:
     Raises:
         ValueError: ``mode`` cannot run here.
         RuntimeError: the installed mlx-lm has no ``gated_delta.normalize_qk``
-            (releases before 0.32.0); the message names the supported ones.
+            (releases before 0.32.0) and no attention class whose code the
+            patch reproduces; the message names the supported releases. Where
+            some classes are proven (mlx-lm 0.31.x), it patches those and
+            warns once (RuntimeWarning) what it leaves.
     """
     _check_mlx_lm_supported()
     if mode is not None:

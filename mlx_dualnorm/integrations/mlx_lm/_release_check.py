@@ -1,0 +1,163 @@
+"""Which attention classes an mlx-lm release lets the patch engage.
+
+The full-attention replacements are written against, and tested bit for
+bit on, the mlx-lm release line that has ``gated_delta.normalize_qk``
+(0.32.x). On such a release every registered class is patched, as its
+code is the code the replacements reproduce.
+
+On a release without it (0.31.x) there is no gated-delta fold, and an
+attention class is patched only where its code is PROVEN to be the code a
+replacement reproduces: the class's source, parsed, with docstrings
+dropped and positions ignored (so comments, blank lines and formatting do
+not count, every name, call, argument and constant does), must hash to a
+fingerprint recorded here from the tested release. The replacement runs
+the class's own projections, norms, RoPE and attention functions (looked
+up in the class's own module, as its code does), so identical class code
+means identical calls in the same order, whatever else the release
+changed; a class whose code differs in any way, or whose source cannot be
+read, keeps mlx-lm's own ``__call__`` and is never touched. ``patch()``
+raises only where no class is proven.
+
+``PROVEN_CLASS_CODE`` must hold the fingerprint of every registered class
+as the tested release ships it; ``tests/test_mlx_lm_versions.py`` checks
+that and prints the lines to add for a newly registered class.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import sys
+import textwrap
+import threading
+import warnings
+from typing import Iterator, Optional
+
+# "module.Class" -> fingerprints of that class's code in the releases its
+# replacement was tested against (mlx-lm 0.32.2).
+PROVEN_CLASS_CODE: dict[str, frozenset[str]] = {
+    "mlx_lm.models.qwen3.Attention": frozenset({"78bb924612201949"}),
+    "mlx_lm.models.qwen3_moe.Attention": frozenset({"ac6c1f2ad6a84113"}),
+    "mlx_lm.models.qwen3_next.Qwen3NextAttention": frozenset({"b1b80af9143a2bab"}),
+}
+
+UNPROVEN_REASON = (
+    "its code in this mlx-lm is not the code the patch reproduces "
+    "(fingerprint {fingerprint}, not one recorded for it)"
+)
+
+_FILTER_MARKER = "_mlx_dualnorm_release_filter"
+
+
+def class_name(attention_class: type) -> str:
+    return f"{attention_class.__module__}.{attention_class.__qualname__}"
+
+
+def _without_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if (
+                body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
+                node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+_fingerprints: dict[type, Optional[str]] = {}  # a class's code does not change
+
+
+def code_fingerprint(attention_class: type) -> Optional[str]:
+    """16 hex digits of the SHA-256 of the class's parsed source (docstrings
+    dropped, positions left out), or None where the source cannot be read."""
+    if attention_class in _fingerprints:
+        return _fingerprints[attention_class]
+    fingerprint = _fingerprint_of_source(attention_class)
+    _fingerprints[attention_class] = fingerprint
+    return fingerprint
+
+
+def _fingerprint_of_source(attention_class: type) -> Optional[str]:
+    try:
+        source = textwrap.dedent(inspect.getsource(attention_class))
+        tree = _without_docstrings(ast.parse(source))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    dumped = ast.dump(tree, annotate_fields=True, include_attributes=False)
+    return hashlib.sha256(dumped.encode()).hexdigest()[:16]
+
+
+def is_proven(attention_class: type) -> bool:
+    fingerprint = code_fingerprint(attention_class)
+    return fingerprint is not None and fingerprint in PROVEN_CLASS_CODE.get(
+        class_name(attention_class), frozenset()
+    )
+
+
+# Registered classes this release's filter has kept from the patch, with
+# the reason; read by the engagement tally.
+unproven_classes: dict[type, str] = {}
+_unproven_lock = threading.Lock()
+
+
+def proven_only(registered_classes):
+    """``registered_classes`` (a generator function of ``(class, ...)``
+    tuples) narrowed to the classes whose code is proven, recording the
+    others in ``unproven_classes``."""
+    if getattr(registered_classes, _FILTER_MARKER, False):
+        return registered_classes
+
+    def proven_classes() -> Iterator[tuple]:
+        for entry in registered_classes():
+            attention_class = entry[0]
+            if is_proven(attention_class):
+                with _unproven_lock:
+                    unproven_classes.pop(attention_class, None)
+                yield entry
+            else:
+                with _unproven_lock:
+                    unproven_classes[attention_class] = UNPROVEN_REASON.format(
+                        fingerprint=code_fingerprint(attention_class)
+                    )
+
+    setattr(proven_classes, _FILTER_MARKER, True)
+    proven_classes.__wrapped__ = registered_classes
+    return proven_classes
+
+
+_said_what_is_left = False
+
+
+def say_what_is_left_once(
+    operation: str, installed: str, missing: str, engaged: list[str]
+) -> None:
+    """Warns once per process that this mlx-lm gets full attention only:
+    which classes engage, which are left, and that no gated-delta fold runs."""
+    global _said_what_is_left
+    if _said_what_is_left:
+        return
+    _said_what_is_left = True
+    left = sorted(class_name(attention_class) for attention_class in unproven_classes)
+    warnings.warn(
+        f"[{operation}] {installed} has no {missing}: gated-delta layers run mlx-lm's own "
+        f"code (no fold); full-attention layers of {len(engaged)} class"
+        f"{'es' if len(engaged) != 1 else ''} engage ({', '.join(sorted(engaged))})"
+        + (
+            f"; {len(left)} left to mlx-lm, their code differing from what the patch "
+            f"reproduces ({', '.join(left)})"
+            if left
+            else ""
+        )
+        + "; mlx-lm 0.32.0 to 0.32.2 patch all of it: pip install 'mlx-lm==0.32.2'",
+        RuntimeWarning,
+        stacklevel=4,  # the caller of patch()
+    )
+
+
+def installed_mlx_lm(package: str) -> str:
+    version = getattr(sys.modules.get(package), "__version__", None)
+    return f"mlx-lm {version}" if isinstance(version, str) else "the installed mlx-lm"
