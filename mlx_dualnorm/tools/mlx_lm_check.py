@@ -5,9 +5,11 @@ Greedy-generates the same tokens twice through mlx-lm's own
 first with mlx-lm's ``normalize_qk``, then under
 :func:`mlx_dualnorm.integrations.mlx_lm.patch`. It reports whether the token
 ids are identical and the logits bit-identical at every step, the decode
-time per token both ways, and how many ``normalize_qk`` calls per token
-went through the fold or ran mlx-lm's function (a model without gated-delta
-layers makes none, and the patch changes nothing for it). If the runs
+time per token both ways, how many ``normalize_qk`` calls per token went
+through the fold or ran mlx-lm's function, and what the patch engaged, read
+from its own record (:mod:`mlx_dualnorm.integrations.mlx_lm.engagement`):
+gated-delta folds, norm-only and norm + RoPE attention layers by class, and
+the attention layers left to mlx-lm's code with the reason. If the runs
 diverge, the unpatched run is repeated, to tell a nondeterministic model
 from a patch that changes results.
 
@@ -38,6 +40,13 @@ from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration
 from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta
+from mlx_dualnorm.integrations.mlx_lm.engagement import (
+    NORM_ONLY,
+    NORM_ROPE,
+    LayerEngagement,
+    fold_count,
+    layer_engagement,
+)
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DEFAULT_SEED,
     SYNTHETIC_MODEL_TYPES,
@@ -221,24 +230,10 @@ def count_normalize_qk_calls() -> Iterator[NormalizeQkCallCounts]:
 
 @dataclasses.dataclass
 class AttentionLayerCounts:
-    """The full-attention layers the patch covers, by its decision (made at
-    each layer's first call), and the calls of the engaged ones that ran the
-    package's norm + RoPE."""
+    """The calls of engaged full-attention layers that ran the package's
+    norm + RoPE."""
 
-    engaged: int = 0
-    left_alone: int = 0
     norm_rope_calls: int = 0
-
-
-def count_decided_layers(model: nn.Module, counts: AttentionLayerCounts) -> None:
-    """Counts the model's attention layers the patch has decided, by
-    outcome; call while patched (unpatching gives them their class back)."""
-    for _, module in model.named_modules():
-        engaged = getattr(type(module), "mlx_dualnorm_engaged", None)
-        if engaged is True:
-            counts.engaged += 1
-        elif engaged is False:
-            counts.left_alone += 1
 
 
 @contextlib.contextmanager
@@ -271,6 +266,8 @@ class CheckResult:
     comparison: TraceComparison
     counts: NormalizeQkCallCounts
     attention: AttentionLayerCounts
+    engagement: LayerEngagement  # the patch's own record, read while patched
+    folds: int  # gated-delta folds built in this process
     reference_repeat: Optional[TraceComparison] = None  # only after a divergence
     # Median ms per decode token of each timing round (the checked runs are
     # the first round), both ways: one round's ratio is noise on a busy CPU.
@@ -307,9 +304,10 @@ def run_check(
     with integration.patch(mode), count_normalize_qk_calls() as counts, \
             count_norm_rope_calls() as attention:
         patched = greedy_generate(model, prompt, max_tokens)
-        count_decided_layers(model, attention)
+        engagement = layer_engagement(model)
     result = CheckResult(
-        reference, patched, compare_traces(reference, patched), counts, attention
+        reference, patched, compare_traces(reference, patched), counts, attention,
+        engagement, fold_count(),
     )
     if not result.comparison.identical:
         with integration.unpatch():
@@ -350,16 +348,14 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
         ),
         f"  normalize_qk:   {result.counts.calls / model_steps:.1f} calls per step, "
         f"{result.counts.folded} folded, {result.counts.original} ran mlx-lm's function",
-        f"  norm + RoPE:    attention layers engaged {result.attention.engaged}, "
-        f"left to mlx-lm's code {result.attention.left_alone}; "
-        f"{result.attention.norm_rope_calls / model_steps:.1f} calls per step",
+        *_engagement_lines(result, model_steps),
         f"  ms per token:   unpatched {_median_text(result.unpatched_round_ms)}, "
         f"patched {_median_text(result.patched_round_ms)} (median over rounds of the "
         f"median over decode tokens); {_ratio_text(result)}",
         f"  first token:    unpatched {1e3 * result.reference.first_token_seconds:.1f} ms, "
         f"patched {1e3 * result.patched.first_token_seconds:.1f} ms (includes prompt processing)",
     ]
-    if result.counts.folded == 0 and result.attention.norm_rope_calls == 0:
+    if result.counts.folded == 0 and result.engagement.engaged_layers == 0:
         lines.append(
             "  note: no layer of this model ran the package's code (no gated-delta "
             "layers, no covered full-attention layer); the patch changes nothing for it"
@@ -375,6 +371,34 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
         )
     lines.append("RESULT: " + ("identical" if comparison.identical else "DIVERGED"))
     return "\n".join(lines)
+
+
+def _engagement_lines(result: CheckResult, model_steps: int) -> list[str]:
+    """What the patch engaged, by count: gated-delta folds, attention layers
+    by prework and class, and those left to mlx-lm's code with the reason."""
+    engagement = result.engagement
+    by_prework = engagement.engaged_by_prework()
+    others = "".join(
+        f"; {prework} layers {layers}"
+        for prework, layers in by_prework.items()
+        if prework not in (NORM_ONLY, NORM_ROPE)
+    )
+    lines = [
+        f"  engaged:        gated-delta folds {result.folds} ({result.counts.folded} calls); "
+        f"norm-only layers {by_prework.get(NORM_ONLY, 0)}; "
+        f"norm + RoPE layers {by_prework.get(NORM_ROPE, 0)}{others}",
+    ]
+    for (class_name, prework), layers in sorted(engagement.engaged.items()):
+        lines.append(f"    {layers} {prework}: {class_name}")
+    lines.append(f"  left to mlx-lm: attention layers {engagement.left_layers}")
+    for (class_name, reason), layers in sorted(engagement.left.items()):
+        lines.append(f"    {layers} {class_name}: {reason}")
+    lines.append(
+        f"  norm + RoPE:    attention layers engaged {engagement.engaged_layers}, "
+        f"left to mlx-lm's code {engagement.left_layers}; "
+        f"{result.attention.norm_rope_calls / model_steps:.1f} calls per step"
+    )
+    return lines
 
 
 def _median_text(milliseconds: list[float]) -> str:

@@ -1,0 +1,147 @@
+"""What the patch says it engaged: ``engagement.layer_engagement`` reads the
+patch's own record of each attention layer (engaged by prework, or left to
+mlx-lm's code with the reason), and ``mlx-lm-check`` prints it for every
+synthetic model and for a local model folder."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+pytest.importorskip("mlx_lm")
+pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
+
+from mlx.utils import tree_flatten  # noqa: E402
+
+from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import engagement, full_attention  # noqa: E402
+from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_check import greedy_generate  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
+    SYNTHETIC_MODEL_TYPES,
+    build_model,
+    build_synthetic_model,
+)
+
+QWEN3 = {
+    "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 3,
+    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 32, "rms_norm_eps": 1e-6, "vocab_size": 256,
+    "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": True,
+}
+QWEN3_ATTENTION = "mlx_lm.models.qwen3.Attention"
+PROMPT = mx.array([3, 1, 4, 1, 5, 9, 2, 6])
+
+
+def registered_layers(model: nn.Module) -> int:
+    """Layers of a registered attention class, counted by isinstance."""
+    classes = tuple(entry[0] for entry in full_attention._full_attention_classes())
+    return sum(isinstance(module, classes) for _, module in model.named_modules())
+
+
+def engaged_line(output: str) -> dict[str, int]:
+    """The check's ``engaged:`` line as numbers."""
+    line = next(line for line in output.splitlines() if line.startswith("  engaged:"))
+    return {
+        name: int(value)
+        for name, value in re.findall(r"(gated-delta folds|norm-only layers|norm \+ RoPE layers)"
+                                      r" (\d+)", line)
+    }
+
+
+def left_count(output: str) -> int:
+    match = re.search(r"^  left to mlx-lm: attention layers (\d+)$", output, re.MULTILINE)
+    assert match, output
+    return int(match.group(1))
+
+
+@pytest.mark.parametrize("name", SYNTHETIC_MODEL_TYPES)
+def test_check_says_what_it_engaged_on_every_synthetic_model(name, capsys):
+    assert mlx_lm_check.main(["--synthetic", name, "--tokens", "3", "--rounds", "1"]) == 0
+    output = capsys.readouterr().out
+    assert "RESULT: identical" in output
+    counts = engaged_line(output)
+    attention_layers = counts["norm-only layers"] + counts["norm + RoPE layers"]
+    # Every layer of a registered class is counted once, engaged or left.
+    assert attention_layers + left_count(output) == registered_layers(build_synthetic_model(name))
+    if attention_layers or counts["gated-delta folds"]:
+        assert "changes nothing" not in output
+    if name in ("qwen3_next", "qwen3_5"):  # 3 gated-delta layers, 1 attention layer
+        assert counts["gated-delta folds"] >= 1 and counts["norm + RoPE layers"] == 1
+        assert "    1 norm + RoPE: mlx_lm.models.qwen3_next.Qwen3NextAttention" in output
+        assert "normalize_qk:   " in output and " 0 ran mlx-lm's function" in output
+
+
+def test_check_of_a_model_folder_names_the_engaged_class(tmp_path, capsys):
+    """A qwen3 model has no gated-delta layer, yet every attention layer
+    runs the package's norm + RoPE: the check says so, by class, not that
+    the patch changes nothing."""
+    model = build_model(QWEN3, dtype=mx.float32)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3))
+    assert mlx_lm_check.main(["--model", str(tmp_path), "--tokens", "4", "--rounds", "1"]) == 0
+    output = capsys.readouterr().out
+    assert "RESULT: identical" in output
+    assert engaged_line(output) == {
+        "gated-delta folds": engagement.fold_count(), "norm-only layers": 0,
+        "norm + RoPE layers": 3,
+    }
+    assert f"    3 norm + RoPE: {QWEN3_ATTENTION}\n" in output
+    assert "  left to mlx-lm: attention layers 0\n" in output
+    assert "attention layers engaged 3, left to mlx-lm's code 0" in output
+    assert "changes nothing" not in output
+
+
+class OtherRoPE(nn.RoPE):
+    """A RoPE that is not exactly nn.RoPE: the patch leaves its layer alone."""
+
+
+def test_the_record_has_each_layer_once_with_its_reason():
+    model = build_model(QWEN3, dtype=mx.float32)
+    first, second, third = (layer.self_attn for layer in model.layers)
+    second.rope = OtherRoPE(32, base=10000.0)
+    assert engagement.layer_engagement(model).left == {(QWEN3_ATTENTION, engagement.NOT_PATCHED): 3}
+    with integration.patch():
+        record = engagement.layer_engagement(model)
+        assert record.left == {(QWEN3_ATTENTION, engagement.NOT_CALLED): 3}
+        first(mx.zeros((1, 2, 64)))
+        second(mx.zeros((1, 2, 64)))
+        record = engagement.layer_engagement(model)
+    assert record.engaged == {(QWEN3_ATTENTION, engagement.NORM_ROPE): 1}
+    assert record.left == {
+        (QWEN3_ATTENTION, engagement.NOT_PLAIN + " (rope OtherRoPE, q_norm RMSNorm, k_norm RMSNorm)"): 1,
+        (QWEN3_ATTENTION, engagement.NOT_CALLED): 1,
+    }
+    assert (record.engaged_layers, record.left_layers) == (1, 2)
+    assert record.engaged_by_prework() == {engagement.NORM_ROPE: 1}
+    assert third is model.layers[2].self_attn
+    # Unpatched, every layer has mlx-lm's class back.
+    assert engagement.layer_engagement(model).left == {(QWEN3_ATTENTION, engagement.NOT_PATCHED): 3}
+
+
+def test_a_subclass_of_a_registered_class_is_left_with_its_reason():
+    model = build_model(QWEN3, dtype=mx.float32)
+    attention_class = type(model.layers[0].self_attn)
+    subclass = type("CustomAttention", (attention_class,), {"__module__": __name__})
+    layer = model.layers[0].self_attn
+    object.__setattr__(layer, "__class__", subclass)
+    with integration.patch():
+        greedy_generate(model, PROMPT, 2)
+        record = engagement.layer_engagement(model)
+    assert record.left == {(f"{__name__}.CustomAttention", engagement.SUBCLASS): 1}
+    assert record.engaged == {(QWEN3_ATTENTION, engagement.NORM_ROPE): 2}
+
+
+def test_fold_count_counts_the_folds_built():
+    integration.clear_cache()
+    assert engagement.fold_count() == 0
+    model = build_synthetic_model("qwen3_5")
+    with integration.patch():
+        greedy_generate(model, PROMPT, 2)
+    assert engagement.fold_count() == 1  # one dtype, width, eps and scale
+    integration.clear_cache()
+    assert engagement.fold_count() == 0
