@@ -73,6 +73,18 @@ def test_decode_rounds_alternate_the_paths_and_agree(model, patch_states_per_run
     assert summary["greedy_tokens_identical"] and summary["quick_reduced"]
     assert summary["weights_dtype"] == "bfloat16" and summary["decode_steps_per_round"] == 3
     assert summary["dimensions"]["num_hidden_layers"] == DECODE_MODELS[model].quick_layers
+    engaged = summary["patch_engaged"]
+    assert set(engaged) == {
+        "attention_layers_engaged", "attention_layers_left", "by_prework",
+        "gated_delta_calls_folded",
+    }
+    if model.startswith("qwen3"):  # the families covered since the first release
+        layers = DECODE_MODELS[model].quick_layers
+        attention = layers // 4 if model.startswith("qwen3_next") else layers
+        assert engaged["attention_layers_engaged"] == attention
+        assert engaged["by_prework"] == {"norm + RoPE": attention}
+        assert engaged["attention_layers_left"] == 0
+        assert (engaged["gated_delta_calls_folded"] > 0) == model.startswith("qwen3_next")
 
 
 def test_qwen3_next_dimensions_count_both_kinds_of_layer():
@@ -116,6 +128,25 @@ def test_bench_exits_1_on_a_token_mismatch(monkeypatch, tmp_path, capsys):
     (decode,) = json.loads(report_path.read_text())["decode"]
     assert decode["model"] == "qwen3-1024" and decode["greedy_tokens_identical"] is False
     assert decode["dimensions"]["vocab_size"] == mlx_lm_bench.QUICK_DECODE_VOCABULARY
+    assert decode["patch_engaged"]["attention_layers_engaged"] == 2
+    assert "  patch engaged: attention layers 2 (norm + RoPE 2), left to mlx-lm 0; " \
+        "gated-delta calls folded 0 (warm-up run)\n" in captured.out
+
+
+def test_a_model_the_patch_covers_nothing_of_is_flagged():
+    """The table says when the patch engaged nothing: that row's ratio is
+    noise, whatever it shows."""
+    timing = mlx_lm_bench.PairedTiming("decode", "ms/token", [1.0], [1.0])
+    nothing = {
+        "attention_layers_engaged": 0, "attention_layers_left": 0, "by_prework": {},
+        "gated_delta_calls_folded": 0,
+    }
+    measurement = mlx_lm_bench.DecodeMeasurement(
+        "olmo2-2048", "OLMo 2 1B", decode_model_config("olmo2-2048"), False, 16, 1, timing, None,
+        nothing,
+    )
+    table = mlx_lm_bench.format_decode_table([measurement], "cpu")
+    assert "NOTHING: the patch covers no layer of this model, the ratio is noise" in table
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,12 @@ alike), reported as the median over rounds with the per-round time ratio
   are tiny, so the prework is a larger share of a token than in a real one.
 * decode: milliseconds per decode token of random bfloat16 models at the
   dimensions of released checkpoints (``DECODE_MODELS`` of
-  :mod:`~mlx_dualnorm.tools.mlx_lm_synthetic`: Qwen3-0.6B-, Qwen3-1.7B- and
-  Qwen3-Next-like), where the patch replaces both the gated-delta
-  ``normalize_qk`` and the full-attention q/k norm + RoPE prework. Each run
+  :mod:`~mlx_dualnorm.tools.mlx_lm_synthetic`: Qwen3-0.6B-, Qwen3-1.7B-,
+  Gemma 3 1B-, OLMo 2 1B-, GLM-4.5- and Qwen3-Next-like, one of each layer
+  shape; ``--decode-models`` picks them by name), where the patch replaces
+  the gated-delta ``normalize_qk`` and the full-attention q/k prework it
+  covers. Each row says what the patch engaged in the model (from its own
+  record; a model it covers nothing of is flagged, its ratio noise). Each run
   prefills a short prompt, then decodes greedily through mlx-lm's
   ``generate_step`` (KV cache, one evaluation per token); a round's time is
   the median over its decode steps. Every round's greedy tokens must equal
@@ -52,6 +55,7 @@ import mlx_lm.models.gated_delta as gated_delta_module
 
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.integrations import mlx_lm as integration
+from mlx_dualnorm.integrations.mlx_lm.engagement import layer_engagement
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.tools.mlx_lm_bench_results import (
     DECODE_DTYPE_OF_WEIGHTS,
@@ -63,7 +67,7 @@ from mlx_dualnorm.tools.mlx_lm_bench_results import (
     format_decode_table,
     format_table,
 )
-from mlx_dualnorm.tools.mlx_lm_check import greedy_generate
+from mlx_dualnorm.tools.mlx_lm_check import count_normalize_qk_calls, greedy_generate
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DECODE_MODELS,
     DEFAULT_DTYPES,
@@ -292,6 +296,20 @@ def run_decode(
         with integration.patch(mode) if patched else integration.unpatch():
             return _timed_greedy_decode(network, prompt, run_steps, progress, detail)
 
+    def warm_up_recording_engagement() -> None:
+        """The patched warm-up, with what the patch engaged in it."""
+        with integration.patch(mode), count_normalize_qk_calls() as calls:
+            _timed_greedy_decode(
+                network, prompt, WARM_UP_DECODE_STEPS, progress, f"warm-up {PATCHED}"
+            )
+            engagement = layer_engagement(network)
+        measurement.engaged = {
+            "attention_layers_engaged": engagement.engaged_layers,
+            "attention_layers_left": engagement.left_layers,
+            "by_prework": engagement.engaged_by_prework(),
+            "gated_delta_calls_folded": calls.folded,
+        }
+
     measurement = DecodeMeasurement(
         model=model,
         resembles=spec.resembles,
@@ -304,8 +322,9 @@ def run_decode(
     )
     reference_tokens: Optional[list[int]] = None
     with _partial_on_interrupt(measurement):
-        for patched in (False, True):  # warm-up: compiled helpers, folds, allocator
-            one_run(patched, WARM_UP_DECODE_STEPS, f"warm-up {PATCHED if patched else UNPATCHED}")
+        # warm-up: compiled helpers, folds, allocator
+        one_run(False, WARM_UP_DECODE_STEPS, f"warm-up {UNPATCHED}")
+        warm_up_recording_engagement()
         for round_index in range(rounds):
             order = (False, True) if round_index % 2 == 0 else (True, False)
             for patched in order:

@@ -82,6 +82,9 @@ class DecodeMeasurement:
     decode_steps: int
     timing: PairedTiming
     token_mismatch: Optional[str]  # None when every round gave the same tokens
+    # What the patch engaged in the patched warm-up run (the patch's own
+    # record): attention layers engaged / left, gated-delta calls folded.
+    engaged: Optional[dict] = None
 
     def dimensions(self) -> dict:
         config = self.config
@@ -113,6 +116,7 @@ class DecodeMeasurement:
             "decode_steps_per_round": self.decode_steps,
             "greedy_tokens_identical": self.token_mismatch is None,
             "token_mismatch": self.token_mismatch,
+            "patch_engaged": self.engaged,
         }
 
 
@@ -172,6 +176,19 @@ def _dimensions_text(dimensions: dict) -> str:
     )
 
 
+def _engaged_text(engaged: dict) -> str:
+    attention = engaged["attention_layers_engaged"]
+    text = (
+        f"patch engaged: attention layers {attention}"
+        + "".join(f" ({prework} {layers})" for prework, layers in engaged["by_prework"].items())
+        + f", left to mlx-lm {engaged['attention_layers_left']}; "
+        f"gated-delta calls folded {engaged['gated_delta_calls_folded']} (warm-up run)"
+    )
+    if attention == 0 and engaged["gated_delta_calls_folded"] == 0:
+        text += "; NOTHING: the patch covers no layer of this model, the ratio is noise"
+    return text
+
+
 def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> str:
     if not measurements:
         return ""
@@ -192,6 +209,8 @@ def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> s
                 f"  QUICK: reduced from {real['num_hidden_layers']} layers and vocabulary "
                 f"{real['vocab_size']}; not the real model's time per token"
             )
+        if measurement.engaged is not None:
+            lines.append("  " + _engaged_text(measurement.engaged))
         tokens = "identical" if measurement.token_mismatch is None else "MISMATCH"
         lines.append(f"  greedy tokens, patched vs unpatched, every round: {tokens}")
     lines.append(

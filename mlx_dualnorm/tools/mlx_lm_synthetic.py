@@ -20,12 +20,16 @@ keeps them (``A_log`` stays float32, as in checkpoints).
 ``DECODE_MODELS`` are random models at the dimensions of released
 checkpoints, for timing whole decode tokens where the q/k prework is the
 share of a token it is in practice: ``qwen3-1024`` (Qwen3-0.6B's
-dimensions), ``qwen3-2048`` (Qwen3-1.7B's) and ``qwen3_next-2048`` (24
-layers of Qwen3-Next-80B's dimensions, one full-attention layer in four).
-The last has a dense MLP of Qwen3-Next's ``intermediate_size`` (5120) in
-place of its 512-expert MoE: about the matmul work per token of the 10
-active experts plus the shared one, without 1.6 billion expert weights per
-layer. All are built in bfloat16. ``decode_model_config`` can shrink layer
+dimensions), ``qwen3-2048`` (Qwen3-1.7B's), ``gemma3-1152`` (Gemma 3
+1B's, mlx-lm's ``gemma3_text``: five sliding-window layers to one global),
+``olmo2-2048`` (OLMo 2 1B's, whose q/k norms span all heads),
+``glm4_moe-5120`` (16 of GLM-4.5's 92 layers, with its q/k norms and half
+the head width rotated) and ``qwen3_next-2048`` (24 layers of
+Qwen3-Next-80B's dimensions, one full-attention layer in four). The last
+two have a dense MLP in place of their mixture of experts (GLM-4.5's own
+dense-layer ``intermediate_size``, 12288; Qwen3-Next's 5120): about the
+matmul work per token of the active experts plus the shared one, without
+the expert weights. All are built in bfloat16. ``decode_model_config`` can shrink layer
 count and vocabulary (quick runs, tests) while keeping the per-layer shapes.
 """
 
@@ -174,6 +178,83 @@ DECODE_MODELS = {
     for model in (
         DecodeModel("qwen3-1024", "Qwen3-0.6B", _qwen3_dense(1024, 3072), quick_layers=2),
         DecodeModel("qwen3-2048", "Qwen3-1.7B", _qwen3_dense(2048, 6144), quick_layers=2),
+        DecodeModel(
+            "gemma3-1152",
+            "Gemma 3 1B",
+            {
+                # mlx-lm's gemma3_text defaults are Gemma 3 1B's config.
+                "model_type": "gemma3_text",
+                "hidden_size": 1152,
+                "num_hidden_layers": 26,
+                "intermediate_size": 6912,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 1,
+                "head_dim": 256,
+                "rms_norm_eps": 1e-6,
+                "vocab_size": 262144,
+                "rope_theta": 1_000_000.0,
+                "rope_local_base_freq": 10_000.0,
+                "query_pre_attn_scalar": 256,
+                "sliding_window": 512,
+                "sliding_window_pattern": 6,
+                "max_position_embeddings": 32768,
+            },
+            quick_layers=6,  # five sliding-window layers and one global
+        ),
+        DecodeModel(
+            "olmo2-2048",
+            "OLMo 2 1B",
+            {
+                "model_type": "olmo2",
+                "hidden_size": 2048,
+                "num_hidden_layers": 16,
+                "intermediate_size": 8192,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 16,
+                "head_dim": 128,
+                "rms_norm_eps": 1e-6,
+                "vocab_size": 100352,
+                "max_position_embeddings": 4096,
+                "rope_theta": 500_000.0,
+                "tie_word_embeddings": False,
+            },
+            quick_layers=2,
+        ),
+        DecodeModel(
+            "glm4_moe-5120",
+            "GLM-4.5 (355B-A32B), 16 of its 92 layers, dense MLP",
+            {
+                "model_type": "glm4_moe",
+                "hidden_size": 5120,
+                "num_hidden_layers": 16,
+                # Every layer takes the dense MLP of GLM-4.5's first three
+                # layers: about the matmul work of its 8 active experts of
+                # 1536 and the shared one, without 160 experts per layer.
+                "first_k_dense_replace": 16,
+                "intermediate_size": 12288,
+                "moe_intermediate_size": 1536,
+                "n_routed_experts": 160,
+                "num_experts_per_tok": 8,
+                "n_shared_experts": 1,
+                "n_group": 1,
+                "topk_group": 1,
+                "norm_topk_prob": True,
+                "routed_scaling_factor": 2.5,
+                "num_attention_heads": 96,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "use_qk_norm": True,
+                "partial_rotary_factor": 0.5,
+                "attention_bias": True,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 1_000_000.0,
+                "rope_scaling": None,
+                "vocab_size": 151552,
+                "max_position_embeddings": 131072,
+                "tie_word_embeddings": False,
+            },
+            quick_layers=2,
+        ),
         DecodeModel(
             "qwen3_next-2048",
             "Qwen3-Next-80B-A3B, 24 of its 48 layers, dense MLP",
