@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm import engagement, full_attention  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import _release_check, engagement  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
@@ -39,7 +39,7 @@ PROMPT = mx.array([3, 1, 4, 1, 5, 9, 2, 6])
 
 def registered_layers(model: nn.Module) -> int:
     """Layers of a registered attention class, counted by isinstance."""
-    classes = tuple(entry[0] for entry in full_attention._full_attention_classes())
+    classes = tuple(_release_check.registered_classes())
     return sum(isinstance(module, classes) for _, module in model.named_modules())
 
 

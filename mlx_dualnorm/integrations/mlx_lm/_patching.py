@@ -32,9 +32,7 @@ if ORIGINAL_NORMALIZE_QK is None:
     # An mlx-lm older than the replacements' release line: only attention
     # classes whose code is proven to be what a replacement reproduces are
     # ever patched (see _release_check); the others are never touched.
-    full_attention._full_attention_classes = _release_check.proven_only(
-        full_attention._full_attention_classes
-    )
+    _release_check.install_release_filter()
 
 
 def _check_mlx_lm_supported() -> None:
@@ -47,7 +45,8 @@ def _check_mlx_lm_supported() -> None:
     installed = _release_check.installed_mlx_lm(MLX_LM_PACKAGE)
     missing = f"{GATED_DELTA_MODULE}.{PATCHED_ATTRIBUTE}"
     engaged = [
-        _release_check.class_name(entry[0]) for entry in full_attention._full_attention_classes()
+        _release_check.class_name(attention_class)
+        for attention_class in _release_check.registered_classes()
     ]
     if not engaged:
         raise RuntimeError(

@@ -32,7 +32,9 @@ import sys
 import textwrap
 import threading
 import warnings
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
+
+from mlx_dualnorm.integrations.mlx_lm import full_attention
 
 # "module.Class" -> fingerprints of that class's code in the releases its
 # replacement was tested against (mlx-lm 0.32.2).
@@ -48,6 +50,38 @@ UNPROVEN_REASON = (
 )
 
 _FILTER_MARKER = "_mlx_dualnorm_release_filter"
+
+# The registry's generator of ``(class, how it is replaced)`` entries, one
+# per registered class the installed mlx-lm has: the first of these names
+# that full_attention defines (the family registry's, then the fixed
+# table's).
+_REGISTRY_GENERATORS = ("_attention_classes", "_full_attention_classes")
+
+
+def registry_generator_name() -> str:
+    for name in _REGISTRY_GENERATORS:
+        if callable(getattr(full_attention, name, None)):
+            return name
+    raise AttributeError(f"full_attention defines none of {_REGISTRY_GENERATORS}")
+
+
+def registered_entries() -> Iterator[tuple]:
+    """``(class, how it is replaced)`` for every registered attention class
+    the patch may install on (on an older mlx-lm, the proven ones only)."""
+    generator: Callable[[], Iterator[tuple]] = getattr(full_attention, registry_generator_name())
+    return generator()
+
+
+def registered_classes() -> list[type]:
+    return [entry[0] for entry in registered_entries()]
+
+
+def install_release_filter() -> None:
+    """On an mlx-lm older than the replacements' release line: narrows the
+    registry's generator, for the patch and everything that reads it, to
+    the classes whose code is proven (:func:`proven_only`)."""
+    name = registry_generator_name()
+    setattr(full_attention, name, proven_only(getattr(full_attention, name)))
 
 
 def class_name(attention_class: type) -> str:
@@ -72,8 +106,11 @@ _fingerprints: dict[type, Optional[str]] = {}  # a class's code does not change
 
 
 def code_fingerprint(attention_class: type) -> Optional[str]:
-    """16 hex digits of the SHA-256 of the class's parsed source (docstrings
-    dropped, positions left out), or None where the source cannot be read."""
+    """16 hex digits of the SHA-256 of the parsed source (docstrings
+    dropped, positions left out) of the class and of every base it has
+    from the same package (a ``__call__`` or ``__init__`` it inherits from
+    another mlx-lm class is its code too), or None where a source cannot be
+    read."""
     if attention_class in _fingerprints:
         return _fingerprints[attention_class]
     fingerprint = _fingerprint_of_source(attention_class)
@@ -82,13 +119,18 @@ def code_fingerprint(attention_class: type) -> Optional[str]:
 
 
 def _fingerprint_of_source(attention_class: type) -> Optional[str]:
-    try:
-        source = textwrap.dedent(inspect.getsource(attention_class))
-        tree = _without_docstrings(ast.parse(source))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    dumped = ast.dump(tree, annotate_fields=True, include_attributes=False)
-    return hashlib.sha256(dumped.encode()).hexdigest()[:16]
+    package = attention_class.__module__.split(".", 1)[0]
+    digest = hashlib.sha256()
+    for cls in attention_class.__mro__:
+        if cls.__module__.split(".", 1)[0] != package:
+            continue  # MLX's nn.Module, object: not the model file's code
+        try:
+            source = textwrap.dedent(inspect.getsource(cls))
+            tree = _without_docstrings(ast.parse(source))
+        except (OSError, TypeError, SyntaxError):
+            return None
+        digest.update(ast.dump(tree, annotate_fields=True, include_attributes=False).encode())
+    return digest.hexdigest()[:16]
 
 
 def is_proven(attention_class: type) -> bool:

@@ -7,12 +7,15 @@ outcome, read from the patch's own bookkeeping, and the gated-delta folds.
 
 Each layer of a registered attention class is in exactly one place:
 
-* engaged, by the prework its replacement runs (``"norm + RoPE"``, or what
-  the replacement names in its ``mlx_dualnorm_prework`` attribute, e.g.
-  ``"norm"``): the patch decided at the layer's first call and moved it to
-  its engaged subclass;
-* left to mlx-lm's code, with the reason: decided against (its norms or
-  RoPE are not what the package computes; the layer's own types are named),
+* engaged, by the prework its replacement runs: what the replacement
+  names in its ``mlx_dualnorm_prework`` attribute (or its family in a
+  ``prework`` field), else ``"norm + RoPE"`` for the replacements of
+  :mod:`.full_attention` and ``"norm"`` (the q/k norm pair alone) for
+  those of the other shape modules. The patch decided at the layer's first
+  call and moved it to its engaged subclass;
+* left to mlx-lm's code, with the reason: decided against (its family's
+  ``refusal``, else: its norms or RoPE are not what the package computes;
+  the layer's own norm and RoPE types are named),
   its class's code not proven on this mlx-lm release, a subclass of
   mlx-lm's class, not called yet while patched, or not patched at all.
 """
@@ -33,7 +36,7 @@ __all__ = ["LayerEngagement", "NORM_ONLY", "NORM_ROPE", "fold_count", "layer_eng
 NORM_ROPE = "norm + RoPE"
 NORM_ONLY = "norm"
 PREWORK_ATTRIBUTE = "mlx_dualnorm_prework"
-REASON_ATTRIBUTE = "mlx_dualnorm_reason"
+REASON_ATTRIBUTE = "refusal"  # of a registered family
 
 NOT_PLAIN = "its norms or RoPE are not what the package computes"
 NOT_CALLED = "not called yet while patched (the patch decides at a layer's first call)"
@@ -68,11 +71,20 @@ class LayerEngagement:
         return dict(sorted(totals.items()))
 
 
-def _registered_classes() -> set:
-    """Every registered attention class this mlx-lm has: those the patch
-    can install on and those this release's check kept from it."""
-    classes = {entry[0] for entry in full_attention._full_attention_classes()}
-    return classes | set(_release_check.unproven_classes)
+def _registered() -> dict:
+    """Every registered attention class this mlx-lm has -> how it is
+    replaced (None for those this release's check kept from the patch)."""
+    registered: dict = dict.fromkeys(_release_check.unproven_classes)
+    registered.update((entry[0], entry[1]) for entry in _release_check.registered_entries())
+    return registered
+
+
+def _prework(replacement, family) -> str:
+    named = getattr(replacement, PREWORK_ATTRIBUTE, None) or getattr(family, "prework", None)
+    if isinstance(named, str):
+        return named
+    in_full_attention = getattr(replacement, "__module__", None) == full_attention.__name__
+    return NORM_ROPE if in_full_attention else NORM_ONLY
 
 
 def _described(layer: nn.Module) -> str:
@@ -89,17 +101,19 @@ def _mlx_lm_class(module_class: type) -> type:
     return module_class.__mro__[1]
 
 
-def _place(layer: nn.Module, registered: set) -> Iterator[tuple[bool, str, str]]:
+def _place(layer: nn.Module, registered: dict) -> Iterator[tuple[bool, str, str]]:
     """(engaged, class name, prework or reason) for a registered layer;
     nothing for other modules."""
     layer_class = type(layer)
     engaged = layer_class.__dict__.get("mlx_dualnorm_engaged")
     if engaged is not None:  # one of the patch's decided subclasses
-        name = _release_check.class_name(_mlx_lm_class(layer_class))
+        mlx_lm_class = _mlx_lm_class(layer_class)
+        name = _release_check.class_name(mlx_lm_class)
+        family = registered.get(mlx_lm_class)
         if engaged:
-            yield True, name, getattr(layer_class.__call__, PREWORK_ATTRIBUTE, NORM_ROPE)
+            yield True, name, _prework(layer_class.__dict__["__call__"], family)
         else:
-            reason = getattr(layer_class, REASON_ATTRIBUTE, NOT_PLAIN)
+            reason = getattr(family, REASON_ATTRIBUTE, None) or NOT_PLAIN
             yield False, name, reason + _described(layer)
         return
     if layer_class in registered:
@@ -125,7 +139,7 @@ def _is_patched_class(attention_class: type) -> bool:
 def layer_engagement(model: nn.Module) -> LayerEngagement:
     """The model's layers of registered attention classes, by outcome.
     Call while patched: unpatching gives every layer its class back."""
-    registered = _registered_classes()
+    registered = _registered()
     engagement = LayerEngagement()
     for _, module in model.named_modules():
         for engaged, name, detail in _place(module, registered):
