@@ -37,11 +37,30 @@ from typing import Callable, Iterator, Optional
 from mlx_dualnorm.integrations.mlx_lm import full_attention
 
 # "module.Class" -> fingerprints of that class's code in the releases its
-# replacement was tested against (mlx-lm 0.32.2).
+# replacement was tested against (mlx-lm 0.32.2). A class no replacement is
+# registered for is never looked up.
 PROVEN_CLASS_CODE: dict[str, frozenset[str]] = {
     "mlx_lm.models.qwen3.Attention": frozenset({"78bb924612201949"}),
     "mlx_lm.models.qwen3_moe.Attention": frozenset({"ac6c1f2ad6a84113"}),
     "mlx_lm.models.qwen3_next.Qwen3NextAttention": frozenset({"b1b80af9143a2bab"}),
+    # The q/k norm shapes of the other attention families.
+    "mlx_lm.models.afmoe.Attention": frozenset({"a60933128c213139"}),
+    "mlx_lm.models.openelm.Attention": frozenset({"f3ae09a1eacaa2ea"}),
+    "mlx_lm.models.bailing_moe.BailingMoeAttention": frozenset({"2442a07471c94cb2"}),
+    "mlx_lm.models.bailing_moe_linear.Attention": frozenset({"38d03964093c302c"}),
+    "mlx_lm.models.bailing_hybrid.LinearAttention": frozenset({"7adaff020ccc70a4"}),
+    "mlx_lm.models.gemma3_text.Attention": frozenset({"c72320d1a9036c27"}),
+    "mlx_lm.models.plamo3.Attention": frozenset({"9f1141bcb8185be9"}),
+    "mlx_lm.models.minimax_m3_vl.Attention": frozenset({"a294616a12e45d2d"}),
+    "mlx_lm.models.gemma3n.Gemma3nAttention": frozenset({"152668c4498bfc4d"}),
+    "mlx_lm.models.gemma4_text.Attention": frozenset({"8d340bbf760779b4"}),
+    "mlx_lm.models.gear.Attention": frozenset({"28af624af9db791f"}),
+    "mlx_lm.models.gear.ConvKVGatedMixer": frozenset({"383f5e7a7c48a8e4"}),
+    "mlx_lm.models.olmo2.Attention": frozenset({"d1ff1a4f82941350"}),
+    "mlx_lm.models.olmoe.Attention": frozenset({"775554d567656f3b"}),
+    "mlx_lm.models.olmo3.Olmo3Attention": frozenset({"7889a4dacac677e4"}),
+    "mlx_lm.models.minimax.MiniMaxAttention": frozenset({"ac6ad7b8b91008f0"}),
+    "mlx_lm.models.olmo_hybrid.Attention": frozenset({"2e49f7b20282e544"}),
 }
 
 UNPROVEN_REASON = (
