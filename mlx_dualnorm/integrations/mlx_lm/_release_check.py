@@ -196,7 +196,7 @@ _said_what_is_left = False
 def say_what_is_left_once(
     operation: str, installed: str, missing: str, engaged: list[str]
 ) -> None:
-    """Warns once per process that this mlx-lm gets full attention only:
+    """Warns once per process that this mlx-lm gets attention layers only:
     which classes engage, which are left, and that no gated-delta fold runs."""
     global _said_what_is_left
     if _said_what_is_left:
@@ -205,7 +205,7 @@ def say_what_is_left_once(
     left = sorted(class_name(attention_class) for attention_class in unproven_classes)
     warnings.warn(
         f"[{operation}] {installed} has no {missing}: gated-delta layers run mlx-lm's own "
-        f"code (no fold); full-attention layers of {len(engaged)} class"
+        f"code (no fold); attention layers of {len(engaged)} class"
         f"{'es' if len(engaged) != 1 else ''} engage ({', '.join(sorted(engaged))})"
         + (
             f"; {len(left)} left to mlx-lm, their code differing from what the patch "

@@ -38,7 +38,7 @@ NORM_ONLY = "norm"
 PREWORK_ATTRIBUTE = "mlx_dualnorm_prework"
 REASON_ATTRIBUTE = "refusal"  # of a registered family
 
-NOT_PLAIN = "its norms or RoPE are not what the package computes"
+NOT_PLAIN = "its norms or RoPE are not plain nn.RMSNorm / nn.RoPE"
 NOT_CALLED = "not called yet while patched (the patch decides at a layer's first call)"
 NOT_PATCHED = "not patched"
 SUBCLASS = "a subclass of mlx-lm's class, which keeps its own code"
