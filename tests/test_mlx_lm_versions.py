@@ -278,3 +278,29 @@ def test_the_fingerprint_is_of_the_code_not_its_formatting(monkeypatch, tmp_path
     assert None not in fingerprints
     assert fingerprints[0] == fingerprints[1]
     assert len(set(fingerprints)) == 3
+
+
+def test_code_is_tested_follows_the_release() -> None:
+    """On the tested release line every class's code is the tested code;
+    on an older mlx-lm only a proven class's (here: a cache class whose
+    0.31.3 update_and_fetch differs)."""
+    process = run_python(
+        _script(
+            AS_MLX_LM_0_31,
+            """
+            import mlx_lm.models.cache as cache
+            from mlx_dualnorm.integrations.mlx_lm import _release_check
+            print("KVCACHE", _release_check.code_is_tested(cache.KVCache))
+            print("ROTATING", _release_check.code_is_tested(cache.RotatingKVCache))
+            print("TESTED_LINE", _release_check._TESTED_RELEASE_LINE)
+            """,
+        )
+    )
+    assert process.returncode == 0, describe(process)
+    output = process.stdout
+    assert "TESTED_LINE False" in output, describe(process)
+    # RotatingKVCache has no recorded code: never proven on an older release.
+    assert "ROTATING False" in output
+    # KVCache is proven where its code is 0.32.2's (the simulation), not on 0.31.3.
+    expected = "True" if INSTALLED_HAS_NORMALIZE_QK else "False"
+    assert f"KVCACHE {expected}" in output

@@ -35,6 +35,11 @@ import warnings
 from typing import Callable, Iterator, Optional
 
 from mlx_dualnorm.integrations.mlx_lm import full_attention
+from mlx_dualnorm.integrations.mlx_lm.gated_delta import ORIGINAL_NORMALIZE_QK
+
+# The release line the replacements are written and tested against is the
+# one with gated_delta.normalize_qk (0.32.x).
+_TESTED_RELEASE_LINE = ORIGINAL_NORMALIZE_QK is not None
 
 # "module.Class" -> fingerprints of that class's code in the releases its
 # replacement was tested against (mlx-lm 0.32.2). A class no replacement is
@@ -61,6 +66,10 @@ PROVEN_CLASS_CODE: dict[str, frozenset[str]] = {
     "mlx_lm.models.olmo3.Olmo3Attention": frozenset({"7889a4dacac677e4"}),
     "mlx_lm.models.minimax.MiniMaxAttention": frozenset({"ac6ad7b8b91008f0"}),
     "mlx_lm.models.olmo_hybrid.Attention": frozenset({"2e49f7b20282e544"}),
+    # Caches a replacement may write itself (their update_and_fetch differs
+    # in 0.31.3: it always slices to the offset).
+    "mlx_lm.models.cache.KVCache": frozenset({"21a99a6d3e767c79"}),
+    "mlx_lm.models.cache.BatchKVCache": frozenset({"374ba03b3be1b625"}),
 }
 
 UNPROVEN_REASON = (
@@ -157,6 +166,21 @@ def is_proven(attention_class: type) -> bool:
     return fingerprint is not None and fingerprint in PROVEN_CLASS_CODE.get(
         class_name(attention_class), frozenset()
     )
+
+
+_tested_verdicts: dict[type, bool] = {}
+
+
+def code_is_tested(mlx_lm_class: type) -> bool:
+    """Whether a replacement may reproduce ``mlx_lm_class``'s code (an
+    attention class, or a cache class whose update it performs itself): on
+    the tested release line always, on an older mlx-lm only where the
+    class's code is proven. One dict lookup after the first call."""
+    verdict = _tested_verdicts.get(mlx_lm_class)
+    if verdict is None:
+        verdict = _TESTED_RELEASE_LINE or is_proven(mlx_lm_class)
+        _tested_verdicts[mlx_lm_class] = verdict
+    return verdict
 
 
 # Registered classes this release's filter has kept from the patch, with
