@@ -232,13 +232,14 @@ class CallCounter:
 def layer_kinds(model) -> dict:
     """How many of the layers this rank runs are gated-delta layers and how
     many are full-attention layers of a class the patch replaces."""
-    import importlib
-
     from mlx_dualnorm.integrations import mlx_lm as integration
 
     full_attention_classes = tuple(
-        getattr(importlib.import_module(module), class_name)
-        for module, class_name, _ in integration.FULL_ATTENTION_CLASSES
+        attention_class
+        for attention_class in map(
+            integration.AttentionFamily.attention_class, integration.attention_families()
+        )
+        if attention_class is not None
     )
     gated_delta = full_attention = 0
     for layer in model.layers:

@@ -54,7 +54,11 @@ from mlx_dualnorm.integrations.mlx_lm._shared import (  # noqa: E402
     PLAIN_SCALAR_TYPES,
     REPLACEMENT_MARKER,
 )
-from mlx_dualnorm.integrations.mlx_lm.full_attention import FULL_ATTENTION_CLASSES  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.full_attention import (  # noqa: E402
+    AttentionFamily,
+    attention_families,
+    register_attention_families,
+)
 from mlx_dualnorm.integrations.mlx_lm.gated_delta import (  # noqa: E402
     FOLDABLE_DTYPES,
     GATED_DELTA_MODULE,
