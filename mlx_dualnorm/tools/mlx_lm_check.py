@@ -37,7 +37,7 @@ from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta
+from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta, qwen3_like
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DEFAULT_SEED,
     SYNTHETIC_MODEL_TYPES,
@@ -235,24 +235,34 @@ def count_decided_layers(model: nn.Module, counts: AttentionLayerCounts) -> None
             counts.left_alone += 1
 
 
+# The integration's full-attention preworks: (module, function name), each
+# a module global its replacement calls read at each call.
+_PREWORKS = ((full_attention, "_rotated_queries_and_keys"), (qwen3_like, "_prework"))
+
+
 @contextlib.contextmanager
 def count_norm_rope_calls() -> Iterator[AttentionLayerCounts]:
-    """Counts engaged full-attention calls that ran one norm + RoPE call,
-    by wrapping the integration's prework (a module global, read at each
-    call). Not thread-safe: for this check only."""
+    """Counts engaged full-attention calls that ran one norm (+ RoPE) call
+    of the package, by wrapping the integration's preworks. Not
+    thread-safe: for this check only."""
     counts = AttentionLayerCounts()
-    prework: Callable = full_attention._rotated_queries_and_keys
+    originals = [(module, name, getattr(module, name)) for module, name in _PREWORKS]
 
-    def counting_prework(*arguments):
-        rotated = prework(*arguments)
-        counts.norm_rope_calls += rotated is not None
-        return rotated
+    def counting(prework: Callable) -> Callable:
+        def counting_prework(*arguments):
+            prepared = prework(*arguments)
+            counts.norm_rope_calls += prepared is not None
+            return prepared
 
-    full_attention._rotated_queries_and_keys = counting_prework
+        return counting_prework
+
+    for module, name, prework in originals:
+        setattr(module, name, counting(prework))
     try:
         yield counts
     finally:
-        full_attention._rotated_queries_and_keys = prework
+        for module, name, prework in originals:
+            setattr(module, name, prework)
 
 
 # ---- The check ---------------------------------------------------------------

@@ -8,7 +8,10 @@
 * Full-attention layers (qwen3, qwen3_moe, qwen3_next's attention): the
   ``rms_norm`` by ``q_norm`` / ``k_norm``, the transpose and ``nn.RoPE``
   become ONE call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope` with
-  the layer's own weights and constants (:mod:`.full_attention`).
+  the layer's own weights and constants (:mod:`.full_attention`); so do
+  the other families whose attention has that prework under other names
+  (Klear, dots1, lfm2, mellum, exaone4, apertus, glm4_moe, laguna,
+  step3p5, llama4_text, ...: :mod:`.qwen3_like`).
 
 Anything the package does not compute exactly (other dtypes, a scaled RoPE,
 other norms, a call that raises) runs mlx-lm's own code, never an
