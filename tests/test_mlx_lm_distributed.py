@@ -165,8 +165,11 @@ def test_every_engaged_family_with_shard_is_covered():
     from mlx_dualnorm.integrations import mlx_lm as integration
 
     patched_classes = tuple(
-        getattr(importlib.import_module(module), class_name)
-        for module, class_name, _ in integration.FULL_ATTENTION_CLASSES
+        attention_class
+        for attention_class in map(
+            integration.AttentionFamily.attention_class, integration.attention_families()
+        )
+        if attention_class is not None
     )
     original = integration.ORIGINAL_NORMALIZE_QK
     covered_shards = {

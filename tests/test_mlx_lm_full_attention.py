@@ -157,9 +157,11 @@ def test_a_raising_prework_runs_the_original(monkeypatch):
 
 def test_patch_replaces_and_unpatch_restores_every_class():
     classes = {
-        name: getattr(importlib.import_module(module), class_name)
-        for module, class_name, name in integration.FULL_ATTENTION_CLASSES
+        f"{family.module}.{family.class_name}": family.attention_class()
+        for family in integration.attention_families()
+        if family.attention_class() is not None
     }
+    assert len(classes) >= 3
     originals = {key: cls.__dict__["__call__"] for key, cls in classes.items()}
     with integration.patch():
         for key, cls in classes.items():
@@ -201,3 +203,18 @@ def test_constants_changed_in_place_after_patching_are_followed():
         patched = greedy_generate(model, prompt, 8)
     reference = greedy_generate(model, prompt, 8)
     assert compare_traces(reference, patched).identical
+
+
+def test_keyword_arguments_reach_the_decided_call(prework_calls):
+    """The first call passes its arguments on as given: a layer called with
+    keywords decides and runs the same as one called positionally."""
+    model = build_model("qwen3")
+    first, second = attention_layers(model)
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(3)).astype(mx.bfloat16)
+    expected = [first(x, mask="causal"), second(x, None, None)]
+    with integration.patch():
+        actual = [first(x, mask="causal", cache=None), second(x=x)]
+        assert type(first).mlx_dualnorm_engaged and type(second).mlx_dualnorm_engaged
+    for result, reference in zip(actual, expected):
+        assert_bit_identical(result, reference)
+    assert prework_calls == {"fused": 2, "original": 0}

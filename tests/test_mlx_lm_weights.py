@@ -85,13 +85,17 @@ def build(name: str) -> nn.Module:
 
 def assert_patched_matches_unpatched(model: nn.Module, stage: str) -> list[mx.array]:
     """Greedy logits, unpatched then patched, bit-identical at every step;
-    the patch engaged (a fold or an attention layer). Returns the logits."""
+    the patch engaged (a fold or an attention layer: a model it leaves
+    wholly to mlx-lm, e.g. for its scaled RoPE, is skipped, as it proves
+    nothing here). Returns the logits."""
     with integration.unpatch():
         reference = greedy_generate(model, PROMPT, TOKENS)
     with integration.patch(), count_normalize_qk_calls() as calls:
         patched = greedy_generate(model, PROMPT, TOKENS)
-        engaged = layer_engagement(model).engaged_layers
-    assert engaged + calls.folded > 0, f"{stage}: the patch engaged nothing"
+        record = layer_engagement(model)
+    if record.engaged_layers + calls.folded == 0:
+        left = "; ".join(f"{name}: {reason}" for name, reason in record.left)
+        pytest.skip(f"{stage}: the patch leaves every layer to mlx-lm ({left})")
     assert patched.token_ids == reference.token_ids, stage
     assert len(patched.step_logits) == len(reference.step_logits) == TOKENS + 1
     for actual, expected in zip(patched.step_logits, reference.step_logits):

@@ -8,7 +8,7 @@ ids are identical and the logits bit-identical at every step, the decode
 time per token both ways, how many ``normalize_qk`` calls per token went
 through the fold or ran mlx-lm's function, and what the patch engaged, read
 from its own record (:mod:`mlx_dualnorm.integrations.mlx_lm.engagement`):
-gated-delta folds, norm-only and norm + RoPE attention layers by class, and
+gated-delta calls folded, norm-only and norm + RoPE attention layers by class, and
 the attention layers left to mlx-lm's code with the reason. If the runs
 diverge, the unpatched run is repeated, to tell a nondeterministic model
 from a patch that changes results.
@@ -39,12 +39,11 @@ from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta
+from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta, qwen3_like
 from mlx_dualnorm.integrations.mlx_lm.engagement import (
     NORM_ONLY,
     NORM_ROPE,
     LayerEngagement,
-    fold_count,
     layer_engagement,
 )
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
@@ -236,24 +235,34 @@ class AttentionLayerCounts:
     norm_rope_calls: int = 0
 
 
+# The integration's full-attention preworks: (module, function name), each
+# a module global its replacement calls read at each call.
+_PREWORKS = ((full_attention, "_rotated_queries_and_keys"), (qwen3_like, "_prework"))
+
+
 @contextlib.contextmanager
 def count_norm_rope_calls() -> Iterator[AttentionLayerCounts]:
-    """Counts engaged full-attention calls that ran one norm + RoPE call,
-    by wrapping the integration's prework (a module global, read at each
-    call). Not thread-safe: for this check only."""
+    """Counts engaged full-attention calls that ran one norm (+ RoPE) call
+    of the package, by wrapping the integration's preworks. Not
+    thread-safe: for this check only."""
     counts = AttentionLayerCounts()
-    prework: Callable = full_attention._rotated_queries_and_keys
+    originals = [(module, name, getattr(module, name)) for module, name in _PREWORKS]
 
-    def counting_prework(*arguments):
-        rotated = prework(*arguments)
-        counts.norm_rope_calls += rotated is not None
-        return rotated
+    def counting(prework: Callable) -> Callable:
+        def counting_prework(*arguments):
+            prepared = prework(*arguments)
+            counts.norm_rope_calls += prepared is not None
+            return prepared
 
-    full_attention._rotated_queries_and_keys = counting_prework
+        return counting_prework
+
+    for module, name, prework in originals:
+        setattr(module, name, counting(prework))
     try:
         yield counts
     finally:
-        full_attention._rotated_queries_and_keys = prework
+        for module, name, prework in originals:
+            setattr(module, name, prework)
 
 
 # ---- The check ---------------------------------------------------------------
@@ -267,7 +276,6 @@ class CheckResult:
     counts: NormalizeQkCallCounts
     attention: AttentionLayerCounts
     engagement: LayerEngagement  # the patch's own record, read while patched
-    folds: int  # gated-delta folds built in this process
     reference_repeat: Optional[TraceComparison] = None  # only after a divergence
     # Median ms per decode token of each timing round (the checked runs are
     # the first round), both ways: one round's ratio is noise on a busy CPU.
@@ -307,7 +315,7 @@ def run_check(
         engagement = layer_engagement(model)
     result = CheckResult(
         reference, patched, compare_traces(reference, patched), counts, attention,
-        engagement, fold_count(),
+        engagement,
     )
     if not result.comparison.identical:
         with integration.unpatch():
@@ -374,7 +382,7 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
 
 
 def _engagement_lines(result: CheckResult, model_steps: int) -> list[str]:
-    """What the patch engaged, by count: gated-delta folds, attention layers
+    """What the patch engaged, by count: gated-delta calls folded, attention layers
     by prework and class, and those left to mlx-lm's code with the reason."""
     engagement = result.engagement
     by_prework = engagement.engaged_by_prework()
@@ -384,7 +392,8 @@ def _engagement_lines(result: CheckResult, model_steps: int) -> list[str]:
         if prework not in (NORM_ONLY, NORM_ROPE)
     )
     lines = [
-        f"  engaged:        gated-delta folds {result.folds} ({result.counts.folded} calls); "
+        f"  engaged:        gated-delta calls folded {result.counts.folded} "
+        f"({result.counts.folded / model_steps:.1f} per step); "
         f"norm-only layers {by_prework.get(NORM_ONLY, 0)}; "
         f"norm + RoPE layers {by_prework.get(NORM_ROPE, 0)}{others}",
     ]

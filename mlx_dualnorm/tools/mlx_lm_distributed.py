@@ -35,6 +35,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from mlx_dualnorm.tools.mlx_lm_synthetic_qwen3_like import (
+    QWEN3_LIKE_CONFIGS,
+    QWEN3_LIKE_DTYPE_NAMES,
+)
+
 __all__ = [
     "FAMILIES",
     "RANK_PROGRAM",
@@ -157,12 +162,25 @@ FAMILIES = {
     ),
     "kimi_k3": Family({"model_type": "kimi_k3", "text_config": _KIMI_K3_TEXT}, "float32",
                       _inner_model),
+    # Of the families with qwen3's prework in other classes, those with shard.
+    "glm4_moe": Family(QWEN3_LIKE_CONFIGS["glm4_moe"], QWEN3_LIKE_DTYPE_NAMES["glm4_moe"],
+                       _inner_model),
+    "exaone_moe": Family(
+        {**QWEN3_LIKE_CONFIGS["exaone_moe"], "layer_types": ["full_attention"] * 2},
+        QWEN3_LIKE_DTYPE_NAMES["exaone_moe"],
+    ),
+    "step3p5": Family(
+        {**QWEN3_LIKE_CONFIGS["step3p5"], "rope_scaling": None, "yarn_only_types": None},
+        QWEN3_LIKE_DTYPE_NAMES["step3p5"],
+    ),
 }
 """The mlx-lm families with a ``shard`` method whose q/k prework the patch
 replaces (full-attention q/k norm + RoPE, gated-delta ``normalize_qk``, or
 both), each as a tiny random model. ``qwen3_5_moe`` is ``qwen3_5``'s model
 class with a mixture-of-experts MLP; ``kimi_k3`` has gated-delta layers and
-an MLA layer the patch leaves alone."""
+an MLA layer the patch leaves alone. ``glm4_moe`` (whose Model ``solar_open``
+runs), ``exaone_moe`` (RoPE on every layer) and ``step3p5`` (no YaRN) have
+every attention layer engaged."""
 
 # (name, parallelism, when the patch is made)
 UNSHARDED, TENSOR, PIPELINE = "unsharded", "tensor", "pipeline"
@@ -232,13 +250,14 @@ class CallCounter:
 def layer_kinds(model) -> dict:
     """How many of the layers this rank runs are gated-delta layers and how
     many are full-attention layers of a class the patch replaces."""
-    import importlib
-
     from mlx_dualnorm.integrations import mlx_lm as integration
 
     full_attention_classes = tuple(
-        getattr(importlib.import_module(module), class_name)
-        for module, class_name, _ in integration.FULL_ATTENTION_CLASSES
+        attention_class
+        for attention_class in map(
+            integration.AttentionFamily.attention_class, integration.attention_families()
+        )
+        if attention_class is not None
     )
     gated_delta = full_attention = 0
     for layer in model.layers:

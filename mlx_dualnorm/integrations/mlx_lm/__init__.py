@@ -8,7 +8,10 @@
 * Full-attention layers (qwen3, qwen3_moe, qwen3_next's attention): the
   ``rms_norm`` by ``q_norm`` / ``k_norm``, the transpose and ``nn.RoPE``
   become ONE call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope` with
-  the layer's own weights and constants (:mod:`.full_attention`).
+  the layer's own weights and constants (:mod:`.full_attention`); so do
+  the other families whose attention has that prework under other names
+  (Klear, dots1, lfm2, mellum, exaone4, apertus, glm4_moe, laguna,
+  step3p5, llama4_text, ...: :mod:`.qwen3_like`).
 
 Anything the package does not compute exactly (other dtypes, a scaled RoPE,
 other norms, a call that raises) runs mlx-lm's own code, never an
@@ -54,7 +57,11 @@ from mlx_dualnorm.integrations.mlx_lm._shared import (  # noqa: E402
     PLAIN_SCALAR_TYPES,
     REPLACEMENT_MARKER,
 )
-from mlx_dualnorm.integrations.mlx_lm.full_attention import FULL_ATTENTION_CLASSES  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.full_attention import (  # noqa: E402
+    AttentionFamily,
+    attention_families,
+    register_attention_families,
+)
 from mlx_dualnorm.integrations.mlx_lm.gated_delta import (  # noqa: E402
     FOLDABLE_DTYPES,
     GATED_DELTA_MODULE,

@@ -11,7 +11,12 @@ import threading
 from typing import Optional
 
 from mlx_dualnorm._composite import Mode
-from mlx_dualnorm.integrations.mlx_lm import _release_check, full_attention, gated_delta
+from mlx_dualnorm.integrations.mlx_lm import (
+    _release_check,
+    full_attention,
+    gated_delta,
+    qwen3_like,
+)
 from mlx_dualnorm.integrations.mlx_lm._shared import (
     REPLACEMENT_MARKER,
     SUPPORTED_MLX_LM,
@@ -190,7 +195,8 @@ def is_patched() -> bool:
 
 def clear_cache() -> None:
     """Drops every cached fold (weights and compiled objects) and every
-    full-attention norm + RoPE object; the next call of each key builds and
+    full-attention norm (+ RoPE) object; the next call of each key builds and
     probes it again."""
     gated_delta.clear_folds()
     full_attention.clear_norm_ropes()
+    qwen3_like.clear_head_norms()
