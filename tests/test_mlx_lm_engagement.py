@@ -20,7 +20,10 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import _release_check, engagement  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_check import greedy_generate  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_check import (  # noqa: E402
+    greedy_generate,
+    recording_prework_kinds,
+)
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     SYNTHETIC_MODEL_TYPES,
     build_model,
@@ -69,6 +72,8 @@ def test_check_says_what_it_engaged_on_every_synthetic_model(name, capsys):
     attention_layers = counts["norm-only layers"] + counts["norm + RoPE layers"]
     # Every layer of a registered class is counted once, engaged or left.
     assert attention_layers + left_count(output) == registered_layers(build_synthetic_model(name))
+    # Every engaged layer's prework was measured (which package call ran in it).
+    assert f"{engagement.UNNAMED_PREWORK} layers" not in output
     if attention_layers or counts["gated-delta calls folded"]:
         assert "changes nothing" not in output
     else:  # what it left, and why, is said
@@ -109,13 +114,16 @@ def test_the_record_has_each_layer_once_with_its_reason():
     first, second, third = (layer.self_attn for layer in model.layers)
     second.rope = OtherRoPE(32, base=10000.0)
     assert engagement.layer_engagement(model).left == {(QWEN3_ATTENTION, engagement.NOT_PATCHED): 3}
-    with integration.patch():
+    with integration.patch(), recording_prework_kinds() as kinds:
         record = engagement.layer_engagement(model)
         assert record.left == {(QWEN3_ATTENTION, engagement.NOT_CALLED): 3}
         first(mx.zeros((1, 2, 64)))
         second(mx.zeros((1, 2, 64)))
-        record = engagement.layer_engagement(model)
+        unmeasured = engagement.layer_engagement(model)
+        record = engagement.layer_engagement(model, kinds.prework_of)
+    # Measured: the layer's prework ran one CompiledDualHeadNormRope call.
     assert record.engaged == {(QWEN3_ATTENTION, engagement.NORM_ROPE): 1}
+    assert unmeasured.engaged == {(QWEN3_ATTENTION, engagement.UNNAMED_PREWORK): 1}
     assert record.left == {
         (QWEN3_ATTENTION, engagement.NOT_PLAIN + " (rope OtherRoPE, q_norm RMSNorm, k_norm RMSNorm)"): 1,
         (QWEN3_ATTENTION, engagement.NOT_CALLED): 1,
@@ -133,11 +141,32 @@ def test_a_subclass_of_a_registered_class_is_left_with_its_reason():
     subclass = type("CustomAttention", (attention_class,), {"__module__": __name__})
     layer = model.layers[0].self_attn
     object.__setattr__(layer, "__class__", subclass)
-    with integration.patch():
+    with integration.patch(), recording_prework_kinds() as kinds:
         greedy_generate(model, PROMPT, 2)
-        record = engagement.layer_engagement(model)
+        record = engagement.layer_engagement(model, kinds.prework_of)
     assert record.left == {(f"{__name__}.CustomAttention", engagement.SUBCLASS): 1}
     assert record.engaged == {(QWEN3_ATTENTION, engagement.NORM_ROPE): 2}
+
+
+def test_a_layer_without_rope_is_measured_as_norm_only(capsys):
+    """llama4_text's NoPE layers run the q/k norm pair alone, its others
+    norm + RoPE: the check tells them apart by what ran in each layer."""
+    if "llama4_text" not in SYNTHETIC_MODEL_TYPES:
+        pytest.skip("no llama4_text synthetic model")
+    assert mlx_lm_check.main(["--synthetic", "llama4_text", "--tokens", "2", "--rounds", "1"]) == 0
+    output = capsys.readouterr().out
+    assert "    1 norm: mlx_lm.models.llama4_text.Attention\n" in output
+    assert "    1 norm + RoPE: mlx_lm.models.llama4_text.Attention\n" in output
+
+
+def test_recording_restores_the_composites():
+    from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
+    from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
+
+    before = (CompiledDualHeadNorm.__call__, CompiledDualHeadNormRope.__call__)
+    with recording_prework_kinds():
+        assert CompiledDualHeadNormRope.__call__ is not before[1]
+    assert (CompiledDualHeadNorm.__call__, CompiledDualHeadNormRope.__call__) == before
 
 
 def test_fold_count_counts_the_folds_built():

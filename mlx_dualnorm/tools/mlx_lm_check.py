@@ -30,13 +30,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dualnorm._bits import same_bits
-from mlx_dualnorm.dual_head_norm import Mode
+from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm, Mode
+from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration
 from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta, qwen3_like
@@ -44,6 +46,7 @@ from mlx_dualnorm.integrations.mlx_lm.engagement import (
     NORM_ONLY,
     NORM_ROPE,
     LayerEngagement,
+    is_engaged_layer,
     layer_engagement,
 )
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
@@ -265,6 +268,65 @@ def count_norm_rope_calls() -> Iterator[AttentionLayerCounts]:
             setattr(module, name, prework)
 
 
+# The package calls an engaged attention layer's prework can be, by kind.
+PREWORK_CALLS = ((CompiledDualHeadNormRope, NORM_ROPE), (CompiledDualHeadNorm, NORM_ONLY))
+
+
+@dataclasses.dataclass
+class PreworkKinds:
+    """id(layer) -> the kinds of package call that ran inside that engaged
+    attention layer while recording (the layers are kept alive by the
+    model; read ``prework_of`` before it is freed)."""
+
+    by_layer: dict = dataclasses.field(default_factory=dict)
+
+    def prework_of(self, layer: object) -> Optional[str]:
+        kinds = self.by_layer.get(id(layer))
+        return " and ".join(sorted(kinds)) if kinds else None
+
+
+def _calling_engaged_layer() -> Optional[object]:
+    """The nearest engaged attention layer (a ``self``) on the call stack."""
+    frame: Optional[FrameType] = sys._getframe(2)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if candidate is not None and is_engaged_layer(candidate):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+@contextlib.contextmanager
+def recording_prework_kinds() -> Iterator[PreworkKinds]:
+    """Records, per engaged attention layer, which package call its
+    prework ran (norm + RoPE, or the q/k norm pair alone), by wrapping the
+    calls of both composites and finding the layer on the call stack. Slow
+    (a stack walk per call): for a warm-up run, not a timed one. Not
+    thread-safe: for this check only."""
+    kinds = PreworkKinds()
+    originals = []
+
+    def recording(method: Callable, kind: str) -> Callable:
+        def recording_method(self, *arguments, **keywords):
+            layer = _calling_engaged_layer()
+            if layer is not None:
+                kinds.by_layer.setdefault(id(layer), set()).add(kind)
+            return method(self, *arguments, **keywords)
+
+        return recording_method
+
+    for composite, kind in PREWORK_CALLS:
+        for name, method in list(vars(composite).items()):
+            if callable(method) and (name == "__call__" or name.startswith("apply")):
+                originals.append((composite, name, method))
+                setattr(composite, name, recording(method, kind))
+    try:
+        yield kinds
+    finally:
+        for composite, name, method in originals:
+            setattr(composite, name, method)
+
+
 # ---- The check ---------------------------------------------------------------
 
 
@@ -304,15 +366,16 @@ def run_check(
     the first-token times compare like with like. The compared runs are the
     first of ``timing_rounds`` timing rounds; the others run both ways again,
     the order alternating, for the spread of the time ratio."""
-    for warm_up in (integration.unpatch, lambda: integration.patch(mode)):
-        with warm_up():
-            greedy_generate(model, prompt, WARM_UP_TOKENS)
+    with integration.unpatch():
+        greedy_generate(model, prompt, WARM_UP_TOKENS)
+    with integration.patch(mode), recording_prework_kinds() as kinds:
+        greedy_generate(model, prompt, WARM_UP_TOKENS)
     with integration.unpatch():
         reference = greedy_generate(model, prompt, max_tokens)
     with integration.patch(mode), count_normalize_qk_calls() as counts, \
             count_norm_rope_calls() as attention:
         patched = greedy_generate(model, prompt, max_tokens)
-        engagement = layer_engagement(model)
+        engagement = layer_engagement(model, kinds.prework_of)
     result = CheckResult(
         reference, patched, compare_traces(reference, patched), counts, attention,
         engagement,

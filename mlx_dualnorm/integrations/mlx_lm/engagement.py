@@ -7,12 +7,12 @@ outcome, read from the patch's own bookkeeping, and the gated-delta folds.
 
 Each layer of a registered attention class is in exactly one place:
 
-* engaged, by the prework its replacement runs: what the replacement
-  names in its ``mlx_dualnorm_prework`` attribute (or its family in a
-  ``prework`` field), else ``"norm + RoPE"`` for the replacements of
-  :mod:`.full_attention` and ``"norm"`` (the q/k norm pair alone) for
-  those of the other shape modules. The patch decided at the layer's first
-  call and moved it to its engaged subclass;
+* engaged, by the prework it runs: ``prework_of(layer)`` where the caller
+  measured it (``mlx-lm-check`` records which package call ran inside each
+  layer: ``"norm + RoPE"`` or ``"norm"``, the q/k norm pair alone), else
+  what the replacement names in its ``mlx_dualnorm_prework`` attribute (or
+  its family in a ``prework`` field), else ``"q/k prework"``. The patch
+  decided at the layer's first call and moved it to its engaged subclass;
 * left to mlx-lm's code, with the reason: decided against (its family's
   ``refusal``, else: its norms or RoPE are not what the package computes;
   the layer's own norm and RoPE types are named),
@@ -24,17 +24,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import mlx.nn as nn
 
-from mlx_dualnorm.integrations.mlx_lm import _release_check, full_attention, gated_delta
+from mlx_dualnorm.integrations.mlx_lm import _release_check, gated_delta
 from mlx_dualnorm.integrations.mlx_lm._shared import REPLACEMENT_MARKER
 
-__all__ = ["LayerEngagement", "NORM_ONLY", "NORM_ROPE", "fold_count", "layer_engagement"]
+__all__ = [
+    "LayerEngagement", "NORM_ONLY", "NORM_ROPE", "UNNAMED_PREWORK", "fold_count",
+    "is_engaged_layer", "layer_engagement",
+]
 
 NORM_ROPE = "norm + RoPE"
 NORM_ONLY = "norm"
+UNNAMED_PREWORK = "q/k prework"
 PREWORK_ATTRIBUTE = "mlx_dualnorm_prework"
 REASON_ATTRIBUTE = "refusal"  # of a registered family
 
@@ -81,10 +85,7 @@ def _registered() -> dict:
 
 def _prework(replacement, family) -> str:
     named = getattr(replacement, PREWORK_ATTRIBUTE, None) or getattr(family, "prework", None)
-    if isinstance(named, str):
-        return named
-    in_full_attention = getattr(replacement, "__module__", None) == full_attention.__name__
-    return NORM_ROPE if in_full_attention else NORM_ONLY
+    return named if isinstance(named, str) else UNNAMED_PREWORK
 
 
 def _described(layer: nn.Module) -> str:
@@ -96,12 +97,20 @@ def _described(layer: nn.Module) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def is_engaged_layer(layer: object) -> bool:
+    """Whether ``layer`` is an attention layer the patch engaged (moved to
+    its engaged subclass)."""
+    return type(layer).__dict__.get("mlx_dualnorm_engaged") is True
+
+
 def _mlx_lm_class(module_class: type) -> type:
     """The mlx-lm class of a layer the patch moved to a decided subclass."""
     return module_class.__mro__[1]
 
 
-def _place(layer: nn.Module, registered: dict) -> Iterator[tuple[bool, str, str]]:
+def _place(
+    layer: nn.Module, registered: dict, prework_of: Optional[Callable[[nn.Module], Optional[str]]]
+) -> Iterator[tuple[bool, str, str]]:
     """(engaged, class name, prework or reason) for a registered layer;
     nothing for other modules."""
     layer_class = type(layer)
@@ -111,7 +120,8 @@ def _place(layer: nn.Module, registered: dict) -> Iterator[tuple[bool, str, str]
         name = _release_check.class_name(mlx_lm_class)
         family = registered.get(mlx_lm_class)
         if engaged:
-            yield True, name, _prework(layer_class.__dict__["__call__"], family)
+            measured = prework_of(layer) if prework_of is not None else None
+            yield True, name, measured or _prework(layer_class.__dict__["__call__"], family)
         else:
             reason = getattr(family, REASON_ATTRIBUTE, None) or NOT_PLAIN
             yield False, name, reason + _described(layer)
@@ -136,13 +146,17 @@ def _is_patched_class(attention_class: type) -> bool:
     return getattr(installed, REPLACEMENT_MARKER, False) is True
 
 
-def layer_engagement(model: nn.Module) -> LayerEngagement:
+def layer_engagement(
+    model: nn.Module, prework_of: Optional[Callable[[nn.Module], Optional[str]]] = None
+) -> LayerEngagement:
     """The model's layers of registered attention classes, by outcome.
-    Call while patched: unpatching gives every layer its class back."""
+    Call while patched: unpatching gives every layer its class back.
+    ``prework_of(layer)``, where given, names an engaged layer's prework
+    as measured (None: not measured)."""
     registered = _registered()
     engagement = LayerEngagement()
     for _, module in model.named_modules():
-        for engaged, name, detail in _place(module, registered):
+        for engaged, name, detail in _place(module, registered, prework_of):
             (engagement.engaged if engaged else engagement.left)[(name, detail)] += 1
     return engagement
 
