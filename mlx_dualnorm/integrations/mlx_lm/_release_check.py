@@ -66,6 +66,7 @@ PROVEN_CLASS_CODE: dict[str, frozenset[str]] = {
     "mlx_lm.models.openelm.Attention": frozenset({"f3ae09a1eacaa2ea"}),
     "mlx_lm.models.bailing_moe.BailingMoeAttention": frozenset({"2442a07471c94cb2"}),
     "mlx_lm.models.bailing_moe_linear.Attention": frozenset({"38d03964093c302c"}),
+    "mlx_lm.models.bailing_moe_linear.LinearAttention": frozenset({"5b95b4d124147557"}),
     "mlx_lm.models.bailing_hybrid.LinearAttention": frozenset({"7adaff020ccc70a4"}),
     "mlx_lm.models.gemma3_text.Attention": frozenset({"c72320d1a9036c27"}),
     "mlx_lm.models.plamo3.Attention": frozenset({"9f1141bcb8185be9"}),
