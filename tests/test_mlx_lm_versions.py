@@ -305,3 +305,60 @@ def test_code_is_tested_follows_the_release() -> None:
     # KVCache is proven where its code is 0.32.2's (the simulation), not on 0.31.3.
     expected = "True" if INSTALLED_HAS_NORMALIZE_QK else "False"
     assert f"KVCACHE {expected}" in output
+
+
+def test_a_layer_whose_mlx_lm_part_is_not_proven_is_left() -> None:
+    """step3p5's layers normalize with the model file's ZeroCenteredRMSNorm,
+    whose math the replacement reproduces: with that class's tested code
+    taken out of the record, an older mlx-lm leaves the layers to mlx-lm's
+    code (the attention class itself still proven), bits unchanged."""
+    from mlx_dualnorm.tools.mlx_lm_synthetic import SYNTHETIC_MODEL_TYPES
+
+    if "step3p5" not in SYNTHETIC_MODEL_TYPES:
+        pytest.skip("no step3p5 family registered")
+    process = run_python(
+        _script(
+            AS_MLX_LM_0_31,
+            """
+            import warnings
+            from mlx_dualnorm.integrations import mlx_lm as integration
+            from mlx_dualnorm.integrations.mlx_lm import _release_check
+            from mlx_dualnorm.integrations.mlx_lm.engagement import layer_engagement
+            from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate
+            from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model, prompt_token_ids
+
+            model = build_synthetic_model("step3p5")
+            prompt = prompt_token_ids(256, 6)
+            warnings.simplefilter("ignore")
+            for taken_out in (False, True):
+                if taken_out:
+                    del _release_check.PROVEN_CLASS_CODE["mlx_lm.models.step3p5.ZeroCenteredRMSNorm"]
+                    _release_check._tested_verdicts.clear()
+                reference = greedy_generate(model, prompt, 4)
+                with integration.patch():
+                    patched = greedy_generate(model, prompt, 4)
+                    record = layer_engagement(model)
+                print("TAKEN_OUT", taken_out, "ENGAGED", record.engaged_layers,
+                      "IDENTICAL", compare_traces(reference, patched).identical)
+                print("LEFT", sorted(reason for _, reason in record.left))
+            """,
+        ),
+        timeout_s=300,
+    )
+    assert process.returncode == 0, describe(process)
+    output = process.stdout
+    engaged_before = int(output.split("TAKEN_OUT False ENGAGED ")[1].split()[0])
+    assert engaged_before > 0, describe(process)
+    assert "TAKEN_OUT True ENGAGED 0 IDENTICAL True" in output, describe(process)
+    assert "IDENTICAL False" not in output
+    assert "a part of it (a norm or RoPE of mlx-lm's) is not the tested code" in output
+
+
+def test_a_layer_of_mlx_parts_only_needs_no_record() -> None:
+    import mlx.nn as nn
+
+    from mlx_dualnorm.integrations.mlx_lm._release_check import parts_are_tested
+
+    layer = nn.Module()
+    layer.q_norm, layer.rope = nn.RMSNorm(8), nn.RoPE(8)
+    assert parts_are_tested(layer)

@@ -26,13 +26,14 @@ that and prints the lines to add for a newly registered class.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import inspect
 import sys
 import textwrap
 import threading
 import warnings
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, cast
 
 from mlx_dualnorm.integrations.mlx_lm import full_attention
 from mlx_dualnorm.integrations.mlx_lm.gated_delta import ORIGINAL_NORMALIZE_QK
@@ -80,6 +81,19 @@ PROVEN_CLASS_CODE: dict[str, frozenset[str]] = {
     "mlx_lm.models.olmo3.Olmo3Attention": frozenset({"7889a4dacac677e4"}),
     "mlx_lm.models.minimax.MiniMaxAttention": frozenset({"ac6ad7b8b91008f0"}),
     "mlx_lm.models.olmo_hybrid.Attention": frozenset({"2e49f7b20282e544"}),
+    # Classes of a layer's parts that replacements reproduce rather than
+    # call (RoPE with frequency tables, the models' own norms): on an older
+    # mlx-lm a layer engages only where each of its mlx-lm parts is proven
+    # (SuScaledRoPE, Llama3RoPE and YarnRoPE differ in 0.31.3).
+    "mlx_lm.models.rope_utils.SuScaledRoPE": frozenset({"53532a3bddc88b21"}),
+    "mlx_lm.models.rope_utils.Llama3RoPE": frozenset({"761468c522bd0441"}),
+    "mlx_lm.models.rope_utils.YarnRoPE": frozenset({"6c702366d6eecfd3"}),
+    "mlx_lm.models.rope_utils.ProportionalRoPE": frozenset({"60f99b62e002ad75"}),
+    "mlx_lm.models.gemma3_text.RMSNorm": frozenset({"ea327fa60809c18d"}),
+    "mlx_lm.models.minimax_m3_vl.GemmaRMSNorm": frozenset({"b200462f73b2bf62"}),
+    "mlx_lm.models.gear.GearRMSNorm": frozenset({"7d2a8fd94e07eed1"}),
+    "mlx_lm.models.plamo3.RMSNorm": frozenset({"4ca39719bea76b14"}),
+    "mlx_lm.models.step3p5.ZeroCenteredRMSNorm": frozenset({"a556a3b9b6a08366"}),
     # Caches a replacement may write itself (their update_and_fetch differs
     # in 0.31.3: it always slices to the offset).
     "mlx_lm.models.cache.KVCache": frozenset({"21a99a6d3e767c79"}),
@@ -203,10 +217,44 @@ unproven_classes: dict[type, str] = {}
 _unproven_lock = threading.Lock()
 
 
+PARTS_UNPROVEN = "a part of it (a norm or RoPE of mlx-lm's) is not the tested code on this mlx-lm"
+
+
+def parts_are_tested(layer: object) -> bool:
+    """Whether every direct part of ``layer`` whose class is mlx-lm's (a
+    model file's norm, a rope_utils RoPE) has the tested code."""
+    values = layer.values() if isinstance(layer, dict) else ()
+    for part in values:
+        part_class = type(part)
+        if part_class.__module__.split(".", 1)[0] == "mlx_lm" and not code_is_tested(part_class):
+            return False
+    return True
+
+
+def _with_tested_parts(entry: tuple) -> tuple:
+    """A registry entry whose family also requires :func:`parts_are_tested`
+    of a layer (entries without a family's ``engages`` are returned as
+    they are: their replacements take MLX's own norm and RoPE only)."""
+    family = entry[1] if len(entry) > 1 else None
+    engages = getattr(family, "engages", None)
+    if not (dataclasses.is_dataclass(family) and callable(engages)):
+        return entry
+
+    def engages_with_tested_parts(attention) -> bool:
+        return parts_are_tested(attention) and engages(attention)
+
+    refusal = getattr(family, "refusal", None)
+    changes: dict = {"engages": engages_with_tested_parts}
+    if isinstance(refusal, str):
+        changes["refusal"] = f"{refusal}; or {PARTS_UNPROVEN}"
+    return (entry[0], dataclasses.replace(cast(Any, family), **changes), *entry[2:])
+
+
 def proven_only(registered_classes):
     """``registered_classes`` (a generator function of ``(class, ...)``
     tuples) narrowed to the classes whose code is proven, recording the
-    others in ``unproven_classes``."""
+    others in ``unproven_classes``; each family kept also requires its
+    layer's mlx-lm parts to be proven (:func:`parts_are_tested`)."""
     if getattr(registered_classes, _FILTER_MARKER, False):
         return registered_classes
 
@@ -216,7 +264,7 @@ def proven_only(registered_classes):
             if is_proven(attention_class):
                 with _unproven_lock:
                     unproven_classes.pop(attention_class, None)
-                yield entry
+                yield _with_tested_parts(entry)
             else:
                 with _unproven_lock:
                     unproven_classes[attention_class] = UNPROVEN_REASON.format(
