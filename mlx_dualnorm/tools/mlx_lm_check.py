@@ -37,7 +37,7 @@ from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta
+from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta, head_norms
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DEFAULT_SEED,
     SYNTHETIC_MODEL_TYPES,
@@ -215,13 +215,14 @@ def count_normalize_qk_calls() -> Iterator[NormalizeQkCallCounts]:
 
 @dataclasses.dataclass
 class AttentionLayerCounts:
-    """The full-attention layers the patch covers, by its decision (made at
-    each layer's first call), and the calls of the engaged ones that ran the
-    package's norm + RoPE."""
+    """The attention layers the patch covers, by its decision (made at each
+    layer's first call), and the calls of the engaged ones that ran the
+    package's norm + RoPE or its q/k norm pair."""
 
     engaged: int = 0
     left_alone: int = 0
     norm_rope_calls: int = 0
+    norm_pair_calls: int = 0  # the q/k norms alone, in the other attention shapes
 
 
 def count_decided_layers(model: nn.Module, counts: AttentionLayerCounts) -> None:
@@ -237,22 +238,30 @@ def count_decided_layers(model: nn.Module, counts: AttentionLayerCounts) -> None
 
 @contextlib.contextmanager
 def count_norm_rope_calls() -> Iterator[AttentionLayerCounts]:
-    """Counts engaged full-attention calls that ran one norm + RoPE call,
-    by wrapping the integration's prework (a module global, read at each
-    call). Not thread-safe: for this check only."""
+    """Counts engaged attention calls that ran one norm + RoPE call, or one
+    q/k norm pair call, by wrapping the integration's prework (module
+    globals, read at each call). Not thread-safe: for this check only."""
     counts = AttentionLayerCounts()
     prework: Callable = full_attention._rotated_queries_and_keys
+    norm_pair: Callable = head_norms.normalized_pair
 
     def counting_prework(*arguments):
         rotated = prework(*arguments)
         counts.norm_rope_calls += rotated is not None
         return rotated
 
+    def counting_norm_pair(*arguments):
+        normalized = norm_pair(*arguments)
+        counts.norm_pair_calls += normalized is not None
+        return normalized
+
     full_attention._rotated_queries_and_keys = counting_prework
+    head_norms.normalized_pair = counting_norm_pair
     try:
         yield counts
     finally:
         full_attention._rotated_queries_and_keys = prework
+        head_norms.normalized_pair = norm_pair
 
 
 # ---- The check ---------------------------------------------------------------
@@ -344,16 +353,18 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
         ),
         f"  normalize_qk:   {result.counts.calls / model_steps:.1f} calls per step, "
         f"{result.counts.folded} folded, {result.counts.original} ran mlx-lm's function",
-        f"  norm + RoPE:    attention layers engaged {result.attention.engaged}, "
+        f"  attention:      attention layers engaged {result.attention.engaged}, "
         f"left to mlx-lm's code {result.attention.left_alone}; "
-        f"{result.attention.norm_rope_calls / model_steps:.1f} calls per step",
+        f"{result.attention.norm_rope_calls / model_steps:.1f} norm + RoPE and "
+        f"{result.attention.norm_pair_calls / model_steps:.1f} q/k norm calls per step",
         f"  ms per token:   unpatched {_median_text(result.unpatched_round_ms)}, "
         f"patched {_median_text(result.patched_round_ms)} (median over rounds of the "
         f"median over decode tokens); {_ratio_text(result)}",
         f"  first token:    unpatched {1e3 * result.reference.first_token_seconds:.1f} ms, "
         f"patched {1e3 * result.patched.first_token_seconds:.1f} ms (includes prompt processing)",
     ]
-    if result.counts.folded == 0 and result.attention.norm_rope_calls == 0:
+    attention_calls = result.attention.norm_rope_calls + result.attention.norm_pair_calls
+    if result.counts.folded == 0 and attention_calls == 0:
         lines.append(
             "  note: no layer of this model ran the package's code (no gated-delta "
             "layers, no covered full-attention layer); the patch changes nothing for it"

@@ -40,11 +40,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_dualnorm.tools.mlx_lm_attention_families import (
+    ATTENTION_FAMILY_CONFIGS,
+    ATTENTION_FAMILY_DTYPES,
+    randomize_norm_weights,
+)
+
 __all__ = [
     "DEFAULT_DTYPES",
     "DEFAULT_SEED",
     "DECODE_MODELS",
     "DecodeModel",
+    "GATED_DELTA_MODEL_TYPES",
     "build_model",
     "SYNTHETIC_MODEL_TYPES",
     "build_synthetic_model",
@@ -103,9 +110,16 @@ _CONFIGS: dict[str, dict[str, object]] = {
     },
 }
 
-SYNTHETIC_MODEL_TYPES = tuple(_CONFIGS)
-
 DEFAULT_DTYPES = {"qwen3_next": mx.float32, "qwen3_5": mx.bfloat16}
+
+# The gated-delta models, the decode benchmark's default.
+GATED_DELTA_MODEL_TYPES = tuple(_CONFIGS)
+
+# The attention families outside the qwen3 shape (their own module).
+_CONFIGS.update(ATTENTION_FAMILY_CONFIGS)
+DEFAULT_DTYPES.update(ATTENTION_FAMILY_DTYPES)
+
+SYNTHETIC_MODEL_TYPES = tuple(_CONFIGS)
 
 
 def synthetic_model_config(model_type: str) -> dict:
@@ -126,7 +140,10 @@ def build_synthetic_model(
     global generator), cast to ``dtype`` (None: the model's default in
     ``DEFAULT_DTYPES``), in eval mode, evaluated."""
     dtype = DEFAULT_DTYPES[model_type] if dtype is None else dtype
-    return build_model(synthetic_model_config(model_type), seed=seed, dtype=dtype)
+    model = build_model(synthetic_model_config(model_type), seed=seed, dtype=dtype)
+    if model_type in ATTENTION_FAMILY_CONFIGS:
+        randomize_norm_weights(model, seed)
+    return model
 
 
 def build_model(config: dict, *, seed: int = DEFAULT_SEED, dtype: mx.Dtype) -> nn.Module:
