@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import pytest
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
@@ -26,6 +26,7 @@ from mlx_dualnorm import CompiledDualHeadNorm, available_modes  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import head_norms  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_attention_families import randomize_norm_weights  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     build_model,
@@ -92,21 +93,20 @@ def norm_module_calls(monkeypatch):
 
 
 def decided_layers(model):
-    """(engaged, left alone) covered layers, as the patch decided them."""
+    """How many covered layers the patch has engaged and left alone."""
     outcomes = [
         type(module).__dict__["mlx_dualnorm_engaged"]
         for _, module in model.named_modules()
         if "mlx_dualnorm_engaged" in type(module).__dict__
     ]
-    return [module for module in outcomes if module], [module for module in outcomes if not module]
+    return outcomes.count(True), outcomes.count(False)
 
 
 def q_k_norms(model):
     """(layer, its q norm, its k norm) of every layer with both."""
     for _, module in model.named_modules():
         for query_name, key_name in (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm")):
-            query_norm = getattr(module, query_name, None) if isinstance(module, nn.Module) else None
-            key_norm = getattr(module, key_name, None) if query_norm is not None else None
+            query_norm, key_norm = module.get(query_name), module.get(key_name)
             if isinstance(query_norm, nn.Module) and isinstance(key_norm, nn.Module):
                 yield module, query_norm, key_norm
 
@@ -137,12 +137,12 @@ def test_greedy_generation_is_bit_identical(model_type, pair_calls, norm_module_
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
     assert len(patched.step_logits) == GENERATED_TOKENS + 1
     assert_traces_identical(reference, patched)
-    assert (len(engaged), len(left_alone)) == EXPECTED_LAYERS[model_type]
+    assert (engaged, left_alone) == EXPECTED_LAYERS[model_type]
     assert modes == {"fused" if "fused" in available_modes() else "compiled"}
     # Every engaged layer at the prompt and every generated step, through
     # the package, its norm modules not called; the others as before.
-    assert pair_calls == {"package": len(engaged) * (GENERATED_TOKENS + 2), "original": 0}
-    assert len(engaged_layers) == len(engaged)
+    assert pair_calls == {"package": engaged * (GENERATED_TOKENS + 2), "original": 0}
+    assert len(engaged_layers) == engaged
     for _, query_norm, key_norm in engaged_layers:
         assert norm_module_calls[id(query_norm)] == norm_module_calls[id(key_norm)] == 0
         assert reference_norm_calls[id(query_norm)] == GENERATED_TOKENS + 2
@@ -158,18 +158,12 @@ def test_gear_attention_without_a_softcap(pair_calls):
     config = synthetic_model_config("gear")
     config["attn_logit_softcapping"] = None
     model = build_model(config, dtype=mx.bfloat16)
-    head_norms_seeded(model)
+    randomize_norm_weights(model, 11)
     reference = greedy_generate(model, PROMPT, 16)
     with integration.patch():
         patched = greedy_generate(model, PROMPT, 16)
     assert_traces_identical(reference, patched)
     assert pair_calls == {"package": 3 * 18, "original": 0}
-
-
-def head_norms_seeded(model):
-    from mlx_dualnorm.tools.mlx_lm_attention_families import randomize_norm_weights
-
-    randomize_norm_weights(model, 11)
 
 
 def test_kv_shared_layers_run_mlx_lms_code():
@@ -183,7 +177,8 @@ def test_kv_shared_layers_run_mlx_lms_code():
         greedy_generate(model, PROMPT, 2)
         for layer in model.layers:
             attention = layer.self_attn
-            assert isinstance(attention, attention_class) and type(attention) is not attention_class
+            assert isinstance(attention, attention_class)
+            assert type(attention) is not attention_class
             assert type(attention).mlx_dualnorm_engaged is attention.has_kv
             if not attention.has_kv:
                 assert type(attention).__call__ is mlx_lm_call
@@ -205,7 +200,7 @@ def test_layers_whose_norms_differ_run_their_own_code(pair_calls, norm_module_ca
     norm_module_calls.clear()
     with integration.patch():
         patched = greedy_generate(model, PROMPT, 8)
-        assert decided_layers(model) == ([], [False, False])
+        assert decided_layers(model) == (0, 2)
     assert_traces_identical(reference, patched)
     assert pair_calls == {"package": 0, "original": 0}
     assert norm_module_calls[id(second.q_norm)] == norm_module_calls[id(second.k_norm)] == 10
@@ -250,9 +245,9 @@ def test_heads_first_layout_is_bit_identical(dtype, mode):
     key_weight = 1.0 + mx.random.normal((32,), key=mx.random.key(4)).astype(dtype)
     with CompiledDualHeadNorm(1e-6, mode=mode) as dual_norm:
         for _ in range(2):  # the trace, then its replay
-            normalized_queries, normalized_keys = dual_norm(queries, keys, query_weight, key_weight)
-            assert_bit_identical(normalized_queries, mx.fast.rms_norm(queries, query_weight, 1e-6))
-            assert_bit_identical(normalized_keys, mx.fast.rms_norm(keys, key_weight, 1e-6))
+            normalized = dual_norm(queries, keys, query_weight, key_weight)
+            assert_bit_identical(normalized[0], mx.fast.rms_norm(queries, query_weight, 1e-6))
+            assert_bit_identical(normalized[1], mx.fast.rms_norm(keys, key_weight, 1e-6))
 
 
 # ---- Weights that change after loading -------------------------------------------
@@ -307,7 +302,7 @@ def test_one_plus_weight_norms_follow_changed_weights(model_type):
     flat_gradients = dict(tree_flatten(gradients))
     for path, gradient in tree_flatten(patched_gradients):
         assert_bit_identical(gradient, flat_gradients[path])
-    optim.SGD(learning_rate=0.5).update(model, tree_map(lambda g: g, gradients))
+    optim.SGD(learning_rate=0.5).update(model, gradients)
     mx.eval(model.parameters())
     model.eval()
     assert_patched_matches(model)

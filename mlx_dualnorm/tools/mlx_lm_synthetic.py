@@ -27,6 +27,10 @@ place of its 512-expert MoE: about the matmul work per token of the 10
 active experts plus the shared one, without 1.6 billion expert weights per
 layer. All are built in bfloat16. ``decode_model_config`` can shrink layer
 count and vocabulary (quick runs, tests) while keeping the per-layer shapes.
+
+The attention families outside the qwen3 shape have a tiny model each,
+named by its mlx-lm file (``afmoe`` ... ``olmo_hybrid``), from
+:mod:`~mlx_dualnorm.tools.mlx_lm_attention_families`.
 """
 
 from __future__ import annotations

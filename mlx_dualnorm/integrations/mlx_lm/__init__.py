@@ -9,6 +9,12 @@
   ``rms_norm`` by ``q_norm`` / ``k_norm``, the transpose and ``nn.RoPE``
   become ONE call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope` with
   the layer's own weights and constants (:mod:`.full_attention`).
+* Attention layers of other shapes (afmoe, openelm, the bailing models,
+  gemma3_text, gemma3n, gemma4_text, gear, minimax, minimax_m3_vl, olmo2,
+  olmo3, olmoe, olmo_hybrid, plamo3): the two q/k norm calls become ONE call
+  of :class:`~mlx_dualnorm.CompiledDualHeadNorm` on the same arrays, with
+  the weight each norm class passes (:mod:`.head_norms`; the shapes in
+  :mod:`.heads_first`, :mod:`.heads_last`, :mod:`.whole_projection`).
 
 Anything the package does not compute exactly (other dtypes, a scaled RoPE,
 other norms, a call that raises) runs mlx-lm's own code, never an

@@ -33,32 +33,65 @@ def _model_module(attention):
     return sys.modules[type(attention).__module__]
 
 
-def _normalized_rotated_attention(attention, queries, keys, values, norms, cache, mask):
-    """(B, L, H*D) attention output of (B, H, L, D) projections, normalized
-    by ``norms`` in one call and rotated by the layer's RoPE; None where the
-    pair is not what the package computes."""
+def _projected_attention(attention, output_projection, projections, norms, call_arguments):
+    """``output_projection`` of the attention over (B, H, L, D) queries, keys
+    and values, q and k normalized by ``norms`` in one call and rotated by
+    the layer's RoPE; the class's own ``__call__`` on ``call_arguments``
+    (x, mask, cache) where the pair is not what the package computes."""
+    queries, keys, values = projections
     normalized = head_norms.normalized_pair(queries, keys, *norms)
     if normalized is None:
-        return None
+        return type(attention).mlx_dualnorm_original_call(attention, *call_arguments)
+    _, mask, cache = call_arguments
     queries, keys = head_norms.rotated_pair(attention.rope, *normalized, cache)
     batch, _, length, _ = queries.shape
-    return _attention_output(attention, queries, keys, values, cache, mask, batch, length)
+    output = _attention_output(attention, queries, keys, values, cache, mask, batch, length)
+    return output_projection(output)
 
 
 def _heads_first(projected, batch, length, heads, head_dim):
     return projected.reshape(batch, length, heads, head_dim).transpose(0, 2, 1, 3)
 
 
+def _projections_heads_first(attention, x, heads, kv_heads, head_dim):
+    """The layer's q, k and v projections of ``x``, each (B, H, L, D)."""
+    batch, length, _ = x.shape
+    return (
+        _heads_first(attention.q_proj(x), batch, length, heads, head_dim),
+        _heads_first(attention.k_proj(x), batch, length, kv_heads, head_dim),
+        _heads_first(attention.v_proj(x), batch, length, kv_heads, head_dim),
+    )
+
+
+def _normalized_projections_heads_first(attention, x, heads, kv_heads, head_dim):
+    """The layer's (B, H, L, D) q, k and v projections of ``x``, q and k
+    normalized by ``q_norm`` / ``k_norm`` in one call; None where the pair
+    is not what the package computes."""
+    queries, keys, values = _projections_heads_first(attention, x, heads, kv_heads, head_dim)
+    normalized = head_norms.normalized_pair(queries, keys, attention.q_norm, attention.k_norm)
+    return None if normalized is None else (*normalized, values)
+
+
+def _split_heads_first(projected, batch, length, heads, head_dims):
+    """Queries, keys and values of one fused (B, L, ...) projection, split
+    as mlx-lm splits it (at the query and key widths), each (B, H, L, D)."""
+    query_size, key_size = heads[0] * head_dims[0], heads[1] * head_dims[1]
+    parts = mx.split(projected, [query_size, query_size + key_size], axis=-1)
+    return [
+        _heads_first(part, batch, length, part_heads, head_dim)
+        for part, part_heads, head_dim in zip(parts, heads, head_dims)
+    ]
+
+
 def _afmoe_attention_call(self, x, mask=None, cache=None):
     """afmoe: gated attention; only its sliding-window layers have a RoPE."""
     B, L, _ = x.shape
-    queries = _heads_first(self.q_proj(x), B, L, self.n_heads, self.head_dim)
-    keys = _heads_first(self.k_proj(x), B, L, self.n_kv_heads, self.head_dim)
-    values = _heads_first(self.v_proj(x), B, L, self.n_kv_heads, self.head_dim)
-    normalized = head_norms.normalized_pair(queries, keys, self.q_norm, self.k_norm)
-    if normalized is None:
+    projections = _normalized_projections_heads_first(
+        self, x, self.n_heads, self.n_kv_heads, self.head_dim
+    )
+    if projections is None:
         return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
-    queries, keys = normalized
+    queries, keys, values = projections
     if self.is_local_attention and self.rope is not None:
         queries, keys = head_norms.rotated_pair(self.rope, queries, keys, cache)
     output = _attention_output(self, queries, keys, values, cache, mask, B, L)
@@ -71,29 +104,22 @@ def _openelm_attention_call(self, x, mask=None, cache=None):
     qkv = self.qkv_proj(x).reshape(B, L, self.n_heads + (self.n_kv_heads * 2), self.head_dim)
     qkv = qkv.transpose(0, 2, 1, 3)
     queries, keys, values = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
-    output = _normalized_rotated_attention(
-        self, queries, keys, values, (self.q_norm, self.k_norm), cache, mask
+    return _projected_attention(
+        self, self.out_proj, (queries, keys, values), (self.q_norm, self.k_norm), (x, mask, cache)
     )
-    if output is None:
-        return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
-    return self.out_proj(output)
 
 
 def _bailing_attention_call(self, x, mask=None, cache=None):
     """bailing_moe's and bailing_moe_linear's full attention."""
     B, L, _ = x.shape
-    q_size = self.num_attention_heads * self.head_dim
-    kv_size = self.num_key_value_heads * self.head_dim
-    q, k, v = mx.split(self.query_key_value(x), [q_size, q_size + kv_size], axis=-1)
-    queries = _heads_first(q, B, L, self.num_attention_heads, self.head_dim)
-    keys = _heads_first(k, B, L, self.num_key_value_heads, self.head_dim)
-    values = _heads_first(v, B, L, self.num_key_value_heads, self.head_dim)
-    output = _normalized_rotated_attention(
-        self, queries, keys, values, (self.query_layernorm, self.key_layernorm), cache, mask
+    heads = (self.num_attention_heads, self.num_key_value_heads, self.num_key_value_heads)
+    queries, keys, values = _split_heads_first(
+        self.query_key_value(x), B, L, heads, (self.head_dim,) * 3
     )
-    if output is None:
-        return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
-    return self.dense(output)
+    return _projected_attention(
+        self, self.dense, (queries, keys, values), (self.query_layernorm, self.key_layernorm),
+        (x, mask, cache),
+    )
 
 
 def _bailing_hybrid_linear_attention_call(self, x, mask=None, cache=None, offset=0):
@@ -128,34 +154,24 @@ def _bailing_hybrid_linear_attention_call(self, x, mask=None, cache=None, offset
 def _gemma3_text_attention_call(self, x, mask=None, cache=None):
     """gemma3_text: norms of weight ``1.0 + w``."""
     B, L, _ = x.shape
-    queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-    keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    output = _normalized_rotated_attention(
-        self, queries, keys, values, (self.q_norm, self.k_norm), cache, mask
+    queries, keys, values = _projections_heads_first(self, x, self.n_heads, self.n_kv_heads, -1)
+    return _projected_attention(
+        self, self.o_proj, (queries, keys, values), (self.q_norm, self.k_norm), (x, mask, cache)
     )
-    if output is None:
-        return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
-    return self.o_proj(output)
 
 
 def _plamo3_attention_call(self, hidden_states, mask=None, cache=None):
     """plamo3: norms of weight ``w + offset`` (their ``scale``)."""
     B, L, _ = hidden_states.shape
-    queries, keys, values = mx.split(
-        self.qkv_proj(hidden_states),
-        [self.q_proj_dim, self.q_proj_dim + self.k_proj_dim],
-        axis=-1,
+    queries, keys, values = _split_heads_first(
+        self.qkv_proj(hidden_states), B, L,
+        (self.q_num_heads, self.k_num_heads, self.v_num_heads),
+        (self.qk_dim, self.qk_dim, self.v_dim),
     )
-    queries = _heads_first(queries, B, L, self.q_num_heads, self.qk_dim)
-    keys = _heads_first(keys, B, L, self.k_num_heads, self.qk_dim)
-    values = _heads_first(values, B, L, self.v_num_heads, self.v_dim)
-    output = _normalized_rotated_attention(
-        self, queries, keys, values, (self.q_norm, self.k_norm), cache, mask
+    return _projected_attention(
+        self, self.o_proj, (queries, keys, values), (self.q_norm, self.k_norm),
+        (hidden_states, mask, cache),
     )
-    if output is None:
-        return type(self).mlx_dualnorm_original_call(self, hidden_states, mask, cache)
-    return self.o_proj(output)
 
 
 def _minimax_m3_attention_call(self, x, mask=None, cache=None):
@@ -164,13 +180,12 @@ def _minimax_m3_attention_call(self, x, mask=None, cache=None):
     B, L, _ = x.shape
     kv_cache = cache[0] if cache is not None else None
     offset = kv_cache.offset if kv_cache is not None else 0
-    q = _heads_first(self.q_proj(x), B, L, self.num_attention_heads, self.head_dim)
-    k = _heads_first(self.k_proj(x), B, L, self.num_key_value_heads, self.head_dim)
-    v = _heads_first(self.v_proj(x), B, L, self.num_key_value_heads, self.head_dim)
-    normalized = head_norms.normalized_pair(q, k, self.q_norm, self.k_norm)
-    if normalized is None:
+    projections = _normalized_projections_heads_first(
+        self, x, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+    )
+    if projections is None:
         return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
-    q, k = normalized
+    q, k, v = projections
     q = self.rope(q, offset=offset)
     k = self.rope(k, offset=offset)
     if self.is_sparse_attn:

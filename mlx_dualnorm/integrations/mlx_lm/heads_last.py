@@ -140,7 +140,9 @@ register_attention_families(
         "mlx_lm.models.gemma4_text", "Attention", _gemma4_text_attention_call,
         _gemma4_text_engages, _KV_SHARED_REFUSAL,
     ),
-    AttentionFamily("mlx_lm.models.gear", "Attention", _gear_attention_call, _gear_engages, REFUSAL),
+    AttentionFamily(
+        "mlx_lm.models.gear", "Attention", _gear_attention_call, _gear_engages, REFUSAL
+    ),
     AttentionFamily(
         "mlx_lm.models.gear", "ConvKVGatedMixer", _gear_conv_mixer_call, _gear_engages, REFUSAL
     ),

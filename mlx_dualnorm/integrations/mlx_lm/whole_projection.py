@@ -22,7 +22,9 @@ from mlx_dualnorm.integrations.mlx_lm.full_attention import (
 from mlx_dualnorm.integrations.mlx_lm.heads_first import REFUSAL
 
 
-def _attend_normalized_projections(attention, x, mask, cache, heads, kv_heads, rope_optional=False):
+def _attend_normalized_projections(
+    attention, x, mask, cache, heads, kv_heads, rope_optional=False
+):
     """The layer's output, its q/k projections normalized in one call; the
     class's own ``__call__`` where the pair is not what the package computes."""
     B, L, _ = x.shape
