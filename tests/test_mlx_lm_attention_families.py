@@ -24,7 +24,7 @@ from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 from conftest import assert_bit_identical  # noqa: E402
 from mlx_dualnorm import CompiledDualHeadNorm, available_modes  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm import head_norms  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_attention_families import randomize_norm_weights  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
@@ -65,14 +65,15 @@ def pair_calls(monkeypatch):
     """Counts the q/k norm pair calls that went through the package, and
     those that did not (the layer then ran mlx-lm's own __call__)."""
     counts = {"package": 0, "original": 0}
-    normalized_pair = head_norms.normalized_pair
+    for name in ("normalized_pair", "normalized_rotated_heads"):
+        entry_point = getattr(head_norms, name)
 
-    def counting(*arguments):
-        result = normalized_pair(*arguments)
-        counts["package" if result is not None else "original"] += 1
-        return result
+        def counting(*arguments, entry_point=entry_point):
+            result = entry_point(*arguments)
+            counts["package" if result is not None else "original"] += 1
+            return result
 
-    monkeypatch.setattr(head_norms, "normalized_pair", counting)
+        monkeypatch.setattr(head_norms, name, counting)
     return counts
 
 
@@ -120,6 +121,7 @@ def assert_traces_identical(reference, patched):
 
 @pytest.mark.parametrize("model_type", list(EXPECTED_LAYERS))
 def test_greedy_generation_is_bit_identical(model_type, pair_calls, norm_module_calls):
+    integration.clear_cache()
     model = build_synthetic_model(model_type)
     reference = greedy_generate(model, PROMPT, GENERATED_TOKENS)
     assert pair_calls == {"package": 0, "original": 0}
@@ -132,13 +134,17 @@ def test_greedy_generation_is_bit_identical(model_type, pair_calls, norm_module_
             (layer, q_norm, k_norm) for layer, q_norm, k_norm in q_k_norms(model)
             if type(layer).__dict__.get("mlx_dualnorm_engaged") is True
         ]
-        modes = {dual_norm.mode for dual_norm in head_norms._dual_norms.values()}
+        package_objects = [*head_norms._dual_norms.values(), *full_attention._norm_ropes.values()]
+        modes = {package_object.mode for package_object in package_objects}
+        norm_ropes = len(full_attention._norm_ropes)
 
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
     assert len(patched.step_logits) == GENERATED_TOKENS + 1
     assert_traces_identical(reference, patched)
     assert (engaged, left_alone) == EXPECTED_LAYERS[model_type]
     assert modes == {"fused" if "fused" in available_modes() else "compiled"}
+    # gemma3n's and gemma4_text's plain-RoPE layers: norms and RoPE in one call.
+    assert (norm_ropes > 0) is (model_type in ("gemma3n", "gemma4_text"))
     # Every engaged layer at the prompt and every generated step, through
     # the package, its norm modules not called; the others as before.
     assert pair_calls == {"package": engaged * (GENERATED_TOKENS + 2), "original": 0}

@@ -222,7 +222,7 @@ class AttentionLayerCounts:
     engaged: int = 0
     left_alone: int = 0
     norm_rope_calls: int = 0
-    norm_pair_calls: int = 0  # the q/k norms alone, in the other attention shapes
+    norm_pair_calls: int = 0  # the q/k prework of the other attention shapes
 
 
 def count_decided_layers(model: nn.Module, counts: AttentionLayerCounts) -> None:
@@ -244,24 +244,30 @@ def count_norm_rope_calls() -> Iterator[AttentionLayerCounts]:
     counts = AttentionLayerCounts()
     prework: Callable = full_attention._rotated_queries_and_keys
     norm_pair: Callable = head_norms.normalized_pair
+    rotated_heads: Callable = head_norms.normalized_rotated_heads
 
     def counting_prework(*arguments):
         rotated = prework(*arguments)
         counts.norm_rope_calls += rotated is not None
         return rotated
 
-    def counting_norm_pair(*arguments):
-        normalized = norm_pair(*arguments)
-        counts.norm_pair_calls += normalized is not None
-        return normalized
+    def counting(entry_point: Callable) -> Callable:
+        def counting_entry_point(*arguments):
+            normalized = entry_point(*arguments)
+            counts.norm_pair_calls += normalized is not None
+            return normalized
+
+        return counting_entry_point
 
     full_attention._rotated_queries_and_keys = counting_prework
-    head_norms.normalized_pair = counting_norm_pair
+    head_norms.normalized_pair = counting(norm_pair)
+    head_norms.normalized_rotated_heads = counting(rotated_heads)
     try:
         yield counts
     finally:
         full_attention._rotated_queries_and_keys = prework
         head_norms.normalized_pair = norm_pair
+        head_norms.normalized_rotated_heads = rotated_heads
 
 
 # ---- The check ---------------------------------------------------------------
@@ -356,7 +362,7 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
         f"  attention:      attention layers engaged {result.attention.engaged}, "
         f"left to mlx-lm's code {result.attention.left_alone}; "
         f"{result.attention.norm_rope_calls / model_steps:.1f} norm + RoPE and "
-        f"{result.attention.norm_pair_calls / model_steps:.1f} q/k norm calls per step",
+        f"{result.attention.norm_pair_calls / model_steps:.1f} other q/k prework calls per step",
         f"  ms per token:   unpatched {_median_text(result.unpatched_round_ms)}, "
         f"patched {_median_text(result.patched_round_ms)} (median over rounds of the "
         f"median over decode tokens); {_ratio_text(result)}",

@@ -147,18 +147,48 @@ def normalized_pair(queries, keys, query_norm, key_norm):
     the pair is not what this computes (the caller then runs mlx-lm's own
     ``__call__``). Runs for every engaged layer of every decode step."""
     try:
-        kind_and_epsilon = _kind_and_epsilon(query_norm, key_norm)
-        if kind_and_epsilon is None:
-            return None
-        kind, eps = kind_and_epsilon
-        dual_norm = _dual_norm_for(eps)
-        if dual_norm is None:
-            return None
-        return dual_norm(
-            queries, keys, kind.weight(query_norm, queries), kind.weight(key_norm, keys)
-        )
+        return _normalized_pair(queries, keys, query_norm, key_norm)
     except Exception as error:  # anything unexpected runs mlx-lm's own code instead
         log_fallback_once("the q/k norm pair", error)
+        return None
+
+
+def _normalized_pair(queries, keys, query_norm, key_norm):
+    kind_and_epsilon = _kind_and_epsilon(query_norm, key_norm)
+    if kind_and_epsilon is None:
+        return None
+    kind, eps = kind_and_epsilon
+    dual_norm = _dual_norm_for(eps)
+    if dual_norm is None:
+        return None
+    return dual_norm(queries, keys, kind.weight(query_norm, queries), kind.weight(key_norm, keys))
+
+
+def normalized_rotated_heads(queries, keys, query_norm, key_norm, rope, offset):
+    """(B, H, L, D) queries and keys from (B, L, H, D) heads: normalized,
+    transposed and rotated by ``rope(x, offset=offset)``, as mlx-lm's
+    per-head layers do. Where ``rope`` is plain ``nn.RoPE`` and the norms
+    plain ``nn.RMSNorm``, that is ONE call of the cached
+    :class:`~mlx_dualnorm.CompiledDualHeadNormRope` of the qwen3 layers;
+    otherwise the norm pair in one call, then the layer's own RoPE. None
+    where neither computes the layer exactly."""
+    try:
+        if type(rope) is nn.RoPE:
+            norm_rope = full_attention._norm_rope_for(rope, query_norm, key_norm)
+            if norm_rope is not None:
+                return norm_rope(
+                    queries, keys, query_norm["weight"], key_norm["weight"], offset=offset
+                )
+        normalized = _normalized_pair(queries, keys, query_norm, key_norm)
+        if normalized is None:
+            return None
+        normalized_queries, normalized_keys = normalized
+        return (
+            rope(normalized_queries.transpose(0, 2, 1, 3), offset=offset),
+            rope(normalized_keys.transpose(0, 2, 1, 3), offset=offset),
+        )
+    except Exception as error:  # anything unexpected runs mlx-lm's own code instead
+        log_fallback_once("the per-head q/k norm and RoPE", error)
         return None
 
 

@@ -10,7 +10,10 @@ that hands a layer shared keys and values. ``gear`` (norms of weight
 ``(1.0 + w)`` in the input dtype) does the same in its attention layers,
 and normalizes q and k before its convolutions in its conv mixers.
 
-The replacements make the q/k norm calls one
+In gemma3n's and gemma4_text's layers with a plain ``nn.RoPE`` the q/k
+norms, the transpose and the RoPE are ONE call of the qwen3 layers'
+:class:`~mlx_dualnorm.CompiledDualHeadNormRope` (the same primitives in the
+same order); elsewhere the replacements make the q/k norm calls one
 :func:`~.head_norms.normalized_pair` call on the same arrays and keep every
 other op, RoPE included, as mlx-lm writes it.
 """
@@ -36,14 +39,14 @@ def _gemma3n_attention_call(self, x, mask=None, cache=None, offset=0):
     B, L, _ = x.shape
     queries = self.q_proj(x).reshape(B, L, -1, self.head_dim)
     keys = self.k_proj(x).reshape(B, L, -1, self.head_dim)
-    normalized = head_norms.normalized_pair(queries, keys, self.q_norm, self.k_norm)
-    if normalized is None:
+    rotated = head_norms.normalized_rotated_heads(
+        queries, keys, self.q_norm, self.k_norm, self.rope, offset
+    )
+    if rotated is None:
         return type(self).mlx_dualnorm_original_call(self, x, mask, cache, offset)
-    queries, keys = normalized
-    keys = self.rope(keys.transpose(0, 2, 1, 3), offset=offset)
+    queries, keys = rotated
     values = self.v_norm(self.v_proj(x).reshape(B, L, -1, self.head_dim))
     values = values.transpose(0, 2, 1, 3)
-    queries = self.rope(queries.transpose(0, 2, 1, 3), offset=offset)
     output = _attention_output(self, queries, keys, values, cache, mask, B, L)
     return self.o_proj(output)
 
@@ -57,20 +60,20 @@ def _gemma4_text_attention_call(self, x, mask=None, cache=None, shared_kv=None, 
     values = keys
     if not self.use_k_eq_v:
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-    normalized = head_norms.normalized_pair(queries, keys, self.q_norm, self.k_norm)
-    if normalized is None:
+    rope_offset = mx.array(cache.offset) if cache is not None else 0
+    rotated = head_norms.normalized_rotated_heads(
+        queries, keys, self.q_norm, self.k_norm, self.rope, rope_offset
+    )
+    if rotated is None:
         return type(self).mlx_dualnorm_original_call(self, x, mask, cache, shared_kv, offset)
-    queries, keys = normalized
-    offset = mx.array(cache.offset) if cache is not None else 0
-    keys = self.rope(keys.transpose(0, 2, 1, 3), offset=offset)
+    queries, keys = rotated
     values = self.v_norm(values).transpose(0, 2, 1, 3)
-    queries = self.rope(queries.transpose(0, 2, 1, 3), offset=offset)
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
     attend = sys.modules[type(self).__module__].scaled_dot_product_attention
     output = attend(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
     output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
-    return self.o_proj(output), (keys, values), offset
+    return self.o_proj(output), (keys, values), rope_offset
 
 
 def _gear_attention_call(self, x, mask=None, cache=None):
