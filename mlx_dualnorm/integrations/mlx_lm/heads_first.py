@@ -1,8 +1,8 @@
 """Attention layers that normalize q and k after the transpose to ``(B, H, L, D)``.
 
-``afmoe``, ``openelm``, ``bailing_moe``, ``bailing_moe_linear`` (its
-full-attention layers), ``bailing_hybrid`` (its linear-attention layers, the
-ones with q/k norms), ``gemma3_text``, ``minimax_m3_vl`` and ``plamo3``
+``afmoe``, ``openelm``, ``bailing_moe``, ``bailing_moe_linear`` (its full
+and linear attention), ``bailing_hybrid`` (its linear attention, the layers
+with q/k norms), ``gemma3_text``, ``minimax_m3_vl`` and ``plamo3``
 reshape and transpose their projections first, then call ``q_norm`` /
 ``k_norm`` (or ``query_layernorm`` / ``key_layernorm``) on the ``(B, H, L,
 D)`` arrays, then the layer's RoPE. The replacements here run that code with
@@ -122,9 +122,10 @@ def _bailing_attention_call(self, x, mask=None, cache=None):
     )
 
 
-def _bailing_hybrid_linear_attention_call(self, x, mask=None, cache=None, offset=0):
-    """bailing_hybrid's lightning (linear) attention: RoPE at the model's
-    ``offset``, then its recurrence."""
+def _lightning_attention(self, x, mask, cache, offset, hybrid):
+    """bailing_moe_linear's and bailing_hybrid's linear attention: RoPE at
+    the model's ``offset``, then the model's recurrence (bailing_hybrid's
+    takes the mask and advances a cache that can)."""
     B, L, _ = x.shape
     heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
     qkv = self.query_key_value(x).reshape(B, L, heads + 2 * kv_heads, self.head_dim)
@@ -142,13 +143,22 @@ def _bailing_hybrid_linear_attention_call(self, x, mask=None, cache=None, offset
     if cache is None:
         cache = [None]
     output, cache[0] = _model_module(self).recurrent_gla(
-        q=queries, k=keys, v=values, g=self._slope, scale=self.scale, h=cache[0], mask=mask,
+        q=queries, k=keys, v=values, g=self._slope, scale=self.scale, h=cache[0],
+        **({"mask": mask} if hybrid else {}),
     )
-    if hasattr(cache, "advance"):
+    if hybrid and hasattr(cache, "advance"):
         cache.advance(L)
     output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
     output = self.g_norm(output) * mx.sigmoid(self.g_proj(x))
     return self.dense(output)
+
+
+def _bailing_linear_attention_call(self, x, mask=None, cache=None, offset=0):
+    return _lightning_attention(self, x, mask, cache, offset, hybrid=False)
+
+
+def _bailing_hybrid_linear_attention_call(self, x, mask=None, cache=None, offset=0):
+    return _lightning_attention(self, x, mask, cache, offset, hybrid=True)
 
 
 def _gemma3_text_attention_call(self, x, mask=None, cache=None):
@@ -232,6 +242,10 @@ register_attention_families(
     AttentionFamily(
         "mlx_lm.models.bailing_moe_linear", "Attention", _bailing_attention_call,
         _BAILING_NORMS, REFUSAL,
+    ),
+    AttentionFamily(
+        "mlx_lm.models.bailing_moe_linear", "LinearAttention",
+        _bailing_linear_attention_call, _BAILING_NORMS, REFUSAL,
     ),
     AttentionFamily(
         "mlx_lm.models.bailing_hybrid", "LinearAttention",
