@@ -367,7 +367,8 @@ def _bench_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--models",
         default=",".join(GATED_DELTA_MODEL_TYPES),
-        help="comma-separated synthetic models to generate with ('' for none)",
+        help="comma-separated synthetic models to generate with ('' for none; any of "
+        f"{', '.join(SYNTHETIC_MODEL_TYPES)})",
     )
     parser.add_argument("--tokens", type=command.positive_int,
                         help="greedy tokens per generation round (default: 64, or 32 reduced)")

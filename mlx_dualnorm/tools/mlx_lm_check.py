@@ -37,7 +37,7 @@ from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta, head_norms
+from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta, head_norms, qwen3_like
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DEFAULT_SEED,
     SYNTHETIC_MODEL_TYPES,
@@ -217,12 +217,11 @@ def count_normalize_qk_calls() -> Iterator[NormalizeQkCallCounts]:
 class AttentionLayerCounts:
     """The attention layers the patch covers, by its decision (made at each
     layer's first call), and the calls of the engaged ones that ran the
-    package's norm + RoPE or its q/k norm pair."""
+    package's q/k prework (norm + RoPE, or the q/k norm pair)."""
 
     engaged: int = 0
     left_alone: int = 0
     norm_rope_calls: int = 0
-    norm_pair_calls: int = 0  # the q/k prework of the other attention shapes
 
 
 def count_decided_layers(model: nn.Module, counts: AttentionLayerCounts) -> None:
@@ -236,38 +235,39 @@ def count_decided_layers(model: nn.Module, counts: AttentionLayerCounts) -> None
             counts.left_alone += 1
 
 
+# The integration's full-attention preworks: (module, function name), each
+# a module global its replacement calls read at each call.
+_PREWORKS = (
+    (full_attention, "_rotated_queries_and_keys"),
+    (qwen3_like, "_prework"),
+    (head_norms, "normalized_pair"),
+    (head_norms, "normalized_rotated_heads"),
+)
+
+
 @contextlib.contextmanager
 def count_norm_rope_calls() -> Iterator[AttentionLayerCounts]:
-    """Counts engaged attention calls that ran one norm + RoPE call, or one
-    q/k norm pair call, by wrapping the integration's prework (module
-    globals, read at each call). Not thread-safe: for this check only."""
+    """Counts engaged full-attention calls that ran one norm (+ RoPE) call
+    of the package, by wrapping the integration's preworks. Not
+    thread-safe: for this check only."""
     counts = AttentionLayerCounts()
-    prework: Callable = full_attention._rotated_queries_and_keys
-    norm_pair: Callable = head_norms.normalized_pair
-    rotated_heads: Callable = head_norms.normalized_rotated_heads
+    originals = [(module, name, getattr(module, name)) for module, name in _PREWORKS]
 
-    def counting_prework(*arguments):
-        rotated = prework(*arguments)
-        counts.norm_rope_calls += rotated is not None
-        return rotated
+    def counting(prework: Callable) -> Callable:
+        def counting_prework(*arguments):
+            prepared = prework(*arguments)
+            counts.norm_rope_calls += prepared is not None
+            return prepared
 
-    def counting(entry_point: Callable) -> Callable:
-        def counting_entry_point(*arguments):
-            normalized = entry_point(*arguments)
-            counts.norm_pair_calls += normalized is not None
-            return normalized
+        return counting_prework
 
-        return counting_entry_point
-
-    full_attention._rotated_queries_and_keys = counting_prework
-    head_norms.normalized_pair = counting(norm_pair)
-    head_norms.normalized_rotated_heads = counting(rotated_heads)
+    for module, name, prework in originals:
+        setattr(module, name, counting(prework))
     try:
         yield counts
     finally:
-        full_attention._rotated_queries_and_keys = prework
-        head_norms.normalized_pair = norm_pair
-        head_norms.normalized_rotated_heads = rotated_heads
+        for module, name, prework in originals:
+            setattr(module, name, prework)
 
 
 # ---- The check ---------------------------------------------------------------
@@ -361,16 +361,14 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
         f"{result.counts.folded} folded, {result.counts.original} ran mlx-lm's function",
         f"  attention:      attention layers engaged {result.attention.engaged}, "
         f"left to mlx-lm's code {result.attention.left_alone}; "
-        f"{result.attention.norm_rope_calls / model_steps:.1f} norm + RoPE and "
-        f"{result.attention.norm_pair_calls / model_steps:.1f} other q/k prework calls per step",
+        f"{result.attention.norm_rope_calls / model_steps:.1f} q/k prework calls per step",
         f"  ms per token:   unpatched {_median_text(result.unpatched_round_ms)}, "
         f"patched {_median_text(result.patched_round_ms)} (median over rounds of the "
         f"median over decode tokens); {_ratio_text(result)}",
         f"  first token:    unpatched {1e3 * result.reference.first_token_seconds:.1f} ms, "
         f"patched {1e3 * result.patched.first_token_seconds:.1f} ms (includes prompt processing)",
     ]
-    attention_calls = result.attention.norm_rope_calls + result.attention.norm_pair_calls
-    if result.counts.folded == 0 and attention_calls == 0:
+    if result.counts.folded == 0 and result.attention.norm_rope_calls == 0:
         lines.append(
             "  note: no layer of this model ran the package's code (no gated-delta "
             "layers, no covered full-attention layer); the patch changes nothing for it"

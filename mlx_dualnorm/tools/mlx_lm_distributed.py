@@ -36,6 +36,10 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from mlx_dualnorm.tools.mlx_lm_attention_families import ATTENTION_FAMILY_CONFIGS
+from mlx_dualnorm.tools.mlx_lm_synthetic_qwen3_like import (
+    QWEN3_LIKE_CONFIGS,
+    QWEN3_LIKE_DTYPE_NAMES,
+)
 
 __all__ = [
     "FAMILIES",
@@ -163,6 +167,18 @@ FAMILIES = {
     ),
     "kimi_k3": Family({"model_type": "kimi_k3", "text_config": _KIMI_K3_TEXT}, "float32",
                       _inner_model),
+    # Of the families with qwen3's prework in other classes, those with shard.
+    "glm4_moe": Family(QWEN3_LIKE_CONFIGS["glm4_moe"], QWEN3_LIKE_DTYPE_NAMES["glm4_moe"],
+                       _inner_model),
+    "exaone_moe": Family(
+        {**QWEN3_LIKE_CONFIGS["exaone_moe"], "layer_types": ["full_attention"] * 2},
+        QWEN3_LIKE_DTYPE_NAMES["exaone_moe"],
+    ),
+    "step3p5": Family(
+        {**QWEN3_LIKE_CONFIGS["step3p5"], "rope_scaling": None, "yarn_only_types": None},
+        QWEN3_LIKE_DTYPE_NAMES["step3p5"],
+    ),
+    # Of the other attention shapes, those with shard.
     "minimax": Family(ATTENTION_FAMILY_CONFIGS["minimax"], "float32",
                       tensor_parallel_engages=False),
     "minimax_m3_vl": Family(ATTENTION_FAMILY_CONFIGS["minimax_m3_vl"], "float32",
@@ -173,7 +189,9 @@ replaces (full-attention q/k norm + RoPE, gated-delta ``normalize_qk``, the
 q/k norm pair of the other attention shapes, or several), each as a tiny
 random model. ``qwen3_5_moe`` is ``qwen3_5``'s model class with a
 mixture-of-experts MLP; ``kimi_k3`` has gated-delta layers and an MLA layer
-the patch leaves alone; ``minimax`` and ``minimax_m3_vl`` are the tiny
+the patch leaves alone. ``glm4_moe`` (whose Model ``solar_open`` runs),
+``exaone_moe`` (RoPE on every layer) and ``step3p5`` (no YaRN) have every
+attention layer engaged; ``minimax`` and ``minimax_m3_vl`` are the tiny
 models of :mod:`~mlx_dualnorm.tools.mlx_lm_attention_families`."""
 
 # (name, parallelism, when the patch is made)
@@ -247,8 +265,10 @@ def layer_kinds(model) -> dict:
     patch makes one call, and how many are attention layers of the other
     shapes whose q/k norm pair, as they are now, it makes one call."""
     from mlx_dualnorm.integrations import mlx_lm as integration
-    from mlx_dualnorm.integrations.mlx_lm import full_attention as full_attention_module
+    from mlx_dualnorm.integrations.mlx_lm import heads_first, heads_last, whole_projection
 
+    # The modules whose replacements call the q/k norm pair (CompiledDualHeadNorm).
+    norm_pair_modules = {module.__name__ for module in (heads_first, heads_last, whole_projection)}
     families = {}
     for family in integration.attention_families():
         attention_class = family.attention_class()
@@ -266,7 +286,7 @@ def layer_kinds(model) -> dict:
             gated_delta += 1
         elif family is None:
             continue
-        elif family.call.__module__ == full_attention_module.__name__:
+        elif family.call.__module__ not in norm_pair_modules:
             full_attention += 1
         elif family.engages(attention):
             norm_pair += 1

@@ -8,7 +8,10 @@
 * Full-attention layers (qwen3, qwen3_moe, qwen3_next's attention): the
   ``rms_norm`` by ``q_norm`` / ``k_norm``, the transpose and ``nn.RoPE``
   become ONE call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope` with
-  the layer's own weights and constants (:mod:`.full_attention`).
+  the layer's own weights and constants (:mod:`.full_attention`); so do
+  the other families whose attention has that prework under other names
+  (Klear, dots1, lfm2, mellum, exaone4, apertus, glm4_moe, laguna,
+  step3p5, llama4_text, ...: :mod:`.qwen3_like`).
 * Attention layers of other shapes (afmoe, openelm, the bailing models,
   gemma3_text, gemma3n, gemma4_text, gear, minimax, minimax_m3_vl, olmo2,
   olmo3, olmoe, olmo_hybrid, plamo3): the two q/k norm calls become ONE call
