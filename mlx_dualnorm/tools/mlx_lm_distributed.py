@@ -269,7 +269,7 @@ def layer_kinds(model) -> dict:
 
     # The modules whose replacements call the q/k norm pair (CompiledDualHeadNorm).
     norm_pair_modules = {module.__name__ for module in (heads_first, heads_last, whole_projection)}
-    families = {}
+    families: dict = {}
     for family in integration.attention_families():
         attention_class = family.attention_class()
         if attention_class is not None:
