@@ -42,6 +42,13 @@
  * input is an invalid argument naming the operation, never an MLX failure
  * inside a trace.
  *
+ * Scaled RoPE (docs/design.md, "Frequency tables and the input scale"):
+ * an object made with_freqs takes the table as one more graph input, after
+ * the weights, passed to mlx_fast_rope_dynamic as its `freqs` (which
+ * converts it to float32); the input scale, a compile constant, is the
+ * AsType + SliceUpdate-Prod that Python's x.at[..., :dims].multiply(s)
+ * builds, before the rope. The fused kernel takes float32 tables only.
+ *
  * In FUSED mode, the calls the registered fused backend takes skip the
  * graph: one CUDA kernel launch, its constants kernel arguments. Which
  * calls it takes is decided here, from the facts read once per call (the
