@@ -84,14 +84,10 @@ typedef struct mlx_dualnorm_fused_rope_backend_ {
    * (borrowed; float32, shape (dims / 2,): the composite sends it no other
    * table). `apply` is this with an empty `freqs` handle; both honor every
    * field of `rope`. */
-  int (*apply_with_freqs)(mlx_vector_array* res,
-                          const mlx_array queries,
-                          const mlx_array keys,
-                          const mlx_array query_scale_weight,
-                          const mlx_array key_scale_weight,
-                          const mlx_array rope_offset,
-                          const mlx_array freqs,
-                          float rms_norm_epsilon,
+  int (*apply_with_freqs)(mlx_vector_array* res, const mlx_array queries,
+                          const mlx_array keys, const mlx_array query_scale_weight,
+                          const mlx_array key_scale_weight, const mlx_array rope_offset,
+                          const mlx_array freqs, float rms_norm_epsilon,
                           mlx_dualnorm_rope_parameters rope);
 } mlx_dualnorm_fused_rope_backend;
 
@@ -165,14 +161,10 @@ int mlx_dualnorm_dual_head_norm_rope_apply(
  * outputs, order and ownership as _apply, which is this function with an
  * empty `freqs` handle. */
 int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
-    mlx_vector_array* res,
-    mlx_dualnorm_dual_head_norm_rope* norm_rope,
-    const mlx_array queries,
-    const mlx_array keys,
-    const mlx_array query_scale_weight,
-    const mlx_array key_scale_weight,
-    const mlx_array rope_offset,
-    const mlx_array freqs /* may be null */,
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+    const mlx_array queries, const mlx_array keys,
+    const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+    const mlx_array rope_offset, const mlx_array freqs /* may be null */,
     mlx_dualnorm_error* error);
 
 /* Releases the graphs and their entries in every thread's compile cache

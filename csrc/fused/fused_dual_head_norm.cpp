@@ -321,15 +321,9 @@ int prepare_fused_rope_kernel() {
   });
 }
 
-int apply_fused_rope_kernel_with_freqs(
-    mlx_vector_array* res,
-    const mlx_array queries,
-    const mlx_array keys,
-    const mlx_array query_scale_weight,
-    const mlx_array key_scale_weight,
-    const mlx_array rope_offset,
-    const mlx_array freqs,
-    float rms_norm_epsilon,
+int apply_fused_rope_kernel_with_freqs(mlx_vector_array* res, const mlx_array queries,
+    const mlx_array keys, const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+    const mlx_array rope_offset, const mlx_array freqs, float rms_norm_epsilon,
     mlx_dualnorm_rope_parameters rope) {
   std::vector<mx::array> outputs;
   int status = report_failures(kDualRmsNormRopeOperation, [&] {
@@ -352,15 +346,9 @@ int apply_fused_rope_kernel_with_freqs(
 }
 
 /* The table's `apply`: no frequency table (a RoPE with a base). */
-int apply_fused_rope_kernel(
-    mlx_vector_array* res,
-    const mlx_array queries,
-    const mlx_array keys,
-    const mlx_array query_scale_weight,
-    const mlx_array key_scale_weight,
-    const mlx_array rope_offset,
-    float rms_norm_epsilon,
-    mlx_dualnorm_rope_parameters rope) {
+int apply_fused_rope_kernel(mlx_vector_array* res, const mlx_array queries, const mlx_array keys,
+    const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+    const mlx_array rope_offset, float rms_norm_epsilon, mlx_dualnorm_rope_parameters rope) {
   return apply_fused_rope_kernel_with_freqs(res, queries, keys, query_scale_weight,
                                             key_scale_weight, rope_offset, mlx_array_new(),
                                             rms_norm_epsilon, rope);

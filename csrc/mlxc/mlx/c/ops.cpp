@@ -36,17 +36,9 @@ extern "C" int mlx_astype(
 
 /* Upstream reads the lists unchecked; NULL with a non-zero count is a
  * reported error here. */
-extern "C" int mlx_slice_update_prod(
-    mlx_array* res,
-    const mlx_array src,
-    const mlx_array update,
-    const int* start,
-    size_t start_num,
-    const int* stop,
-    size_t stop_num,
-    const int* strides,
-    size_t strides_num,
-    const mlx_stream s) {
+extern "C" int mlx_slice_update_prod(mlx_array* res, const mlx_array src,
+    const mlx_array update, const int* start, size_t start_num, const int* stop,
+    size_t stop_num, const int* strides, size_t strides_num, const mlx_stream s) {
   return status_of([&] {
     if ((start == nullptr && start_num > 0) || (stop == nullptr && stop_num > 0) ||
         (strides == nullptr && strides_num > 0)) {
