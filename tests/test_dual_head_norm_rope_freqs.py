@@ -216,6 +216,40 @@ def test_input_scale_with_a_base(mode, dtype):
         assert not mx.array_equal(unrounded, rounded).item()
 
 
+def graph_primitives(*outputs):
+    """The primitive names of the graph behind `outputs`."""
+    import io
+    import re
+
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue())
+
+
+def test_the_graph_scales_as_mlx_does():
+    """The input scale is the SliceUpdate Prod of x.at[...].multiply, and
+    None adds no multiply at all (YaRN's mscale of 1)."""
+    inputs = random_inputs((1, 1, 4, 64), (1, 1, 2, 64), mx.bfloat16, 2)
+    table = mx.ones((16,))
+    for input_scale, updates in ((1.5, 2), (None, 0)):
+        norm_rope = CompiledDualHeadNormRope(
+            EPS, 32, base=None, input_scale=input_scale, mode="composed"
+        )
+        primitives = graph_primitives(*norm_rope(*inputs, offset=3, freqs=table))
+        assert primitives.count("SliceUpdate Prod") == updates, primitives
+
+
+@pytest.mark.skipif(not FUSED_AVAILABLE, reason="the fused mode needs MLX's CUDA backend")
+def test_the_fused_kernel_takes_float32_tables():
+    """A float32 table (every rope_utils class's) runs the one fused node; a
+    table of another dtype runs the compiled graph, same bits."""
+    inputs = random_inputs((1, 1, 4, 64), (1, 1, 2, 64), mx.bfloat16, 2)
+    norm_rope = CompiledDualHeadNormRope(EPS, 64, base=None, input_scale=1.5, mode="fused")
+    for table, fused in ((mx.ones((32,)), True), (mx.ones((32,), dtype=mx.bfloat16), False)):
+        primitives = graph_primitives(*norm_rope(*inputs, offset=3, freqs=table))
+        assert ("FusedDualRmsNormRope" in primitives) == fused, primitives
+
+
 # ---- Bad input ---------------------------------------------------------------------
 
 

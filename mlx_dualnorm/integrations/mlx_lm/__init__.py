@@ -10,8 +10,8 @@
   become ONE call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope` with
   the layer's own weights and constants (:mod:`.full_attention`).
 
-Anything the package does not compute exactly (other dtypes, a scaled RoPE,
-other norms, a call that raises) runs mlx-lm's own code, never an
+Anything the package does not compute exactly (other dtypes, a RoPE it
+does not cover, other norms, a call that raises) runs mlx-lm's own code, never an
 approximation; each such reason is logged once, at debug level, to the
 ``mlx_dualnorm.integrations.mlx_lm`` logger.
 
