@@ -73,7 +73,8 @@ def _norm_rope_for(rope, query_norm, key_norm):
     int 1 is not the bool ``traditional``). A frequency table is no part
     of the key: it is an input of each call, so a replaced table is used
     as it is, never a stale copy."""
-    if type(rope) in SCALED_ROPE_CLASSES:
+    rope_type = type(rope)
+    if rope_type is not nn.RoPE and rope_type in SCALED_ROPE_CLASSES:  # nn.RoPE: one test
         return _scaled_norm_rope_for(rope, query_norm, key_norm)
     key = (
         _full_attention_mode, type(rope), type(query_norm), type(key_norm),
