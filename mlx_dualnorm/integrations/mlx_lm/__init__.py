@@ -13,8 +13,8 @@
   (Klear, dots1, lfm2, mellum, exaone4, apertus, glm4_moe, laguna,
   step3p5, llama4_text, ...: :mod:`.qwen3_like`).
 
-Anything the package does not compute exactly (other dtypes, a scaled RoPE,
-other norms, a call that raises) runs mlx-lm's own code, never an
+Anything the package does not compute exactly (other dtypes, a RoPE it
+does not cover, other norms, a call that raises) runs mlx-lm's own code, never an
 approximation; each such reason is logged once, at debug level, to the
 ``mlx_dualnorm.integrations.mlx_lm`` logger.
 
