@@ -19,8 +19,8 @@
   the weight each norm class passes (:mod:`.head_norms`; the shapes in
   :mod:`.heads_first`, :mod:`.heads_last`, :mod:`.whole_projection`).
 
-Anything the package does not compute exactly (other dtypes, a scaled RoPE,
-other norms, a call that raises) runs mlx-lm's own code, never an
+Anything the package does not compute exactly (other dtypes, a RoPE it
+does not cover, other norms, a call that raises) runs mlx-lm's own code, never an
 approximation; each such reason is logged once, at debug level, to the
 ``mlx_dualnorm.integrations.mlx_lm`` logger.
 
