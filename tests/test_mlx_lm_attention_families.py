@@ -143,7 +143,8 @@ def test_greedy_generation_is_bit_identical(model_type, pair_calls, norm_module_
     assert_traces_identical(reference, patched)
     assert (engaged, left_alone) == EXPECTED_LAYERS[model_type]
     assert modes == {"fused" if "fused" in available_modes() else "compiled"}
-    # gemma3n's and gemma4_text's plain-RoPE layers: norms and RoPE in one call.
+    # gemma3n's and gemma4_text's layers: norms and RoPE (plain or, gemma4's
+    # global layers, proportional) in one call.
     assert (norm_ropes > 0) is (model_type in ("gemma3n", "gemma4_text"))
     # Every engaged layer at the prompt and every generated step, through
     # the package, its norm modules not called; the others as before.

@@ -167,13 +167,14 @@ def _normalized_pair(queries, keys, query_norm, key_norm):
 def normalized_rotated_heads(queries, keys, query_norm, key_norm, rope, offset):
     """(B, H, L, D) queries and keys from (B, L, H, D) heads: normalized,
     transposed and rotated by ``rope(x, offset=offset)``, as mlx-lm's
-    per-head layers do. Where ``rope`` is plain ``nn.RoPE`` and the norms
-    plain ``nn.RMSNorm``, that is ONE call of the cached
-    :class:`~mlx_dualnorm.CompiledDualHeadNormRope` of the qwen3 layers;
-    otherwise the norm pair in one call, then the layer's own RoPE. None
-    where neither computes the layer exactly."""
+    per-head layers do. Where ``rope`` is one the qwen3 layers' norm + RoPE
+    computes (``nn.RoPE``, the scaled RoPEs of ``rope_utils``) and the norms
+    are plain ``nn.RMSNorm``, that is ONE call of its cached
+    :class:`~mlx_dualnorm.CompiledDualHeadNormRope`; otherwise the norm pair
+    in one call, then the layer's own RoPE. None where neither computes the
+    layer exactly."""
     try:
-        if type(rope) is nn.RoPE:
+        if type(rope) is nn.RoPE or type(rope) in full_attention.SCALED_ROPE_CLASSES:
             norm_rope = full_attention._norm_rope_for(rope, query_norm, key_norm)
             if norm_rope is not None:
                 return norm_rope(

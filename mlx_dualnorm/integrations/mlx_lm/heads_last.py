@@ -10,10 +10,11 @@ that hands a layer shared keys and values. ``gear`` (norms of weight
 ``(1.0 + w)`` in the input dtype) does the same in its attention layers,
 and normalizes q and k before its convolutions in its conv mixers.
 
-In gemma3n's and gemma4_text's layers with a plain ``nn.RoPE`` the q/k
-norms, the transpose and the RoPE are ONE call of the qwen3 layers'
-:class:`~mlx_dualnorm.CompiledDualHeadNormRope` (the same primitives in the
-same order); elsewhere the replacements make the q/k norm calls one
+In gemma3n's and gemma4_text's layers whose RoPE the qwen3 layers cover
+(``nn.RoPE``, the scaled RoPEs of ``rope_utils`` such as gemma4's
+``ProportionalRoPE``) the q/k norms, the transpose and the RoPE are ONE
+call of the qwen3 layers' :class:`~mlx_dualnorm.CompiledDualHeadNormRope`
+(the same primitives in the same order); elsewhere the replacements make the q/k norm calls one
 :func:`~.head_norms.normalized_pair` call on the same arrays and keep every
 other op, RoPE included, as mlx-lm writes it.
 """
