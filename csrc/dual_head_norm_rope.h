@@ -101,9 +101,7 @@ void mlx_dualnorm_set_fused_rope_backend(const mlx_dualnorm_fused_rope_backend* 
 bool mlx_dualnorm_fused_rope_mode_available(void);
 
 /* Opaque: the compiled graphs (one per weight layout) and the constants
- * they bake in. Created by _new, its graphs released by _close, its memory
- * by _free; the struct outlives _close so late callers get
- * MLX_DUALNORM_CLOSED instead of a dangling pointer. */
+ * they bake in; its life cycle is dual_head_norm_common.h's. */
 typedef struct mlx_dualnorm_dual_head_norm_rope_ mlx_dualnorm_dual_head_norm_rope;
 
 /* Builds the graphs with `rms_norm_epsilon` and `rope` baked in, for `mode`
@@ -139,10 +137,8 @@ mlx_dualnorm_rope_parameters mlx_dualnorm_dual_head_norm_rope_parameters(
  * of rank 4, with the weights given (an empty weight handle means no weight
  * for that side) and `rope_offset`, an integer array as mlx_fast_rope_dynamic
  * takes it (a scalar, or one value per batch entry; mlx-lm's decode passes
- * an int32 scalar). Inputs are BORROWED: never freed here, and only
- * referenced by the lazy outputs. On success `*res` (allocated when empty,
- * owned by the caller) holds exactly two lazy arrays: the rotated queries
- * first, the rotated keys second. Thread-safe. */
+ * an int32 scalar). Outputs: two lazy arrays, the rotated queries first,
+ * the rotated keys second (ownership: the common life cycle). */
 int mlx_dualnorm_dual_head_norm_rope_apply(
     mlx_vector_array* res,
     mlx_dualnorm_dual_head_norm_rope* norm_rope,
@@ -167,16 +163,12 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
     const mlx_array rope_offset, const mlx_array freqs /* may be null */,
     mlx_dualnorm_error* error);
 
-/* Releases the graphs and their entries in every thread's compile cache
- * (the calling thread's at once, any other thread's at that thread's next
- * apply or its exit); later applies fail with MLX_DUALNORM_CLOSED. Waits
- * for applies in flight. Closing twice is a no-op. */
+/* Releases the compiled graphs (the common life cycle's _close). */
 int mlx_dualnorm_dual_head_norm_rope_close(
     mlx_dualnorm_dual_head_norm_rope* norm_rope,
     mlx_dualnorm_error* error);
 
-/* Closes (if still open) and frees. NULL is a no-op. The caller must ensure
- * no other thread still uses the pointer. */
+/* Closes (if still open) and frees (the common life cycle's _free). */
 void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* norm_rope);
 
 #ifdef __cplusplus
