@@ -338,7 +338,7 @@ def _attention_classes() -> Iterator[tuple]:
 # The patch decides once per attention layer, at its first call, whether it
 # engages, and then moves the layer to a subclass whose __call__ is the
 # outcome: the replacement for a layer it engages, the class's own
-# __call__ for a layer it leaves alone (a scaled RoPE, other norms). A layer
+# __call__ for a layer it leaves alone (another RoPE class, other norms). A layer
 # left alone then runs exactly mlx-lm's code, with no check of ours per
 # call. The subclasses keep the class's name and module (the layers' code
 # looks names up in its module), and unpatching moves every layer back.
