@@ -30,4 +30,5 @@ def apply_rope(
     query_weight: object,
     key_weight: object,
     offset: object,
+    freqs: object = None,
 ) -> tuple[mx.array, ...]: ...

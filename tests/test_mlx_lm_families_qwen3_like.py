@@ -46,12 +46,12 @@ LAYERS = {
     "exaone4": ([0, 1], [], [1]),  # the global layer: its norm alone fused
     "exaone_moe": ([0, 1], [], [1]),
     "apertus": ([0, 1], [], []),
-    "apertus-llama3": ([], [0, 1], []),  # llama3's frequency table
+    "apertus-llama3": ([0, 1], [], []),  # llama3's frequency table
     "glm4_moe": ([0, 1], [], []),  # partial rotary
     "solar_open": ([0, 1], [], []),  # glm4_moe's attention
-    "laguna": ([1], [0], []),  # layer 0: YaRN
+    "laguna": ([0, 1], [], []),  # layer 0: YaRN
     "laguna-partial": ([0, 1], [], []),
-    "step3p5": ([1], [0], []),  # layer 0: YaRN
+    "step3p5": ([0, 1], [], []),  # layer 0: YaRN
     "llama4_text": ([0, 1], [], [1]),
 }
 # name -> (synthetic model, config changes, engaged, left alone).

@@ -56,7 +56,7 @@ BoundFunctions bound;
  * the facade's converters, whose messages name that operation. Kept for
  * the life of the process, as `bound`. */
 struct BoundRopeFunctions {
-  decltype(&mlx_dualnorm_dual_head_norm_rope_apply) apply = nullptr;
+  decltype(&mlx_dualnorm_dual_head_norm_rope_apply_with_freqs) apply = nullptr;
   nb::handle convert_array;  // (value, argument_name) -> mx.array, or raises
   nb::handle convert_offset; // value -> mx.array, or raises
 };
@@ -215,16 +215,18 @@ nb::tuple apply(std::uintptr_t dual_head_norm_address, nb::handle queries, nb::h
 }
 
 /* The dual head norm + RoPE, as apply, with the offset: an int, or what
- * mx.fast.rope takes as an array. */
+ * mx.fast.rope takes as an array; and the frequency table: None (an empty
+ * handle) or an mx.array, as mx.fast.rope takes it (the facade refuses
+ * anything else before this call). */
 nb::tuple apply_rope(std::uintptr_t norm_rope_address, nb::handle queries, nb::handle keys,
                      nb::handle query_scale_weight, nb::handle key_scale_weight,
-                     nb::handle offset) {
+                     nb::handle offset, nb::handle freqs) {
   if (bound_rope.apply == nullptr || bound.free_vector == nullptr) {
     throw std::runtime_error("mlx_dualnorm._interop.bind and bind_rope were not both called");
   }
   const char* operation = APPLY_NORM_ROPE_OPERATION;
   nb::handle convert = bound_rope.convert_array;
-  nb::object converted[5];
+  nb::object converted[6];
   mlx_array borrowed_queries =
       borrow_array(queries, "queries", false, converted[0], operation, convert);
   mlx_array borrowed_keys = borrow_array(keys, "keys", false, converted[1], operation, convert);
@@ -233,13 +235,14 @@ nb::tuple apply_rope(std::uintptr_t norm_rope_address, nb::handle queries, nb::h
   mlx_array borrowed_key_weight =
       borrow_array(key_scale_weight, "key_weight", true, converted[3], operation, convert);
   mlx_array borrowed_offset = borrow_offset(offset, converted[4]);
+  mlx_array borrowed_freqs = borrow_array(freqs, "freqs", true, converted[5], operation, convert);
 
   OwnedOutputVector outputs;
   mlx_dualnorm_error error{};
   int status = bound_rope.apply(
       &outputs.vector, reinterpret_cast<mlx_dualnorm_dual_head_norm_rope*>(norm_rope_address),
       borrowed_queries, borrowed_keys, borrowed_query_weight, borrowed_key_weight,
-      borrowed_offset, &error);
+      borrowed_offset, borrowed_freqs, &error);
   if (status != MLX_DUALNORM_OK) {
     raise_dual_head_norm_error(error);
   }
@@ -279,11 +282,12 @@ NB_MODULE(_interop, module) {
       "Applies the compiled dual head norm: a tuple of its outputs, or the error raised.");
   module.def("bind_rope", &bind_rope, nb::arg("apply_function_address"),
       nb::arg("convert_array"), nb::arg("convert_offset"),
-      "Binds the dual head norm rope's apply (exported by the cffi module) and its "
+      "Binds the dual head norm rope's apply_with_freqs (exported by the cffi module) and its "
       "converters for non-mx.array arguments and offsets; bind() must be called too.");
   module.def("apply_rope", &apply_rope, nb::arg("norm_rope_address"),
       nb::arg("queries").none(), nb::arg("keys").none(), nb::arg("query_weight").none(),
       nb::arg("key_weight").none(), nb::arg("offset").none(),
+      nb::arg("freqs").none() = nb::none(),
       "Applies the compiled dual head norm rope: a tuple of its outputs, or the error "
       "raised.");
 }

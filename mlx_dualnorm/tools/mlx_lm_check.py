@@ -41,7 +41,7 @@ from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm, Mode
 from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta, qwen3_like
+from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta, head_norms, qwen3_like
 from mlx_dualnorm.integrations.mlx_lm.engagement import (
     NORM_ONLY,
     NORM_ROPE,
@@ -232,15 +232,20 @@ def count_normalize_qk_calls() -> Iterator[NormalizeQkCallCounts]:
 
 @dataclasses.dataclass
 class AttentionLayerCounts:
-    """The calls of engaged full-attention layers that ran the package's
-    norm + RoPE."""
+    """The calls of engaged attention layers that ran the package's q/k
+    prework (norm + RoPE, or the q/k norm pair)."""
 
     norm_rope_calls: int = 0
 
 
 # The integration's full-attention preworks: (module, function name), each
 # a module global its replacement calls read at each call.
-_PREWORKS = ((full_attention, "_rotated_queries_and_keys"), (qwen3_like, "_prework"))
+_PREWORKS = (
+    (full_attention, "_rotated_queries_and_keys"),
+    (qwen3_like, "_prework"),
+    (head_norms, "normalized_pair"),
+    (head_norms, "normalized_rotated_heads"),
+)
 
 
 @contextlib.contextmanager
@@ -466,9 +471,9 @@ def _engagement_lines(result: CheckResult, model_steps: int) -> list[str]:
     for (class_name, reason), layers in sorted(engagement.left.items()):
         lines.append(f"    {layers} {class_name}: {reason}")
     lines.append(
-        f"  norm + RoPE:    attention layers engaged {engagement.engaged_layers}, "
+        f"  attention:      attention layers engaged {engagement.engaged_layers}, "
         f"left to mlx-lm's code {engagement.left_layers}; "
-        f"{result.attention.norm_rope_calls / model_steps:.1f} calls per step"
+        f"{result.attention.norm_rope_calls / model_steps:.1f} q/k prework calls per step"
     )
     return lines
 

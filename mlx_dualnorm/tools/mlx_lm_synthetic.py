@@ -35,6 +35,10 @@ count and vocabulary (quick runs, tests) while keeping the per-layer shapes.
 :mod:`~mlx_dualnorm.tools.mlx_lm_synthetic_qwen3_like` adds small models of
 the families whose attention has qwen3's q/k prework under other names
 (``Klear``, ``dots1``, ``lfm2``, ``exaone4``, ``llama4_text``, ...).
+
+The attention families outside the qwen3 shape have a tiny model each,
+named by its mlx-lm file (``afmoe`` ... ``olmo_hybrid``), from
+:mod:`~mlx_dualnorm.tools.mlx_lm_attention_families`.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_dualnorm.tools.mlx_lm_attention_families import (
+    ATTENTION_FAMILY_CONFIGS,
+    ATTENTION_FAMILY_DTYPES,
+    randomize_norm_weights,
+)
 from mlx_dualnorm.tools.mlx_lm_synthetic_qwen3_like import (
     QWEN3_LIKE_CONFIGS,
     QWEN3_LIKE_DTYPE_NAMES,
@@ -60,6 +69,7 @@ __all__ = [
     "GATED_DELTA_MODEL_TYPES",
     "DECODE_MODELS",
     "DecodeModel",
+    "GATED_DELTA_MODEL_TYPES",
     "build_model",
     "SYNTHETIC_MODEL_TYPES",
     "build_synthetic_model",
@@ -131,6 +141,10 @@ DEFAULT_DTYPES.update(
 # mlx-lm's random weights would make a degenerate model.
 _WEIGHT_SCALES: dict[str, dict[str, float]] = dict(QWEN3_LIKE_WEIGHT_SCALES)
 
+# The attention families outside the qwen3 shape (their own module).
+_CONFIGS.update(ATTENTION_FAMILY_CONFIGS)
+DEFAULT_DTYPES.update(ATTENTION_FAMILY_DTYPES)
+
 SYNTHETIC_MODEL_TYPES = tuple(_CONFIGS)
 
 
@@ -152,7 +166,8 @@ def build_synthetic_model(
     global generator), cast to ``dtype`` (None: the model's default in
     ``DEFAULT_DTYPES``), in eval mode, evaluated; the few weights a
     degenerate random model would need changed are scaled after that
-    (``_WEIGHT_SCALES``)."""
+    (``_WEIGHT_SCALES``), and the attention families' norm weights drawn
+    around their initial value (``randomize_norm_weights``)."""
     dtype = DEFAULT_DTYPES[model_type] if dtype is None else dtype
     model = build_model(synthetic_model_config(model_type), seed=seed, dtype=dtype)
     scales = _WEIGHT_SCALES.get(model_type)
@@ -163,6 +178,8 @@ def build_synthetic_model(
             for path, factor in scales.items()
         ]))
         mx.eval(model.parameters())
+    if model_type in ATTENTION_FAMILY_CONFIGS:
+        randomize_norm_weights(model, seed)
     return model
 
 

@@ -8,10 +8,10 @@ the layer kinds of its family's released checkpoints where the family has
 several: a layer without RoPE (``exaone4``, ``exaone_moe``,
 ``llama4_text``), partial rotary (``glm4_moe``, ``solar_open``,
 ``laguna``, ``step3p5``), a YaRN full-attention layer beside a
-default-RoPE sliding one (``laguna``, ``step3p5``; the YaRN layer runs
-mlx-lm's own code), a convolution layer beside the attention one
-(``lfm2``, ``lfm2_moe``). ``apertus-llama3`` has llama3's scaled RoPE (a
-frequency table) on every layer, so no layer engages.
+default-RoPE sliding one (``laguna``, ``step3p5``; both engage, the YaRN
+layer with its frequency table), a convolution layer beside the attention
+one (``lfm2``, ``lfm2_moe``). ``apertus-llama3`` has llama3's scaled RoPE
+(a frequency table) on every layer.
 
 lfm2's output head is its token embedding (tied, always): with mlx-lm's
 random initialization each token's own embedding then outweighs what the

@@ -12,9 +12,15 @@
   the other families whose attention has that prework under other names
   (Klear, dots1, lfm2, mellum, exaone4, apertus, glm4_moe, laguna,
   step3p5, llama4_text, ...: :mod:`.qwen3_like`).
+* Attention layers of other shapes (afmoe, openelm, the bailing models,
+  gemma3_text, gemma3n, gemma4_text, gear, minimax, minimax_m3_vl, olmo2,
+  olmo3, olmoe, olmo_hybrid, plamo3): the two q/k norm calls become ONE call
+  of :class:`~mlx_dualnorm.CompiledDualHeadNorm` on the same arrays, with
+  the weight each norm class passes (:mod:`.head_norms`; the shapes in
+  :mod:`.heads_first`, :mod:`.heads_last`, :mod:`.whole_projection`).
 
-Anything the package does not compute exactly (other dtypes, a scaled RoPE,
-other norms, a call that raises) runs mlx-lm's own code, never an
+Anything the package does not compute exactly (other dtypes, a RoPE it
+does not cover, other norms, a call that raises) runs mlx-lm's own code, never an
 approximation; each such reason is logged once, at debug level, to the
 ``mlx_dualnorm.integrations.mlx_lm`` logger.
 

@@ -7,8 +7,11 @@ and ``nn.RoPE`` at ``cache.offset``, six graph nodes per layer. ``patch()`` also
 update and attention, and makes the prework ONE call of
 :class:`~mlx_dualnorm.CompiledDualHeadNormRope` with the layer's own
 weights, epsilon and RoPE constants: the same primitives in the same order,
-so the bits are the same. A layer whose RoPE is not exactly ``nn.RoPE``
-(the scaled-RoPE classes of ``rope_utils``, frequency tables), whose norms
+so the bits are the same. The scaled RoPEs of ``rope_utils`` that rotate
+with a frequency table (``Llama3RoPE``, ``YarnRoPE``, ``SuScaledRoPE``,
+``ProportionalRoPE``) are covered too: the table is an input of each call,
+their input scale a constant. A layer whose RoPE is none of these (such as
+``DynamicNTKScalingRoPE``, whose base depends on the position), whose norms
 are not exactly ``nn.RMSNorm`` with one epsilon, or whose call raises in the
 prework, runs the class's own ``__call__``. On MLX's CUDA backend the
 prework is one kernel launch (the fused mode), as the gated-delta norm is.
@@ -22,6 +25,7 @@ per-layer decision below works the same for all of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import sys
 import threading
@@ -103,13 +107,21 @@ _module_item = dict.get
 
 def _norm_rope_for(rope, query_norm, key_norm):
     """The cached CompiledDualHeadNormRope for a layer's constants, or None
-    where the layer's norms or RoPE are not exactly what it computes.
+    where the layer's norms or RoPE are not exactly what it computes. For
+    the scaled RoPEs of ``rope_utils`` (:data:`SCALED_ROPE_CLASSES`), the
+    object bound to the layer's frequency table, read at this call: a
+    callable taking the same arguments.
 
     Runs for every layer of every decode step, so a known layer costs one
     dict lookup: the key holds everything the result depends on, read
     afresh each call (a module swapped or a constant changed in place gets
     a new key), with the types that change what MLX makes of a value (an
-    int 1 is not the bool ``traditional``)."""
+    int 1 is not the bool ``traditional``). A frequency table is no part
+    of the key: it is an input of each call, so a replaced table is used
+    as it is, never a stale copy."""
+    rope_type = type(rope)
+    if rope_type is not nn.RoPE and rope_type in SCALED_ROPE_CLASSES:  # nn.RoPE: one test
+        return _scaled_norm_rope_for(rope, query_norm, key_norm)
     key = (
         _full_attention_mode, type(rope), type(query_norm), type(key_norm),
         query_norm.eps, key_norm.eps, rope.dims, type(rope.dims),
@@ -132,15 +144,99 @@ def _norm_rope_for(rope, query_norm, key_norm):
 def _is_plain_norm_rope(rope, query_norm, key_norm) -> bool:
     """Whether the layer computes what CompiledDualHeadNormRope does: plain
     nn.RMSNorm on both sides with one plain eps, then plain nn.RoPE with
-    plain constants."""
-    if type(rope) is not nn.RoPE or not (type(query_norm) is type(key_norm) is nn.RMSNorm):
+    plain constants, or one of the scaled RoPEs of :data:`SCALED_ROPE_CLASSES`
+    (exact types) with plain constants and an ``mx.array`` table."""
+    if not (type(query_norm) is type(key_norm) is nn.RMSNorm):
         return False
     eps = query_norm.eps
     if type(eps) not in PLAIN_SCALAR_TYPES or type(key_norm.eps) is not type(eps):
         return False
-    if key_norm.eps != eps or type(rope.dims) is not int or type(rope.traditional) is not bool:
+    if key_norm.eps != eps:
+        return False
+    if type(rope) in SCALED_ROPE_CLASSES:
+        constants = _scaled_rope_constants(rope)
+        return constants is not None and type(_rope_table(rope)) is mx.array
+    if type(rope) is not nn.RoPE or type(rope.dims) is not int:
+        return False
+    if type(rope.traditional) is not bool:
         return False
     return type(rope.base) in PLAIN_SCALAR_TYPES and type(rope.scale) in PLAIN_SCALAR_TYPES
+
+
+def _scaled_rope_classes() -> tuple:
+    """rope_utils' RoPE classes whose call is ``mx.fast.rope(x', dims,
+    traditional=, base=None, scale=1.0, offset=, freqs=self._freqs)`` with
+    ``x'`` the input, or the input with its first ``dims`` features
+    multiplied by a Python float: Llama3RoPE, YarnRoPE (``mscale``, when not
+    1), SuScaledRoPE (``_scale``, always), ProportionalRoPE. Empty without
+    mlx-lm (or with one whose rope_utils lacks a class: those present)."""
+    try:
+        rope_utils = importlib.import_module("mlx_lm.models.rope_utils")
+    except ImportError:
+        return ()
+    names = ("Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE")
+    return tuple(getattr(rope_utils, name) for name in names if hasattr(rope_utils, name))
+
+
+SCALED_ROPE_CLASSES = _scaled_rope_classes()
+
+
+def _rope_table(rope):
+    """The module's frequency table, read as an item (see _module_item)."""
+    table = _module_item(rope, "_freqs")
+    return table if table is not None else getattr(rope, "_freqs", None)
+
+
+def _scaled_rope_constants(rope):
+    """(dims, traditional, input_scale) as the class's __call__ uses them
+    (input_scale None where it multiplies nothing), or None where one is not
+    a plain value: dims an int, traditional a bool, a scale a float."""
+    name = type(rope).__name__
+    try:
+        if name == "SuScaledRoPE":
+            dims, traditional, input_scale = rope.dim, False, rope._scale
+        else:
+            dims, traditional, input_scale = rope.dims, rope.traditional, None
+            if name == "YarnRoPE":
+                input_scale = rope.mscale
+                if type(input_scale) is not float:
+                    return None
+                if input_scale == 1.0:  # YarnRoPE skips the multiply then
+                    input_scale = None
+    except AttributeError:  # a module missing what its class sets
+        return None
+    if type(dims) is not int or type(traditional) is not bool:
+        return None
+    if input_scale is not None and type(input_scale) is not float:
+        return None
+    return dims, traditional, input_scale
+
+
+def _scaled_norm_rope_for(rope, query_norm, key_norm):
+    """_norm_rope_for for a scaled RoPE: the cached object for the
+    constants, bound to the table read now."""
+    constants = _scaled_rope_constants(rope)
+    key = (
+        _full_attention_mode, type(rope), type(query_norm), type(key_norm),
+        query_norm.eps, key_norm.eps, constants,
+    )
+    norm_rope = _norm_ropes.get(key)
+    if norm_rope is None:
+        if not _is_plain_norm_rope(rope, query_norm, key_norm):
+            return None
+        dims, traditional, input_scale = constants
+        mode = _full_attention_mode
+        norm_rope = cached_or_built(
+            _norm_ropes, _norm_ropes_lock, key,
+            lambda: CompiledDualHeadNormRope(
+                query_norm.eps, dims, base=None, traditional=traditional,
+                input_scale=input_scale, **({} if mode is None else {"mode": mode}),
+            ),
+            None,
+        )
+        if norm_rope is None:
+            return None
+    return functools.partial(norm_rope, freqs=_rope_table(rope))
 
 
 def _rotated_queries_and_keys(attention, queries, keys, cache):
@@ -242,7 +338,7 @@ def _attention_classes() -> Iterator[tuple]:
 # The patch decides once per attention layer, at its first call, whether it
 # engages, and then moves the layer to a subclass whose __call__ is the
 # outcome: the replacement for a layer it engages, the class's own
-# __call__ for a layer it leaves alone (a scaled RoPE, other norms). A layer
+# __call__ for a layer it leaves alone (another RoPE class, other norms). A layer
 # left alone then runs exactly mlx-lm's code, with no check of ours per
 # call. The subclasses keep the class's name and module (the layers' code
 # looks names up in its module), and unpatching moves every layer back.

@@ -19,8 +19,9 @@ offset, the cache update and attention, with other attribute names:
   when ``use_qk_norm``, traditional RoPE where ``use_rope``.
 
 Each replacement runs every other op as mlx-lm writes it. A layer whose
-norms or RoPE are not exactly what the package computes (a scaled RoPE such
-as YaRN or llama3's frequency table, other norms, norms of two epsilons)
+norms or RoPE are not exactly what the package computes (a RoPE other
+than ``nn.RoPE`` and the frequency-table RoPEs of ``rope_utils``, other
+norms, norms of two epsilons)
 runs its class's own ``__call__``, decided at its first call
 (:mod:`.full_attention`).
 """

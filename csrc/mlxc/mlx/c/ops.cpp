@@ -1,5 +1,5 @@
-/* mlx_transpose_axes over mlx::core::transpose, behaving as upstream's
- * ops.cpp. */
+/* mlx_transpose_axes, mlx_astype and mlx_slice_update_prod over
+ * mlx::core, behaving as upstream's ops.cpp. */
 #include <vector>
 
 #include "mlx/ops.h"
@@ -23,5 +23,30 @@ extern "C" int mlx_transpose_axes(
     }
     std::vector<int> permutation(axes, axes + axes_num);
     store(res, mx::transpose(object_of(a), std::move(permutation), object_of(s)));
+  });
+}
+
+extern "C" int mlx_astype(
+    mlx_array* res,
+    const mlx_array a,
+    mlx_dtype dtype,
+    const mlx_stream s) {
+  return status_of([&] { store(res, mx::astype(object_of(a), to_cpp_dtype(dtype), object_of(s))); });
+}
+
+/* Upstream reads the lists unchecked; NULL with a non-zero count is a
+ * reported error here. */
+extern "C" int mlx_slice_update_prod(mlx_array* res, const mlx_array src,
+    const mlx_array update, const int* start, size_t start_num, const int* stop,
+    size_t stop_num, const int* strides, size_t strides_num, const mlx_stream s) {
+  return status_of([&] {
+    if ((start == nullptr && start_num > 0) || (stop == nullptr && stop_num > 0) ||
+        (strides == nullptr && strides_num > 0)) {
+      throw std::invalid_argument("[mlx_slice_update_prod] NULL list with a non-zero count");
+    }
+    store(res,
+        mx::slice_update_prod(object_of(src), object_of(update),
+            mx::Shape(start, start + start_num), mx::Shape(stop, stop + stop_num),
+            mx::Shape(strides, strides + strides_num), object_of(s)));
   });
 }
