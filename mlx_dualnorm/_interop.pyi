@@ -31,3 +31,16 @@ def apply_rope(
     key_weight: object,
     offset: object,
 ) -> tuple[mx.array, ...]: ...
+def bind_rope_cache(apply_with_cache_function_address: int) -> None: ...
+def apply_rope_with_cache(
+    norm_rope_address: int,
+    queries: object,
+    keys: object,
+    values: object,
+    query_weight: object,
+    key_weight: object,
+    offset: object,
+    key_cache: object,
+    value_cache: object,
+    write_offset: int,
+) -> tuple[mx.array, ...]: ...

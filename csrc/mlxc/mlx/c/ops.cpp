@@ -1,5 +1,6 @@
-/* mlx_transpose_axes over mlx::core::transpose, behaving as upstream's
- * ops.cpp. */
+/* mlx_transpose_axes over mlx::core::transpose and mlx_slice_update_dynamic
+ * over mlx::core::slice_update (the array-start overload), behaving as
+ * upstream's ops.cpp. */
 #include <vector>
 
 #include "mlx/ops.h"
@@ -23,5 +24,26 @@ extern "C" int mlx_transpose_axes(
     }
     std::vector<int> permutation(axes, axes + axes_num);
     store(res, mx::transpose(object_of(a), std::move(permutation), object_of(s)));
+  });
+}
+
+/* Upstream reads `axes` unchecked; NULL with a non-zero count is a reported
+ * error here, as for mlx_transpose_axes. */
+extern "C" int mlx_slice_update_dynamic(
+    mlx_array* res,
+    const mlx_array src,
+    const mlx_array update,
+    const mlx_array start,
+    const int* axes,
+    size_t axes_num,
+    const mlx_stream s) {
+  return status_of([&] {
+    if (axes == nullptr && axes_num > 0) {
+      throw std::invalid_argument("[mlx_slice_update_dynamic] NULL axes with a non-zero count");
+    }
+    std::vector<int> update_axes(axes, axes + axes_num);
+    store(res,
+          mx::slice_update(object_of(src), object_of(update), object_of(start),
+                           std::move(update_axes), object_of(s)));
   });
 }

@@ -22,6 +22,20 @@ int mlx_transpose_axes(
     size_t axes_num,
     const mlx_stream s);
 
+/* Sets `*res` to `src` with the block of `update` written at `start` along
+ * `axes` (the other axes from 0): `start` is an integer array with one
+ * element per axis, read when the graph runs, so one graph serves every
+ * position. `update` is cast to `src`'s dtype, as in MLX. The position is
+ * not bounds-checked by MLX: the caller keeps the block inside `src`. */
+int mlx_slice_update_dynamic(
+    mlx_array* res,
+    const mlx_array src,
+    const mlx_array update,
+    const mlx_array start,
+    const int* axes,
+    size_t axes_num,
+    const mlx_stream s);
+
 #ifdef __cplusplus
 }
 #endif
