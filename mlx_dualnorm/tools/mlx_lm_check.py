@@ -238,21 +238,21 @@ def count_decided_layers(model: nn.Module, counts: AttentionLayerCounts) -> None
 @contextlib.contextmanager
 def count_norm_rope_calls() -> Iterator[AttentionLayerCounts]:
     """Counts engaged full-attention calls that ran one norm + RoPE call,
-    by wrapping the integration's prework (a module global, read at each
-    call). Not thread-safe: for this check only."""
+    by wrapping the integration's prework and cache update (a module
+    global, read at each call). Not thread-safe: for this check only."""
     counts = AttentionLayerCounts()
-    prework: Callable = full_attention._rotated_queries_and_keys
+    prework: Callable = full_attention._prework_and_cache_update
 
     def counting_prework(*arguments):
-        rotated = prework(*arguments)
-        counts.norm_rope_calls += rotated is not None
-        return rotated
+        attended = prework(*arguments)
+        counts.norm_rope_calls += attended is not None
+        return attended
 
-    full_attention._rotated_queries_and_keys = counting_prework
+    full_attention._prework_and_cache_update = counting_prework
     try:
         yield counts
     finally:
-        full_attention._rotated_queries_and_keys = prework
+        full_attention._prework_and_cache_update = prework
 
 
 # ---- The check ---------------------------------------------------------------
