@@ -789,14 +789,44 @@ static int append_write_offset(mlx_vector_array inputs,
   return status;
 }
 
+/* Rows [w, w + L) of both buffers written with MLX's SliceUpdate, the
+ * position a constant: what mlx-lm's indexing builds, for the eager route
+ * (no trace to replay, so no reason to pay MLX's CUDA DynamicSliceUpdate,
+ * which launches a kernel to compute each offset). Same contract as
+ * write_cache_rows. */
+static int write_cache_rows_at(mlx_array written[2], const mlx_array rotated_keys,
+                               const mlx_array values, const mlx_array key_cache,
+                               const mlx_array value_cache, int write_offset,
+                               const mlx_stream stream) {
+  const int length = mlx_array_shape(rotated_keys)[2];
+  const int strides[ATTENTION_INPUT_RANK] = {1, 1, 1, 1};
+  const mlx_array buffers[2] = {key_cache, value_cache};
+  mlx_array head_major_values = mlx_array_new();
+  int status = mlx_transpose_axes(&head_major_values, values, HEAD_MAJOR_AXES,
+                                  ATTENTION_INPUT_RANK, stream) != 0;
+  const mlx_array updates[2] = {rotated_keys, head_major_values};
+  for (int side = 0; status == 0 && side < 2; ++side) {
+    const int* shape = mlx_array_shape(buffers[side]);
+    const int start[ATTENTION_INPUT_RANK] = {0, 0, write_offset, 0};
+    const int stop[ATTENTION_INPUT_RANK] = {shape[0], shape[1], write_offset + length,
+                                            shape[3]};
+    status = mlx_slice_update(&written[side], buffers[side], updates[side], start,
+                              ATTENTION_INPUT_RANK, stop, ATTENTION_INPUT_RANK, strides,
+                              ATTENTION_INPUT_RANK, stream) != 0;
+  }
+  status |= mlx_array_free(head_major_values);
+  return status;
+}
+
 /* FUSED mode, a call the kernel takes: one launch for the norm + RoPE, then
- * the writes as MLX slice updates on the default stream. `inputs` is the
- * cache graph's input vector (borrowed). */
+ * the writes as MLX slice updates on the default stream
+ * (write_cache_rows_at). `inputs` is the cache graph's input vector
+ * (borrowed). */
 static int apply_fused_kernel_with_cache(mlx_vector_array* res,
                                          mlx_dualnorm_dual_head_norm_rope* norm_rope,
                                          const dual_head_norm_call* call,
                                          const mlx_array rope_offset,
-                                         const mlx_vector_array inputs,
+                                         const mlx_vector_array inputs, int write_offset,
                                          mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
   mlx_vector_array rotated = mlx_vector_array_new();
@@ -821,8 +851,8 @@ static int apply_fused_kernel_with_cache(mlx_vector_array* res,
            mlx_vector_array_get(&rotated_keys, rotated, 1) != 0 ||
            mlx_get_default_device(&default_device) != 0 ||
            mlx_get_default_stream(&stream, default_device) != 0 ||
-           write_cache_rows(&outputs[1], rotated_keys, cache_inputs[0], cache_inputs[1],
-                            cache_inputs[2], cache_inputs[3], stream) != 0 ||
+           write_cache_rows_at(&outputs[1], rotated_keys, cache_inputs[0], cache_inputs[1],
+                               cache_inputs[2], write_offset, stream) != 0 ||
            mlx_vector_array_set_data(res, outputs, 3) != 0;
   for (size_t index = 0; index < CACHE_GRAPH_EXTRA_INPUTS; ++index) {
     failed |= mlx_array_free(cache_inputs[index]);
@@ -927,7 +957,7 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
     return dualnorm_fail_in_mlx(error, operation);
   }
   status = fused ? apply_fused_kernel_with_cache(res, norm_rope, &call, rope_offset, inputs,
-                                                 error)
+                                                 write_offset, error)
                  : apply_cache_graph(res, norm_rope, &call, layout, inputs, error);
   if (mlx_vector_array_free(inputs) != 0 && status == MLX_DUALNORM_OK) {
     status = dualnorm_fail_in_mlx(error, operation);

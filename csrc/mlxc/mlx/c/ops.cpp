@@ -1,6 +1,6 @@
-/* mlx_transpose_axes over mlx::core::transpose and mlx_slice_update_dynamic
- * over mlx::core::slice_update (the array-start overload), behaving as
- * upstream's ops.cpp. */
+/* mlx_transpose_axes over mlx::core::transpose, and mlx_slice_update and
+ * mlx_slice_update_dynamic over mlx::core::slice_update (the constant and
+ * the array-start overloads), behaving as upstream's ops.cpp. */
 #include <vector>
 
 #include "mlx/ops.h"
@@ -45,5 +45,30 @@ extern "C" int mlx_slice_update_dynamic(
     store(res,
           mx::slice_update(object_of(src), object_of(update), object_of(start),
                            std::move(update_axes), object_of(s)));
+  });
+}
+
+/* Upstream reads the index arrays unchecked; a NULL one with a non-zero
+ * count is a reported error here. */
+extern "C" int mlx_slice_update(
+    mlx_array* res,
+    const mlx_array src,
+    const mlx_array update,
+    const int* start,
+    size_t start_num,
+    const int* stop,
+    size_t stop_num,
+    const int* strides,
+    size_t strides_num,
+    const mlx_stream s) {
+  return status_of([&] {
+    if ((start == nullptr && start_num > 0) || (stop == nullptr && stop_num > 0) ||
+        (strides == nullptr && strides_num > 0)) {
+      throw std::invalid_argument("[mlx_slice_update] NULL indices with a non-zero count");
+    }
+    store(res,
+          mx::slice_update(object_of(src), object_of(update), mx::Shape(start, start + start_num),
+                           mx::Shape(stop, stop + stop_num),
+                           mx::Shape(strides, strides + strides_num), object_of(s)));
   });
 }
