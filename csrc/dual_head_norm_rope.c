@@ -134,6 +134,24 @@ static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
   return status;
 }
 
+/* The inputs of a norm + RoPE graph of these constants' layout. */
+static size_t norm_rope_input_count(const graph_constants* constants) {
+  return 3 + (size_t)constants->has_query_weight + (size_t)constants->has_key_weight;
+}
+
+/* Whether a builder got an output vector and `expected_inputs` inputs;
+ * else the reason sent to mlx_error, false. */
+static bool graph_inputs_expected(const mlx_vector_array* output_vector,
+                                  const mlx_vector_array input_vector, size_t expected_inputs) {
+  size_t received_inputs = mlx_vector_array_size(input_vector);
+  if (output_vector == NULL || received_inputs != expected_inputs) {
+    mlx_error("[%s] expected %zu inputs and an output vector, received %zu inputs",
+              BUILD_NORM_ROPE_GRAPH_OPERATION, expected_inputs, received_inputs);
+    return false;
+  }
+  return true;
+}
+
 /* Inputs: queries, keys, the RoPE offset, then the query weight and the key
  * weight where the layout has them. Output order is the caller's ABI:
  * rotated queries first, keys second, published once at the end. Every
@@ -142,12 +160,7 @@ static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
 static int build_norm_rope_graph(mlx_vector_array* output_vector,
                                  const mlx_vector_array input_vector, void* payload) {
   const graph_constants* constants = payload;
-  size_t expected_inputs =
-      3 + (size_t)constants->has_query_weight + (size_t)constants->has_key_weight;
-  size_t received_inputs = mlx_vector_array_size(input_vector);
-  if (output_vector == NULL || received_inputs != expected_inputs) {
-    mlx_error("[%s] expected %zu inputs and an output vector, received %zu inputs",
-              BUILD_NORM_ROPE_GRAPH_OPERATION, expected_inputs, received_inputs);
+  if (!graph_inputs_expected(output_vector, input_vector, norm_rope_input_count(constants))) {
     return 1;
   }
   mlx_array queries = mlx_array_new();
@@ -223,9 +236,12 @@ static int release_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
   return status;
 }
 
-/* The plain builder of one layout, carrying its own copy of the constants
- * (an empty handle, with the reason sent to mlx_error, on failure). */
-static mlx_closure new_plain_graph(const void* owner, int layout) {
+/* A plain closure of `builder` for one layout, carrying its own copy of
+ * the constants (an empty handle, with the reason sent to mlx_error, on
+ * failure). */
+static mlx_closure new_plain_graph_of(const void* owner, int layout,
+                                      int (*builder)(mlx_vector_array*, const mlx_vector_array,
+                                                     void*)) {
   const mlx_dualnorm_dual_head_norm_rope* norm_rope = owner;
   graph_constants* constants = malloc(sizeof *constants);
   if (constants == NULL) {
@@ -238,11 +254,16 @@ static mlx_closure new_plain_graph(const void* owner, int layout) {
       .has_query_weight = (layout & QUERY_WEIGHTED_LAYOUT) != 0,
       .has_key_weight = (layout & KEY_WEIGHTED_LAYOUT) != 0,
   };
-  mlx_closure plain_graph = mlx_closure_new_func_payload(build_norm_rope_graph, constants, free);
+  mlx_closure plain_graph = mlx_closure_new_func_payload(builder, constants, free);
   if (plain_graph.ctx == NULL) {
     free(constants); /* a closure that was never made took no ownership */
   }
   return plain_graph;
+}
+
+/* The plain norm + RoPE builder of one layout. */
+static mlx_closure new_plain_graph(const void* owner, int layout) {
+  return new_plain_graph_of(owner, layout, build_norm_rope_graph);
 }
 
 static mlx_closure new_plain_cache_graph(const void* owner, int layout);
@@ -492,8 +513,31 @@ static int apply_fused_kernel(mlx_vector_array* res, mlx_dualnorm_dual_head_norm
   return apply_status != 0 ? dualnorm_fail_in_mlx(error, operation) : MLX_DUALNORM_OK;
 }
 
-/* Runs the chosen closure of the call's weight layout, the object held
- * open for the duration. */
+/* Runs the closure of `graphs` (the object's norm + RoPE or cache graphs)
+ * for the call's layout, compiled or plain (takes_compiled_graph), on
+ * `inputs` (borrowed), the object held open for the duration. */
+static int run_layout_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                            const dualnorm_layout_graphs* graphs,
+                            const dual_head_norm_call* call, int layout,
+                            const mlx_vector_array inputs, const char* operation,
+                            mlx_dualnorm_error* error) {
+  bool compiled = takes_compiled_graph(norm_rope, call);
+  pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
+  bool closed = norm_rope->closed;
+  int apply_status = 0;
+  if (!closed) {
+    apply_status = mlx_closure_apply(
+        res, compiled ? graphs->compiled[layout] : graphs->plain[layout], inputs);
+  }
+  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
+  if (closed) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_CLOSED, operation,
+                              "the dual head norm rope is closed");
+  }
+  return apply_status != 0 ? dualnorm_fail_in_mlx(error, operation) : MLX_DUALNORM_OK;
+}
+
+/* Runs the chosen closure of the call's weight layout. */
 static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
                        const dual_head_norm_call* call, const mlx_array rope_offset,
                        mlx_dualnorm_error* error) {
@@ -504,26 +548,50 @@ static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* 
   if (input_vector.ctx == NULL) {
     return dualnorm_fail_in_mlx(error, operation);
   }
-  bool compiled = takes_compiled_graph(norm_rope, call);
-  pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
-  bool closed = norm_rope->closed;
-  int apply_status = 0;
-  if (!closed) {
-    apply_status = mlx_closure_apply(res,
-                                     compiled ? norm_rope->graphs.compiled[layout]
-                                              : norm_rope->graphs.plain[layout],
-                                     input_vector);
+  int status = run_layout_graph(res, norm_rope, &norm_rope->graphs, call, layout, input_vector,
+                                operation, error);
+  if (mlx_vector_array_free(input_vector) != 0 && status == MLX_DUALNORM_OK) {
+    status = dualnorm_fail_in_mlx(error, operation);
   }
-  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
-  int free_status = mlx_vector_array_free(input_vector);
-  if (closed) {
-    return dualnorm_fail_with(error, MLX_DUALNORM_CLOSED, operation,
-                              "the dual head norm rope is closed");
+  return status;
+}
+
+/* An apply's start: the pointers, then every norm + RoPE input read and
+ * checked once (inspect_inputs), failures labelled `operation`. */
+static int begin_apply(const mlx_vector_array* res,
+                       const mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                       dual_head_norm_call* call, rope_offset_input* offset,
+                       const mlx_array queries, const mlx_array keys,
+                       const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+                       const mlx_array rope_offset, const char* operation,
+                       mlx_dualnorm_error* error) {
+  dualnorm_begin_call();
+  if (res == NULL || norm_rope == NULL) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "the result vector or the dual head norm rope is NULL");
   }
-  if (apply_status != 0 || free_status != 0) {
+  int status = inspect_inputs(norm_rope, call, offset, queries, keys, query_scale_weight,
+                              key_scale_weight, rope_offset, error);
+  if (status != MLX_DUALNORM_OK && error != NULL) {
+    error->operation = operation;
+  }
+  return status;
+}
+
+/* An apply's route, its inputs checked: the thread noted as applying the
+ * object's `graphs` (and its queued erasures done), then `*fused` set where
+ * FUSED mode's kernel takes the call. */
+static int choose_route(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                        const dualnorm_layout_graphs* graphs, dual_head_norm_call* call,
+                        const rope_offset_input* offset, bool* fused, const char* operation,
+                        mlx_dualnorm_error* error) {
+  if (!dualnorm_register_applying_thread(graphs->compile_ids) ||
+      dualnorm_erase_queued_compile_ids() != 0) {
     return dualnorm_fail_in_mlx(error, operation);
   }
-  return MLX_DUALNORM_OK;
+  return norm_rope->mode == MLX_DUALNORM_MODE_FUSED
+             ? fused_kernel_takes(norm_rope, call, offset, fused, error)
+             : MLX_DUALNORM_OK;
 }
 
 int mlx_dualnorm_dual_head_norm_rope_apply(
@@ -531,23 +599,14 @@ int mlx_dualnorm_dual_head_norm_rope_apply(
     const mlx_array queries, const mlx_array keys, const mlx_array query_scale_weight,
     const mlx_array key_scale_weight, const mlx_array rope_offset, mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_OPERATION;
-  dualnorm_begin_call();
-  if (res == NULL || norm_rope == NULL) {
-    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
-                              "the result vector or the dual head norm rope is NULL");
-  }
   dual_head_norm_call call = {0};
   rope_offset_input offset = {0};
   bool fused = false;
-  int status = inspect_inputs(norm_rope, &call, &offset, queries, keys, query_scale_weight,
-                              key_scale_weight, rope_offset, error);
-  if (status == MLX_DUALNORM_OK &&
-      (!dualnorm_register_applying_thread(norm_rope->graphs.compile_ids) ||
-       dualnorm_erase_queued_compile_ids() != 0)) {
-    status = dualnorm_fail_in_mlx(error, operation);
-  }
-  if (status == MLX_DUALNORM_OK && norm_rope->mode == MLX_DUALNORM_MODE_FUSED) {
-    status = fused_kernel_takes(norm_rope, &call, &offset, &fused, error);
+  int status = begin_apply(res, norm_rope, &call, &offset, queries, keys, query_scale_weight,
+                           key_scale_weight, rope_offset, operation, error);
+  if (status == MLX_DUALNORM_OK) {
+    status = choose_route(norm_rope, &norm_rope->graphs, &call, &offset, &fused, operation,
+                          error);
   }
   if (status != MLX_DUALNORM_OK) {
     return status;
@@ -601,21 +660,39 @@ static const int CACHE_ROW_AXIS[1] = {2};
 
 /* Rows [w, w + L) of both buffers written, on `stream`: `written[0]` the key
  * buffer with the rotated keys (B, Hk, L, D), `written[1]` the value buffer
- * with the values (B, L, Hk, Dv) transposed to (B, Hk, L, Dv). `written`
- * holds two empty handles on entry and receives new arrays the caller
- * frees; everything else is borrowed. */
+ * with the values (B, L, Hk, Dv) transposed to (B, Hk, L, Dv). With
+ * `constant_row` NULL the row is `write_offset`, an int32 scalar read when
+ * the graph runs (MLX's DynamicSliceUpdate: a trace replays at every row);
+ * else it is *constant_row, MLX's SliceUpdate, what mlx-lm's indexing
+ * builds, for the eager fused route (no trace to replay there, and MLX's
+ * CUDA DynamicSliceUpdate launches a kernel per write to compute the
+ * offset). `written` holds two empty handles on entry and receives new
+ * arrays the caller frees; everything else is borrowed. */
 static int write_cache_rows(mlx_array written[2], const mlx_array rotated_keys,
                             const mlx_array values, const mlx_array key_cache,
                             const mlx_array value_cache, const mlx_array write_offset,
-                            const mlx_stream stream) {
+                            const int* constant_row, const mlx_stream stream) {
+  const mlx_array buffers[2] = {key_cache, value_cache};
   mlx_array head_major_values = mlx_array_new();
-  int status =
-      mlx_slice_update_dynamic(&written[0], key_cache, rotated_keys, write_offset,
-                               CACHE_ROW_AXIS, 1, stream) != 0 ||
-      mlx_transpose_axes(&head_major_values, values, HEAD_MAJOR_AXES, ATTENTION_INPUT_RANK,
-                         stream) != 0 ||
-      mlx_slice_update_dynamic(&written[1], value_cache, head_major_values, write_offset,
-                               CACHE_ROW_AXIS, 1, stream) != 0;
+  int status = mlx_transpose_axes(&head_major_values, values, HEAD_MAJOR_AXES,
+                                  ATTENTION_INPUT_RANK, stream) != 0;
+  const mlx_array updates[2] = {rotated_keys, head_major_values};
+  for (int side = 0; status == 0 && side < 2; ++side) {
+    if (constant_row == NULL) {
+      status = mlx_slice_update_dynamic(&written[side], buffers[side], updates[side],
+                                        write_offset, CACHE_ROW_AXIS, 1, stream) != 0;
+      continue;
+    }
+    const int* shape = mlx_array_shape(buffers[side]);
+    const int length = mlx_array_shape(updates[side])[2];
+    const int start[ATTENTION_INPUT_RANK] = {0, 0, *constant_row, 0};
+    const int stop[ATTENTION_INPUT_RANK] = {shape[0], shape[1], *constant_row + length,
+                                            shape[3]};
+    const int strides[ATTENTION_INPUT_RANK] = {1, 1, 1, 1};
+    status = mlx_slice_update(&written[side], buffers[side], updates[side], start,
+                              ATTENTION_INPUT_RANK, stop, ATTENTION_INPUT_RANK, strides,
+                              ATTENTION_INPUT_RANK, stream) != 0;
+  }
   status |= mlx_array_free(head_major_values);
   return status;
 }
@@ -623,90 +700,80 @@ static int write_cache_rows(mlx_array written[2], const mlx_array rotated_keys,
 /* The cache graph's inputs past the norm + RoPE's, in this order. */
 enum { CACHE_GRAPH_EXTRA_INPUTS = 4 }; /* values, key_cache, value_cache, write_offset */
 
-/* Inputs: the norm + RoPE graph's (queries, keys, the RoPE offset, the
- * weights of the layout), then values, key_cache, value_cache and the write
- * offset. Output order is the caller's ABI: rotated queries, the key
- * buffer written, the value buffer written, published once at the end.
- * Every handle made here is freed on every path. */
-static int build_norm_rope_cache_graph(mlx_vector_array* output_vector,
-                                       const mlx_vector_array input_vector, void* payload) {
-  const graph_constants* constants = payload;
-  size_t norm_rope_inputs =
-      3 + (size_t)constants->has_query_weight + (size_t)constants->has_key_weight;
-  size_t expected_inputs = norm_rope_inputs + CACHE_GRAPH_EXTRA_INPUTS;
-  size_t received_inputs = mlx_vector_array_size(input_vector);
-  if (output_vector == NULL || received_inputs != expected_inputs) {
-    mlx_error("[%s] expected %zu inputs and an output vector, received %zu inputs",
-              BUILD_NORM_ROPE_GRAPH_OPERATION, expected_inputs, received_inputs);
-    return 1;
-  }
+/* Sets `*res` (owned by the caller) to the call's outputs in the caller's
+ * ABI order, published once at the end: the rotated queries of `rotated`
+ * (the norm + RoPE's two outputs, borrowed), then both buffers written
+ * (write_cache_rows) from the cache inputs at `inputs[first_cache_input]`
+ * onwards (borrowed), on the default device's stream as mlx-lm's indexing
+ * writes. Every handle made here is freed on every path. */
+static int publish_cache_outputs(mlx_vector_array* res, const mlx_vector_array rotated,
+                                 const mlx_vector_array inputs, size_t first_cache_input,
+                                 const int* constant_row) {
   mlx_array cache_inputs[CACHE_GRAPH_EXTRA_INPUTS] = {mlx_array_new(), mlx_array_new(),
                                                       mlx_array_new(), mlx_array_new()};
-  mlx_array norm_rope_input_arrays[5] = {mlx_array_new(), mlx_array_new(), mlx_array_new(),
-                                         mlx_array_new(), mlx_array_new()};
   mlx_array outputs[3] = {mlx_array_new(), mlx_array_new(), mlx_array_new()};
   mlx_array rotated_keys = mlx_array_new();
-  mlx_vector_array norm_rope_inputs_vector = mlx_vector_array_new();
-  mlx_vector_array rotated = mlx_vector_array_new();
   mlx_device default_device = mlx_device_new();
   mlx_stream stream = mlx_stream_new();
   int status = 0;
-  for (size_t index = 0; status == 0 && index < norm_rope_inputs; ++index) {
-    status = mlx_vector_array_get(&norm_rope_input_arrays[index], input_vector, index) != 0;
-  }
   for (size_t index = 0; status == 0 && index < CACHE_GRAPH_EXTRA_INPUTS; ++index) {
-    status = mlx_vector_array_get(&cache_inputs[index], input_vector,
-                                  norm_rope_inputs + index) != 0;
+    status = mlx_vector_array_get(&cache_inputs[index], inputs, first_cache_input + index) != 0;
   }
-  status = status ||
-           mlx_vector_array_set_data(&norm_rope_inputs_vector, norm_rope_input_arrays,
-                                     norm_rope_inputs) != 0 ||
-           build_norm_rope_graph(&rotated, norm_rope_inputs_vector, payload) != 0 ||
-           mlx_vector_array_get(&outputs[0], rotated, 0) != 0 ||
+  status = status || mlx_vector_array_get(&outputs[0], rotated, 0) != 0 ||
            mlx_vector_array_get(&rotated_keys, rotated, 1) != 0 ||
-           /* The default device's stream, as mlx-lm's indexing writes. */
            mlx_get_default_device(&default_device) != 0 ||
            mlx_get_default_stream(&stream, default_device) != 0 ||
            write_cache_rows(&outputs[1], rotated_keys, cache_inputs[0], cache_inputs[1],
-                            cache_inputs[2], cache_inputs[3], stream) != 0 ||
-           mlx_vector_array_set_data(output_vector, outputs, 3) != 0;
+                            cache_inputs[2], cache_inputs[3], constant_row, stream) != 0 ||
+           mlx_vector_array_set_data(res, outputs, 3) != 0;
   for (size_t index = 0; index < CACHE_GRAPH_EXTRA_INPUTS; ++index) {
     status |= mlx_array_free(cache_inputs[index]);
-  }
-  for (size_t index = 0; index < 5; ++index) {
-    status |= mlx_array_free(norm_rope_input_arrays[index]);
   }
   for (size_t index = 0; index < 3; ++index) {
     status |= mlx_array_free(outputs[index]);
   }
   status |= mlx_array_free(rotated_keys);
-  status |= mlx_vector_array_free(norm_rope_inputs_vector);
-  status |= mlx_vector_array_free(rotated);
   status |= mlx_stream_free(stream);
   status |= mlx_device_free(default_device);
   return status;
 }
 
+/* Inputs: the norm + RoPE graph's (queries, keys, the RoPE offset, the
+ * weights of the layout), then values, key_cache, value_cache and the write
+ * offset. Outputs: publish_cache_outputs's. The input vector belongs to the
+ * closure; every handle made here is freed on every path. */
+static int build_norm_rope_cache_graph(mlx_vector_array* output_vector,
+                                       const mlx_vector_array input_vector, void* payload) {
+  size_t norm_rope_inputs = norm_rope_input_count(payload);
+  if (!graph_inputs_expected(output_vector, input_vector,
+                             norm_rope_inputs + CACHE_GRAPH_EXTRA_INPUTS)) {
+    return 1;
+  }
+  mlx_array norm_rope_input_arrays[5] = {mlx_array_new(), mlx_array_new(), mlx_array_new(),
+                                         mlx_array_new(), mlx_array_new()};
+  mlx_vector_array norm_rope_inputs_vector = mlx_vector_array_new();
+  mlx_vector_array rotated = mlx_vector_array_new();
+  int status = 0;
+  for (size_t index = 0; status == 0 && index < norm_rope_inputs; ++index) {
+    status = mlx_vector_array_get(&norm_rope_input_arrays[index], input_vector, index) != 0;
+  }
+  status = status ||
+           mlx_vector_array_set_data(&norm_rope_inputs_vector, norm_rope_input_arrays,
+                                     norm_rope_inputs) != 0 ||
+           build_norm_rope_graph(&rotated, norm_rope_inputs_vector, payload) != 0 ||
+           publish_cache_outputs(output_vector, rotated, input_vector, norm_rope_inputs,
+                                 NULL) != 0;
+  for (size_t index = 0; index < 5; ++index) {
+    status |= mlx_array_free(norm_rope_input_arrays[index]);
+  }
+  status |= mlx_vector_array_free(norm_rope_inputs_vector);
+  status |= mlx_vector_array_free(rotated);
+  return status;
+}
+
 /* The plain cache builder of one layout, as new_plain_graph. */
 static mlx_closure new_plain_cache_graph(const void* owner, int layout) {
-  const mlx_dualnorm_dual_head_norm_rope* norm_rope = owner;
-  graph_constants* constants = malloc(sizeof *constants);
-  if (constants == NULL) {
-    mlx_error("[%s] out of host memory", COMPILE_NORM_ROPE_OPERATION);
-    return mlx_closure_new();
-  }
-  *constants = (graph_constants){
-      .rms_norm_epsilon = norm_rope->rms_norm_epsilon,
-      .rope = norm_rope->rope,
-      .has_query_weight = (layout & QUERY_WEIGHTED_LAYOUT) != 0,
-      .has_key_weight = (layout & KEY_WEIGHTED_LAYOUT) != 0,
-  };
-  mlx_closure plain_graph =
-      mlx_closure_new_func_payload(build_norm_rope_cache_graph, constants, free);
-  if (plain_graph.ctx == NULL) {
-    free(constants); /* a closure that was never made took no ownership */
-  }
-  return plain_graph;
+  return new_plain_graph_of(owner, layout, build_norm_rope_cache_graph);
 }
 
 /* What the writes need, checked once per call (after the norm + RoPE's
@@ -789,106 +856,27 @@ static int append_write_offset(mlx_vector_array inputs,
   return status;
 }
 
-/* Rows [w, w + L) of both buffers written with MLX's SliceUpdate, the
- * position a constant: what mlx-lm's indexing builds, for the eager route
- * (no trace to replay, so no reason to pay MLX's CUDA DynamicSliceUpdate,
- * which launches a kernel to compute each offset). Same contract as
- * write_cache_rows. */
-static int write_cache_rows_at(mlx_array written[2], const mlx_array rotated_keys,
-                               const mlx_array values, const mlx_array key_cache,
-                               const mlx_array value_cache, int write_offset,
-                               const mlx_stream stream) {
-  const int length = mlx_array_shape(rotated_keys)[2];
-  const int strides[ATTENTION_INPUT_RANK] = {1, 1, 1, 1};
-  const mlx_array buffers[2] = {key_cache, value_cache};
-  mlx_array head_major_values = mlx_array_new();
-  int status = mlx_transpose_axes(&head_major_values, values, HEAD_MAJOR_AXES,
-                                  ATTENTION_INPUT_RANK, stream) != 0;
-  const mlx_array updates[2] = {rotated_keys, head_major_values};
-  for (int side = 0; status == 0 && side < 2; ++side) {
-    const int* shape = mlx_array_shape(buffers[side]);
-    const int start[ATTENTION_INPUT_RANK] = {0, 0, write_offset, 0};
-    const int stop[ATTENTION_INPUT_RANK] = {shape[0], shape[1], write_offset + length,
-                                            shape[3]};
-    status = mlx_slice_update(&written[side], buffers[side], updates[side], start,
-                              ATTENTION_INPUT_RANK, stop, ATTENTION_INPUT_RANK, strides,
-                              ATTENTION_INPUT_RANK, stream) != 0;
-  }
-  status |= mlx_array_free(head_major_values);
-  return status;
-}
-
 /* FUSED mode, a call the kernel takes: one launch for the norm + RoPE, then
- * the writes as MLX slice updates on the default stream
- * (write_cache_rows_at). `inputs` is the cache graph's input vector
- * (borrowed). */
+ * the writes at the constant row (write_cache_rows). `inputs` is the cache
+ * graph's input vector (borrowed). */
 static int apply_fused_kernel_with_cache(mlx_vector_array* res,
                                          mlx_dualnorm_dual_head_norm_rope* norm_rope,
                                          const dual_head_norm_call* call,
                                          const mlx_array rope_offset,
                                          const mlx_vector_array inputs, int write_offset,
                                          mlx_dualnorm_error* error) {
-  const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
   mlx_vector_array rotated = mlx_vector_array_new();
   int status = apply_fused_kernel(&rotated, norm_rope, call, rope_offset, error);
-  if (status != MLX_DUALNORM_OK) {
-    mlx_vector_array_free(rotated);
-    return status;
+  if (status == MLX_DUALNORM_OK &&
+      publish_cache_outputs(res, rotated, inputs,
+                            mlx_vector_array_size(inputs) - CACHE_GRAPH_EXTRA_INPUTS,
+                            &write_offset) != 0) {
+    status = dualnorm_fail_in_mlx(error, APPLY_NORM_ROPE_CACHE_OPERATION);
   }
-  size_t count = mlx_vector_array_size(inputs);
-  mlx_array cache_inputs[CACHE_GRAPH_EXTRA_INPUTS] = {mlx_array_new(), mlx_array_new(),
-                                                      mlx_array_new(), mlx_array_new()};
-  mlx_array outputs[3] = {mlx_array_new(), mlx_array_new(), mlx_array_new()};
-  mlx_array rotated_keys = mlx_array_new();
-  mlx_device default_device = mlx_device_new();
-  mlx_stream stream = mlx_stream_new();
-  int failed = 0;
-  for (size_t index = 0; failed == 0 && index < CACHE_GRAPH_EXTRA_INPUTS; ++index) {
-    failed = mlx_vector_array_get(&cache_inputs[index], inputs,
-                                  count - CACHE_GRAPH_EXTRA_INPUTS + index) != 0;
+  if (mlx_vector_array_free(rotated) != 0 && status == MLX_DUALNORM_OK) {
+    status = dualnorm_fail_in_mlx(error, APPLY_NORM_ROPE_CACHE_OPERATION);
   }
-  failed = failed || mlx_vector_array_get(&outputs[0], rotated, 0) != 0 ||
-           mlx_vector_array_get(&rotated_keys, rotated, 1) != 0 ||
-           mlx_get_default_device(&default_device) != 0 ||
-           mlx_get_default_stream(&stream, default_device) != 0 ||
-           write_cache_rows_at(&outputs[1], rotated_keys, cache_inputs[0], cache_inputs[1],
-                               cache_inputs[2], write_offset, stream) != 0 ||
-           mlx_vector_array_set_data(res, outputs, 3) != 0;
-  for (size_t index = 0; index < CACHE_GRAPH_EXTRA_INPUTS; ++index) {
-    failed |= mlx_array_free(cache_inputs[index]);
-  }
-  for (size_t index = 0; index < 3; ++index) {
-    failed |= mlx_array_free(outputs[index]);
-  }
-  failed |= mlx_array_free(rotated_keys);
-  failed |= mlx_vector_array_free(rotated);
-  failed |= mlx_stream_free(stream);
-  failed |= mlx_device_free(default_device);
-  return failed != 0 ? dualnorm_fail_in_mlx(error, operation) : MLX_DUALNORM_OK;
-}
-
-/* Runs the cache closure of the call's layout (compiled or plain, as
- * apply_graph chooses), the object held open for the duration. */
-static int apply_cache_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                             const dual_head_norm_call* call, int layout,
-                             const mlx_vector_array inputs, mlx_dualnorm_error* error) {
-  const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
-  bool compiled = takes_compiled_graph(norm_rope, call);
-  pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
-  bool closed = norm_rope->closed;
-  int apply_status = 0;
-  if (!closed) {
-    apply_status = mlx_closure_apply(res,
-                                     compiled ? norm_rope->cache_graphs.compiled[layout]
-                                              : norm_rope->cache_graphs.plain[layout],
-                                     inputs);
-  }
-  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
-  if (closed) {
-    return dualnorm_fail_with(error, MLX_DUALNORM_CLOSED, operation,
-                              "the dual head norm rope is closed");
-  }
-  return apply_status != 0 ? dualnorm_fail_in_mlx(error, operation) : MLX_DUALNORM_OK;
+  return status;
 }
 
 /* The cache graph's input vector (owned by the caller): the norm + RoPE
@@ -921,30 +909,19 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
     const mlx_array rope_offset, const mlx_array key_cache, const mlx_array value_cache,
     int write_offset, mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
-  dualnorm_begin_call();
-  if (res == NULL || norm_rope == NULL) {
-    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
-                              "the result vector or the dual head norm rope is NULL");
-  }
   dual_head_norm_call call = {0};
   rope_offset_input offset = {0};
   bool fused = false;
-  int status = inspect_inputs(norm_rope, &call, &offset, queries, keys, query_scale_weight,
-                              key_scale_weight, rope_offset, error);
-  if (status != MLX_DUALNORM_OK && error != NULL) {
-    error->operation = operation; /* the norm + RoPE's checks, reported as this call's */
-  }
+  /* The norm + RoPE's checks, reported as this call's. */
+  int status = begin_apply(res, norm_rope, &call, &offset, queries, keys, query_scale_weight,
+                           key_scale_weight, rope_offset, operation, error);
   if (status == MLX_DUALNORM_OK) {
     status = check_cache_inputs(&call.keys, values, key_cache, value_cache, write_offset,
                                 error);
   }
-  if (status == MLX_DUALNORM_OK &&
-      (!dualnorm_register_applying_thread(norm_rope->cache_graphs.compile_ids) ||
-       dualnorm_erase_queued_compile_ids() != 0)) {
-    status = dualnorm_fail_in_mlx(error, operation);
-  }
-  if (status == MLX_DUALNORM_OK && norm_rope->mode == MLX_DUALNORM_MODE_FUSED) {
-    status = fused_kernel_takes(norm_rope, &call, &offset, &fused, error);
+  if (status == MLX_DUALNORM_OK) {
+    status = choose_route(norm_rope, &norm_rope->cache_graphs, &call, &offset, &fused,
+                          operation, error);
   }
   if (status != MLX_DUALNORM_OK) {
     return status;
@@ -958,7 +935,8 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
   }
   status = fused ? apply_fused_kernel_with_cache(res, norm_rope, &call, rope_offset, inputs,
                                                  write_offset, error)
-                 : apply_cache_graph(res, norm_rope, &call, layout, inputs, error);
+                 : run_layout_graph(res, norm_rope, &norm_rope->cache_graphs, &call, layout,
+                                    inputs, operation, error);
   if (mlx_vector_array_free(inputs) != 0 && status == MLX_DUALNORM_OK) {
     status = dualnorm_fail_in_mlx(error, operation);
   }

@@ -218,6 +218,26 @@ nb::tuple apply(std::uintptr_t dual_head_norm_address, nb::handle queries, nb::h
   return outputs_as_tuple(outputs);
 }
 
+/* The norm + RoPE's arguments as borrowed handles, and the converted
+ * objects that keep them alive for the call. */
+struct BorrowedNormRope {
+  nb::object converted[5];
+  mlx_array queries, keys, query_weight, key_weight, offset;
+
+  BorrowedNormRope(nb::handle queries_object, nb::handle keys_object,
+                   nb::handle query_weight_object, nb::handle key_weight_object,
+                   nb::handle offset_object, const char* operation) {
+    nb::handle convert = bound_rope.convert_array;
+    queries = borrow_array(queries_object, "queries", false, converted[0], operation, convert);
+    keys = borrow_array(keys_object, "keys", false, converted[1], operation, convert);
+    query_weight = borrow_array(query_weight_object, "query_weight", true, converted[2],
+                                operation, convert);
+    key_weight =
+        borrow_array(key_weight_object, "key_weight", true, converted[3], operation, convert);
+    offset = borrow_offset(offset_object, converted[4]);
+  }
+};
+
 /* The dual head norm + RoPE, as apply, with the offset: an int, or what
  * mx.fast.rope takes as an array. */
 nb::tuple apply_rope(std::uintptr_t norm_rope_address, nb::handle queries, nb::handle keys,
@@ -226,24 +246,15 @@ nb::tuple apply_rope(std::uintptr_t norm_rope_address, nb::handle queries, nb::h
   if (bound_rope.apply == nullptr || bound.free_vector == nullptr) {
     throw std::runtime_error("mlx_dualnorm._interop.bind and bind_rope were not both called");
   }
-  const char* operation = APPLY_NORM_ROPE_OPERATION;
-  nb::handle convert = bound_rope.convert_array;
-  nb::object converted[5];
-  mlx_array borrowed_queries =
-      borrow_array(queries, "queries", false, converted[0], operation, convert);
-  mlx_array borrowed_keys = borrow_array(keys, "keys", false, converted[1], operation, convert);
-  mlx_array borrowed_query_weight =
-      borrow_array(query_scale_weight, "query_weight", true, converted[2], operation, convert);
-  mlx_array borrowed_key_weight =
-      borrow_array(key_scale_weight, "key_weight", true, converted[3], operation, convert);
-  mlx_array borrowed_offset = borrow_offset(offset, converted[4]);
+  BorrowedNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset,
+                            APPLY_NORM_ROPE_OPERATION);
 
   OwnedOutputVector outputs;
   mlx_dualnorm_error error{};
   int status = bound_rope.apply(
       &outputs.vector, reinterpret_cast<mlx_dualnorm_dual_head_norm_rope*>(norm_rope_address),
-      borrowed_queries, borrowed_keys, borrowed_query_weight, borrowed_key_weight,
-      borrowed_offset, &error);
+      borrowed.queries, borrowed.keys, borrowed.query_weight, borrowed.key_weight,
+      borrowed.offset, &error);
   if (status != MLX_DUALNORM_OK) {
     raise_dual_head_norm_error(error);
   }
@@ -265,30 +276,22 @@ nb::tuple apply_rope_with_cache(std::uintptr_t norm_rope_address, nb::handle que
   }
   const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
   nb::handle convert = bound_rope.convert_array;
-  nb::object converted[8];
-  mlx_array borrowed_queries =
-      borrow_array(queries, "queries", false, converted[0], operation, convert);
-  mlx_array borrowed_keys = borrow_array(keys, "keys", false, converted[1], operation, convert);
+  BorrowedNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset,
+                            operation);
+  nb::object converted[3];
   mlx_array borrowed_values =
-      borrow_array(values, "values", false, converted[2], operation, convert);
-  mlx_array borrowed_query_weight =
-      borrow_array(query_scale_weight, "query_weight", true, converted[3], operation, convert);
-  mlx_array borrowed_key_weight =
-      borrow_array(key_scale_weight, "key_weight", true, converted[4], operation, convert);
+      borrow_array(values, "values", false, converted[0], operation, convert);
   mlx_array borrowed_key_cache =
-      borrow_array(key_cache, "key_cache", false, converted[5], operation, convert);
+      borrow_array(key_cache, "key_cache", false, converted[1], operation, convert);
   mlx_array borrowed_value_cache =
-      borrow_array(value_cache, "value_cache", false, converted[6], operation, convert);
-  /* Last: an int offset borrows last_offset_scalar, which nothing below
-   * replaces before the call. */
-  mlx_array borrowed_offset = borrow_offset(offset, converted[7]);
+      borrow_array(value_cache, "value_cache", false, converted[2], operation, convert);
 
   OwnedOutputVector outputs;
   mlx_dualnorm_error error{};
   int status = bound_rope.apply_with_cache(
       &outputs.vector, reinterpret_cast<mlx_dualnorm_dual_head_norm_rope*>(norm_rope_address),
-      borrowed_queries, borrowed_keys, borrowed_values, borrowed_query_weight,
-      borrowed_key_weight, borrowed_offset, borrowed_key_cache, borrowed_value_cache,
+      borrowed.queries, borrowed.keys, borrowed_values, borrowed.query_weight,
+      borrowed.key_weight, borrowed.offset, borrowed_key_cache, borrowed_value_cache,
       write_offset, &error);
   if (status != MLX_DUALNORM_OK) {
     raise_dual_head_norm_error(error);
