@@ -261,3 +261,66 @@ def test_a_closed_object_refuses_and_many_objects_and_rows_agree():
     with pytest.raises(DualHeadNormValueError, match="closed"):
         norm_ropes[0].apply_with_cache(*inputs, key_cache=key_cache, value_cache=value_cache,
                                        offset=0)
+
+
+def test_c_api_three_outputs_in_order_and_refusals():
+    """The C call: exactly three new arrays, queries then the key buffer
+    then the value buffer, equal to the facade's; NULL pointers and empty
+    handles refused with this call's label."""
+    import numpy as np
+
+    from mlx_dualnorm._native import ffi, lib
+
+    def handle_of(values):
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        shape = ffi.new("int[]", list(values.shape))
+        handle = lib.mlx_array_new_data(ffi.from_buffer(values), shape, values.ndim,
+                                        lib.MLX_FLOAT32)
+        assert handle.ctx != ffi.NULL
+        return ffi.gc(ffi.new("mlx_array *", handle), lambda h: lib.mlx_array_free(h[0]))
+
+    def read(handle):
+        assert lib.mlx_array_eval(handle) == 0
+        shape = tuple(lib.mlx_array_shape(handle)[i] for i in range(lib.mlx_array_ndim(handle)))
+        data = lib.mlx_array_data_float32(handle)
+        return np.frombuffer(ffi.buffer(data, int(np.prod(shape)) * 4),
+                             dtype=np.float32).reshape(shape).copy()
+
+    inputs = [np.array(array) for array in layer_inputs(1, 1, mx.float32)]
+    key_cache, value_cache = (np.array(buffer) for buffer in buffers(1, mx.float32))
+    handles = [handle_of(array) for array in (*inputs, key_cache, value_cache)]
+    offset_value = ffi.new("int32_t *", 9)  # the RoPE offset, an int32 scalar
+    offset = ffi.gc(ffi.new("mlx_array *", lib.mlx_array_new_data(
+        offset_value, ffi.NULL, 0, lib.MLX_INT32)), lambda h: lib.mlx_array_free(h[0]))
+    created = ffi.new("mlx_dualnorm_dual_head_norm_rope **")
+    rope = ffi.new("mlx_dualnorm_rope_parameters *", dict(dims=DIMS, base=BASE, scale=1.0))
+    error = ffi.new("mlx_dualnorm_error *")
+    assert lib.mlx_dualnorm_dual_head_norm_rope_new(created, EPS, rope[0], 0, error) == 0
+    norm_rope = ffi.gc(created[0], lib.mlx_dualnorm_dual_head_norm_rope_free)
+    result = ffi.new("mlx_vector_array *", lib.mlx_vector_array_new())
+    q, k, v, wq, wk, kc, vc = (handle[0] for handle in handles)
+    assert lib.mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
+        result, norm_rope, q, k, v, wq, wk, offset[0], kc, vc, 9, error) == lib.MLX_DUALNORM_OK
+    assert lib.mlx_vector_array_size(result[0]) == 3
+    expected = CompiledDualHeadNormRope(EPS, DIMS, base=BASE).apply_with_cache(
+        *(mx.array(array) for array in inputs), key_cache=mx.array(key_cache),
+        value_cache=mx.array(value_cache), offset=9)
+    for index in range(3):
+        item = ffi.new("mlx_array *", lib.mlx_array_new())
+        assert lib.mlx_vector_array_get(item, result[0], index) == 0
+        assert np.array_equal(read(item[0]), np.array(expected[index]))
+        assert lib.mlx_array_free(item[0]) == 0
+    assert lib.mlx_vector_array_free(result[0]) == 0
+
+    empty = ffi.new("mlx_array *")[0]
+    status = lib.mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
+        ffi.NULL, norm_rope, q, k, v, wq, wk, offset[0], kc, vc, 0, error)
+    assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT
+    assert ffi.string(error.operation) == b"dual_head_norm_rope_with_cache"
+    untouched = ffi.new("mlx_vector_array *", lib.mlx_vector_array_new())
+    status = lib.mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
+        untouched, norm_rope, q, k, empty, wq, wk, offset[0], kc, vc, 0, error)
+    assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT
+    assert ffi.string(error.description) == b"values is an empty array handle"
+    assert lib.mlx_vector_array_size(untouched[0]) == 0
+    assert lib.mlx_vector_array_free(untouched[0]) == 0
