@@ -18,7 +18,7 @@ unpipelined decode steps: the bytes MLX allocates beyond what is live when
 a step's evaluation starts (median step: its transient peak, where a copy
 of the cache buffers would show) and the peak memory of the whole run.
 
-    python3 bench/cache_write.py [--model qwen3-1024] [--rounds 9] [--steps 64] [--quick]
+    python3 bench/cache_write.py [--model qwen3-1024] [--rounds 9] [--steps 64] [--vocab N] [--quick]
 """
 
 from __future__ import annotations
@@ -124,10 +124,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--layers", type=int, help="fewer layers (a dry run on CPU)")
+    parser.add_argument("--vocab", type=int, help="a smaller vocabulary (on CPU the output "
+                        "projection of 151936 rows drowns the layers' differences)")
     parser.add_argument("--quick", action="store_true", help="3 rounds of 16 steps")
     args = parser.parse_args()
     rounds, steps = (3, 16) if args.quick else (args.rounds, args.steps)
-    config = decode_model_config(args.model, **({"layers": args.layers} if args.layers else {}))
+    config = decode_model_config(args.model, layers=args.layers, vocab_size=args.vocab)
     network = build_model(config, dtype=DECODE_DTYPE_OF_WEIGHTS)
     prompt = prompt_token_ids(config["vocab_size"], DECODE_PROMPT_TOKENS)
     tokens = {}
@@ -139,7 +141,8 @@ def main():
     for round_index in range(rounds):
         for path in PATHS if round_index % 2 == 0 else PATHS[::-1]:
             times[path].append(timed(path, network, prompt, steps)[1])
-    print(f"{args.model} ({config['num_hidden_layers']} layers): ms per "
+    print(f"{args.model} ({config['num_hidden_layers']} layers, vocabulary "
+          f"{config['vocab_size']}): ms per "
           f"decode token, {rounds} rounds of {steps} steps, MLX {mx.__version__} on "
           f"{mx.default_device()}, weights {DECODE_DTYPE_OF_WEIGHTS}")
     for path in PATHS:
