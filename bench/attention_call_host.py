@@ -1,8 +1,9 @@
 """Host time to build one mlx-lm attention call's graph, patched vs unpatched.
 
-Two qwen3 attention layers at Qwen3-0.6B's head layout (16 query heads,
-8 key/value heads of width 128): one with plain ``nn.RoPE``, which the
-patch engages, and one with YaRN ``rope_scaling``, which it leaves to
+Three qwen3 attention layers at Qwen3-0.6B's head layout (16 query heads,
+8 key/value heads of width 128): one with plain ``nn.RoPE`` and one with
+YaRN ``rope_scaling`` (a frequency table and an input scale), which the
+patch engages, and one with ``dynamic`` rope_scaling, which it leaves to
 mlx-lm's own code. Each call builds the layer's graph for one decode
 token (no evaluation, no cache), so the time is what the host spends in
 Python and MLX's graph building: the part of a decode step the patch
@@ -32,7 +33,9 @@ ARGUMENTS = {
     "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": 1024,
     "max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "tie_word_embeddings": True,
 }
-YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+        "mscale": 1.0, "mscale_all_dim": 0.5}
+DYNAMIC = {"type": "dynamic", "factor": 2.0}
 
 
 def attention_layer(rope_scaling):
@@ -57,7 +60,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     options = parser.parse_args()
     x = mx.random.normal((1, 1, HIDDEN)).astype(mx.bfloat16)
-    layers = {"plain nn.RoPE (engaged)": None, "YaRN rope_scaling (left alone)": YARN}
+    layers = {
+        "plain nn.RoPE (engaged)": None,
+        "YaRN rope_scaling (engaged)": YARN,
+        "dynamic rope_scaling (left alone)": DYNAMIC,
+    }
     times: dict = {(name, patched): [] for name in layers for patched in (False, True)}
     for round_index in range(options.rounds):
         order = (False, True) if round_index % 2 == 0 else (True, False)

@@ -44,9 +44,7 @@ typedef struct mlx_dualnorm_fused_backend_ {
 } mlx_dualnorm_fused_backend;
 
 /* Opaque: the compiled graphs (one per weight layout) and the epsilon they
- * bake in. Created by _new, its graphs released by _close, its memory by
- * _free; the struct outlives _close so late callers get MLX_DUALNORM_CLOSED
- * instead of a dangling pointer. */
+ * bake in; its life cycle is dual_head_norm_common.h's. */
 typedef struct mlx_dualnorm_compiled_dual_head_norm_
     mlx_dualnorm_compiled_dual_head_norm;
 
@@ -79,10 +77,8 @@ float mlx_dualnorm_compiled_dual_head_norm_epsilon(
     const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm);
 
 /* Applies the graph for the weights given (an empty weight handle means no
- * weight for that side). Inputs are BORROWED: never freed here, and only
- * referenced by the lazy outputs. On success `*res` (allocated when empty,
- * owned by the caller) holds exactly two lazy arrays: the normalized
- * queries first, the normalized keys second. Thread-safe. */
+ * weight for that side). Outputs: two lazy arrays, the normalized queries
+ * first, the normalized keys second (ownership: the common life cycle). */
 int mlx_dualnorm_compiled_dual_head_norm_apply(
     mlx_vector_array* res,
     mlx_dualnorm_compiled_dual_head_norm* dual_head_norm,
@@ -92,17 +88,12 @@ int mlx_dualnorm_compiled_dual_head_norm_apply(
     const mlx_array key_scale_weight,
     mlx_dualnorm_error* error);
 
-/* Releases the compiled graphs and their entries in every thread's compile
- * cache (the calling thread's at once, any other thread's at that thread's
- * next apply or its exit); later applies fail with MLX_DUALNORM_CLOSED.
- * Waits for applies in flight. Closing twice is a no-op. */
+/* Releases the compiled graphs (the common life cycle's _close). */
 int mlx_dualnorm_compiled_dual_head_norm_close(
     mlx_dualnorm_compiled_dual_head_norm* dual_head_norm,
     mlx_dualnorm_error* error);
 
-/* Closes (if still open) and frees. NULL is a no-op. The caller must ensure
- * no other thread still uses the pointer. A failure to close is not
- * reported: freeing runs in finalizers, where nobody could act on it. */
+/* Closes (if still open) and frees (the common life cycle's _free). */
 void mlx_dualnorm_compiled_dual_head_norm_free(
     mlx_dualnorm_compiled_dual_head_norm* dual_head_norm);
 

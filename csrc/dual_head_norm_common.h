@@ -10,6 +10,24 @@
  * `mlx_dualnorm_error*` (NULL when the caller does not want the details)
  * that it fills before it returns a non-zero status. Nothing is left in
  * shared or thread-local state for the caller to collect later.
+ *
+ * Every object (mlx_dualnorm_compiled_dual_head_norm,
+ * mlx_dualnorm_dual_head_norm_rope) has one life cycle, stated here once:
+ * - _new gives the caller an object it owns; _free releases it.
+ * - _apply BORROWS its inputs: it never frees them, and only the lazy
+ *   outputs reference them. It fills `*res` (allocated when empty, owned by
+ *   the caller) with exactly the outputs its header names, in that order.
+ *   Applies are thread-safe.
+ * - _close releases the compiled graphs and their entries in every
+ *   thread's compile cache (the calling thread's at once, any other
+ *   thread's at that thread's next apply or its exit), after waiting for
+ *   the applies in flight. Later applies fail with MLX_DUALNORM_CLOSED (the
+ *   struct outlives _close, so a late caller gets that status, never a
+ *   dangling pointer). Closing twice is a no-op.
+ * - _free closes (if still open) and frees; NULL is a no-op. The caller
+ *   must ensure no other thread still uses the pointer. A failure to close
+ *   is not reported: freeing runs in finalizers, where nobody could act on
+ *   it.
  */
 #ifndef MLX_DUALNORM_DUAL_HEAD_NORM_COMMON_H
 #define MLX_DUALNORM_DUAL_HEAD_NORM_COMMON_H

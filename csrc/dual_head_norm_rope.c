@@ -42,6 +42,13 @@
  * input is an invalid argument naming the operation, never an MLX failure
  * inside a trace.
  *
+ * Scaled RoPE (docs/design.md, "Frequency tables and the input scale"):
+ * an object made with_freqs takes the table as one more graph input, after
+ * the weights, passed to mlx_fast_rope_dynamic as its `freqs` (which
+ * converts it to float32); the input scale, a compile constant, is the
+ * AsType + SliceUpdate-Prod that Python's x.at[..., :dims].multiply(s)
+ * builds, before the rope. The fused kernel takes float32 tables only.
+ *
  * In FUSED mode, the calls the registered fused backend takes skip the
  * graph: one CUDA kernel launch, its constants kernel arguments. Which
  * calls it takes is decided here, from the facts read once per call (the
@@ -66,6 +73,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -108,35 +116,68 @@ typedef struct graph_constants {
   bool has_key_weight;
 } graph_constants;
 
+/* `x.at[..., :dims].multiply(input_scale)` on the (B, H, L, D) `head_major`,
+ * as MLX's Python binding builds it: the factor a scalar of x's dtype (the
+ * float32 value converted as MLX converts a Python float for that dtype:
+ * float32 as is, else one AsType, whose rounding is the same), then a
+ * SliceUpdate with the Prod reduction over the first `dims` features.
+ * `*scaled` receives a new handle; every other handle made here is freed. */
+static int scale_rotated_features(mlx_array* scaled, const mlx_array head_major, int dims,
+                                  float input_scale, const mlx_stream stream) {
+  const int* shape = mlx_array_shape(head_major);
+  const int start[ATTENTION_INPUT_RANK] = {0, 0, 0, 0};
+  const int stop[ATTENTION_INPUT_RANK] = {shape[0], shape[1], shape[2], dims};
+  const int strides[ATTENTION_INPUT_RANK] = {1, 1, 1, 1};
+  mlx_array factor = mlx_array_new_data(&input_scale, NULL, 0, MLX_FLOAT32);
+  mlx_array typed_factor = mlx_array_new();
+  int status = factor.ctx == NULL ||
+               mlx_astype(&typed_factor, factor, mlx_array_dtype(head_major), stream) != 0 ||
+               mlx_slice_update_prod(scaled, head_major, typed_factor, start,
+                                     ATTENTION_INPUT_RANK, stop, ATTENTION_INPUT_RANK, strides,
+                                     ATTENTION_INPUT_RANK, stream) != 0;
+  status |= mlx_array_free(factor);
+  status |= mlx_array_free(typed_factor);
+  return status;
+}
+
 /* rope(rms_norm(input, weight, eps).transpose(0, 2, 1, 3)) for one side,
- * every step on the one stream dualnorm_select_side_stream picks. */
+ * the first `dims` features multiplied by the input scale first where the
+ * constants have one; every step on the one stream
+ * dualnorm_select_side_stream picks. `freqs` is the call's table (borrowed)
+ * or, for an object with a base, an empty handle. */
 static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
                                 const mlx_array scale_weight, const mlx_array rope_offset,
-                                const graph_constants* constants,
+                                const mlx_array freqs, const graph_constants* constants,
                                 const mlx_device default_device) {
   const mlx_dualnorm_rope_parameters* rope = &constants->rope;
-  const mlx_optional_float rope_base = {.value = rope->base, .has_value = true};
-  const mlx_array no_frequencies = mlx_array_new();
+  const mlx_optional_float rope_base = {.value = rope->base, .has_value = !rope->with_freqs};
   mlx_stream stream = mlx_stream_new();
   mlx_array normalized = mlx_array_new();
   mlx_array head_major = mlx_array_new();
+  mlx_array scaled = mlx_array_new();
   int status =
       dualnorm_select_side_stream(&stream, input, default_device) != 0 ||
       mlx_fast_rms_norm(&normalized, input, scale_weight, constants->rms_norm_epsilon,
                         stream) != 0 ||
       mlx_transpose_axes(&head_major, normalized, HEAD_MAJOR_AXES, ATTENTION_INPUT_RANK,
                          stream) != 0 ||
-      mlx_fast_rope_dynamic(rotated, head_major, rope->dims, rope->traditional, rope_base,
-                            rope->scale, rope_offset, no_frequencies, stream) != 0;
+      (rope->input_scale.has_value &&
+       scale_rotated_features(&scaled, head_major, rope->dims, rope->input_scale.value,
+                              stream) != 0) ||
+      mlx_fast_rope_dynamic(rotated, rope->input_scale.has_value ? scaled : head_major,
+                            rope->dims, rope->traditional, rope_base, rope->scale, rope_offset,
+                            freqs, stream) != 0;
   status |= mlx_array_free(normalized);
   status |= mlx_array_free(head_major);
+  status |= mlx_array_free(scaled);
   status |= mlx_stream_free(stream);
   return status;
 }
 
 /* The inputs of a norm + RoPE graph of these constants' layout. */
 static size_t norm_rope_input_count(const graph_constants* constants) {
-  return 3 + (size_t)constants->has_query_weight + (size_t)constants->has_key_weight;
+  return 3 + (size_t)constants->has_query_weight + (size_t)constants->has_key_weight +
+         (size_t)constants->rope.with_freqs;
 }
 
 /* Whether a builder got an output vector and `expected_inputs` inputs;
@@ -153,7 +194,8 @@ static bool graph_inputs_expected(const mlx_vector_array* output_vector,
 }
 
 /* Inputs: queries, keys, the RoPE offset, then the query weight and the key
- * weight where the layout has them. Output order is the caller's ABI:
+ * weight where the layout has them, then the frequency table where the
+ * RoPE takes one. Output order is the caller's ABI:
  * rotated queries first, keys second, published once at the end. Every
  * handle made here is freed on every path; the input vector belongs to the
  * closure. */
@@ -168,6 +210,7 @@ static int build_norm_rope_graph(mlx_vector_array* output_vector,
   mlx_array rope_offset = mlx_array_new();
   mlx_array query_scale_weight = mlx_array_new();
   mlx_array key_scale_weight = mlx_array_new();
+  mlx_array freqs = mlx_array_new();
   mlx_array rotated[2] = {mlx_array_new(), mlx_array_new()};
   mlx_device default_device = mlx_device_new();
   size_t next_input = 3;
@@ -179,19 +222,22 @@ static int build_norm_rope_graph(mlx_vector_array* output_vector,
        mlx_vector_array_get(&query_scale_weight, input_vector, next_input++) != 0) ||
       (constants->has_key_weight &&
        mlx_vector_array_get(&key_scale_weight, input_vector, next_input++) != 0) ||
+      (constants->rope.with_freqs &&
+       mlx_vector_array_get(&freqs, input_vector, next_input++) != 0) ||
       /* The default device's stream, as the composed calls use: the graph
        * builds on a CPU-only MLX, and a default-device change retraces. */
       mlx_get_default_device(&default_device) != 0 ||
-      normalize_and_rotate(&rotated[0], queries, query_scale_weight, rope_offset, constants,
-                           default_device) != 0 ||
-      normalize_and_rotate(&rotated[1], keys, key_scale_weight, rope_offset, constants,
-                           default_device) != 0 ||
+      normalize_and_rotate(&rotated[0], queries, query_scale_weight, rope_offset, freqs,
+                           constants, default_device) != 0 ||
+      normalize_and_rotate(&rotated[1], keys, key_scale_weight, rope_offset, freqs,
+                           constants, default_device) != 0 ||
       mlx_vector_array_set_data(output_vector, rotated, 2) != 0;
   status |= mlx_array_free(queries);
   status |= mlx_array_free(keys);
   status |= mlx_array_free(rope_offset);
   status |= mlx_array_free(query_scale_weight);
   status |= mlx_array_free(key_scale_weight);
+  status |= mlx_array_free(freqs);
   status |= mlx_array_free(rotated[0]);
   status |= mlx_array_free(rotated[1]);
   status |= mlx_device_free(default_device);
@@ -279,9 +325,11 @@ static uint64_t float_bits(float value) {
  * builder reads as a compile constant. */
 static int compile_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
   const mlx_dualnorm_rope_parameters* rope = &norm_rope->rope;
-  const uint64_t compile_constants[5] = {
+  const uint64_t compile_constants[8] = {
       float_bits(norm_rope->rms_norm_epsilon), (uint64_t)(uint32_t)rope->dims,
       rope->traditional, float_bits(rope->base), float_bits(rope->scale),
+      rope->with_freqs, rope->input_scale.has_value,
+      rope->input_scale.has_value ? float_bits(rope->input_scale.value) : 0,
   };
   size_t constant_count = sizeof compile_constants / sizeof compile_constants[0];
   return dualnorm_compile_layout_graphs(&norm_rope->graphs, norm_rope->mode, new_plain_graph,
@@ -303,6 +351,18 @@ static int check_constants(double rms_norm_epsilon, const mlx_dualnorm_rope_para
   if (rope->dims <= 0 || rope->dims % 2 != 0) {
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
                               "dims must be positive and even, got %d", rope->dims);
+  }
+  /* MLX's rule, one of base or freqs: a table means no base. */
+  if (rope->with_freqs && rope->base != 0.0f) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "only one of base or freqs can have a value: base must be 0 "
+                              "with frequencies, got %g",
+                              (double)rope->base);
+  }
+  if (rope->input_scale.has_value && !isfinite(rope->input_scale.value)) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "input_scale must be finite (as a float32), got %g",
+                              (double)rope->input_scale.value);
   }
   return MLX_DUALNORM_OK;
 }
@@ -434,12 +494,47 @@ static int check_rope_side(const head_norm_input* side, const char* input_name,
   return MLX_DUALNORM_OK;
 }
 
+/* rope's checks of the frequency table, and MLX's rule that a RoPE has a
+ * base or a table, not both: an object with frequencies takes a table of
+ * shape (dims / 2,), of any dtype (mlx_fast_rope_dynamic converts it to
+ * float32); one with a base takes an empty handle. */
+static int check_rope_freqs(const mlx_dualnorm_rope_parameters* rope, const mlx_array freqs,
+                            mlx_dualnorm_error* error) {
+  const char* operation = APPLY_NORM_ROPE_OPERATION;
+  if (!rope->with_freqs) {
+    return freqs.ctx == NULL
+               ? MLX_DUALNORM_OK
+               : dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                                    "only one of base or freqs can have a value: this "
+                                    "object has a base, so it takes no freqs");
+  }
+  if (freqs.ctx == NULL) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "freqs are required: this object was made without a base");
+  }
+  size_t rank = mlx_array_ndim(freqs);
+  int half_dims = rope->dims / 2;
+  if (rank != 1 || mlx_array_shape(freqs)[0] != half_dims) {
+    char shape[64] = "()";
+    if (rank == 1) {
+      snprintf(shape, sizeof shape, "(%d)", mlx_array_shape(freqs)[0]);
+    } else if (rank > 1) {
+      snprintf(shape, sizeof shape, "of %zu dimensions", rank);
+    }
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "freqs must be one dimensional with size %d but got shape %s",
+                              half_dims, shape);
+  }
+  return MLX_DUALNORM_OK;
+}
+
 /* Reads and checks every input once, in the composed path's order. */
 static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
                           dual_head_norm_call* call, rope_offset_input* offset,
                           const mlx_array queries, const mlx_array keys,
                           const mlx_array query_scale_weight, const mlx_array key_scale_weight,
-                          const mlx_array rope_offset, mlx_dualnorm_error* error) {
+                          const mlx_array rope_offset, const mlx_array freqs,
+                          mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_OPERATION;
   int status = dualnorm_inspect_head_norm_input(&call->queries, operation, "queries", queries,
                                                 "query_weight", query_scale_weight,
@@ -456,6 +551,9 @@ static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
   }
   if (status == MLX_DUALNORM_OK) {
     status = check_rope_side(&call->keys, "keys", &norm_rope->rope, offset->size, error);
+  }
+  if (status == MLX_DUALNORM_OK) {
+    status = check_rope_freqs(&norm_rope->rope, freqs, error);
   }
   if (status == MLX_DUALNORM_OK) {
     status = dualnorm_check_float64_placement(call, operation, error);
@@ -481,12 +579,14 @@ static bool offset_fits_side(const head_norm_input* side, const rope_offset_inpu
 
 /* Whether the fused kernel computes exactly what the composed calls would:
  * the inputs fit the kernel (mode_choice.h), an offset MLX reads in
- * bounds, the CUDA GPU by default. */
+ * bounds, a float32 table if any (others take the graph, where
+ * mlx_fast_rope_dynamic converts them), the CUDA GPU by default. */
 static int fused_kernel_takes(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
                               dual_head_norm_call* call, const rope_offset_input* offset,
-                              bool* takes, mlx_dualnorm_error* error) {
+                              const mlx_array freqs, bool* takes, mlx_dualnorm_error* error) {
   *takes = dualnorm_fused_kernel_fits(&norm_rope->fused_backend->kernel, call) &&
-           offset_fits_side(&call->queries, offset) && offset_fits_side(&call->keys, offset);
+           offset_fits_side(&call->queries, offset) && offset_fits_side(&call->keys, offset) &&
+           (freqs.ctx == NULL || mlx_array_dtype(freqs) == MLX_FLOAT32);
   return *takes ? dualnorm_default_device_is_gpu(call, APPLY_NORM_ROPE_OPERATION, takes, error)
                 : MLX_DUALNORM_OK;
 }
@@ -495,15 +595,15 @@ static int fused_kernel_takes(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
  * no graph, so no trace; the constants are kernel arguments. */
 static int apply_fused_kernel(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
                               const dual_head_norm_call* call, const mlx_array rope_offset,
-                              mlx_dualnorm_error* error) {
+                              const mlx_array freqs, mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_OPERATION;
   pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
   bool closed = norm_rope->closed;
   int apply_status = 0;
   if (!closed) {
-    apply_status = norm_rope->fused_backend->apply(
+    apply_status = norm_rope->fused_backend->apply_with_freqs(
         res, call->queries.array, call->keys.array, call->queries.weight, call->keys.weight,
-        rope_offset, norm_rope->rms_norm_epsilon, norm_rope->rope);
+        rope_offset, freqs, norm_rope->rms_norm_epsilon, norm_rope->rope);
   }
   pthread_rwlock_unlock(&norm_rope->lifetime_lock);
   if (closed) {
@@ -511,6 +611,22 @@ static int apply_fused_kernel(mlx_vector_array* res, mlx_dualnorm_dual_head_norm
                               "the dual head norm rope is closed");
   }
   return apply_status != 0 ? dualnorm_fail_in_mlx(error, operation) : MLX_DUALNORM_OK;
+}
+
+/* The norm + RoPE graph's input vector (owned by the caller): queries,
+ * keys, the RoPE offset, the call's weights, then the table where the call
+ * has one (the builder's input order); `*layout` the call's. An empty
+ * handle, with the reason sent to mlx_error, on failure. */
+static mlx_vector_array norm_rope_graph_inputs(const dual_head_norm_call* call,
+                                               const mlx_array* rope_offset,
+                                               const mlx_array freqs, int* layout) {
+  mlx_vector_array inputs = dualnorm_graph_inputs(call, rope_offset, layout);
+  if (inputs.ctx != NULL && freqs.ctx != NULL &&
+      mlx_vector_array_append_value(inputs, freqs) != 0) {
+    mlx_vector_array_free(inputs); /* already failing: its status adds nothing */
+    return mlx_vector_array_new();
+  }
+  return inputs;
 }
 
 /* Runs the closure of `graphs` (the object's norm + RoPE or cache graphs)
@@ -540,11 +656,11 @@ static int run_layout_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_r
 /* Runs the chosen closure of the call's weight layout. */
 static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
                        const dual_head_norm_call* call, const mlx_array rope_offset,
-                       mlx_dualnorm_error* error) {
+                       const mlx_array freqs, mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_OPERATION;
   int layout = WEIGHTLESS_LAYOUT;
   /* Owned here, freed below on every path. */
-  mlx_vector_array input_vector = dualnorm_graph_inputs(call, &rope_offset, &layout);
+  mlx_vector_array input_vector = norm_rope_graph_inputs(call, &rope_offset, freqs, &layout);
   if (input_vector.ctx == NULL) {
     return dualnorm_fail_in_mlx(error, operation);
   }
@@ -563,15 +679,15 @@ static int begin_apply(const mlx_vector_array* res,
                        dual_head_norm_call* call, rope_offset_input* offset,
                        const mlx_array queries, const mlx_array keys,
                        const mlx_array query_scale_weight, const mlx_array key_scale_weight,
-                       const mlx_array rope_offset, const char* operation,
-                       mlx_dualnorm_error* error) {
+                       const mlx_array rope_offset, const mlx_array freqs,
+                       const char* operation, mlx_dualnorm_error* error) {
   dualnorm_begin_call();
   if (res == NULL || norm_rope == NULL) {
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
                               "the result vector or the dual head norm rope is NULL");
   }
   int status = inspect_inputs(norm_rope, call, offset, queries, keys, query_scale_weight,
-                              key_scale_weight, rope_offset, error);
+                              key_scale_weight, rope_offset, freqs, error);
   if (status != MLX_DUALNORM_OK && error != NULL) {
     error->operation = operation;
   }
@@ -583,14 +699,14 @@ static int begin_apply(const mlx_vector_array* res,
  * FUSED mode's kernel takes the call. */
 static int choose_route(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
                         const dualnorm_layout_graphs* graphs, dual_head_norm_call* call,
-                        const rope_offset_input* offset, bool* fused, const char* operation,
-                        mlx_dualnorm_error* error) {
+                        const rope_offset_input* offset, const mlx_array freqs, bool* fused,
+                        const char* operation, mlx_dualnorm_error* error) {
   if (!dualnorm_register_applying_thread(graphs->compile_ids) ||
       dualnorm_erase_queued_compile_ids() != 0) {
     return dualnorm_fail_in_mlx(error, operation);
   }
   return norm_rope->mode == MLX_DUALNORM_MODE_FUSED
-             ? fused_kernel_takes(norm_rope, call, offset, fused, error)
+             ? fused_kernel_takes(norm_rope, call, offset, freqs, fused, error)
              : MLX_DUALNORM_OK;
 }
 
@@ -598,21 +714,31 @@ int mlx_dualnorm_dual_head_norm_rope_apply(
     mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
     const mlx_array queries, const mlx_array keys, const mlx_array query_scale_weight,
     const mlx_array key_scale_weight, const mlx_array rope_offset, mlx_dualnorm_error* error) {
+  return mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
+      res, norm_rope, queries, keys, query_scale_weight, key_scale_weight, rope_offset,
+      mlx_array_new(), error);
+}
+
+int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+    const mlx_array queries, const mlx_array keys, const mlx_array query_scale_weight,
+    const mlx_array key_scale_weight, const mlx_array rope_offset, const mlx_array freqs,
+    mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_OPERATION;
   dual_head_norm_call call = {0};
   rope_offset_input offset = {0};
   bool fused = false;
   int status = begin_apply(res, norm_rope, &call, &offset, queries, keys, query_scale_weight,
-                           key_scale_weight, rope_offset, operation, error);
+                           key_scale_weight, rope_offset, freqs, operation, error);
   if (status == MLX_DUALNORM_OK) {
-    status = choose_route(norm_rope, &norm_rope->graphs, &call, &offset, &fused, operation,
-                          error);
+    status = choose_route(norm_rope, &norm_rope->graphs, &call, &offset, freqs, &fused,
+                          operation, error);
   }
   if (status != MLX_DUALNORM_OK) {
     return status;
   }
-  return fused ? apply_fused_kernel(res, norm_rope, &call, rope_offset, error)
-               : apply_graph(res, norm_rope, &call, rope_offset, error);
+  return fused ? apply_fused_kernel(res, norm_rope, &call, rope_offset, freqs, error)
+               : apply_graph(res, norm_rope, &call, rope_offset, freqs, error);
 }
 
 int mlx_dualnorm_dual_head_norm_rope_close(mlx_dualnorm_dual_head_norm_rope* norm_rope,
@@ -749,8 +875,8 @@ static int build_norm_rope_cache_graph(mlx_vector_array* output_vector,
                              norm_rope_inputs + CACHE_GRAPH_EXTRA_INPUTS)) {
     return 1;
   }
-  mlx_array norm_rope_input_arrays[5] = {mlx_array_new(), mlx_array_new(), mlx_array_new(),
-                                         mlx_array_new(), mlx_array_new()};
+  mlx_array norm_rope_input_arrays[6] = {mlx_array_new(), mlx_array_new(), mlx_array_new(),
+                                         mlx_array_new(), mlx_array_new(), mlx_array_new()};
   mlx_vector_array norm_rope_inputs_vector = mlx_vector_array_new();
   mlx_vector_array rotated = mlx_vector_array_new();
   int status = 0;
@@ -763,7 +889,7 @@ static int build_norm_rope_cache_graph(mlx_vector_array* output_vector,
            build_norm_rope_graph(&rotated, norm_rope_inputs_vector, payload) != 0 ||
            publish_cache_outputs(output_vector, rotated, input_vector, norm_rope_inputs,
                                  NULL) != 0;
-  for (size_t index = 0; index < 5; ++index) {
+  for (size_t index = 0; index < 6; ++index) {
     status |= mlx_array_free(norm_rope_input_arrays[index]);
   }
   status |= mlx_vector_array_free(norm_rope_inputs_vector);
@@ -862,11 +988,11 @@ static int append_write_offset(mlx_vector_array inputs,
 static int apply_fused_kernel_with_cache(mlx_vector_array* res,
                                          mlx_dualnorm_dual_head_norm_rope* norm_rope,
                                          const dual_head_norm_call* call,
-                                         const mlx_array rope_offset,
+                                         const mlx_array rope_offset, const mlx_array freqs,
                                          const mlx_vector_array inputs, int write_offset,
                                          mlx_dualnorm_error* error) {
   mlx_vector_array rotated = mlx_vector_array_new();
-  int status = apply_fused_kernel(&rotated, norm_rope, call, rope_offset, error);
+  int status = apply_fused_kernel(&rotated, norm_rope, call, rope_offset, freqs, error);
   if (status == MLX_DUALNORM_OK &&
       publish_cache_outputs(res, rotated, inputs,
                             mlx_vector_array_size(inputs) - CACHE_GRAPH_EXTRA_INPUTS,
@@ -884,11 +1010,11 @@ static int apply_fused_kernel_with_cache(mlx_vector_array* res,
  * handle, with the reason sent to mlx_error, on failure. */
 static mlx_vector_array cache_graph_inputs(mlx_dualnorm_dual_head_norm_rope* norm_rope,
                                            const dual_head_norm_call* call,
-                                           const mlx_array* rope_offset, const mlx_array values,
-                                           const mlx_array key_cache,
+                                           const mlx_array* rope_offset, const mlx_array freqs,
+                                           const mlx_array values, const mlx_array key_cache,
                                            const mlx_array value_cache, int write_offset,
                                            int* layout) {
-  mlx_vector_array inputs = dualnorm_graph_inputs(call, rope_offset, layout);
+  mlx_vector_array inputs = norm_rope_graph_inputs(call, rope_offset, freqs, layout);
   if (inputs.ctx == NULL) {
     return inputs;
   }
@@ -906,21 +1032,21 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
     mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
     const mlx_array queries, const mlx_array keys, const mlx_array values,
     const mlx_array query_scale_weight, const mlx_array key_scale_weight,
-    const mlx_array rope_offset, const mlx_array key_cache, const mlx_array value_cache,
-    int write_offset, mlx_dualnorm_error* error) {
+    const mlx_array rope_offset, const mlx_array freqs, const mlx_array key_cache,
+    const mlx_array value_cache, int write_offset, mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
   dual_head_norm_call call = {0};
   rope_offset_input offset = {0};
   bool fused = false;
   /* The norm + RoPE's checks, reported as this call's. */
   int status = begin_apply(res, norm_rope, &call, &offset, queries, keys, query_scale_weight,
-                           key_scale_weight, rope_offset, operation, error);
+                           key_scale_weight, rope_offset, freqs, operation, error);
   if (status == MLX_DUALNORM_OK) {
     status = check_cache_inputs(&call.keys, values, key_cache, value_cache, write_offset,
                                 error);
   }
   if (status == MLX_DUALNORM_OK) {
-    status = choose_route(norm_rope, &norm_rope->cache_graphs, &call, &offset, &fused,
+    status = choose_route(norm_rope, &norm_rope->cache_graphs, &call, &offset, freqs, &fused,
                           operation, error);
   }
   if (status != MLX_DUALNORM_OK) {
@@ -928,13 +1054,13 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
   }
   int layout = WEIGHTLESS_LAYOUT;
   /* Owned here, freed below on every path. */
-  mlx_vector_array inputs = cache_graph_inputs(norm_rope, &call, &rope_offset, values,
+  mlx_vector_array inputs = cache_graph_inputs(norm_rope, &call, &rope_offset, freqs, values,
                                                key_cache, value_cache, write_offset, &layout);
   if (inputs.ctx == NULL) {
     return dualnorm_fail_in_mlx(error, operation);
   }
-  status = fused ? apply_fused_kernel_with_cache(res, norm_rope, &call, rope_offset, inputs,
-                                                 write_offset, error)
+  status = fused ? apply_fused_kernel_with_cache(res, norm_rope, &call, rope_offset, freqs,
+                                                 inputs, write_offset, error)
                  : run_layout_graph(res, norm_rope, &norm_rope->cache_graphs, &call, layout,
                                     inputs, operation, error);
   if (mlx_vector_array_free(inputs) != 0 && status == MLX_DUALNORM_OK) {

@@ -8,7 +8,9 @@
  *   rope(rms_norm(keys, key_scale_weight, eps).transpose(0, 2, 1, 3))
  *
  * with `rope` being mlx_fast_rope_dynamic(x, dims, traditional, base,
- * scale, offset), as one replay of a compiled MLX graph whose primitives
+ * scale, offset, freqs) (frequencies from a base or a table; the first
+ * `dims` features optionally scaled first, see
+ * mlx_dualnorm_rope_parameters), as one replay of a compiled MLX graph whose primitives
  * and order are those of the six composed calls, so the bits are theirs.
  *
  * Plain C over the public mlx-c API, like dual_head_norm.h; the status,
@@ -29,14 +31,35 @@
 extern "C" {
 #endif
 
-/* The RoPE of both outputs, as mlx_fast_rope_dynamic takes it (with a base,
- * never frequencies). `dims` must be positive and even, and at most the
- * inputs' last dimension (checked per call). */
+/* The RoPE of both outputs, as mlx_fast_rope_dynamic takes it. `dims` must
+ * be positive and even, and at most the inputs' last dimension (checked per
+ * call).
+ *
+ * Frequencies: with `with_freqs` false, `base` gives them, as
+ * mlx_fast_rope_dynamic's base. With `with_freqs` true there is no base
+ * (`base` must be 0) and every apply takes the frequency table as an INPUT
+ * (mlx_dualnorm_dual_head_norm_rope_apply_with_freqs), as
+ * mlx_fast_rope_dynamic's `freqs`: an array of shape (dims / 2,), of any
+ * dtype MLX converts to float32. The object holds no array, so a table that
+ * changes between calls is followed, and the compiled graph is replayed,
+ * not retraced, for a table of the same shape and dtype.
+ *
+ * `input_scale`, when it has a value, multiplies the first `dims` features
+ * of each normalized, transposed side before the rotation, as Python's
+ * `x.at[..., :dims].multiply(input_scale)` (mlx-lm's YaRN and su-scaled
+ * RoPE): the value, rounded to float32, becomes a scalar of the input's
+ * dtype, so for bfloat16 inputs both the factor and the product are
+ * bfloat16. Finite (checked at construction).
+ *
+ * Zero-initialized fields past `scale` mean what the struct meant before
+ * they were added: frequencies from `base`, no input scale. */
 typedef struct mlx_dualnorm_rope_parameters_ {
   int dims;
   bool traditional;
   float base;
   float scale;
+  bool with_freqs;
+  mlx_optional_float input_scale;
 } mlx_dualnorm_rope_parameters;
 
 /* The fused CUDA mode of the norm + RoPE, as the composite sees it (the
@@ -57,6 +80,15 @@ typedef struct mlx_dualnorm_fused_rope_backend_ {
                const mlx_array rope_offset,
                float rms_norm_epsilon,
                mlx_dualnorm_rope_parameters rope);
+  /* As `apply`, with the frequency table of a `rope.with_freqs` object
+   * (borrowed; float32, shape (dims / 2,): the composite sends it no other
+   * table). `apply` is this with an empty `freqs` handle; both honor every
+   * field of `rope`. */
+  int (*apply_with_freqs)(mlx_vector_array* res, const mlx_array queries,
+                          const mlx_array keys, const mlx_array query_scale_weight,
+                          const mlx_array key_scale_weight, const mlx_array rope_offset,
+                          const mlx_array freqs, float rms_norm_epsilon,
+                          mlx_dualnorm_rope_parameters rope);
 } mlx_dualnorm_fused_rope_backend;
 
 /* Registers the fused CUDA mode of the norm + RoPE process-wide (NULL
@@ -69,9 +101,7 @@ void mlx_dualnorm_set_fused_rope_backend(const mlx_dualnorm_fused_rope_backend* 
 bool mlx_dualnorm_fused_rope_mode_available(void);
 
 /* Opaque: the compiled graphs (one per weight layout) and the constants
- * they bake in. Created by _new, its graphs released by _close, its memory
- * by _free; the struct outlives _close so late callers get
- * MLX_DUALNORM_CLOSED instead of a dangling pointer. */
+ * they bake in; its life cycle is dual_head_norm_common.h's. */
 typedef struct mlx_dualnorm_dual_head_norm_rope_ mlx_dualnorm_dual_head_norm_rope;
 
 /* Builds the graphs with `rms_norm_epsilon` and `rope` baked in, for `mode`
@@ -80,7 +110,8 @@ typedef struct mlx_dualnorm_dual_head_norm_rope_ mlx_dualnorm_dual_head_norm_rop
  * cannot run is an invalid argument). In FUSED mode, calls the kernel does
  * not take run the compiled graph, with the same bits. The
  * epsilon must be finite, >= 0 and within float32's range (checked before
- * rounding to float32, the type MLX uses); rope.dims positive and even.
+ * rounding to float32, the type MLX uses); rope.dims positive and even;
+ * rope.base 0 when rope.with_freqs; rope.input_scale finite when given.
  * `*res` receives a new object the caller owns (free it with
  * mlx_dualnorm_dual_head_norm_rope_free). */
 int mlx_dualnorm_dual_head_norm_rope_new(
@@ -106,10 +137,8 @@ mlx_dualnorm_rope_parameters mlx_dualnorm_dual_head_norm_rope_parameters(
  * of rank 4, with the weights given (an empty weight handle means no weight
  * for that side) and `rope_offset`, an integer array as mlx_fast_rope_dynamic
  * takes it (a scalar, or one value per batch entry; mlx-lm's decode passes
- * an int32 scalar). Inputs are BORROWED: never freed here, and only
- * referenced by the lazy outputs. On success `*res` (allocated when empty,
- * owned by the caller) holds exactly two lazy arrays: the rotated queries
- * first, the rotated keys second. Thread-safe. */
+ * an int32 scalar). Outputs: two lazy arrays, the rotated queries first,
+ * the rotated keys second (ownership: the common life cycle). */
 int mlx_dualnorm_dual_head_norm_rope_apply(
     mlx_vector_array* res,
     mlx_dualnorm_dual_head_norm_rope* norm_rope,
@@ -120,16 +149,26 @@ int mlx_dualnorm_dual_head_norm_rope_apply(
     const mlx_array rope_offset,
     mlx_dualnorm_error* error);
 
-/* Releases the graphs and their entries in every thread's compile cache
- * (the calling thread's at once, any other thread's at that thread's next
- * apply or its exit); later applies fail with MLX_DUALNORM_CLOSED. Waits
- * for applies in flight. Closing twice is a no-op. */
+/* As mlx_dualnorm_dual_head_norm_rope_apply, with `freqs`, the frequency
+ * table of a `rope.with_freqs` object (BORROWED, like every input): an
+ * array of shape (dims / 2,), converted to float32 as mlx_fast_rope_dynamic
+ * does. An object with a base takes an empty `freqs` handle only (MLX's
+ * rule: one of base or freqs), and one with frequencies a table only. Same
+ * outputs, order and ownership as _apply, which is this function with an
+ * empty `freqs` handle. */
+int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+    const mlx_array queries, const mlx_array keys,
+    const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+    const mlx_array rope_offset, const mlx_array freqs /* may be null */,
+    mlx_dualnorm_error* error);
+
+/* Releases the compiled graphs (the common life cycle's _close). */
 int mlx_dualnorm_dual_head_norm_rope_close(
     mlx_dualnorm_dual_head_norm_rope* norm_rope,
     mlx_dualnorm_error* error);
 
-/* Closes (if still open) and frees. NULL is a no-op. The caller must ensure
- * no other thread still uses the pointer. */
+/* Closes (if still open) and frees (the common life cycle's _free). */
 void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* norm_rope);
 
 #ifdef __cplusplus

@@ -36,7 +36,9 @@ extern "C" {
 #endif
 
 /* Normalizes, transposes and rotates queries and keys as
- * mlx_dualnorm_dual_head_norm_rope_apply does (same checks, same routes),
+ * mlx_dualnorm_dual_head_norm_rope_apply_with_freqs does (same checks, same
+ * routes; `freqs` an empty handle for an object with a base, the table for
+ * one made with_freqs),
  * and writes the rotated keys and the transposed values into the buffers at
  * rows [write_offset, write_offset + L). Checked on every call: values of
  * rank 4 with the keys' batch, length and heads; buffers of rank 4 with
@@ -61,6 +63,7 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
     const mlx_array query_scale_weight,
     const mlx_array key_scale_weight,
     const mlx_array rope_offset,
+    const mlx_array freqs,
     const mlx_array key_cache,
     const mlx_array value_cache,
     int write_offset,

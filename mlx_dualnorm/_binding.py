@@ -72,7 +72,7 @@ def bind_bridges(
         MlxCError,
     )
     _interop.bind_rope(
-        _function_address("mlx_dualnorm_dual_head_norm_rope_apply"),
+        _function_address("mlx_dualnorm_dual_head_norm_rope_apply_with_freqs"),
         convert_rope_array,
         convert_offset,
     )

@@ -30,6 +30,7 @@ def apply_rope(
     query_weight: object,
     key_weight: object,
     offset: object,
+    freqs: object = None,
 ) -> tuple[mx.array, ...]: ...
 def bind_rope_cache(apply_with_cache_function_address: int) -> None: ...
 def apply_rope_with_cache(
@@ -40,6 +41,7 @@ def apply_rope_with_cache(
     query_weight: object,
     key_weight: object,
     offset: object,
+    freqs: object,
     key_cache: object,
     value_cache: object,
     write_offset: int,

@@ -11,6 +11,12 @@ offset=offset)`` returns the same two arrays, bit for bit, as::
 
 the q/k prework of mlx-lm's Qwen3 attention, from one replay of a compiled
 MLX graph: one crossing into C per call, lazy outputs, no copies.
+
+Scaled RoPE (mlx-lm's ``Llama3RoPE``, ``YarnRoPE``, ``SuScaledRoPE``):
+``base=None`` and the frequency table as ``freqs=`` of each call, as
+``mx.fast.rope(..., base=None, freqs=freqs)``; ``input_scale=s`` multiplies
+the first ``dims`` features of each normalized side first, as
+``x.at[..., :dims].multiply(s)``.
 """
 
 from __future__ import annotations
@@ -50,16 +56,20 @@ def composed_dual_head_norm_rope(
     eps: Optional[float] = None,
     *,
     dims: int,
-    base: float,
+    base: Optional[float],
     traditional: bool = False,
     scale: float = 1.0,
     offset: Offset = 0,
+    freqs: Optional[mx.array] = None,
+    input_scale: Optional[float] = None,
     stream: StreamLike = None,
 ) -> tuple[mx.array, mx.array]:
-    """The reference path: ``rms_norm``, transpose to ``(B, H, L, D)`` and
-    ``rope``, for each side, as mlx-lm's Qwen3 attention calls them. ``eps``
-    is required, by position (as in :func:`composed_dual_head_norm`) or by
-    keyword."""
+    """The reference path: ``rms_norm``, transpose to ``(B, H, L, D)``, then
+    ``x.at[..., :dims].multiply(input_scale)`` where ``input_scale`` is not
+    None, and ``rope`` (with ``base``, or with ``freqs`` when ``base`` is
+    None), for each side, as mlx-lm's attention and RoPE classes call them.
+    ``eps`` is required, by position (as in :func:`composed_dual_head_norm`)
+    or by keyword."""
     if eps is None:
         raise TypeError(
             f"[{COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION}] missing the required argument eps"
@@ -68,13 +78,22 @@ def composed_dual_head_norm_rope(
 
     def normalized_and_rotated(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
         normalized = mx.fast.rms_norm(inputs, weight, rms_norm_epsilon, stream=stream)
+        head_major = normalized.transpose(0, 2, 1, 3, stream=stream)
+        if input_scale is not None:
+            # ArrayAt takes no stream: the default one, set for the call.
+            if stream is None:
+                head_major = head_major.at[..., :dims].multiply(input_scale)
+            else:
+                with mx.stream(stream):
+                    head_major = head_major.at[..., :dims].multiply(input_scale)
         return mx.fast.rope(
-            normalized.transpose(0, 2, 1, 3, stream=stream),
+            head_major,
             dims,
             traditional=traditional,
             base=base,
             scale=scale,
             offset=offset,
+            freqs=freqs,
             stream=stream,
         )
 
@@ -118,9 +137,18 @@ class CompiledDualHeadNormRope(_NativeComposite):
             checked as given, then used as float32 (as ``mx.fast.rms_norm``).
         dims: the features RoPE rotates (positive, even, at most the head
             width; the rest are copied), as ``mx.fast.rope``'s ``dims``.
-        base: RoPE's base (``nn.RoPE``'s; mlx-lm's ``rope_theta``).
+        base: RoPE's base (``nn.RoPE``'s; mlx-lm's ``rope_theta``), or None
+            for a RoPE whose frequencies are a table: each call then takes
+            it as ``freqs`` (as ``mx.fast.rope``, exactly one of the two).
+            Required.
         traditional: rotate consecutive pairs instead of halves.
         scale: the scale of the positions.
+        input_scale: None (default), or a factor applied to the first
+            ``dims`` features of each normalized side before the rotation,
+            as ``x.at[..., :dims].multiply(input_scale)`` (YaRN's
+            ``mscale``, su-scaled RoPE's ``_scale``): a Python float, so
+            rounded to float32, then to the inputs' dtype, the product
+            computed in that dtype, as MLX does. Finite.
         mode: ``"compiled"``: one replay of a compiled graph, traced once
             per input shape (calls with more than 48 rows in all, as in a
             prefill, build the composed graph instead). ``"composed"``: the
@@ -136,6 +164,13 @@ class CompiledDualHeadNormRope(_NativeComposite):
     takes). The offset is an input of the graph, not a constant: decoding
     at successive positions replays one trace.
 
+    With ``base=None``, every call takes the frequency table as ``freqs``:
+    an ``mx.array`` of shape ``(dims // 2,)``, of any dtype (converted to
+    float32, as ``mx.fast.rope`` does). It is an input of the graph too,
+    not held by the object: a table that changes between calls (a module
+    whose ``_freqs`` is replaced) is followed, with no new trace for one of
+    the same shape and dtype, and the object keeps no array alive.
+
     Thread-safe. ``close()`` (or leaving a ``with`` block) releases the
     compiled graphs at once; garbage collection does it otherwise.
     """
@@ -149,9 +184,10 @@ class CompiledDualHeadNormRope(_NativeComposite):
         eps: float,
         dims: int,
         *,
-        base: float,
+        base: Optional[float],
         traditional: bool = False,
         scale: float = 1.0,
+        input_scale: Optional[float] = None,
         mode: Mode = "auto",
     ) -> None:
         self._refuse_reinitialization()
@@ -160,8 +196,12 @@ class CompiledDualHeadNormRope(_NativeComposite):
         rope = ffi.new("mlx_dualnorm_rope_parameters *")
         rope.dims = _as_dims(dims)
         rope.traditional = _as_flag(traditional, "traditional")
-        rope.base = _as_float32_argument(base, "base")
+        rope.with_freqs = base is None
+        rope.base = 0.0 if base is None else _as_float32_argument(base, "base")
         rope.scale = _as_float32_argument(scale, "scale")
+        if input_scale is not None:
+            rope.input_scale.value = _as_float32_argument(input_scale, "input_scale")
+            rope.input_scale.has_value = True
         mode_value = _composite._mode_value(mode, operation)
         created = ffi.new("mlx_dualnorm_dual_head_norm_rope **")
         call_native(
@@ -169,14 +209,28 @@ class CompiledDualHeadNormRope(_NativeComposite):
         )
         self._own(
             created[0], lib.mlx_dualnorm_dual_head_norm_rope_free, (eps, dims),
-            {"base": base, "traditional": traditional, "scale": scale, "mode": mode},
+            {"base": base, "traditional": traditional, "scale": scale,
+             "input_scale": input_scale, "mode": mode},
         )
 
     # RoPE's constants, read back from the C object as it holds them.
     dims = _RopeParameter(int, "The features RoPE rotates; the rest are copied.")
     traditional = _RopeParameter(bool, "Whether RoPE rotates consecutive pairs, not halves.")
-    base = _RopeParameter(float, "RoPE's base, as the float32 MLX uses.")
     scale = _RopeParameter(float, "RoPE's position scale, as the float32 MLX uses.")
+
+    @property
+    def base(self) -> Optional[float]:
+        """RoPE's base, as the float32 MLX uses; None when each call takes
+        the frequency table."""
+        parameters = lib.mlx_dualnorm_dual_head_norm_rope_parameters(self._native)
+        return None if parameters.with_freqs else float(parameters.base)
+
+    @property
+    def input_scale(self) -> Optional[float]:
+        """The factor of the first ``dims`` features before the rotation,
+        as the float32 the C object holds; None for none."""
+        parameters = lib.mlx_dualnorm_dual_head_norm_rope_parameters(self._native)
+        return float(parameters.input_scale.value) if parameters.input_scale.has_value else None
 
     def __call__(
         self,
@@ -186,6 +240,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
         key_weight: Optional[ArrayLike] = None,
         *,
         offset: Offset = 0,
+        freqs: Optional[mx.array] = None,
         stream: StreamLike = None,
     ) -> tuple[mx.array, mx.array]:
         """Normalizes, transposes and rotates queries and keys.
@@ -198,6 +253,10 @@ class CompiledDualHeadNormRope(_NativeComposite):
             offset: position of the first of the ``L`` tokens: an int, or an
                 integer ``mx.array`` (scalar or ``(B,)``), as mlx-lm's
                 ``cache.offset``.
+            freqs: the frequency table of an object made with
+                ``base=None`` (required there, refused otherwise): an
+                ``mx.array`` of shape ``(dims // 2,)``, as ``mx.fast.rope``'s
+                ``freqs``.
             stream: stream or device to run on; the default stream if None.
 
         Returns:
@@ -213,13 +272,13 @@ class CompiledDualHeadNormRope(_NativeComposite):
         """
         if stream is not None:
             with _composite._default_stream(stream, DUAL_HEAD_NORM_ROPE_OPERATION):
-                return self(queries, keys, query_weight, key_weight, offset=offset)
+                return self(queries, keys, query_weight, key_weight, offset=offset, freqs=freqs)
         # The local keeps the C object alive for the whole call.
         native, address = self._handle
         if not address:
             raise self._uninitialized_error()
         graph_outputs = _interop.apply_rope(
-            address, queries, keys, query_weight, key_weight, offset
+            address, queries, keys, query_weight, key_weight, offset, freqs
         )
         # The C builders' fixed order, queries then keys: the tuple as is.
         if len(graph_outputs) != 2:
@@ -238,6 +297,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
         value_cache: ArrayLike,
         offset: Offset = 0,
         write_offset: Optional[int] = None,
+        freqs: Optional[mx.array] = None,
         stream: StreamLike = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """The norm + RoPE of this call and the KV-cache write of
@@ -263,6 +323,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
                 ``w + L`` within each buffer); ``offset`` when omitted, which
                 must then be an int (mlx-lm's ``KVCache``: both are
                 ``cache.offset``).
+            freqs: the frequency table, as for ``__call__``.
             stream: stream or device to run on; the default stream if None.
 
         The buffers are not modified: the results are new lazy arrays. MLX
@@ -285,6 +346,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
                 return self.apply_with_cache(
                     queries, keys, values, query_weight, key_weight, key_cache=key_cache,
                     value_cache=value_cache, offset=offset, write_offset=write_offset,
+                    freqs=freqs,
                 )
         row = _as_write_offset(offset if write_offset is None else write_offset,
                                write_offset is None)
@@ -293,7 +355,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
         if not address:
             raise self._uninitialized_error()
         graph_outputs = _interop.apply_rope_with_cache(
-            address, queries, keys, values, query_weight, key_weight, offset, key_cache,
+            address, queries, keys, values, query_weight, key_weight, offset, freqs, key_cache,
             value_cache, row,
         )
         # The C builders' fixed order: queries, key buffer, value buffer.
@@ -303,9 +365,13 @@ class CompiledDualHeadNormRope(_NativeComposite):
 
     def _constants_repr(self) -> str:
         float32_repr = _composite._float32_repr
+        base, input_scale = self.base, self.input_scale
+        scaled = "" if input_scale is None else f", input_scale={float32_repr(input_scale)}"
         return (
-            f"eps={float32_repr(self.eps)}, dims={self.dims!r}, base={float32_repr(self.base)}, "
-            f"traditional={self.traditional!r}, scale={float32_repr(self.scale)}, mode={self.mode!r}"
+            f"eps={float32_repr(self.eps)}, dims={self.dims!r}, "
+            f"base={None if base is None else float32_repr(base)}, "
+            f"traditional={self.traditional!r}, scale={float32_repr(self.scale)}{scaled}, "
+            f"mode={self.mode!r}"
         )
 
 
@@ -387,5 +453,11 @@ def _as_offset_array(offset: object) -> mx.array:
 
 def _as_array(value: object, argument_name: str) -> mx.array:
     """The bridge's converter for this composite's arguments that are not
-    ``mx.array``."""
+    ``mx.array``; ``freqs`` must be one already, as ``mx.fast.rope``
+    requires."""
+    if argument_name == "freqs":
+        raise TypeError(
+            f"[{DUAL_HEAD_NORM_ROPE_OPERATION}] freqs must be an mlx.core.array or None "
+            f"(what mx.fast.rope takes), not {type(value).__name__}"
+        )
     return _composite._as_mx_array(value, argument_name, DUAL_HEAD_NORM_ROPE_OPERATION)

@@ -101,6 +101,28 @@ def test_per_row_offsets_weightless_and_other_value_widths(mode):
         assert_bit_identical(actual_array, expected_array)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_frequency_table_and_input_scale_reach_the_cache(mode):
+    """An object made with base=None (a scaled RoPE's table) and an input
+    scale: the rotated keys written are the table's."""
+    norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=None, input_scale=1.25, mode=mode)
+    freqs = mx.power(10_000.0, mx.arange(0, DIMS, 2, dtype=mx.float32) / DIMS) * 1.5
+    inputs = layer_inputs(1, 1, mx.bfloat16)
+    key_cache, value_cache = buffers(1, mx.bfloat16)
+    actual = norm_rope.apply_with_cache(*inputs, key_cache=key_cache, value_cache=value_cache,
+                                        offset=17, freqs=freqs)
+    rotated_queries, rotated_keys = norm_rope(*inputs[:2], *inputs[3:], offset=17, freqs=freqs)
+    key_reference, value_reference = copy.copy(key_cache), copy.copy(value_cache)
+    key_reference[..., 17:18, :] = rotated_keys
+    value_reference[..., 17:18, :] = inputs[2].transpose(0, 2, 1, 3)
+    for actual_array, expected_array in zip(actual, (rotated_queries, key_reference,
+                                                     value_reference)):
+        assert_bit_identical(actual_array, expected_array)
+    with pytest.raises(DualHeadNormValueError, match="freqs are required"):
+        norm_rope.apply_with_cache(*inputs, key_cache=key_cache, value_cache=value_cache,
+                                   offset=17)
+
+
 def test_updates_of_another_dtype_are_cast_as_indexing_casts():
     norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE)
     inputs = layer_inputs(1, 1, mx.float32)
@@ -299,8 +321,10 @@ def test_c_api_three_outputs_in_order_and_refusals():
     norm_rope = ffi.gc(created[0], lib.mlx_dualnorm_dual_head_norm_rope_free)
     result = ffi.new("mlx_vector_array *", lib.mlx_vector_array_new())
     q, k, v, wq, wk, kc, vc = (handle[0] for handle in handles)
+    no_freqs = ffi.new("mlx_array *")[0]  # an object with a base takes no table
     assert lib.mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
-        result, norm_rope, q, k, v, wq, wk, offset[0], kc, vc, 9, error) == lib.MLX_DUALNORM_OK
+        result, norm_rope, q, k, v, wq, wk, offset[0], no_freqs, kc, vc, 9,
+        error) == lib.MLX_DUALNORM_OK
     assert lib.mlx_vector_array_size(result[0]) == 3
     expected = CompiledDualHeadNormRope(EPS, DIMS, base=BASE).apply_with_cache(
         *(mx.array(array) for array in inputs), key_cache=mx.array(key_cache),
@@ -314,12 +338,12 @@ def test_c_api_three_outputs_in_order_and_refusals():
 
     empty = ffi.new("mlx_array *")[0]
     status = lib.mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
-        ffi.NULL, norm_rope, q, k, v, wq, wk, offset[0], kc, vc, 0, error)
+        ffi.NULL, norm_rope, q, k, v, wq, wk, offset[0], no_freqs, kc, vc, 0, error)
     assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT
     assert ffi.string(error.operation) == b"dual_head_norm_rope_with_cache"
     untouched = ffi.new("mlx_vector_array *", lib.mlx_vector_array_new())
     status = lib.mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
-        untouched, norm_rope, q, k, empty, wq, wk, offset[0], kc, vc, 0, error)
+        untouched, norm_rope, q, k, empty, wq, wk, offset[0], no_freqs, kc, vc, 0, error)
     assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT
     assert ffi.string(error.description) == b"values is an empty array handle"
     assert lib.mlx_vector_array_size(untouched[0]) == 0

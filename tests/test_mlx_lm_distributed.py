@@ -94,15 +94,23 @@ def test_patched_sharded_runs_match_unpatched_bit_for_bit_on_every_rank(ranks, f
 @pytest.mark.parametrize("family", FAMILIES)
 def test_package_runs_once_per_engaged_layer_and_forward_pass_on_every_rank(ranks, family):
     """Counted calls of the package's two compiled classes: patched, one per
-    gated-delta layer and one per covered full-attention layer of the rank,
-    in every forward pass (no layer fell back), and at least one engaged
-    layer on each rank; unpatched, none."""
+    gated-delta layer, covered full-attention layer and q/k norm pair layer
+    of the rank, in every forward pass (no layer fell back), and at least
+    one engaged layer on each rank (none where shard() swaps the norms for
+    sharded ones: minimax); unpatched, none."""
     for rank, scenario, run, _ in _runs(ranks, family):
         calls, layers, forwards = run["calls"], run["layers"], run["calls"]["forward"]
         assert forwards >= TOKENS + 1, (rank, scenario, calls)
         if scenario in PATCHED_SCENARIOS:
-            assert layers["gated_delta"] + layers["full_attention"] > 0, (rank, scenario)
-            assert calls["dual_head_norm"] == forwards * layers["gated_delta"], (rank, scenario)
+            engaged = layers["gated_delta"] + layers["full_attention"] + layers["norm_pair"]
+            if SCENARIOS[scenario][0] == distributed.TENSOR and not (
+                distributed.FAMILIES[family].tensor_parallel_engages
+            ):
+                assert engaged == 0, (rank, scenario)
+            else:
+                assert engaged > 0, (rank, scenario)
+            dual_norm_layers = layers["gated_delta"] + layers["norm_pair"]
+            assert calls["dual_head_norm"] == forwards * dual_norm_layers, (rank, scenario)
             assert calls["dual_head_norm_rope"] == forwards * layers["full_attention"], (
                 rank, scenario,
             )
@@ -165,8 +173,11 @@ def test_every_engaged_family_with_shard_is_covered():
     from mlx_dualnorm.integrations import mlx_lm as integration
 
     patched_classes = tuple(
-        getattr(importlib.import_module(module), class_name)
-        for module, class_name, _ in integration.FULL_ATTENTION_CLASSES
+        attention_class
+        for attention_class in map(
+            integration.AttentionFamily.attention_class, integration.attention_families()
+        )
+        if attention_class is not None
     )
     original = integration.ORIGINAL_NORMALIZE_QK
     covered_shards = {

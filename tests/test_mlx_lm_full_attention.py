@@ -1,7 +1,8 @@
 """The mlx-lm patch of full-attention layers (q/k norm + RoPE in one call):
 greedy generation on mlx-lm's own qwen3, qwen3_moe and qwen3_next models
-with random weights is token- and logit-identical patched and unpatched;
-layers it does not cover run mlx-lm's own code; unpatch restores it all."""
+with random weights, and on qwen3 with each scaled RoPE of rope_utils the
+patch covers, is token- and logit-identical patched and unpatched; layers
+it does not cover run mlx-lm's own code; unpatch restores it all."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
 from conftest import assert_bit_identical  # noqa: E402
-from mlx_lm.models.rope_utils import Llama3RoPE  # noqa: E402
+from mlx_lm.models import rope_utils  # noqa: E402
 
 from mlx_dualnorm import available_modes  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
@@ -115,18 +116,83 @@ def test_greedy_generation_is_bit_identical(model_type, prework_calls):
     assert prework_calls == {"fused": len(layers) * (GENERATED_TOKENS + 2), "original": 0}
 
 
+# rope_scaling of each scaled RoPE the patch covers, as a checkpoint's
+# config.json gives it (initialize_rope builds the class); YaRN's mscale
+# ratio is not 1, so its input scale is exercised.
+SCALED_ROPES = {
+    "llama3": ("Llama3RoPE", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 1024}),
+    "yarn": ("YarnRoPE", {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                          "mscale_all_dim": 0.5, "original_max_position_embeddings": 1024}),
+    "longrope": ("SuScaledRoPE", {"rope_type": "longrope",
+                                  "original_max_position_embeddings": 1024,
+                                  "short_factor": [1.0] * 64,
+                                  "long_factor": [1.0 + 0.05 * i for i in range(64)]}),
+    "proportional": ("ProportionalRoPE", {"rope_type": "proportional", "factor": 2.0,
+                                          "partial_rotary_factor": 0.5}),
+}
+
+
+@pytest.mark.parametrize("rope_type", sorted(SCALED_ROPES))
+def test_scaled_ropes_engage_and_are_bit_identical(rope_type, prework_calls):
+    class_name, rope_scaling = SCALED_ROPES[rope_type]
+    architecture = importlib.import_module("mlx_lm.models.qwen3")
+    mx.random.seed(SEED)
+    config = {"model_type": "qwen3", **SMALL_QWEN3, "rope_scaling": rope_scaling}
+    model = architecture.Model(architecture.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    model.eval()
+    layers = attention_layers(model)
+    assert all(type(layer.rope) is getattr(rope_utils, class_name) for layer in layers)
+    prompt = mx.array([(37 * position + 11) % 512 for position in range(12)])
+
+    reference = greedy_generate(model, prompt, GENERATED_TOKENS)
+    with integration.patch():
+        patched = greedy_generate(model, prompt, GENERATED_TOKENS)
+        assert all(type(layer).mlx_dualnorm_engaged for layer in layers)
+    assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
+    comparison = compare_traces(reference, patched)
+    assert comparison.tokens_identical and comparison.logits_bit_identical, comparison
+    for actual, expected in zip(patched.step_logits, reference.step_logits):
+        assert_bit_identical(actual, expected)
+    assert prework_calls == {"fused": len(layers) * (GENERATED_TOKENS + 2), "original": 0}
+
+
+def test_a_replaced_frequency_table_is_followed():
+    """The table is read at every call, never cached: replacing a layer's
+    ``_freqs`` between generations changes the patched output exactly as
+    it changes mlx-lm's own."""
+    architecture = importlib.import_module("mlx_lm.models.qwen3")
+    mx.random.seed(SEED)
+    config = {"model_type": "qwen3", **SMALL_QWEN3, "rope_scaling": SCALED_ROPES["llama3"][1]}
+    model = architecture.Model(architecture.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    prompt = mx.array(list(range(5, 17)))
+    with integration.patch():
+        before = greedy_generate(model, prompt, 8)
+        for attention in attention_layers(model):
+            attention.rope._freqs = 0.25 * attention.rope._freqs
+        patched = greedy_generate(model, prompt, 8)
+    reference = greedy_generate(model, prompt, 8)
+    assert compare_traces(reference, patched).identical
+    assert not compare_traces(before, patched).logits_bit_identical
+
+
 def test_layers_with_other_ropes_run_their_own_code(prework_calls):
-    """A scaled-RoPE layer (Llama3RoPE, with its frequency table) keeps
-    mlx-lm's own __call__, decided once at its first call: from then on
-    its class's __call__ is mlx-lm's function itself, with nothing of the
-    patch's per call. The other layer still goes through the patch, and
-    unpatching gives both their mlx-lm class back."""
+    """A layer whose RoPE the patch does not cover (DynamicNTKScalingRoPE:
+    its base depends on the position) keeps mlx-lm's own __call__, decided
+    once at its first call: from then on its class's __call__ is mlx-lm's
+    function itself, with nothing of the patch's per call. The other layer
+    still goes through the patch, and unpatching gives both their mlx-lm
+    class back."""
     model = build_model("qwen3")
     first, second = attention_layers(model)
-    second.rope = Llama3RoPE(128, max_position_embeddings=4096, base=1e6,
-                             scaling_config={"factor": 8.0, "original_max_position_embeddings":
-                                             1024, "low_freq_factor": 1.0,
-                                             "high_freq_factor": 4.0})
+    second.rope = rope_utils.DynamicNTKScalingRoPE(
+        128, max_position_embeddings=4096, traditional=False, base=1e6, factor=2.0
+    )
     prompt = mx.array(list(range(3, 15)))
     reference = greedy_generate(model, prompt, 8)
     attention_class = type(first)
@@ -157,9 +223,11 @@ def test_a_raising_prework_runs_the_original(monkeypatch):
 
 def test_patch_replaces_and_unpatch_restores_every_class():
     classes = {
-        name: getattr(importlib.import_module(module), class_name)
-        for module, class_name, name in integration.FULL_ATTENTION_CLASSES
+        f"{family.module}.{family.class_name}": family.attention_class()
+        for family in integration.attention_families()
+        if family.attention_class() is not None
     }
+    assert len(classes) >= 3
     originals = {key: cls.__dict__["__call__"] for key, cls in classes.items()}
     with integration.patch():
         for key, cls in classes.items():
@@ -201,3 +269,18 @@ def test_constants_changed_in_place_after_patching_are_followed():
         patched = greedy_generate(model, prompt, 8)
     reference = greedy_generate(model, prompt, 8)
     assert compare_traces(reference, patched).identical
+
+
+def test_keyword_arguments_reach_the_decided_call(prework_calls):
+    """The first call passes its arguments on as given: a layer called with
+    keywords decides and runs the same as one called positionally."""
+    model = build_model("qwen3")
+    first, second = attention_layers(model)
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(3)).astype(mx.bfloat16)
+    expected = [first(x, mask="causal"), second(x, None, None)]
+    with integration.patch():
+        actual = [first(x, mask="causal", cache=None), second(x=x)]
+        assert type(first).mlx_dualnorm_engaged and type(second).mlx_dualnorm_engaged
+    for result, reference in zip(actual, expected):
+        assert_bit_identical(result, reference)
+    assert prework_calls == {"fused": 2, "original": 0}

@@ -21,6 +21,12 @@
  *   3. writes the row where transpose(0, 2, 1, 3) puts it: input row
  *      (b, l, h) of (B, L, H, D) becomes output row (b, h, l) of the
  *      row-contiguous (B, H, L, D).
+ * With a frequency table (`freqs` not null) step 2 takes instead, as MLX's
+ * rope_freqs kernel does, inv_freq = 1.0 / freqs[freq_stride * i] (the
+ * float32 entry divided in double, converted to float). With
+ * `has_input_scale`, each of the first `dims` normalized values is first
+ * multiplied by `input_scale` (the scale already rounded to T on the host)
+ * and rounded to T, as x.at[..., :dims].multiply(scale) does in T.
  * `log2_base` is computed on the host as MLX does: std::log2 of the float
  * base, in float. The position is MLX's too: the offset is read as int32
  * at offsets[b * offset_stride]; MLX's kernel for B == 1 and L == 1
@@ -63,6 +69,10 @@
     float log2_base;                                      \
     int has_constant_offset;                              \
     int constant_offset;                                  \
+    const float* freqs;                                   \
+    long long freq_stride;                                \
+    int has_input_scale;                                  \
+    float input_scale;                                    \
   };
 
 namespace mlx_dualnorm_fused {
@@ -84,8 +94,15 @@ __device__ __forceinline__ PairRotation pair_rotation(int i, float position,
                                                       const Params& params) {
   const int half = params.dims / 2;
   const float scaled_position = params.scale * position;
-  const float d = __fdiv_rn(static_cast<float>(i), static_cast<float>(half));
-  const float inv_freq = exp2f(-d * params.log2_base);
+  float inv_freq;
+  if (params.freqs != nullptr) {
+    // MLX's rope_freqs: a double division by the float32 table entry,
+    // converted to float.
+    inv_freq = 1.0 / params.freqs[params.freq_stride * i];
+  } else {
+    const float d = __fdiv_rn(static_cast<float>(i), static_cast<float>(half));
+    inv_freq = exp2f(-d * params.log2_base);
+  }
   const float theta = scaled_position * inv_freq;
   return PairRotation{cosf(theta), sinf(theta)};
 }
@@ -105,8 +122,15 @@ __device__ __forceinline__ void rotate_row(
     const float sin_theta = rotation.sin_theta;
     const int first = params.traditional ? 2 * i : i;
     const int second = params.traditional ? first + 1 : i + half;
-    const float x1 = Storage::to_float(normalized[first]);
-    const float x2 = Storage::to_float(normalized[second]);
+    float x1 = Storage::to_float(normalized[first]);
+    float x2 = Storage::to_float(normalized[second]);
+    if (params.has_input_scale) {
+      // x.at[..., :dims].multiply(s): the product of two T values, rounded
+      // to T (exact in float32 for the 16-bit types, so rounding it once
+      // is the correctly rounded product MLX's T multiply gives).
+      x1 = Storage::to_float(Storage::round(x1 * params.input_scale));
+      x2 = Storage::to_float(Storage::round(x2 * params.input_scale));
+    }
     // MLX's expressions, left to the same contraction as in its kernel.
     const float rotated_first = x1 * cos_theta - x2 * sin_theta;
     const float rotated_second = x1 * sin_theta + x2 * cos_theta;

@@ -321,31 +321,37 @@ int prepare_fused_rope_kernel() {
   });
 }
 
-int apply_fused_rope_kernel(
-    mlx_vector_array* res,
-    const mlx_array queries,
-    const mlx_array keys,
-    const mlx_array query_scale_weight,
-    const mlx_array key_scale_weight,
-    const mlx_array rope_offset,
-    float rms_norm_epsilon,
+int apply_fused_rope_kernel_with_freqs(mlx_vector_array* res, const mlx_array queries,
+    const mlx_array keys, const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+    const mlx_array rope_offset, const mlx_array freqs, float rms_norm_epsilon,
     mlx_dualnorm_rope_parameters rope) {
   std::vector<mx::array> outputs;
   int status = report_failures(kDualRmsNormRopeOperation, [&] {
     prepared_rope_kernel().require_ready();
 #ifdef MLX_DUALNORM_WITH_CUDA
-    const mlx_dualnorm_fused::RopeConstants constants{rope.dims, rope.traditional, rope.base,
-                                                      rope.scale};
+    const mlx_dualnorm_fused::RopeConstants constants{
+        rope.dims,       rope.traditional, rope.base, rope.scale, rope.with_freqs,
+        rope.input_scale.has_value, rope.input_scale.value};
     outputs = mlx_dualnorm_fused::fused_dual_rms_norm_rope(
         borrowed_array(queries), borrowed_array(keys),
         borrowed_weight_or_null(query_scale_weight), borrowed_weight_or_null(key_scale_weight),
-        borrowed_array(rope_offset), rms_norm_epsilon, constants);
+        borrowed_array(rope_offset), rms_norm_epsilon, constants,
+        borrowed_weight_or_null(freqs));
 #else
     (void)queries, (void)keys, (void)query_scale_weight, (void)key_scale_weight;
-    (void)rope_offset, (void)rms_norm_epsilon, (void)rope;
+    (void)rope_offset, (void)freqs, (void)rms_norm_epsilon, (void)rope;
 #endif
   });
   return status != 0 ? status : publish_outputs(res, outputs);
+}
+
+/* The table's `apply`: no frequency table (a RoPE with a base). */
+int apply_fused_rope_kernel(mlx_vector_array* res, const mlx_array queries, const mlx_array keys,
+    const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+    const mlx_array rope_offset, float rms_norm_epsilon, mlx_dualnorm_rope_parameters rope) {
+  return apply_fused_rope_kernel_with_freqs(res, queries, keys, query_scale_weight,
+                                            key_scale_weight, rope_offset, mlx_array_new(),
+                                            rms_norm_epsilon, rope);
 }
 
 const mlx_dualnorm_fused_rope_backend fused_rope_backend = {
@@ -356,6 +362,7 @@ const mlx_dualnorm_fused_rope_backend fused_rope_backend = {
         mlx_dualnorm_fused::kMaxRopeRowWidth,
     },
     apply_fused_rope_kernel,
+    apply_fused_rope_kernel_with_freqs,
 };
 
 } // namespace

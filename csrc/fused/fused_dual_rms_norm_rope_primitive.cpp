@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <stdexcept>
 
 #include "mlx/backend/cuda/allocator.h"
 #include "mlx/backend/cuda/device.h"
@@ -35,7 +36,8 @@ namespace mx = mlx::core;
 /* RopeSide and DualRmsNormRopeParams, from their one definition. */
 MLX_DUALNORM_ROPE_KERNEL_PARAMS
 
-/* Inputs in this order; the weights follow where present. */
+/* Inputs in this order; the weights follow where present, then the
+ * frequency table where the RoPE takes one. */
 enum { kQueriesInput = 0, kKeysInput = 1, kOffsetInput = 2, kFirstWeightInput = 3 };
 
 /* (B, L, H, D) -> (B, H, L, D), as mlx-lm's attention transposes. */
@@ -100,13 +102,19 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
         log2_base_(std::log2(rope.base)) {}
 
   /* Gradients and vectorization are those of the composed calls this
-   * primitive reproduces; the integer offset gets a zero cotangent. */
+   * primitive reproduces; the integer offset gets a zero cotangent. The
+   * frequency table is an input of the composed calls only when its own
+   * (co)tangent is asked for, so the others are computed exactly as the
+   * composed calls compute them for a constant table (and a cotangent of
+   * the table is what MLX's RoPE gives: on the GPU, its refusal). */
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
                              const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums,
                              const std::vector<mx::array>&) override {
-    auto input_cotangents =
-        mx::vjp(composed_over(primals[kOffsetInput]), without_offset(primals), cotangents).second;
+    const bool table_input = differentiates_table(primals, argnums);
+    auto input_cotangents = mx::vjp(composed_over(primals, table_input),
+                                    differentiable(primals, table_input), cotangents)
+                                .second;
     std::vector<mx::array> selected;
     for (int argument : argnums) {
       if (argument == kOffsetInput) {
@@ -121,15 +129,17 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
   std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
                              const std::vector<mx::array>& tangents,
                              const std::vector<int>& argnums) override {
-    return mx::jvp(composed_over(primals[kOffsetInput]), without_offset(primals),
-                   without_offset(tangents_for_every_primal(primals, tangents, argnums, stream())))
+    const bool table_input = differentiates_table(primals, argnums);
+    return mx::jvp(composed_over(primals, table_input), differentiable(primals, table_input),
+                   differentiable(tangents_for_every_primal(primals, tangents, argnums, stream()),
+                                  table_input))
         .second;
   }
 
   std::pair<std::vector<mx::array>, std::vector<int>> vmap(
       const std::vector<mx::array>& inputs, const std::vector<int>& axes) override {
     auto composed = [this](const std::vector<mx::array>& all_inputs) {
-      return composed_over(all_inputs[kOffsetInput])(without_offset(all_inputs));
+      return composed_over(all_inputs, true)(differentiable(all_inputs, true));
     };
     return {mx::vmap(composed, axes, {0, 0})(inputs), {0, 0}};
   }
@@ -146,7 +156,9 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     const auto& fused = static_cast<const FusedDualRmsNormRope&>(other);
     return normalizes_as(fused) && rope_.dims == fused.rope_.dims &&
            rope_.traditional == fused.rope_.traditional && rope_.base == fused.rope_.base &&
-           rope_.scale == fused.rope_.scale;
+           rope_.scale == fused.rope_.scale && rope_.with_freqs == fused.rope_.with_freqs &&
+           rope_.has_input_scale == fused.rope_.has_input_scale &&
+           (!rope_.has_input_scale || rope_.input_scale == fused.rope_.input_scale);
   }
 
  private:
@@ -173,6 +185,15 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     params.traditional = rope_.traditional ? 1 : 0;
     params.scale = rope_.scale;
     params.log2_base = log2_base_;
+    if (rope_.with_freqs) {
+      const mx::array& freqs = inputs.back();
+      params.freqs = mx::gpu_ptr<float>(freqs);
+      params.freq_stride = freqs.strides()[0];
+    }
+    if (rope_.has_input_scale) {
+      params.has_input_scale = 1;
+      params.input_scale = input_scale_in(queries.dtype(), rope_.input_scale);
+    }
     if (std::optional<int32_t> constant_offset = host_readable_offset(offset)) {
       params.has_constant_offset = 1;
       params.constant_offset = *constant_offset;
@@ -194,9 +215,20 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     encoder.add_kernel_node_raw(kernel, shape.grid, shape.block, dim3(), row_bytes, arguments);
   }
 
-  static std::vector<mx::array> without_offset(const std::vector<mx::array>& inputs) {
+  /* Whether `argnums` asks for the frequency table's (co)tangent. */
+  bool differentiates_table(const std::vector<mx::array>& primals,
+                            const std::vector<int>& argnums) const {
+    return rope_.with_freqs && std::find(argnums.begin(), argnums.end(),
+                                         static_cast<int>(primals.size()) - 1) != argnums.end();
+  }
+
+  /* The inputs of the composed calls: every input but the offset, and but
+   * the frequency table unless `table_input`. */
+  std::vector<mx::array> differentiable(const std::vector<mx::array>& inputs,
+                                        bool table_input) const {
+    const size_t count = rope_.with_freqs && !table_input ? inputs.size() - 1 : inputs.size();
     std::vector<mx::array> kept;
-    for (size_t index = 0; index < inputs.size(); ++index) {
+    for (size_t index = 0; index < count; ++index) {
       if (index != kOffsetInput) {
         kept.push_back(inputs[index]);
       }
@@ -204,23 +236,56 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     return kept;
   }
 
-  /* The composed calls over (queries, keys, weights...), the offset fixed. */
+  /* The composed calls over differentiable(primals, table_input): queries,
+   * keys, weights... (and the table last when `table_input`), the offset
+   * (and otherwise the table) fixed from `primals`. The same ops as the
+   * C builder (dual_head_norm_rope.c). */
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> composed_over(
-      const mx::array& offset) {
+      const std::vector<mx::array>& primals, bool table_input) {
+    std::optional<mx::array> fixed_table;
+    if (rope_.with_freqs && !table_input) {
+      fixed_table = primals.back();
+    }
     return [eps = rms_norm_epsilon_, rope = rope_, has_query_weight = has_query_weight_,
-            has_key_weight = has_key_weight_, stream = stream(),
-            offset](const std::vector<mx::array>& inputs) {
+            has_key_weight = has_key_weight_, stream = stream(), offset = primals[kOffsetInput],
+            fixed_table, table_input](const std::vector<mx::array>& inputs) {
       // The offset is not among these inputs: the weights come one earlier.
       const WeightInputs weights =
           weight_inputs(inputs, kFirstWeightInput - 1, has_query_weight, has_key_weight);
+      std::optional<mx::array> freqs = fixed_table;
+      if (rope.with_freqs && table_input) {
+        freqs = inputs.back();
+      }
+      std::optional<float> base;
+      if (!rope.with_freqs) {
+        base = rope.base;
+      }
       auto side = [&](const mx::array& input, const mx::array* weight) {
         mx::array normalized = mx::fast::rms_norm(input, optional_weight(weight), eps, stream);
         mx::array head_major = mx::transpose(normalized, kHeadMajorAxes, stream);
-        return mx::fast::rope(head_major, rope.dims, rope.traditional, rope.base, rope.scale,
-                              offset, std::nullopt, stream);
+        if (rope.has_input_scale) {
+          const mx::Shape& shape = head_major.shape();
+          head_major = mx::slice_update_prod(
+              head_major, mx::astype(mx::array(rope.input_scale), head_major.dtype(), stream),
+              {0, 0, 0, 0}, {shape[0], shape[1], shape[2], rope.dims}, {1, 1, 1, 1}, stream);
+        }
+        return mx::fast::rope(head_major, rope.dims, rope.traditional, base, rope.scale, offset,
+                              freqs, stream);
       };
       return std::vector<mx::array>{side(inputs[0], weights.query), side(inputs[1], weights.key)};
     };
+  }
+
+  /* The input scale as the kernel multiplies by it: rounded to the inputs'
+   * dtype, as MLX makes a Python float into a scalar of that dtype. */
+  static float input_scale_in(mx::Dtype dtype, float input_scale) {
+    if (dtype == mx::bfloat16) {
+      return static_cast<float>(static_cast<mx::bfloat16_t>(input_scale));
+    }
+    if (dtype == mx::float16) {
+      return static_cast<float>(static_cast<mx::float16_t>(input_scale));
+    }
+    return input_scale;
   }
 
   RopeConstants rope_;
@@ -240,17 +305,28 @@ std::vector<mx::array> fused_dual_rms_norm_rope(
     const mx::array* key_weight,
     const mx::array& offset,
     float rms_norm_epsilon,
-    const RopeConstants& rope) {
+    const RopeConstants& rope,
+    const mx::array* freqs) {
   const mx::Stream stream = mx::default_stream(mx::Device::gpu);
   const mx::Dtype dtype = queries.dtype();
   // The kernel reads int32, as MLX's RoPE does after the same conversion
   // (fast::rope converts offsets whose dtype is not 4 bytes wide).
   mx::array int32_offset = offset.itemsize() == 4 ? offset : mx::astype(offset, mx::int32, stream);
+  std::vector<mx::array> inputs =
+      inputs_with_weights({queries, keys, int32_offset}, query_weight, key_weight);
+  if (rope.with_freqs) {
+    if (freqs == nullptr) {
+      throw std::invalid_argument("[fused_dual_rms_norm_rope] a RoPE with freqs needs a table");
+    }
+    // The kernel reads float32, as MLX's RoPE does after the same conversion.
+    inputs.push_back(freqs->dtype() == mx::float32 ? *freqs
+                                                   : mx::astype(*freqs, mx::float32, stream));
+  }
   return mx::array::make_arrays(
       {head_major_shape(queries), head_major_shape(keys)}, {dtype, dtype},
       std::make_shared<FusedDualRmsNormRope>(stream, rms_norm_epsilon, rope,
                                              query_weight != nullptr, key_weight != nullptr),
-      inputs_with_weights({queries, keys, int32_offset}, query_weight, key_weight));
+      std::move(inputs));
 }
 
 } // namespace mlx_dualnorm_fused

@@ -20,18 +20,27 @@ inline constexpr int kMaxRopeRowWidth = 8192;
  * first evaluation, where MLX has the device context current). */
 void set_rope_kernel_cubin(std::string cubin);
 
-/* The RoPE of both sides, as fast::rope takes it (with a base). */
+/* The RoPE of both sides, as fast::rope takes it: with a base, or, when
+ * `with_freqs`, with the frequency table given to fused_dual_rms_norm_rope
+ * (`base` unused). With `has_input_scale`, the first `dims` features of
+ * each normalized side are multiplied by `input_scale` (converted to the
+ * inputs' dtype) before the rotation, as x.at[..., :dims].multiply(s). */
 struct RopeConstants {
   int dims;
   bool traditional;
   float base;
   float scale;
+  bool with_freqs = false;
+  bool has_input_scale = false;
+  float input_scale = 1.0f;
 };
 
 /* The lazy rotated queries (B, Hq, L, D) and keys (B, Hk, L, D) of one
  * fused launch over queries (B, L, Hq, D) and keys (B, L', Hk, D'), which
  * share a float dtype with the weights, if given. `offset` is an integer
- * scalar, or one value per batch entry of both sides. */
+ * scalar, or one value per batch entry of both sides. `freqs`, required
+ * when `rope.with_freqs` (else ignored), is the float32 (dims / 2,) table,
+ * read with its stride as MLX's CUDA RoPE reads it. */
 std::vector<mlx::core::array> fused_dual_rms_norm_rope(
     const mlx::core::array& queries,
     const mlx::core::array& keys,
@@ -39,7 +48,8 @@ std::vector<mlx::core::array> fused_dual_rms_norm_rope(
     const mlx::core::array* key_weight,
     const mlx::core::array& offset,
     float rms_norm_epsilon,
-    const RopeConstants& rope);
+    const RopeConstants& rope,
+    const mlx::core::array* freqs = nullptr);
 
 } // namespace mlx_dualnorm_fused
 

@@ -58,7 +58,7 @@ BoundFunctions bound;
  * the facade's converters, whose messages name that operation. Kept for
  * the life of the process, as `bound`. */
 struct BoundRopeFunctions {
-  decltype(&mlx_dualnorm_dual_head_norm_rope_apply) apply = nullptr;
+  decltype(&mlx_dualnorm_dual_head_norm_rope_apply_with_freqs) apply = nullptr;
   nb::handle convert_array;  // (value, argument_name) -> mx.array, or raises
   nb::handle convert_offset; // value -> mx.array, or raises
   /* The norm + RoPE with the cache write (bind_rope_cache), or null. */
@@ -221,12 +221,12 @@ nb::tuple apply(std::uintptr_t dual_head_norm_address, nb::handle queries, nb::h
 /* The norm + RoPE's arguments as borrowed handles, and the converted
  * objects that keep them alive for the call. */
 struct BorrowedNormRope {
-  nb::object converted[5];
-  mlx_array queries, keys, query_weight, key_weight, offset;
+  nb::object converted[6];
+  mlx_array queries, keys, query_weight, key_weight, offset, freqs;
 
   BorrowedNormRope(nb::handle queries_object, nb::handle keys_object,
                    nb::handle query_weight_object, nb::handle key_weight_object,
-                   nb::handle offset_object, const char* operation) {
+                   nb::handle offset_object, nb::handle freqs_object, const char* operation) {
     nb::handle convert = bound_rope.convert_array;
     queries = borrow_array(queries_object, "queries", false, converted[0], operation, convert);
     keys = borrow_array(keys_object, "keys", false, converted[1], operation, convert);
@@ -235,18 +235,21 @@ struct BorrowedNormRope {
     key_weight =
         borrow_array(key_weight_object, "key_weight", true, converted[3], operation, convert);
     offset = borrow_offset(offset_object, converted[4]);
+    freqs = borrow_array(freqs_object, "freqs", true, converted[5], operation, convert);
   }
 };
 
 /* The dual head norm + RoPE, as apply, with the offset: an int, or what
- * mx.fast.rope takes as an array. */
+ * mx.fast.rope takes as an array; and the frequency table: None (an empty
+ * handle) or an mx.array, as mx.fast.rope takes it (the facade refuses
+ * anything else before this call). */
 nb::tuple apply_rope(std::uintptr_t norm_rope_address, nb::handle queries, nb::handle keys,
                      nb::handle query_scale_weight, nb::handle key_scale_weight,
-                     nb::handle offset) {
+                     nb::handle offset, nb::handle freqs) {
   if (bound_rope.apply == nullptr || bound.free_vector == nullptr) {
     throw std::runtime_error("mlx_dualnorm._interop.bind and bind_rope were not both called");
   }
-  BorrowedNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset,
+  BorrowedNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset, freqs,
                             APPLY_NORM_ROPE_OPERATION);
 
   OwnedOutputVector outputs;
@@ -254,7 +257,7 @@ nb::tuple apply_rope(std::uintptr_t norm_rope_address, nb::handle queries, nb::h
   int status = bound_rope.apply(
       &outputs.vector, reinterpret_cast<mlx_dualnorm_dual_head_norm_rope*>(norm_rope_address),
       borrowed.queries, borrowed.keys, borrowed.query_weight, borrowed.key_weight,
-      borrowed.offset, &error);
+      borrowed.offset, borrowed.freqs, &error);
   if (status != MLX_DUALNORM_OK) {
     raise_dual_head_norm_error(error);
   }
@@ -268,7 +271,7 @@ nb::tuple apply_rope(std::uintptr_t norm_rope_address, nb::handle queries, nb::h
 nb::tuple apply_rope_with_cache(std::uintptr_t norm_rope_address, nb::handle queries,
                                 nb::handle keys, nb::handle values,
                                 nb::handle query_scale_weight, nb::handle key_scale_weight,
-                                nb::handle offset, nb::handle key_cache,
+                                nb::handle offset, nb::handle freqs, nb::handle key_cache,
                                 nb::handle value_cache, int write_offset) {
   if (bound_rope.apply_with_cache == nullptr || bound.free_vector == nullptr) {
     throw std::runtime_error(
@@ -276,7 +279,7 @@ nb::tuple apply_rope_with_cache(std::uintptr_t norm_rope_address, nb::handle que
   }
   const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
   nb::handle convert = bound_rope.convert_array;
-  BorrowedNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset,
+  BorrowedNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset, freqs,
                             operation);
   nb::object converted[3];
   mlx_array borrowed_values =
@@ -291,8 +294,8 @@ nb::tuple apply_rope_with_cache(std::uintptr_t norm_rope_address, nb::handle que
   int status = bound_rope.apply_with_cache(
       &outputs.vector, reinterpret_cast<mlx_dualnorm_dual_head_norm_rope*>(norm_rope_address),
       borrowed.queries, borrowed.keys, borrowed_values, borrowed.query_weight,
-      borrowed.key_weight, borrowed.offset, borrowed_key_cache, borrowed_value_cache,
-      write_offset, &error);
+      borrowed.key_weight, borrowed.offset, borrowed.freqs, borrowed_key_cache,
+      borrowed_value_cache, write_offset, &error);
   if (status != MLX_DUALNORM_OK) {
     raise_dual_head_norm_error(error);
   }
@@ -337,11 +340,12 @@ NB_MODULE(_interop, module) {
       "Applies the compiled dual head norm: a tuple of its outputs, or the error raised.");
   module.def("bind_rope", &bind_rope, nb::arg("apply_function_address"),
       nb::arg("convert_array"), nb::arg("convert_offset"),
-      "Binds the dual head norm rope's apply (exported by the cffi module) and its "
+      "Binds the dual head norm rope's apply_with_freqs (exported by the cffi module) and its "
       "converters for non-mx.array arguments and offsets; bind() must be called too.");
   module.def("apply_rope", &apply_rope, nb::arg("norm_rope_address"),
       nb::arg("queries").none(), nb::arg("keys").none(), nb::arg("query_weight").none(),
       nb::arg("key_weight").none(), nb::arg("offset").none(),
+      nb::arg("freqs").none() = nb::none(),
       "Applies the compiled dual head norm rope: a tuple of its outputs, or the error "
       "raised.");
   module.def("bind_rope_cache", &bind_rope_cache, nb::arg("apply_with_cache_function_address"),
@@ -350,7 +354,8 @@ NB_MODULE(_interop, module) {
   module.def("apply_rope_with_cache", &apply_rope_with_cache, nb::arg("norm_rope_address"),
       nb::arg("queries").none(), nb::arg("keys").none(), nb::arg("values").none(),
       nb::arg("query_weight").none(), nb::arg("key_weight").none(), nb::arg("offset").none(),
-      nb::arg("key_cache").none(), nb::arg("value_cache").none(), nb::arg("write_offset"),
+      nb::arg("freqs").none(), nb::arg("key_cache").none(), nb::arg("value_cache").none(),
+      nb::arg("write_offset"),
       "Applies the dual head norm rope with the KV-cache write: a tuple of its outputs "
       "(queries, key buffer, value buffer), or the error raised.");
 }

@@ -67,6 +67,7 @@ from mlx_dualnorm.tools.mlx_lm_check import greedy_generate
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DECODE_MODELS,
     DEFAULT_DTYPES,
+    GATED_DELTA_MODEL_TYPES,
     SYNTHETIC_MODEL_TYPES,
     build_model,
     build_synthetic_model,
@@ -365,8 +366,9 @@ def _bench_parser() -> argparse.ArgumentParser:
                         help="prework rounds (default: 7, or 3 reduced)")
     parser.add_argument(
         "--models",
-        default=",".join(SYNTHETIC_MODEL_TYPES),
-        help="comma-separated synthetic models to generate with ('' for none)",
+        default=",".join(GATED_DELTA_MODEL_TYPES),
+        help="comma-separated synthetic models to generate with ('' for none; any of "
+        f"{', '.join(SYNTHETIC_MODEL_TYPES)})",
     )
     parser.add_argument("--tokens", type=command.positive_int,
                         help="greedy tokens per generation round (default: 64, or 32 reduced)")

@@ -37,7 +37,7 @@ from mlx_dualnorm._bits import same_bits
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta
+from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta, head_norms, qwen3_like
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DEFAULT_SEED,
     SYNTHETIC_MODEL_TYPES,
@@ -215,9 +215,9 @@ def count_normalize_qk_calls() -> Iterator[NormalizeQkCallCounts]:
 
 @dataclasses.dataclass
 class AttentionLayerCounts:
-    """The full-attention layers the patch covers, by its decision (made at
-    each layer's first call), and the calls of the engaged ones that ran the
-    package's norm + RoPE."""
+    """The attention layers the patch covers, by its decision (made at each
+    layer's first call), and the calls of the engaged ones that ran the
+    package's q/k prework (norm + RoPE, or the q/k norm pair)."""
 
     engaged: int = 0
     left_alone: int = 0
@@ -235,24 +235,42 @@ def count_decided_layers(model: nn.Module, counts: AttentionLayerCounts) -> None
             counts.left_alone += 1
 
 
+# The integration's full-attention preworks: (module, function name), each
+# a module global its replacement calls read at each call.
+_PREWORKS = (
+    (full_attention, "_rotated_queries_and_keys"),
+    # A KVCache / BatchKVCache step's norm + RoPE with the cache write (the
+    # prework above then runs only where this one returns None).
+    (full_attention, "_written_in_one_call"),
+    (qwen3_like, "_prework"),
+    (head_norms, "normalized_pair"),
+    (head_norms, "normalized_rotated_heads"),
+)
+
+
 @contextlib.contextmanager
 def count_norm_rope_calls() -> Iterator[AttentionLayerCounts]:
-    """Counts engaged full-attention calls that ran one norm + RoPE call,
-    by wrapping the integration's prework and cache update (a module
-    global, read at each call). Not thread-safe: for this check only."""
+    """Counts engaged full-attention calls that ran one norm (+ RoPE) call
+    of the package, by wrapping the integration's preworks. Not
+    thread-safe: for this check only."""
     counts = AttentionLayerCounts()
-    prework: Callable = full_attention._prework_and_cache_update
+    originals = [(module, name, getattr(module, name)) for module, name in _PREWORKS]
 
-    def counting_prework(*arguments):
-        attended = prework(*arguments)
-        counts.norm_rope_calls += attended is not None
-        return attended
+    def counting(prework: Callable) -> Callable:
+        def counting_prework(*arguments):
+            prepared = prework(*arguments)
+            counts.norm_rope_calls += prepared is not None
+            return prepared
 
-    full_attention._prework_and_cache_update = counting_prework
+        return counting_prework
+
+    for module, name, prework in originals:
+        setattr(module, name, counting(prework))
     try:
         yield counts
     finally:
-        full_attention._prework_and_cache_update = prework
+        for module, name, prework in originals:
+            setattr(module, name, prework)
 
 
 # ---- The check ---------------------------------------------------------------
@@ -344,9 +362,9 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
         ),
         f"  normalize_qk:   {result.counts.calls / model_steps:.1f} calls per step, "
         f"{result.counts.folded} folded, {result.counts.original} ran mlx-lm's function",
-        f"  norm + RoPE:    attention layers engaged {result.attention.engaged}, "
+        f"  attention:      attention layers engaged {result.attention.engaged}, "
         f"left to mlx-lm's code {result.attention.left_alone}; "
-        f"{result.attention.norm_rope_calls / model_steps:.1f} calls per step",
+        f"{result.attention.norm_rope_calls / model_steps:.1f} q/k prework calls per step",
         f"  ms per token:   unpatched {_median_text(result.unpatched_round_ms)}, "
         f"patched {_median_text(result.patched_round_ms)} (median over rounds of the "
         f"median over decode tokens); {_ratio_text(result)}",

@@ -35,6 +35,12 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from mlx_dualnorm.tools.mlx_lm_attention_families import ATTENTION_FAMILY_CONFIGS
+from mlx_dualnorm.tools.mlx_lm_synthetic_qwen3_like import (
+    QWEN3_LIKE_CONFIGS,
+    QWEN3_LIKE_DTYPE_NAMES,
+)
+
 __all__ = [
     "FAMILIES",
     "RANK_PROGRAM",
@@ -130,6 +136,10 @@ class Family:
     # How the pipeline-parallel split is reached from the model, or None
     # where the family has no pipeline method.
     pipeline_owner: Optional[Callable] = None
+    # False where shard() swaps the q/k norms for sharded ones the package
+    # does not compute (minimax's ShardedRMSNorm, an all-sum over ranks):
+    # tensor-parallel layers then run mlx-lm's own code.
+    tensor_parallel_engages: bool = True
 
     @property
     def dtype(self):
@@ -157,12 +167,32 @@ FAMILIES = {
     ),
     "kimi_k3": Family({"model_type": "kimi_k3", "text_config": _KIMI_K3_TEXT}, "float32",
                       _inner_model),
+    # Of the families with qwen3's prework in other classes, those with shard.
+    "glm4_moe": Family(QWEN3_LIKE_CONFIGS["glm4_moe"], QWEN3_LIKE_DTYPE_NAMES["glm4_moe"],
+                       _inner_model),
+    "exaone_moe": Family(
+        {**QWEN3_LIKE_CONFIGS["exaone_moe"], "layer_types": ["full_attention"] * 2},
+        QWEN3_LIKE_DTYPE_NAMES["exaone_moe"],
+    ),
+    "step3p5": Family(
+        {**QWEN3_LIKE_CONFIGS["step3p5"], "rope_scaling": None, "yarn_only_types": None},
+        QWEN3_LIKE_DTYPE_NAMES["step3p5"],
+    ),
+    # Of the other attention shapes, those with shard.
+    "minimax": Family(ATTENTION_FAMILY_CONFIGS["minimax"], "float32",
+                      tensor_parallel_engages=False),
+    "minimax_m3_vl": Family(ATTENTION_FAMILY_CONFIGS["minimax_m3_vl"], "float32",
+                            _language_model_inner),
 }
 """The mlx-lm families with a ``shard`` method whose q/k prework the patch
-replaces (full-attention q/k norm + RoPE, gated-delta ``normalize_qk``, or
-both), each as a tiny random model. ``qwen3_5_moe`` is ``qwen3_5``'s model
-class with a mixture-of-experts MLP; ``kimi_k3`` has gated-delta layers and
-an MLA layer the patch leaves alone."""
+replaces (full-attention q/k norm + RoPE, gated-delta ``normalize_qk``, the
+q/k norm pair of the other attention shapes, or several), each as a tiny
+random model. ``qwen3_5_moe`` is ``qwen3_5``'s model class with a
+mixture-of-experts MLP; ``kimi_k3`` has gated-delta layers and an MLA layer
+the patch leaves alone. ``glm4_moe`` (whose Model ``solar_open`` runs),
+``exaone_moe`` (RoPE on every layer) and ``step3p5`` (no YaRN) have every
+attention layer engaged; ``minimax`` and ``minimax_m3_vl`` are the tiny
+models of :mod:`~mlx_dualnorm.tools.mlx_lm_attention_families`."""
 
 # (name, parallelism, when the patch is made)
 UNSHARDED, TENSOR, PIPELINE = "unsharded", "tensor", "pipeline"
@@ -230,25 +260,37 @@ class CallCounter:
 
 
 def layer_kinds(model) -> dict:
-    """How many of the layers this rank runs are gated-delta layers and how
-    many are full-attention layers of a class the patch replaces."""
-    import importlib
-
+    """How many of the layers this rank runs are gated-delta layers, how
+    many are full-attention layers of a class whose q/k norm + RoPE the
+    patch makes one call, and how many are attention layers of the other
+    shapes whose q/k norm pair, as they are now, it makes one call."""
     from mlx_dualnorm.integrations import mlx_lm as integration
+    from mlx_dualnorm.integrations.mlx_lm import heads_first, heads_last, whole_projection
 
-    full_attention_classes = tuple(
-        getattr(importlib.import_module(module), class_name)
-        for module, class_name, _ in integration.FULL_ATTENTION_CLASSES
-    )
-    gated_delta = full_attention = 0
+    # The modules whose replacements call the q/k norm pair (CompiledDualHeadNorm).
+    norm_pair_modules = {module.__name__ for module in (heads_first, heads_last, whole_projection)}
+    families: dict = {}
+    for family in integration.attention_families():
+        attention_class = family.attention_class()
+        if attention_class is not None:
+            families.setdefault(attention_class, family)
+    gated_delta = full_attention = norm_pair = 0
     for layer in model.layers:
         if layer is None:  # another pipeline rank's layer
             continue
+        attention = getattr(layer, "self_attn", None)
+        family = next(
+            (families[cls] for cls in type(attention).__mro__ if cls in families), None
+        )
         if getattr(layer, "is_linear", False):
             gated_delta += 1
-        elif isinstance(getattr(layer, "self_attn", None), full_attention_classes):
+        elif family is None:
+            continue
+        elif family.call.__module__ not in norm_pair_modules:
             full_attention += 1
-    return {"gated_delta": gated_delta, "full_attention": full_attention}
+        elif family.engages(attention):
+            norm_pair += 1
+    return {"gated_delta": gated_delta, "full_attention": full_attention, "norm_pair": norm_pair}
 
 
 # ---- The rank program: check -------------------------------------------------

@@ -27,6 +27,14 @@ place of its 512-expert MoE: about the matmul work per token of the 10
 active experts plus the shared one, without 1.6 billion expert weights per
 layer. All are built in bfloat16. ``decode_model_config`` can shrink layer
 count and vocabulary (quick runs, tests) while keeping the per-layer shapes.
+
+:mod:`~mlx_dualnorm.tools.mlx_lm_synthetic_qwen3_like` adds small models of
+the families whose attention has qwen3's q/k prework under other names
+(``Klear``, ``dots1``, ``lfm2``, ``exaone4``, ``llama4_text``, ...).
+
+The attention families outside the qwen3 shape have a tiny model each,
+named by its mlx-lm file (``afmoe`` ... ``olmo_hybrid``), from
+:mod:`~mlx_dualnorm.tools.mlx_lm_attention_families`.
 """
 
 from __future__ import annotations
@@ -40,11 +48,24 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_dualnorm.tools.mlx_lm_attention_families import (
+    ATTENTION_FAMILY_CONFIGS,
+    ATTENTION_FAMILY_DTYPES,
+    randomize_norm_weights,
+)
+from mlx_dualnorm.tools.mlx_lm_synthetic_qwen3_like import (
+    QWEN3_LIKE_CONFIGS,
+    QWEN3_LIKE_DTYPE_NAMES,
+    QWEN3_LIKE_WEIGHT_SCALES,
+)
+
 __all__ = [
     "DEFAULT_DTYPES",
     "DEFAULT_SEED",
+    "GATED_DELTA_MODEL_TYPES",
     "DECODE_MODELS",
     "DecodeModel",
+    "GATED_DELTA_MODEL_TYPES",
     "build_model",
     "SYNTHETIC_MODEL_TYPES",
     "build_synthetic_model",
@@ -103,9 +124,24 @@ _CONFIGS: dict[str, dict[str, object]] = {
     },
 }
 
-SYNTHETIC_MODEL_TYPES = tuple(_CONFIGS)
-
 DEFAULT_DTYPES = {"qwen3_next": mx.float32, "qwen3_5": mx.bfloat16}
+# The models with gated-delta layers (mlx-lm-bench's default).
+GATED_DELTA_MODEL_TYPES = tuple(_CONFIGS)
+
+# The families with qwen3's q/k prework in other attention classes.
+_CONFIGS.update(QWEN3_LIKE_CONFIGS)
+DEFAULT_DTYPES.update(
+    {name: getattr(mx, dtype_name) for name, dtype_name in QWEN3_LIKE_DTYPE_NAMES.items()}
+)
+# name -> {parameter path: factor} applied after initialization, where
+# mlx-lm's random weights would make a degenerate model.
+_WEIGHT_SCALES: dict[str, dict[str, float]] = dict(QWEN3_LIKE_WEIGHT_SCALES)
+
+# The attention families outside the qwen3 shape (their own module).
+_CONFIGS.update(ATTENTION_FAMILY_CONFIGS)
+DEFAULT_DTYPES.update(ATTENTION_FAMILY_DTYPES)
+
+SYNTHETIC_MODEL_TYPES = tuple(_CONFIGS)
 
 
 def synthetic_model_config(model_type: str) -> dict:
@@ -124,9 +160,23 @@ def build_synthetic_model(
     """mlx-lm's model class for ``model_type`` with mlx-lm's own random
     initialization drawn after ``mx.random.seed(seed)`` (this reseeds MLX's
     global generator), cast to ``dtype`` (None: the model's default in
-    ``DEFAULT_DTYPES``), in eval mode, evaluated."""
+    ``DEFAULT_DTYPES``), in eval mode, evaluated; the few weights a
+    degenerate random model would need changed are scaled after that
+    (``_WEIGHT_SCALES``), and the attention families' norm weights drawn
+    around their initial value (``randomize_norm_weights``)."""
     dtype = DEFAULT_DTYPES[model_type] if dtype is None else dtype
-    return build_model(synthetic_model_config(model_type), seed=seed, dtype=dtype)
+    model = build_model(synthetic_model_config(model_type), seed=seed, dtype=dtype)
+    scales = _WEIGHT_SCALES.get(model_type)
+    if scales:
+        weights = dict(cast(list[tuple[str, mx.array]], tree_flatten(model.parameters())))
+        model.update(tree_unflatten([
+            (path, (weights[path] * factor).astype(weights[path].dtype))
+            for path, factor in scales.items()
+        ]))
+        mx.eval(model.parameters())
+    if model_type in ATTENTION_FAMILY_CONFIGS:
+        randomize_norm_weights(model, seed)
+    return model
 
 
 def build_model(config: dict, *, seed: int = DEFAULT_SEED, dtype: mx.Dtype) -> nn.Module:

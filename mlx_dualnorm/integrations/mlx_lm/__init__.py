@@ -8,10 +8,19 @@
 * Full-attention layers (qwen3, qwen3_moe, qwen3_next's attention): the
   ``rms_norm`` by ``q_norm`` / ``k_norm``, the transpose and ``nn.RoPE``
   become ONE call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope` with
-  the layer's own weights and constants (:mod:`.full_attention`).
+  the layer's own weights and constants (:mod:`.full_attention`); so do
+  the other families whose attention has that prework under other names
+  (Klear, dots1, lfm2, mellum, exaone4, apertus, glm4_moe, laguna,
+  step3p5, llama4_text, ...: :mod:`.qwen3_like`).
+* Attention layers of other shapes (afmoe, openelm, the bailing models,
+  gemma3_text, gemma3n, gemma4_text, gear, minimax, minimax_m3_vl, olmo2,
+  olmo3, olmoe, olmo_hybrid, plamo3): the two q/k norm calls become ONE call
+  of :class:`~mlx_dualnorm.CompiledDualHeadNorm` on the same arrays, with
+  the weight each norm class passes (:mod:`.head_norms`; the shapes in
+  :mod:`.heads_first`, :mod:`.heads_last`, :mod:`.whole_projection`).
 
-Anything the package does not compute exactly (other dtypes, a scaled RoPE,
-other norms, a call that raises) runs mlx-lm's own code, never an
+Anything the package does not compute exactly (other dtypes, a RoPE it
+does not cover, other norms, a call that raises) runs mlx-lm's own code, never an
 approximation; each such reason is logged once, at debug level, to the
 ``mlx_dualnorm.integrations.mlx_lm`` logger.
 
@@ -54,7 +63,11 @@ from mlx_dualnorm.integrations.mlx_lm._shared import (  # noqa: E402
     PLAIN_SCALAR_TYPES,
     REPLACEMENT_MARKER,
 )
-from mlx_dualnorm.integrations.mlx_lm.full_attention import FULL_ATTENTION_CLASSES  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.full_attention import (  # noqa: E402
+    AttentionFamily,
+    attention_families,
+    register_attention_families,
+)
 from mlx_dualnorm.integrations.mlx_lm.gated_delta import (  # noqa: E402
     FOLDABLE_DTYPES,
     GATED_DELTA_MODULE,

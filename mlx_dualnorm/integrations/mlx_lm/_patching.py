@@ -11,7 +11,10 @@ import threading
 from typing import Optional
 
 from mlx_dualnorm._composite import Mode
-from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta
+from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta, qwen3_like
+# Each shape module registers its attention families when imported.
+from mlx_dualnorm.integrations.mlx_lm import head_norms, heads_first, heads_last  # noqa: F401
+from mlx_dualnorm.integrations.mlx_lm import whole_projection  # noqa: F401
 from mlx_dualnorm.integrations.mlx_lm._shared import (
     REPLACEMENT_MARKER,
     SUPPORTED_MLX_LM,
@@ -170,8 +173,10 @@ def is_patched() -> bool:
 
 
 def clear_cache() -> None:
-    """Drops every cached fold (weights and compiled objects) and every
-    full-attention norm + RoPE object; the next call of each key builds and
-    probes it again."""
+    """Drops every cached fold (weights and compiled objects), every
+    full-attention norm (+ RoPE) object and every q/k norm pair object; the
+    next call of each key builds and probes it again."""
     gated_delta.clear_folds()
     full_attention.clear_norm_ropes()
+    qwen3_like.clear_head_norms()
+    head_norms.clear_dual_norms()

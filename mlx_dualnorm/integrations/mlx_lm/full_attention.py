@@ -1,26 +1,36 @@
 """Full-attention layers: the q/k norm + RoPE as one call.
 
-``qwen3``, ``qwen3_moe`` and ``qwen3_next``'s attention: their q/k prework is ``rms_norm`` by ``q_norm`` / ``k_norm``, a
-transpose to ``(B, H, L, D)`` and ``nn.RoPE`` at ``cache.offset``, six
-graph nodes per layer. ``patch()`` also replaces those attention classes'
+``qwen3``, ``qwen3_moe`` and ``qwen3_next``'s attention: their q/k prework
+is ``rms_norm`` by ``q_norm`` / ``k_norm``, a transpose to ``(B, H, L, D)``
+and ``nn.RoPE`` at ``cache.offset``, six graph nodes per layer. ``patch()`` also replaces those attention classes'
 ``__call__`` with one written here that runs the same projections, cache
 update and attention, and makes the prework ONE call of
 :class:`~mlx_dualnorm.CompiledDualHeadNormRope` with the layer's own
 weights, epsilon and RoPE constants: the same primitives in the same order,
-so the bits are the same. A layer whose RoPE is not exactly ``nn.RoPE``
-(the scaled-RoPE classes of ``rope_utils``, frequency tables), whose norms
+so the bits are the same. The scaled RoPEs of ``rope_utils`` that rotate
+with a frequency table (``Llama3RoPE``, ``YarnRoPE``, ``SuScaledRoPE``,
+``ProportionalRoPE``) are covered too: the table is an input of each call,
+their input scale a constant. A layer whose RoPE is none of these (such as
+``DynamicNTKScalingRoPE``, whose base depends on the position), whose norms
 are not exactly ``nn.RMSNorm`` with one epsilon, or whose call raises in the
 prework, runs the class's own ``__call__``. On MLX's CUDA backend the
 prework is one kernel launch (the fused mode), as the gated-delta norm is.
+
+Every covered attention class is one :class:`AttentionFamily` in the
+registry here (:func:`register_attention_families`): the qwen3 shapes are
+registered by this module, other shapes by a module of their own. The
+per-layer decision below works the same for all of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import sys
 import threading
 import weakref
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,16 +44,56 @@ from mlx_dualnorm.integrations.mlx_lm._shared import (
     log_fallback_once,
 )
 
-# (module, attention class, how its __call__ is replaced). Modules that do
-# not import (an older mlx-lm) are skipped.
-FULL_ATTENTION_CLASSES = (
-    ("mlx_lm.models.qwen3", "Attention", "qwen3"),
-    ("mlx_lm.models.qwen3_moe", "Attention", "qwen3"),
-    ("mlx_lm.models.qwen3_next", "Qwen3NextAttention", "qwen3_next"),
-)
+
+@dataclasses.dataclass(frozen=True)
+class AttentionFamily:
+    """One attention class the patch covers.
+
+    ``call`` becomes the ``__call__`` of the layers that engage; it may
+    call ``type(self).mlx_dualnorm_original_call`` (the class's own
+    ``__call__``) where a call cannot take the package's path. ``engages``
+    decides once per layer, at its first call, whether the layer's norms
+    and RoPE are exactly what ``call`` computes; a layer it refuses runs the
+    class's own ``__call__``, and ``refusal`` says why in the debug log."""
+
+    module: str  # the mlx-lm module; one that does not import is skipped
+    class_name: str
+    call: Callable
+    engages: Callable[[object], bool]
+    refusal: str = "its norms or RoPE are not plain nn.RMSNorm / nn.RoPE"
+
+    def attention_class(self) -> Optional[type]:
+        """The class in the installed mlx-lm, or None where it has none."""
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError:
+            return None
+        attention_class = getattr(module, self.class_name, None)
+        return attention_class if isinstance(attention_class, type) else None
+
+
+# Every family, in registration order; a class registered twice keeps its
+# first family.
+_attention_families: list = []
+
+
+def register_attention_families(*families: AttentionFamily) -> None:
+    """Adds ``families`` to what :func:`patch` covers (from its next
+    install on). Each ``call`` is marked as a replacement."""
+    for family in families:
+        setattr(family.call, REPLACEMENT_MARKER, True)
+        if family not in _attention_families:
+            _attention_families.append(family)
+
+
+def attention_families() -> tuple:
+    """Every registered :class:`AttentionFamily`, in registration order."""
+    return tuple(_attention_families)
 
 # class -> its own __call__, recorded the first time it is patched.
 _original_attention_calls: dict = {}
+# Classes that inherit __call__ from mlx-lm: unpatching deletes ours.
+_inheriting_classes: set = set()
 _norm_ropes: dict = {}
 _norm_ropes_lock = threading.Lock()
 _full_attention_mode: Optional[Mode] = None
@@ -57,13 +107,21 @@ _module_item = dict.get
 
 def _norm_rope_for(rope, query_norm, key_norm):
     """The cached CompiledDualHeadNormRope for a layer's constants, or None
-    where the layer's norms or RoPE are not exactly what it computes.
+    where the layer's norms or RoPE are not exactly what it computes. For
+    the scaled RoPEs of ``rope_utils`` (:data:`SCALED_ROPE_CLASSES`), the
+    object bound to the layer's frequency table, read at this call: a
+    callable taking the same arguments.
 
     Runs for every layer of every decode step, so a known layer costs one
     dict lookup: the key holds everything the result depends on, read
     afresh each call (a module swapped or a constant changed in place gets
     a new key), with the types that change what MLX makes of a value (an
-    int 1 is not the bool ``traditional``)."""
+    int 1 is not the bool ``traditional``). A frequency table is no part
+    of the key: it is an input of each call, so a replaced table is used
+    as it is, never a stale copy."""
+    rope_type = type(rope)
+    if rope_type is not nn.RoPE and rope_type in SCALED_ROPE_CLASSES:  # nn.RoPE: one test
+        return _scaled_norm_rope_for(rope, query_norm, key_norm)
     key = (
         _full_attention_mode, type(rope), type(query_norm), type(key_norm),
         query_norm.eps, key_norm.eps, rope.dims, type(rope.dims),
@@ -86,15 +144,99 @@ def _norm_rope_for(rope, query_norm, key_norm):
 def _is_plain_norm_rope(rope, query_norm, key_norm) -> bool:
     """Whether the layer computes what CompiledDualHeadNormRope does: plain
     nn.RMSNorm on both sides with one plain eps, then plain nn.RoPE with
-    plain constants."""
-    if type(rope) is not nn.RoPE or not (type(query_norm) is type(key_norm) is nn.RMSNorm):
+    plain constants, or one of the scaled RoPEs of :data:`SCALED_ROPE_CLASSES`
+    (exact types) with plain constants and an ``mx.array`` table."""
+    if not (type(query_norm) is type(key_norm) is nn.RMSNorm):
         return False
     eps = query_norm.eps
     if type(eps) not in PLAIN_SCALAR_TYPES or type(key_norm.eps) is not type(eps):
         return False
-    if key_norm.eps != eps or type(rope.dims) is not int or type(rope.traditional) is not bool:
+    if key_norm.eps != eps:
+        return False
+    if type(rope) in SCALED_ROPE_CLASSES:
+        constants = _scaled_rope_constants(rope)
+        return constants is not None and type(_rope_table(rope)) is mx.array
+    if type(rope) is not nn.RoPE or type(rope.dims) is not int:
+        return False
+    if type(rope.traditional) is not bool:
         return False
     return type(rope.base) in PLAIN_SCALAR_TYPES and type(rope.scale) in PLAIN_SCALAR_TYPES
+
+
+def _scaled_rope_classes() -> tuple:
+    """rope_utils' RoPE classes whose call is ``mx.fast.rope(x', dims,
+    traditional=, base=None, scale=1.0, offset=, freqs=self._freqs)`` with
+    ``x'`` the input, or the input with its first ``dims`` features
+    multiplied by a Python float: Llama3RoPE, YarnRoPE (``mscale``, when not
+    1), SuScaledRoPE (``_scale``, always), ProportionalRoPE. Empty without
+    mlx-lm (or with one whose rope_utils lacks a class: those present)."""
+    try:
+        rope_utils = importlib.import_module("mlx_lm.models.rope_utils")
+    except ImportError:
+        return ()
+    names = ("Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE")
+    return tuple(getattr(rope_utils, name) for name in names if hasattr(rope_utils, name))
+
+
+SCALED_ROPE_CLASSES = _scaled_rope_classes()
+
+
+def _rope_table(rope):
+    """The module's frequency table, read as an item (see _module_item)."""
+    table = _module_item(rope, "_freqs")
+    return table if table is not None else getattr(rope, "_freqs", None)
+
+
+def _scaled_rope_constants(rope):
+    """(dims, traditional, input_scale) as the class's __call__ uses them
+    (input_scale None where it multiplies nothing), or None where one is not
+    a plain value: dims an int, traditional a bool, a scale a float."""
+    name = type(rope).__name__
+    try:
+        if name == "SuScaledRoPE":
+            dims, traditional, input_scale = rope.dim, False, rope._scale
+        else:
+            dims, traditional, input_scale = rope.dims, rope.traditional, None
+            if name == "YarnRoPE":
+                input_scale = rope.mscale
+                if type(input_scale) is not float:
+                    return None
+                if input_scale == 1.0:  # YarnRoPE skips the multiply then
+                    input_scale = None
+    except AttributeError:  # a module missing what its class sets
+        return None
+    if type(dims) is not int or type(traditional) is not bool:
+        return None
+    if input_scale is not None and type(input_scale) is not float:
+        return None
+    return dims, traditional, input_scale
+
+
+def _scaled_norm_rope_for(rope, query_norm, key_norm):
+    """_norm_rope_for for a scaled RoPE: the cached object for the
+    constants, bound to the table read now."""
+    constants = _scaled_rope_constants(rope)
+    key = (
+        _full_attention_mode, type(rope), type(query_norm), type(key_norm),
+        query_norm.eps, key_norm.eps, constants,
+    )
+    norm_rope = _norm_ropes.get(key)
+    if norm_rope is None:
+        if not _is_plain_norm_rope(rope, query_norm, key_norm):
+            return None
+        dims, traditional, input_scale = constants
+        mode = _full_attention_mode
+        norm_rope = cached_or_built(
+            _norm_ropes, _norm_ropes_lock, key,
+            lambda: CompiledDualHeadNormRope(
+                query_norm.eps, dims, base=None, traditional=traditional,
+                input_scale=input_scale, **({} if mode is None else {"mode": mode}),
+            ),
+            None,
+        )
+        if norm_rope is None:
+            return None
+    return functools.partial(norm_rope, freqs=_rope_table(rope))
 
 
 def _layer_norm_rope(attention):
@@ -173,9 +315,12 @@ def _written_in_one_call(attention, queries, keys, values, cache):
         norm_rope, query_weight, key_weight = _layer_norm_rope(attention)
         if norm_rope is None:
             return None
+        table = {}
+        if type(norm_rope) is functools.partial:  # a scaled RoPE: the object and its table
+            norm_rope, table = norm_rope.func, norm_rope.keywords
         rotated_queries, written_keys, written_values = norm_rope.apply_with_cache(
             queries, keys, values, query_weight, key_weight, key_cache=buffer,
-            value_cache=cache.values, offset=cache.offset, write_offset=row,
+            value_cache=cache.values, offset=cache.offset, write_offset=row, **table,
         )
     except Exception as error:  # the cache is untouched: the two-step path runs instead
         log_fallback_once("the full-attention norm + RoPE with the cache write", error)
@@ -215,6 +360,8 @@ def _prework_and_cache_update(attention, queries, keys, values, cache):
     if cache is not None:
         rotated_keys, values = cache.update_and_fetch(rotated_keys, values)
     return rotated_queries, rotated_keys, values
+
+
 
 
 def _attention_output(attention, queries, keys, values, cache, mask, batch, length):
@@ -259,22 +406,37 @@ def _qwen3_next_attention_call(self, x, mask=None, cache=None):
     return self.o_proj(output * mx.sigmoid(gate.reshape(batch, length, -1)))
 
 
-_ATTENTION_REPLACEMENTS = {
-    "qwen3": _qwen3_attention_call,
-    "qwen3_next": _qwen3_next_attention_call,
-}
-for _replacement in _ATTENTION_REPLACEMENTS.values():
-    setattr(_replacement, REPLACEMENT_MARKER, True)
+def _layer_engages(attention) -> bool:
+    """Whether the layer's norms and RoPE are what the package computes."""
+    try:
+        rope, query_norm, key_norm = attention.rope, attention.q_norm, attention.k_norm
+    except AttributeError:
+        return False
+    return _is_plain_norm_rope(rope, query_norm, key_norm)
 
 
-def _full_attention_classes():
-    """(class, replacement) for every covered class mlx-lm has."""
-    for module_name, class_name, replacement_name in FULL_ATTENTION_CLASSES:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
+register_attention_families(
+    AttentionFamily("mlx_lm.models.qwen3", "Attention", _qwen3_attention_call, _layer_engages),
+    AttentionFamily(
+        "mlx_lm.models.qwen3_moe", "Attention", _qwen3_attention_call, _layer_engages
+    ),
+    AttentionFamily(
+        "mlx_lm.models.qwen3_next", "Qwen3NextAttention", _qwen3_next_attention_call,
+        _layer_engages,
+    ),
+)
+
+
+def _attention_classes() -> Iterator[tuple]:
+    """(class, family) for every registered family the installed mlx-lm
+    has, each class once."""
+    seen: set = set()
+    for family in attention_families():
+        attention_class = family.attention_class()
+        if attention_class is None or attention_class in seen:
             continue
-        yield getattr(module, class_name), _ATTENTION_REPLACEMENTS[replacement_name]
+        seen.add(attention_class)
+        yield attention_class, family
 
 
 # ---- One decision per layer ------------------------------------------------------
@@ -282,7 +444,7 @@ def _full_attention_classes():
 # The patch decides once per attention layer, at its first call, whether it
 # engages, and then moves the layer to a subclass whose __call__ is the
 # outcome: the replacement for a layer it engages, the class's own
-# __call__ for a layer it leaves alone (a scaled RoPE, other norms). A layer
+# __call__ for a layer it leaves alone (another RoPE class, other norms). A layer
 # left alone then runs exactly mlx-lm's code, with no check of ours per
 # call. The subclasses keep the class's name and module (the layers' code
 # looks names up in its module), and unpatching moves every layer back.
@@ -318,39 +480,39 @@ def _decided_class(attention_class, replacement, engaged: bool):
     return decided
 
 
-def _layer_engages(attention) -> bool:
-    """Whether the layer's norms and RoPE are what the package computes."""
-    try:
-        rope, query_norm, key_norm = attention.rope, attention.q_norm, attention.k_norm
-    except AttributeError:
-        return False
-    return _is_plain_norm_rope(rope, query_norm, key_norm)
-
-
-def _deciding_call(attention_class, replacement):
+def _deciding_call(attention_class, family: AttentionFamily):
     """The patched class's __call__: decides for the layer, moves it to its
-    subclass, then runs the outcome."""
+    subclass, then runs the outcome with the call's own arguments."""
 
-    def first_call(self, x, mask=None, cache=None):
+    def first_call(self, *args, **kwargs):
         if type(self) is not attention_class:  # a subclass of mlx-lm's: leave it alone
-            return _original_attention_calls[attention_class](self, x, mask, cache)
-        engaged = _layer_engages(self)
+            return _original_attention_calls[attention_class](self, *args, **kwargs)
+        engaged = _family_engages(family, self)
         if not engaged:
             log_fallback_once(
-                f"{attention_class.__module__}.{attention_class.__qualname__}",
-                "its norms or RoPE are not plain nn.RMSNorm / nn.RoPE",
+                f"{attention_class.__module__}.{attention_class.__qualname__}", family.refusal
             )
-        decided = _decided_class(attention_class, replacement, engaged)
+        decided = _decided_class(attention_class, family.call, engaged)
         reference = weakref.ref(self)
         object.__setattr__(self, "__class__", decided)
         with _decided_layers_lock:
             _decided_layers[id(self)] = reference
             _prune_decided_layers()
-        return decided.__call__(self, x, mask, cache)
+        return decided.__call__(self, *args, **kwargs)
 
     setattr(first_call, REPLACEMENT_MARKER, True)
-    first_call.__wrapped__ = _original_attention_calls[attention_class]
+    setattr(first_call, "__wrapped__", _original_attention_calls[attention_class])
     return first_call
+
+
+def _family_engages(family: AttentionFamily, attention) -> bool:
+    """``family.engages(attention)``; a predicate that raises leaves the
+    layer to mlx-lm's code."""
+    try:
+        return family.engages(attention) is True
+    except Exception as error:  # anything unexpected runs mlx-lm's own code instead
+        log_fallback_once(f"{family.module}.{family.class_name}", error)
+        return False
 
 
 def _prune_decided_layers() -> None:
@@ -368,11 +530,28 @@ def _prune_decided_layers() -> None:
 def _install_full_attention_calls(mode: Optional[Mode]) -> None:
     global _full_attention_mode
     _full_attention_mode = mode
-    for attention_class, replacement in _full_attention_classes():
-        current = attention_class.__dict__["__call__"]
-        if getattr(current, REPLACEMENT_MARKER, False) is not True:
+    for attention_class, family in _attention_classes():
+        current = attention_class.__dict__.get("__call__")
+        if current is None:  # inherited: restoring deletes ours again
+            _inheriting_classes.add(attention_class)
+            _original_attention_calls[attention_class] = _own_call(attention_class)
+        elif getattr(current, REPLACEMENT_MARKER, False) is not True:
             _original_attention_calls[attention_class] = current
-        attention_class.__call__ = _deciding_call(attention_class, replacement)
+        attention_class.__call__ = _deciding_call(attention_class, family)
+
+
+def _own_call(attention_class):
+    """The __call__ mlx-lm gives ``attention_class``: the nearest class of
+    its MRO that defines one, with a patched base's recorded original in
+    place of our replacement."""
+    for base in attention_class.__mro__[1:]:
+        call = base.__dict__.get("__call__")
+        if call is None:
+            continue
+        if getattr(call, REPLACEMENT_MARKER, False) is True:
+            return _original_attention_calls[base]
+        return call
+    raise TypeError(f"{attention_class.__qualname__} has no __call__")
 
 
 def clear_norm_ropes() -> None:
@@ -383,7 +562,10 @@ def clear_norm_ropes() -> None:
 
 def _restore_full_attention_calls() -> None:
     for attention_class, original in _original_attention_calls.items():
-        attention_class.__call__ = original
+        if attention_class not in _inheriting_classes:
+            attention_class.__call__ = original
+        elif "__call__" in attention_class.__dict__:
+            del attention_class.__call__
     with _decided_layers_lock:
         references = list(_decided_layers.values())
         _decided_layers.clear()

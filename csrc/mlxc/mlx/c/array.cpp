@@ -7,12 +7,10 @@
 
 using namespace bundled_mlx_c;
 
-namespace {
-
 /* MLX's Dtype::Val and mlx_dtype list the same types in the same order.
  * Upstream indexes a table with the value (undefined past the end); here an
  * unknown value is a reported error. */
-mx::Dtype to_cpp_dtype(mlx_dtype dtype) {
+mx::Dtype bundled_mlx_c::to_cpp_dtype(mlx_dtype dtype) {
   switch (dtype) {
     case MLX_BOOL: return mx::bool_;
     case MLX_UINT8: return mx::uint8;
@@ -31,6 +29,8 @@ mx::Dtype to_cpp_dtype(mlx_dtype dtype) {
   }
   throw std::invalid_argument("unknown mlx_dtype " + std::to_string(static_cast<int>(dtype)));
 }
+
+namespace {
 
 mlx_dtype to_c_dtype(mx::Dtype dtype) {
   return static_cast<mlx_dtype>(static_cast<int>(dtype.val()));

@@ -22,6 +22,31 @@ int mlx_transpose_axes(
     size_t axes_num,
     const mlx_stream s);
 
+/* Sets `*res` to `a` converted to `dtype` (lazy; `a` itself when it already
+ * has that dtype), as mlx::core::astype. */
+int mlx_astype(
+    mlx_array* res,
+    const mlx_array a,
+    mlx_dtype dtype,
+    const mlx_stream s);
+
+/* Sets `*res` to a (lazy) copy of `src` whose slice [start, stop) with
+ * `strides` is multiplied elementwise by `update` (broadcast to the slice's
+ * shape): MLX's SliceUpdate with the Prod reduction, what Python's
+ * `x.at[...].multiply(v)` builds for a slice index. The three lists have
+ * `src`'s rank entries each. */
+int mlx_slice_update_prod(
+    mlx_array* res,
+    const mlx_array src,
+    const mlx_array update,
+    const int* start,
+    size_t start_num,
+    const int* stop,
+    size_t stop_num,
+    const int* strides,
+    size_t strides_num,
+    const mlx_stream s);
+
 /* Sets `*res` to `src` with `update` (cast to `src`'s dtype) written over
  * the slice [start, stop) with `strides` (one of each per axis of `src`):
  * MLX's SliceUpdate, what `src[..., a:b, :] = update` makes in Python. */

@@ -50,6 +50,9 @@ namespace mx = mlx::core;
 
 using ArrayVector = std::vector<mx::array>;
 
+/* MLX's dtype of an mlx_dtype (array.cpp); an unknown value throws. */
+mx::Dtype to_cpp_dtype(mlx_dtype dtype);
+
 /* The C++ object behind an mlx_closure. */
 using ArrayFunction = std::function<ArrayVector(const ArrayVector&)>;
 

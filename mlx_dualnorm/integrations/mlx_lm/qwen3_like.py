@@ -1,0 +1,311 @@
+"""Attention of other mlx-lm families with qwen3's q/k prework.
+
+These families' attention runs what qwen3's does: per-head RMS norm of q
+and k with one epsilon, a transpose to ``(B, H, L, D)``, RoPE at the cache
+offset, the cache update and attention, with other attribute names:
+
+* ``Klear``, ``dots1``, ``lfm2``, ``lfm2_moe``, ``mellum``, ``apertus``:
+  ``nn.RMSNorm`` and ``nn.RoPE``; ``exaone4`` and ``exaone_moe`` as well,
+  where a layer without RoPE (``use_rope`` false) has its norm alone fused
+  (:class:`~mlx_dualnorm.CompiledDualHeadNorm`, then the transpose).
+* ``glm4_moe`` (which ``solar_open`` runs) and ``laguna``: RoPE of fewer
+  dims than the head (partial rotary); laguna's softplus output gate after
+  attention. A glm4_moe layer without q/k norms (``use_qk_norm`` false) is
+  left alone: its prework is RoPE only.
+* ``step3p5``: ``ZeroCenteredRMSNorm``, whose call is nn.RMSNorm's own
+  expression ``mx.fast.rms_norm(x, self.weight, self.eps)``; partial rotary,
+  the sigmoid head gate after attention.
+* ``llama4_text``: ``mx.fast.rms_norm(x, None, rms_norm_eps)`` (no weight)
+  when ``use_qk_norm``, traditional RoPE where ``use_rope``.
+
+Each replacement runs every other op as mlx-lm writes it. A layer whose
+norms or RoPE are not exactly what the package computes (a RoPE other
+than ``nn.RoPE`` and the frequency-table RoPEs of ``rope_utils``, other
+norms, norms of two epsilons)
+runs its class's own ``__call__``, decided at its first call
+(:mod:`.full_attention`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
+from mlx_dualnorm.integrations.mlx_lm import full_attention
+from mlx_dualnorm.integrations.mlx_lm._shared import (
+    PLAIN_SCALAR_TYPES,
+    cached_or_built,
+    log_fallback_once,
+)
+from mlx_dualnorm.integrations.mlx_lm.full_attention import (
+    AttentionFamily,
+    _attention_output,
+    _is_plain_norm_rope,
+    _module_item,
+    register_attention_families,
+)
+
+# What a layer's norms read as: (query_norm, key_norm, query_weight,
+# key_weight), the norms being nn.RMSNorm modules whose eps and types decide
+# what is built, or None where the layer has no q/k norms.
+NormsRead = Optional[tuple]
+
+_head_norms: dict = {}
+_head_norms_lock = threading.Lock()
+# (type(eps), eps) -> an nn.RMSNorm of that eps, standing for norms that
+# compute nn.RMSNorm's expression without being one (or have no module).
+_stand_in_norms: dict = {}
+_stand_in_norms_lock = threading.Lock()
+
+
+def _item(module, name: str):
+    """``module.name``, read as a dict item where it is one (the quick way,
+    see full_attention._module_item); raises AttributeError where absent."""
+    value = _module_item(module, name)
+    return getattr(module, name) if value is None else value
+
+
+def _stand_in_norm(eps) -> nn.RMSNorm:
+    stand_in = cached_or_built(
+        _stand_in_norms, _stand_in_norms_lock, (type(eps), eps), lambda: nn.RMSNorm(1, eps),
+        None,
+    )
+    return nn.RMSNorm(1, eps) if stand_in is None else stand_in
+
+
+# ---- How a family's layer holds its norms and RoPE ------------------------------
+
+
+def _rms_norms(query_name: str = "q_norm", key_name: str = "k_norm", flag: str = ""):
+    """Reads the norm modules ``query_name`` / ``key_name`` (whether they
+    are plain nn.RMSNorm is checked where they are used); with a ``flag``
+    attribute, only where it is true (None otherwise)."""
+
+    def read(attention) -> NormsRead:
+        if flag and not getattr(attention, flag):
+            return None
+        query_norm, key_norm = _item(attention, query_name), _item(attention, key_name)
+        return query_norm, key_norm, _item(query_norm, "weight"), _item(key_norm, "weight")
+
+    return read
+
+
+def _zero_centered_norms(attention) -> NormsRead:
+    """step3p5's norms: ZeroCenteredRMSNorm computes
+    ``mx.fast.rms_norm(x, self.weight, self.eps)``, nn.RMSNorm's expression,
+    so an nn.RMSNorm of their one eps stands for both (None where their
+    types or eps differ: the layer is then left alone)."""
+    # The model module's own class, looked up as its code does.
+    zero_centered = sys.modules[type(attention).__module__].ZeroCenteredRMSNorm
+    query_norm, key_norm = _item(attention, "q_norm"), _item(attention, "k_norm")
+    if not (type(query_norm) is type(key_norm) is zero_centered):
+        return None
+    eps = query_norm.eps
+    if type(key_norm.eps) is not type(eps) or key_norm.eps != eps:
+        return None
+    stand_in = _stand_in_norm(eps)
+    return stand_in, stand_in, _item(query_norm, "weight"), _item(key_norm, "weight")
+
+
+def _weightless_norms(attention) -> NormsRead:
+    """llama4_text's ``mx.fast.rms_norm(x, None, self.rms_norm_eps)`` on q
+    and k where ``use_qk_norm``: an nn.RMSNorm of that eps stands for it,
+    with no weight."""
+    if not attention.use_qk_norm:
+        return None
+    stand_in = _stand_in_norm(attention.rms_norm_eps)
+    return stand_in, stand_in, None, None
+
+
+def _rope(flag: str = ""):
+    """Reads the layer's ``rope``; with a ``flag`` attribute, only where it
+    is true (None: the layer has no RoPE)."""
+
+    def read(attention):
+        if flag and not getattr(attention, flag):
+            return None
+        return _item(attention, "rope")
+
+    return read
+
+
+# ---- What runs after attention ------------------------------------------------
+
+
+def _projected(name: str = "o_proj"):
+    def finish(attention, x, output, batch, length):
+        return _item(attention, name)(output)
+
+    return finish
+
+
+def _laguna_finish(self, x, output, batch, length):
+    """laguna's optional softplus gate per head, then o_proj, as mlx-lm."""
+    if self.gating:
+        gate = nn.softplus(self.g_proj(x).astype(mx.float32)).astype(output.dtype)
+        output = output.reshape(batch, length, self.n_heads, self.head_dim)
+        output = (output * gate[..., None]).reshape(batch, length, -1)
+    return self.o_proj(output)
+
+
+def _step3p5_finish(self, x, output, batch, length):
+    """step3p5's optional sigmoid gate per head, then o_proj. mlx-lm gates
+    the (B, L, H, D) transpose of attention's output; the same values in
+    (B, L, H, D) order here, multiplied elementwise by the same gate."""
+    if self.use_head_wise_attn_gate:
+        output = output.reshape(batch, length, self.num_heads, -1)
+        output = output * mx.sigmoid(self.g_proj(x))[..., None]
+    return self.o_proj(output.reshape(batch, length, -1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one family's attention names its parts."""
+
+    heads: str  # the attribute with the query head count
+    kv_heads: str  # the attribute with the key/value head count
+    norms: Callable[[object], NormsRead] = _rms_norms()
+    rope: Callable[[object], object] = _rope()
+    finish: Callable = _projected()
+
+
+# ---- The prework and the call ------------------------------------------------------
+
+
+def _head_norm_for(query_norm, key_norm) -> Optional[CompiledDualHeadNorm]:
+    """The cached CompiledDualHeadNorm of a layer without RoPE, or None
+    where its norms are not nn.RMSNorm with one plain eps."""
+    mode = full_attention._full_attention_mode
+    key = (mode, type(query_norm), type(key_norm), query_norm.eps, type(query_norm.eps),
+           key_norm.eps, type(key_norm.eps))
+    head_norm = _head_norms.get(key)
+    if head_norm is not None or not _is_plain_norm(query_norm, key_norm):
+        return head_norm
+    eps = query_norm.eps
+    return cached_or_built(
+        _head_norms, _head_norms_lock, key,
+        lambda: CompiledDualHeadNorm(eps, **({} if mode is None else {"mode": mode})),
+        None,
+    )
+
+
+def _is_plain_norm(query_norm, key_norm) -> bool:
+    if not (type(query_norm) is type(key_norm) is nn.RMSNorm):
+        return False
+    eps = query_norm.eps
+    return type(eps) in PLAIN_SCALAR_TYPES and type(key_norm.eps) is type(eps) and (
+        key_norm.eps == eps
+    )
+
+
+def _prework(layout: Layout, attention, queries, keys, cache):
+    """(B, H, L, D) queries and keys, normalized (and rotated, where the
+    layer has RoPE) by one call of the package, or None (the caller then
+    runs the class's own __call__)."""
+    try:
+        norms = layout.norms(attention)
+        if norms is None:
+            return None
+        query_norm, key_norm, query_weight, key_weight = norms
+        rope = layout.rope(attention)
+        if rope is None:
+            head_norm = _head_norm_for(query_norm, key_norm)
+            if head_norm is None:
+                return None
+            queries, keys = head_norm(queries, keys, query_weight, key_weight)
+            return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+        norm_rope = full_attention._norm_rope_for(rope, query_norm, key_norm)
+        if norm_rope is None:
+            return None
+        return norm_rope(
+            queries, keys, query_weight, key_weight, offset=0 if cache is None else cache.offset
+        )
+    except Exception as error:  # anything unexpected runs mlx-lm's own code instead
+        log_fallback_once("the full-attention norm (+ RoPE)", error)
+        return None
+
+
+def _engages(layout: Layout, attention) -> bool:
+    """Whether the layer's norms and RoPE are what :func:`_prework` computes."""
+    norms = layout.norms(attention)
+    if norms is None:
+        return False
+    rope = layout.rope(attention)
+    if rope is None:
+        return _is_plain_norm(norms[0], norms[1])
+    return _is_plain_norm_rope(rope, norms[0], norms[1])
+
+
+def _attention_call(layout: Layout):
+    """The replacement __call__ of a family of ``layout``."""
+
+    def call(self, x, mask=None, cache=None):
+        batch, length, _ = x.shape
+        query_heads, kv_heads = getattr(self, layout.heads), getattr(self, layout.kv_heads)
+        head_queries = self.q_proj(x).reshape(batch, length, query_heads, -1)
+        head_keys = self.k_proj(x).reshape(batch, length, kv_heads, -1)
+        prepared = _prework(layout, self, head_queries, head_keys, cache)
+        if prepared is None:
+            return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
+        values = self.v_proj(x).reshape(batch, length, kv_heads, -1).transpose(0, 2, 1, 3)
+        output = _attention_output(self, *prepared, values, cache, mask, batch, length)
+        return layout.finish(self, x, output, batch, length)
+
+    return call
+
+
+def _family(module: str, class_name: str, layout: Layout, *refusal: str) -> AttentionFamily:
+    return AttentionFamily(
+        f"mlx_lm.models.{module}", class_name, _attention_call(layout),
+        lambda attention: _engages(layout, attention), *refusal,
+    )
+
+
+_N_HEADS = Layout("n_heads", "n_kv_heads")
+_NUM_HEADS = Layout("num_attention_heads", "num_key_value_heads")
+_LFM2 = Layout(
+    "n_heads", "n_kv_heads", _rms_norms("q_layernorm", "k_layernorm"), finish=_projected("out_proj")
+)
+_EXAONE = Layout("n_heads", "n_kv_heads", rope=_rope("use_rope"))
+
+QWEN3_LIKE_FAMILIES = (
+    _family("Klear", "KlearAttention", _NUM_HEADS),
+    _family("dots1", "Dots1Attention", _N_HEADS),
+    _family("lfm2", "Attention", _LFM2),
+    _family("lfm2_moe", "Attention", _LFM2),
+    _family("mellum", "Attention", _N_HEADS),
+    _family("exaone4", "Attention", _EXAONE),
+    _family("exaone_moe", "Attention", _EXAONE),
+    _family("apertus", "ApertusAttention", _NUM_HEADS),
+    _family(
+        "glm4_moe", "Attention", Layout("n_heads", "n_kv_heads", _rms_norms(flag="use_qk_norm")),
+        "it has no q/k norms (use_qk_norm false), or they or its RoPE are not plain "
+        "nn.RMSNorm / nn.RoPE",
+    ),
+    _family(
+        "laguna", "Attention", Layout("n_heads", "n_kv_heads", finish=_laguna_finish),
+    ),
+    _family(
+        "step3p5", "Step3p5Attention",
+        Layout("num_heads", "num_kv_heads", _zero_centered_norms, finish=_step3p5_finish),
+        "its norms are not ZeroCenteredRMSNorm of one eps, or its RoPE is not plain nn.RoPE",
+    ),
+    _family(
+        "llama4_text", "Attention",
+        Layout("n_heads", "n_kv_heads", _weightless_norms, _rope("use_rope")),
+        "it has no q/k norm (use_qk_norm false), or its eps or RoPE are not plain",
+    ),
+)
+register_attention_families(*QWEN3_LIKE_FAMILIES)
+
+
+def clear_head_norms() -> None:
+    """Drops every cached norm object of layers without RoPE."""
+    with _head_norms_lock:
+        _head_norms.clear()
