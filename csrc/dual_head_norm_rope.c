@@ -1035,34 +1035,40 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
     const mlx_array rope_offset, const mlx_array freqs, const mlx_array key_cache,
     const mlx_array value_cache, int write_offset, mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
-  dual_head_norm_call call = {0};
-  rope_offset_input offset = {0};
-  bool fused = false;
+  /* What the checks read of the inputs, once, and the route they choose. */
+  struct {
+    dual_head_norm_call call;
+    rope_offset_input offset;
+    bool fused;
+  } facts = {0};
+  dual_head_norm_call* call = &facts.call;
   /* The norm + RoPE's checks, reported as this call's. */
-  int status = begin_apply(res, norm_rope, &call, &offset, queries, keys, query_scale_weight,
-                           key_scale_weight, rope_offset, freqs, operation, error);
+  int status = begin_apply(res, norm_rope, call, &facts.offset, queries, keys,
+                           query_scale_weight, key_scale_weight, rope_offset, freqs, operation,
+                           error);
   if (status == MLX_DUALNORM_OK) {
-    status = check_cache_inputs(&call.keys, values, key_cache, value_cache, write_offset,
+    status = check_cache_inputs(&call->keys, values, key_cache, value_cache, write_offset,
                                 error);
   }
   if (status == MLX_DUALNORM_OK) {
-    status = choose_route(norm_rope, &norm_rope->cache_graphs, &call, &offset, freqs, &fused,
-                          operation, error);
+    status = choose_route(norm_rope, &norm_rope->cache_graphs, call, &facts.offset, freqs,
+                          &facts.fused, operation, error);
   }
   if (status != MLX_DUALNORM_OK) {
     return status;
   }
   int layout = WEIGHTLESS_LAYOUT;
   /* Owned here, freed below on every path. */
-  mlx_vector_array inputs = cache_graph_inputs(norm_rope, &call, &rope_offset, freqs, values,
+  mlx_vector_array inputs = cache_graph_inputs(norm_rope, call, &rope_offset, freqs, values,
                                                key_cache, value_cache, write_offset, &layout);
   if (inputs.ctx == NULL) {
     return dualnorm_fail_in_mlx(error, operation);
   }
-  status = fused ? apply_fused_kernel_with_cache(res, norm_rope, &call, rope_offset, freqs,
-                                                 inputs, write_offset, error)
-                 : run_layout_graph(res, norm_rope, &norm_rope->cache_graphs, &call, layout,
-                                    inputs, operation, error);
+  status = facts.fused
+               ? apply_fused_kernel_with_cache(res, norm_rope, call, rope_offset, freqs, inputs,
+                                               write_offset, error)
+               : run_layout_graph(res, norm_rope, &norm_rope->cache_graphs, call, layout, inputs,
+                                  operation, error);
   if (mlx_vector_array_free(inputs) != 0 && status == MLX_DUALNORM_OK) {
     status = dualnorm_fail_in_mlx(error, operation);
   }

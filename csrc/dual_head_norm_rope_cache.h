@@ -54,19 +54,11 @@ extern "C" {
  * value buffer written (each the shape and dtype of its input buffer; an
  * update of another dtype is cast to the buffer's, as MLX's slice update
  * does). On failure `*res` is left as it was. Thread-safe. */
-int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
-    mlx_vector_array* res,
-    mlx_dualnorm_dual_head_norm_rope* norm_rope,
-    const mlx_array queries,
-    const mlx_array keys,
-    const mlx_array values,
-    const mlx_array query_scale_weight,
-    const mlx_array key_scale_weight,
-    const mlx_array rope_offset,
-    const mlx_array freqs,
-    const mlx_array key_cache,
-    const mlx_array value_cache,
-    int write_offset,
+int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(mlx_vector_array* res,
+    mlx_dualnorm_dual_head_norm_rope* norm_rope, const mlx_array queries, const mlx_array keys,
+    const mlx_array values, const mlx_array query_scale_weight,
+    const mlx_array key_scale_weight, const mlx_array rope_offset, const mlx_array freqs,
+    const mlx_array key_cache, const mlx_array value_cache, int write_offset,
     mlx_dualnorm_error* error);
 
 #ifdef __cplusplus
