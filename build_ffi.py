@@ -296,6 +296,7 @@ CDEF_HEADERS = (
     "dual_head_norm_common.h",
     "dual_head_norm.h",
     "dual_head_norm_rope.h",
+    "dual_head_norm_rope_cache.h",
     "fused/fused_dual_head_norm.h",
 )
 
@@ -340,6 +341,7 @@ def make_ffibuilder() -> FFI:
     builder.set_source(
         NATIVE_MODULE,
         '#include "dual_head_norm.h"\n#include "dual_head_norm_rope.h"\n'
+        '#include "dual_head_norm_rope_cache.h"\n'
         '#include "fused/fused_dual_head_norm.h"\n',
         sources=[
             *composite_sources(),

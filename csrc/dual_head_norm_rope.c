@@ -61,6 +61,7 @@
 #define _POSIX_C_SOURCE 200809L
 
 #include "dual_head_norm_rope.h"
+#include "dual_head_norm_rope_cache.h"
 
 #include "private/call_errors.h"
 #include "private/compile_erasure.h"
@@ -173,6 +174,25 @@ static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
   return status;
 }
 
+/* The inputs of a norm + RoPE graph of these constants' layout. */
+static size_t norm_rope_input_count(const graph_constants* constants) {
+  return 3 + (size_t)constants->has_query_weight + (size_t)constants->has_key_weight +
+         (size_t)constants->rope.with_freqs;
+}
+
+/* Whether a builder got an output vector and `expected_inputs` inputs;
+ * else the reason sent to mlx_error, false. */
+static bool graph_inputs_expected(const mlx_vector_array* output_vector,
+                                  const mlx_vector_array input_vector, size_t expected_inputs) {
+  size_t received_inputs = mlx_vector_array_size(input_vector);
+  if (output_vector == NULL || received_inputs != expected_inputs) {
+    mlx_error("[%s] expected %zu inputs and an output vector, received %zu inputs",
+              BUILD_NORM_ROPE_GRAPH_OPERATION, expected_inputs, received_inputs);
+    return false;
+  }
+  return true;
+}
+
 /* Inputs: queries, keys, the RoPE offset, then the query weight and the key
  * weight where the layout has them, then the frequency table where the
  * RoPE takes one. Output order is the caller's ABI:
@@ -182,13 +202,7 @@ static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
 static int build_norm_rope_graph(mlx_vector_array* output_vector,
                                  const mlx_vector_array input_vector, void* payload) {
   const graph_constants* constants = payload;
-  size_t expected_inputs = 3 + (size_t)constants->has_query_weight +
-                           (size_t)constants->has_key_weight +
-                           (size_t)constants->rope.with_freqs;
-  size_t received_inputs = mlx_vector_array_size(input_vector);
-  if (output_vector == NULL || received_inputs != expected_inputs) {
-    mlx_error("[%s] expected %zu inputs and an output vector, received %zu inputs",
-              BUILD_NORM_ROPE_GRAPH_OPERATION, expected_inputs, received_inputs);
+  if (!graph_inputs_expected(output_vector, input_vector, norm_rope_input_count(constants))) {
     return 1;
   }
   mlx_array queries = mlx_array_new();
@@ -243,6 +257,16 @@ struct mlx_dualnorm_dual_head_norm_rope_ {
   mlx_dualnorm_mode mode;
   /* In FUSED mode, the backend resolved at construction (never NULL). */
   const mlx_dualnorm_fused_rope_backend* fused_backend;
+  /* The graphs of apply_with_cache (the norm + RoPE and the two cache
+   * writes), per weight layout, kept as `graphs` is. */
+  dualnorm_layout_graphs cache_graphs;
+  /* apply_with_cache's last write position as an int32 scalar (owned; empty
+   * until the first call), reused while the position stays the same: every
+   * layer of a decode step writes at the same row. Guarded by
+   * write_offset_lock; graphs holding an older scalar keep it alive. */
+  pthread_mutex_t write_offset_lock;
+  int write_offset_value;
+  mlx_array write_offset_scalar;
   /* Applies hold it shared, close exclusively: close waits for applies in
    * flight, and applies of one object on several threads run together. */
   pthread_rwlock_t lifetime_lock;
@@ -253,13 +277,17 @@ struct mlx_dualnorm_dual_head_norm_rope_ {
  * the caller holds lifetime_lock exclusively or is the only user. */
 static int release_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
   int status = dualnorm_release_layout_graphs(&norm_rope->graphs);
+  status |= dualnorm_release_layout_graphs(&norm_rope->cache_graphs);
   norm_rope->closed = true;
   return status;
 }
 
-/* The plain builder of one layout, carrying its own copy of the constants
- * (an empty handle, with the reason sent to mlx_error, on failure). */
-static mlx_closure new_plain_graph(const void* owner, int layout) {
+/* A plain closure of `builder` for one layout, carrying its own copy of
+ * the constants (an empty handle, with the reason sent to mlx_error, on
+ * failure). */
+static mlx_closure new_plain_graph_of(const void* owner, int layout,
+                                      int (*builder)(mlx_vector_array*, const mlx_vector_array,
+                                                     void*)) {
   const mlx_dualnorm_dual_head_norm_rope* norm_rope = owner;
   graph_constants* constants = malloc(sizeof *constants);
   if (constants == NULL) {
@@ -272,12 +300,19 @@ static mlx_closure new_plain_graph(const void* owner, int layout) {
       .has_query_weight = (layout & QUERY_WEIGHTED_LAYOUT) != 0,
       .has_key_weight = (layout & KEY_WEIGHTED_LAYOUT) != 0,
   };
-  mlx_closure plain_graph = mlx_closure_new_func_payload(build_norm_rope_graph, constants, free);
+  mlx_closure plain_graph = mlx_closure_new_func_payload(builder, constants, free);
   if (plain_graph.ctx == NULL) {
     free(constants); /* a closure that was never made took no ownership */
   }
   return plain_graph;
 }
+
+/* The plain norm + RoPE builder of one layout. */
+static mlx_closure new_plain_graph(const void* owner, int layout) {
+  return new_plain_graph_of(owner, layout, build_norm_rope_graph);
+}
+
+static mlx_closure new_plain_cache_graph(const void* owner, int layout);
 
 static uint64_t float_bits(float value) {
   uint32_t bits;
@@ -296,9 +331,12 @@ static int compile_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
       rope->with_freqs, rope->input_scale.has_value,
       rope->input_scale.has_value ? float_bits(rope->input_scale.value) : 0,
   };
+  size_t constant_count = sizeof compile_constants / sizeof compile_constants[0];
   return dualnorm_compile_layout_graphs(&norm_rope->graphs, norm_rope->mode, new_plain_graph,
-                                        norm_rope, compile_constants,
-                                        sizeof compile_constants / sizeof compile_constants[0]);
+                                        norm_rope, compile_constants, constant_count) != 0 ||
+         dualnorm_compile_layout_graphs(&norm_rope->cache_graphs, norm_rope->mode,
+                                        new_plain_cache_graph, norm_rope, compile_constants,
+                                        constant_count) != 0;
 }
 
 /* The constructor's argument checks, before anything is allocated. */
@@ -354,6 +392,12 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
     free(norm_rope);
     return dualnorm_fail_with(error, MLX_DUALNORM_MLX_FAILURE, operation, "out of host memory");
   }
+  if (pthread_mutex_init(&norm_rope->write_offset_lock, NULL) != 0) {
+    pthread_rwlock_destroy(&norm_rope->lifetime_lock);
+    free(norm_rope);
+    return dualnorm_fail_with(error, MLX_DUALNORM_MLX_FAILURE, operation, "out of host memory");
+  }
+  norm_rope->write_offset_scalar = mlx_array_new();
   norm_rope->rms_norm_epsilon = (float)rms_norm_epsilon;
   norm_rope->rope = rope;
   norm_rope->mode = resolved_mode;
@@ -362,6 +406,7 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
   if (compile_graphs(norm_rope) != 0) {
     status = dualnorm_fail_in_mlx(error, operation);
     release_graphs(norm_rope);
+    pthread_mutex_destroy(&norm_rope->write_offset_lock);
     pthread_rwlock_destroy(&norm_rope->lifetime_lock);
     free(norm_rope);
     return status;
@@ -568,43 +613,101 @@ static int apply_fused_kernel(mlx_vector_array* res, mlx_dualnorm_dual_head_norm
   return apply_status != 0 ? dualnorm_fail_in_mlx(error, operation) : MLX_DUALNORM_OK;
 }
 
-/* Runs the chosen closure of the call's weight layout, the object held
- * open for the duration. */
-static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                       const dual_head_norm_call* call, const mlx_array rope_offset,
-                       const mlx_array freqs, mlx_dualnorm_error* error) {
-  const char* operation = APPLY_NORM_ROPE_OPERATION;
-  int layout = WEIGHTLESS_LAYOUT;
-  /* Owned here, freed below on every path; the table goes last (the
-   * builder's input order). */
-  mlx_vector_array input_vector = dualnorm_graph_inputs(call, &rope_offset, &layout);
-  if (input_vector.ctx == NULL) {
-    return dualnorm_fail_in_mlx(error, operation);
+/* The norm + RoPE graph's input vector (owned by the caller): queries,
+ * keys, the RoPE offset, the call's weights, then the table where the call
+ * has one (the builder's input order); `*layout` the call's. An empty
+ * handle, with the reason sent to mlx_error, on failure. */
+static mlx_vector_array norm_rope_graph_inputs(const dual_head_norm_call* call,
+                                               const mlx_array* rope_offset,
+                                               const mlx_array freqs, int* layout) {
+  mlx_vector_array inputs = dualnorm_graph_inputs(call, rope_offset, layout);
+  if (inputs.ctx != NULL && freqs.ctx != NULL &&
+      mlx_vector_array_append_value(inputs, freqs) != 0) {
+    mlx_vector_array_free(inputs); /* already failing: its status adds nothing */
+    return mlx_vector_array_new();
   }
-  if (freqs.ctx != NULL && mlx_vector_array_append_value(input_vector, freqs) != 0) {
-    mlx_vector_array_free(input_vector); /* already failing: its status adds nothing */
-    return dualnorm_fail_in_mlx(error, operation);
-  }
+  return inputs;
+}
+
+/* Runs the closure of `graphs` (the object's norm + RoPE or cache graphs)
+ * for the call's layout, compiled or plain (takes_compiled_graph), on
+ * `inputs` (borrowed), the object held open for the duration. */
+static int run_layout_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                            const dualnorm_layout_graphs* graphs,
+                            const dual_head_norm_call* call, int layout,
+                            const mlx_vector_array inputs, const char* operation,
+                            mlx_dualnorm_error* error) {
   bool compiled = takes_compiled_graph(norm_rope, call);
   pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
   bool closed = norm_rope->closed;
   int apply_status = 0;
   if (!closed) {
-    apply_status = mlx_closure_apply(res,
-                                     compiled ? norm_rope->graphs.compiled[layout]
-                                              : norm_rope->graphs.plain[layout],
-                                     input_vector);
+    apply_status = mlx_closure_apply(
+        res, compiled ? graphs->compiled[layout] : graphs->plain[layout], inputs);
   }
   pthread_rwlock_unlock(&norm_rope->lifetime_lock);
-  int free_status = mlx_vector_array_free(input_vector);
   if (closed) {
     return dualnorm_fail_with(error, MLX_DUALNORM_CLOSED, operation,
                               "the dual head norm rope is closed");
   }
-  if (apply_status != 0 || free_status != 0) {
+  return apply_status != 0 ? dualnorm_fail_in_mlx(error, operation) : MLX_DUALNORM_OK;
+}
+
+/* Runs the chosen closure of the call's weight layout. */
+static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                       const dual_head_norm_call* call, const mlx_array rope_offset,
+                       const mlx_array freqs, mlx_dualnorm_error* error) {
+  const char* operation = APPLY_NORM_ROPE_OPERATION;
+  int layout = WEIGHTLESS_LAYOUT;
+  /* Owned here, freed below on every path. */
+  mlx_vector_array input_vector = norm_rope_graph_inputs(call, &rope_offset, freqs, &layout);
+  if (input_vector.ctx == NULL) {
     return dualnorm_fail_in_mlx(error, operation);
   }
-  return MLX_DUALNORM_OK;
+  int status = run_layout_graph(res, norm_rope, &norm_rope->graphs, call, layout, input_vector,
+                                operation, error);
+  if (mlx_vector_array_free(input_vector) != 0 && status == MLX_DUALNORM_OK) {
+    status = dualnorm_fail_in_mlx(error, operation);
+  }
+  return status;
+}
+
+/* An apply's start: the pointers, then every norm + RoPE input read and
+ * checked once (inspect_inputs), failures labelled `operation`. */
+static int begin_apply(const mlx_vector_array* res,
+                       const mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                       dual_head_norm_call* call, rope_offset_input* offset,
+                       const mlx_array queries, const mlx_array keys,
+                       const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+                       const mlx_array rope_offset, const mlx_array freqs,
+                       const char* operation, mlx_dualnorm_error* error) {
+  dualnorm_begin_call();
+  if (res == NULL || norm_rope == NULL) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "the result vector or the dual head norm rope is NULL");
+  }
+  int status = inspect_inputs(norm_rope, call, offset, queries, keys, query_scale_weight,
+                              key_scale_weight, rope_offset, freqs, error);
+  if (status != MLX_DUALNORM_OK && error != NULL) {
+    error->operation = operation;
+  }
+  return status;
+}
+
+/* An apply's route, its inputs checked: the thread noted as applying the
+ * object's `graphs` (and its queued erasures done), then `*fused` set where
+ * FUSED mode's kernel takes the call. */
+static int choose_route(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                        const dualnorm_layout_graphs* graphs, dual_head_norm_call* call,
+                        const rope_offset_input* offset, const mlx_array freqs, bool* fused,
+                        const char* operation, mlx_dualnorm_error* error) {
+  if (!dualnorm_register_applying_thread(graphs->compile_ids) ||
+      dualnorm_erase_queued_compile_ids() != 0) {
+    return dualnorm_fail_in_mlx(error, operation);
+  }
+  return norm_rope->mode == MLX_DUALNORM_MODE_FUSED
+             ? fused_kernel_takes(norm_rope, call, offset, freqs, fused, error)
+             : MLX_DUALNORM_OK;
 }
 
 int mlx_dualnorm_dual_head_norm_rope_apply(
@@ -622,23 +725,14 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
     const mlx_array key_scale_weight, const mlx_array rope_offset, const mlx_array freqs,
     mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_OPERATION;
-  dualnorm_begin_call();
-  if (res == NULL || norm_rope == NULL) {
-    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
-                              "the result vector or the dual head norm rope is NULL");
-  }
   dual_head_norm_call call = {0};
   rope_offset_input offset = {0};
   bool fused = false;
-  int status = inspect_inputs(norm_rope, &call, &offset, queries, keys, query_scale_weight,
-                              key_scale_weight, rope_offset, freqs, error);
-  if (status == MLX_DUALNORM_OK &&
-      (!dualnorm_register_applying_thread(norm_rope->graphs.compile_ids) ||
-       dualnorm_erase_queued_compile_ids() != 0)) {
-    status = dualnorm_fail_in_mlx(error, operation);
-  }
-  if (status == MLX_DUALNORM_OK && norm_rope->mode == MLX_DUALNORM_MODE_FUSED) {
-    status = fused_kernel_takes(norm_rope, &call, &offset, freqs, &fused, error);
+  int status = begin_apply(res, norm_rope, &call, &offset, queries, keys, query_scale_weight,
+                           key_scale_weight, rope_offset, freqs, operation, error);
+  if (status == MLX_DUALNORM_OK) {
+    status = choose_route(norm_rope, &norm_rope->graphs, &call, &offset, freqs, &fused,
+                          operation, error);
   }
   if (status != MLX_DUALNORM_OK) {
     return status;
@@ -665,6 +759,318 @@ void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* nor
     return;
   }
   mlx_dualnorm_dual_head_norm_rope_close(norm_rope, NULL);
+  mlx_array_free(norm_rope->write_offset_scalar);
+  pthread_mutex_destroy(&norm_rope->write_offset_lock);
   pthread_rwlock_destroy(&norm_rope->lifetime_lock);
   free(norm_rope);
+}
+
+/* ---- The norm + RoPE with the KV-cache write ------------------------------
+ *
+ * mlx_dualnorm_dual_head_norm_rope_apply_with_cache (dual_head_norm_rope_cache.h):
+ * the norm + RoPE above, then the two writes of mlx-lm's
+ * KVCache.update_and_fetch (`keys[..., w:w+L, :] = rotated keys`, the same
+ * for the transposed values) as MLX slice updates. mlx-lm's indexing makes
+ * a SliceUpdate whose position is a constant; here the position is an
+ * int32 scalar INPUT of the graph (MLX's DynamicSliceUpdate), so a decode
+ * step at the next row replays one trace. Both copy the buffer (or take
+ * its memory when MLX may donate it) and then the update's elements, cast
+ * to the buffer's dtype: the same bits in every element. The graphs are
+ * compiled per input shape as the norm + RoPE's, so a buffer that grew
+ * traces once per capacity. */
+
+static const char APPLY_NORM_ROPE_CACHE_OPERATION[] = "dual_head_norm_rope_with_cache";
+
+/* The cache axis of (B, H, capacity, D) buffers, where rows are written. */
+static const int CACHE_ROW_AXIS[1] = {2};
+
+/* Rows [w, w + L) of both buffers written, on `stream`: `written[0]` the key
+ * buffer with the rotated keys (B, Hk, L, D), `written[1]` the value buffer
+ * with the values (B, L, Hk, Dv) transposed to (B, Hk, L, Dv). With
+ * `constant_row` NULL the row is `write_offset`, an int32 scalar read when
+ * the graph runs (MLX's DynamicSliceUpdate: a trace replays at every row);
+ * else it is *constant_row, MLX's SliceUpdate, what mlx-lm's indexing
+ * builds, for the eager fused route (no trace to replay there, and MLX's
+ * CUDA DynamicSliceUpdate launches a kernel per write to compute the
+ * offset). `written` holds two empty handles on entry and receives new
+ * arrays the caller frees; everything else is borrowed. */
+static int write_cache_rows(mlx_array written[2], const mlx_array rotated_keys,
+                            const mlx_array values, const mlx_array key_cache,
+                            const mlx_array value_cache, const mlx_array write_offset,
+                            const int* constant_row, const mlx_stream stream) {
+  const mlx_array buffers[2] = {key_cache, value_cache};
+  mlx_array head_major_values = mlx_array_new();
+  int status = mlx_transpose_axes(&head_major_values, values, HEAD_MAJOR_AXES,
+                                  ATTENTION_INPUT_RANK, stream) != 0;
+  const mlx_array updates[2] = {rotated_keys, head_major_values};
+  for (int side = 0; status == 0 && side < 2; ++side) {
+    if (constant_row == NULL) {
+      status = mlx_slice_update_dynamic(&written[side], buffers[side], updates[side],
+                                        write_offset, CACHE_ROW_AXIS, 1, stream) != 0;
+      continue;
+    }
+    const int* shape = mlx_array_shape(buffers[side]);
+    const int length = mlx_array_shape(updates[side])[2];
+    const int start[ATTENTION_INPUT_RANK] = {0, 0, *constant_row, 0};
+    const int stop[ATTENTION_INPUT_RANK] = {shape[0], shape[1], *constant_row + length,
+                                            shape[3]};
+    const int strides[ATTENTION_INPUT_RANK] = {1, 1, 1, 1};
+    status = mlx_slice_update(&written[side], buffers[side], updates[side], start,
+                              ATTENTION_INPUT_RANK, stop, ATTENTION_INPUT_RANK, strides,
+                              ATTENTION_INPUT_RANK, stream) != 0;
+  }
+  status |= mlx_array_free(head_major_values);
+  return status;
+}
+
+/* The cache graph's inputs past the norm + RoPE's, in this order. */
+enum { CACHE_GRAPH_EXTRA_INPUTS = 4 }; /* values, key_cache, value_cache, write_offset */
+
+/* Sets `*res` (owned by the caller) to the call's outputs in the caller's
+ * ABI order, published once at the end: the rotated queries of `rotated`
+ * (the norm + RoPE's two outputs, borrowed), then both buffers written
+ * (write_cache_rows) from the cache inputs at `inputs[first_cache_input]`
+ * onwards (borrowed), on the default device's stream as mlx-lm's indexing
+ * writes. Every handle made here is freed on every path. */
+static int publish_cache_outputs(mlx_vector_array* res, const mlx_vector_array rotated,
+                                 const mlx_vector_array inputs, size_t first_cache_input,
+                                 const int* constant_row) {
+  mlx_array cache_inputs[CACHE_GRAPH_EXTRA_INPUTS] = {mlx_array_new(), mlx_array_new(),
+                                                      mlx_array_new(), mlx_array_new()};
+  mlx_array outputs[3] = {mlx_array_new(), mlx_array_new(), mlx_array_new()};
+  mlx_array rotated_keys = mlx_array_new();
+  mlx_device default_device = mlx_device_new();
+  mlx_stream stream = mlx_stream_new();
+  int status = 0;
+  for (size_t index = 0; status == 0 && index < CACHE_GRAPH_EXTRA_INPUTS; ++index) {
+    status = mlx_vector_array_get(&cache_inputs[index], inputs, first_cache_input + index) != 0;
+  }
+  status = status || mlx_vector_array_get(&outputs[0], rotated, 0) != 0 ||
+           mlx_vector_array_get(&rotated_keys, rotated, 1) != 0 ||
+           mlx_get_default_device(&default_device) != 0 ||
+           mlx_get_default_stream(&stream, default_device) != 0 ||
+           write_cache_rows(&outputs[1], rotated_keys, cache_inputs[0], cache_inputs[1],
+                            cache_inputs[2], cache_inputs[3], constant_row, stream) != 0 ||
+           mlx_vector_array_set_data(res, outputs, 3) != 0;
+  for (size_t index = 0; index < CACHE_GRAPH_EXTRA_INPUTS; ++index) {
+    status |= mlx_array_free(cache_inputs[index]);
+  }
+  for (size_t index = 0; index < 3; ++index) {
+    status |= mlx_array_free(outputs[index]);
+  }
+  status |= mlx_array_free(rotated_keys);
+  status |= mlx_stream_free(stream);
+  status |= mlx_device_free(default_device);
+  return status;
+}
+
+/* Inputs: the norm + RoPE graph's (queries, keys, the RoPE offset, the
+ * weights of the layout), then values, key_cache, value_cache and the write
+ * offset. Outputs: publish_cache_outputs's. The input vector belongs to the
+ * closure; every handle made here is freed on every path. */
+static int build_norm_rope_cache_graph(mlx_vector_array* output_vector,
+                                       const mlx_vector_array input_vector, void* payload) {
+  size_t norm_rope_inputs = norm_rope_input_count(payload);
+  if (!graph_inputs_expected(output_vector, input_vector,
+                             norm_rope_inputs + CACHE_GRAPH_EXTRA_INPUTS)) {
+    return 1;
+  }
+  mlx_array norm_rope_input_arrays[6] = {mlx_array_new(), mlx_array_new(), mlx_array_new(),
+                                         mlx_array_new(), mlx_array_new(), mlx_array_new()};
+  mlx_vector_array norm_rope_inputs_vector = mlx_vector_array_new();
+  mlx_vector_array rotated = mlx_vector_array_new();
+  int status = 0;
+  for (size_t index = 0; status == 0 && index < norm_rope_inputs; ++index) {
+    status = mlx_vector_array_get(&norm_rope_input_arrays[index], input_vector, index) != 0;
+  }
+  status = status ||
+           mlx_vector_array_set_data(&norm_rope_inputs_vector, norm_rope_input_arrays,
+                                     norm_rope_inputs) != 0 ||
+           build_norm_rope_graph(&rotated, norm_rope_inputs_vector, payload) != 0 ||
+           publish_cache_outputs(output_vector, rotated, input_vector, norm_rope_inputs,
+                                 NULL) != 0;
+  for (size_t index = 0; index < 6; ++index) {
+    status |= mlx_array_free(norm_rope_input_arrays[index]);
+  }
+  status |= mlx_vector_array_free(norm_rope_inputs_vector);
+  status |= mlx_vector_array_free(rotated);
+  return status;
+}
+
+/* The plain cache builder of one layout, as new_plain_graph. */
+static mlx_closure new_plain_cache_graph(const void* owner, int layout) {
+  return new_plain_graph_of(owner, layout, build_norm_rope_cache_graph);
+}
+
+/* What the writes need, checked once per call (after the norm + RoPE's
+ * checks): values (B, L, Hk, Dv) beside the keys; buffers (B, Hk, C, D) and
+ * (B, Hk, Cv, Dv); rows [w, w + L) inside both. Failures are invalid
+ * arguments; nothing is built. */
+static int check_cache_inputs(const head_norm_input* keys, const mlx_array values,
+                              const mlx_array key_cache, const mlx_array value_cache,
+                              int write_offset, mlx_dualnorm_error* error) {
+  const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
+  const mlx_array checked[3] = {values, key_cache, value_cache};
+  static const char* const names[3] = {"values", "key_cache", "value_cache"};
+  for (int index = 0; index < 3; ++index) {
+    if (checked[index].ctx == NULL) {
+      return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                                "%s is an empty array handle", names[index]);
+    }
+    size_t rank = mlx_array_ndim(checked[index]);
+    if (rank != ATTENTION_INPUT_RANK) {
+      return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                                "%s must have 4 dimensions but has %zu", names[index], rank);
+    }
+  }
+  const int* key_shape = mlx_array_shape(keys->array); /* (B, L, Hk, D), rank 4 checked */
+  const int* value_shape = mlx_array_shape(values);
+  if (value_shape[0] != key_shape[0] || value_shape[1] != key_shape[1] ||
+      value_shape[2] != key_shape[2]) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "values (%d, %d, %d, %d) must have the batch, length and heads "
+                              "of keys (%d, %d, %d, %d)",
+                              value_shape[0], value_shape[1], value_shape[2], value_shape[3],
+                              key_shape[0], key_shape[1], key_shape[2], key_shape[3]);
+  }
+  const int widths[2] = {key_shape[3], value_shape[3]};
+  const mlx_array buffers[2] = {key_cache, value_cache};
+  int length = key_shape[1];
+  for (int side = 0; side < 2; ++side) {
+    const int* buffer_shape = mlx_array_shape(buffers[side]);
+    if (buffer_shape[0] != key_shape[0] || buffer_shape[1] != key_shape[2] ||
+        buffer_shape[3] != widths[side]) {
+      return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                                "%s (%d, %d, %d, %d) must be (batch %d, heads %d, capacity, "
+                                "width %d)",
+                                names[1 + side], buffer_shape[0], buffer_shape[1],
+                                buffer_shape[2], buffer_shape[3], key_shape[0], key_shape[2],
+                                widths[side]);
+    }
+    if (write_offset < 0 || (long long)write_offset + length > buffer_shape[2]) {
+      return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                                "rows [%d, %lld) are outside the %d rows of %s", write_offset,
+                                (long long)write_offset + length, buffer_shape[2],
+                                names[1 + side]);
+    }
+  }
+  return MLX_DUALNORM_OK;
+}
+
+/* Appends the write position to `inputs` as an int32 scalar: the object's
+ * last one while the position stays the same, else a new one it keeps. */
+static int append_write_offset(mlx_vector_array inputs,
+                               mlx_dualnorm_dual_head_norm_rope* norm_rope, int write_offset) {
+  pthread_mutex_lock(&norm_rope->write_offset_lock);
+  int status = 0;
+  if (norm_rope->write_offset_scalar.ctx == NULL ||
+      norm_rope->write_offset_value != write_offset) {
+    int32_t value = write_offset;
+    mlx_array scalar = mlx_array_new_data(&value, NULL, 0, MLX_INT32);
+    if (scalar.ctx == NULL) {
+      status = 1;
+    } else {
+      status |= mlx_array_free(norm_rope->write_offset_scalar);
+      norm_rope->write_offset_scalar = scalar; /* owned by the object from here */
+      norm_rope->write_offset_value = write_offset;
+    }
+  }
+  if (status == 0) {
+    status = mlx_vector_array_append_value(inputs, norm_rope->write_offset_scalar) != 0;
+  }
+  pthread_mutex_unlock(&norm_rope->write_offset_lock);
+  return status;
+}
+
+/* FUSED mode, a call the kernel takes: one launch for the norm + RoPE, then
+ * the writes at the constant row (write_cache_rows). `inputs` is the cache
+ * graph's input vector (borrowed). */
+static int apply_fused_kernel_with_cache(mlx_vector_array* res,
+                                         mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                                         const dual_head_norm_call* call,
+                                         const mlx_array rope_offset, const mlx_array freqs,
+                                         const mlx_vector_array inputs, int write_offset,
+                                         mlx_dualnorm_error* error) {
+  mlx_vector_array rotated = mlx_vector_array_new();
+  int status = apply_fused_kernel(&rotated, norm_rope, call, rope_offset, freqs, error);
+  if (status == MLX_DUALNORM_OK &&
+      publish_cache_outputs(res, rotated, inputs,
+                            mlx_vector_array_size(inputs) - CACHE_GRAPH_EXTRA_INPUTS,
+                            &write_offset) != 0) {
+    status = dualnorm_fail_in_mlx(error, APPLY_NORM_ROPE_CACHE_OPERATION);
+  }
+  if (mlx_vector_array_free(rotated) != 0 && status == MLX_DUALNORM_OK) {
+    status = dualnorm_fail_in_mlx(error, APPLY_NORM_ROPE_CACHE_OPERATION);
+  }
+  return status;
+}
+
+/* The cache graph's input vector (owned by the caller): the norm + RoPE
+ * graph's, then values, the buffers and the write position. An empty
+ * handle, with the reason sent to mlx_error, on failure. */
+static mlx_vector_array cache_graph_inputs(mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                                           const dual_head_norm_call* call,
+                                           const mlx_array* rope_offset, const mlx_array freqs,
+                                           const mlx_array values, const mlx_array key_cache,
+                                           const mlx_array value_cache, int write_offset,
+                                           int* layout) {
+  mlx_vector_array inputs = norm_rope_graph_inputs(call, rope_offset, freqs, layout);
+  if (inputs.ctx == NULL) {
+    return inputs;
+  }
+  if (mlx_vector_array_append_value(inputs, values) != 0 ||
+      mlx_vector_array_append_value(inputs, key_cache) != 0 ||
+      mlx_vector_array_append_value(inputs, value_cache) != 0 ||
+      append_write_offset(inputs, norm_rope, write_offset) != 0) {
+    mlx_vector_array_free(inputs);
+    return mlx_vector_array_new();
+  }
+  return inputs;
+}
+
+int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+    const mlx_array queries, const mlx_array keys, const mlx_array values,
+    const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+    const mlx_array rope_offset, const mlx_array freqs, const mlx_array key_cache,
+    const mlx_array value_cache, int write_offset, mlx_dualnorm_error* error) {
+  const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
+  /* What the checks read of the inputs, once, and the route they choose. */
+  struct {
+    dual_head_norm_call call;
+    rope_offset_input offset;
+    bool fused;
+  } facts = {0};
+  dual_head_norm_call* call = &facts.call;
+  /* The norm + RoPE's checks, reported as this call's. */
+  int status = begin_apply(res, norm_rope, call, &facts.offset, queries, keys,
+                           query_scale_weight, key_scale_weight, rope_offset, freqs, operation,
+                           error);
+  if (status == MLX_DUALNORM_OK) {
+    status = check_cache_inputs(&call->keys, values, key_cache, value_cache, write_offset,
+                                error);
+  }
+  if (status == MLX_DUALNORM_OK) {
+    status = choose_route(norm_rope, &norm_rope->cache_graphs, call, &facts.offset, freqs,
+                          &facts.fused, operation, error);
+  }
+  if (status != MLX_DUALNORM_OK) {
+    return status;
+  }
+  int layout = WEIGHTLESS_LAYOUT;
+  /* Owned here, freed below on every path. */
+  mlx_vector_array inputs = cache_graph_inputs(norm_rope, call, &rope_offset, freqs, values,
+                                               key_cache, value_cache, write_offset, &layout);
+  if (inputs.ctx == NULL) {
+    return dualnorm_fail_in_mlx(error, operation);
+  }
+  status = facts.fused
+               ? apply_fused_kernel_with_cache(res, norm_rope, call, rope_offset, freqs, inputs,
+                                               write_offset, error)
+               : run_layout_graph(res, norm_rope, &norm_rope->cache_graphs, call, layout, inputs,
+                                  operation, error);
+  if (mlx_vector_array_free(inputs) != 0 && status == MLX_DUALNORM_OK) {
+    status = dualnorm_fail_in_mlx(error, operation);
+  }
+  return status;
 }

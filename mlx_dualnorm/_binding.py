@@ -76,6 +76,9 @@ def bind_bridges(
         convert_rope_array,
         convert_offset,
     )
+    _interop.bind_rope_cache(
+        _function_address("mlx_dualnorm_dual_head_norm_rope_apply_with_cache")
+    )
 
 
 def call_native(function: Callable[..., int], *arguments: Any) -> None:

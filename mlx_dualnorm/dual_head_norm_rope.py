@@ -39,6 +39,7 @@ __all__ = ["CompiledDualHeadNormRope", "composed_dual_head_norm_rope"]
 # (the C library reports the same ones); close()'s is the label + "_close".
 DUAL_HEAD_NORM_ROPE_OPERATION = "dual_head_norm_rope"  # construct and call
 COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION = "composed_dual_head_norm_rope"
+DUAL_HEAD_NORM_ROPE_WITH_CACHE_OPERATION = "dual_head_norm_rope_with_cache"  # apply_with_cache
 
 # What mx.fast.rope takes as offset: an int, or an integer mx.array (a
 # scalar, or one value per batch entry).
@@ -284,6 +285,84 @@ class CompiledDualHeadNormRope(_NativeComposite):
             raise _composite._output_count_error(graph_outputs, DUAL_HEAD_NORM_ROPE_OPERATION)
         return graph_outputs
 
+    def apply_with_cache(
+        self,
+        queries: ArrayLike,
+        keys: ArrayLike,
+        values: ArrayLike,
+        query_weight: Optional[ArrayLike] = None,
+        key_weight: Optional[ArrayLike] = None,
+        *,
+        key_cache: ArrayLike,
+        value_cache: ArrayLike,
+        offset: Offset = 0,
+        write_offset: Optional[int] = None,
+        freqs: Optional[mx.array] = None,
+        stream: StreamLike = None,
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """The norm + RoPE of this call and the KV-cache write of
+        mlx-lm's ``KVCache.update_and_fetch``, in one call.
+
+        Returns ``(rotated_queries, key_cache_written, value_cache_written)``:
+        the queries as ``self(queries, keys, ...)`` returns them, and the two
+        buffers with rows ``[w, w + L)`` of axis 2 set to the rotated keys
+        and to ``values.transpose(0, 2, 1, 3)``, where ``w`` is
+        ``write_offset``: the buffers ``cache.keys[..., w:w+L, :] = keys``
+        and ``cache.values[..., w:w+L, :] = values`` leave, bit for bit.
+
+        Args:
+            queries: ``(B, L, Hq, D)`` array.
+            keys: ``(B, L, Hk, D)`` array.
+            values: ``(B, L, Hk, Dv)`` array.
+            query_weight: optional ``(D,)`` scale of the query norm.
+            key_weight: optional ``(D,)`` scale of the key norm.
+            key_cache: the key buffer, ``(B, Hk, capacity, D)``.
+            value_cache: the value buffer, ``(B, Hk, capacity, Dv)``.
+            offset: the RoPE offset, as for ``__call__``.
+            write_offset: the first row written (an int, ``0 <= w`` and
+                ``w + L`` within each buffer); ``offset`` when omitted, which
+                must then be an int (mlx-lm's ``KVCache``: both are
+                ``cache.offset``).
+            freqs: the frequency table, as for ``__call__``.
+            stream: stream or device to run on; the default stream if None.
+
+        The buffers are not modified: the results are new lazy arrays. MLX
+        writes into a buffer's memory instead of copying it when nothing
+        else references the buffer at evaluation, so a cache that replaces
+        its buffers with the results (``cache.keys = key_cache_written``)
+        pays for the rows written, not a copy of the buffer; a caller that
+        keeps the old buffer keeps its contents, and pays for the copy.
+
+        Raises:
+            TypeError: an argument of the wrong type.
+            DualHeadNormValueError: (a ``ValueError``) an input the norm +
+                RoPE or the write rejects (shapes that do not match, rows
+                outside a buffer), or this object is closed.
+            MlxCError: MLX failed while building the graph.
+        """
+        operation = DUAL_HEAD_NORM_ROPE_WITH_CACHE_OPERATION
+        if stream is not None:
+            with _composite._default_stream(stream, operation):
+                return self.apply_with_cache(
+                    queries, keys, values, query_weight, key_weight, key_cache=key_cache,
+                    value_cache=value_cache, offset=offset, write_offset=write_offset,
+                    freqs=freqs,
+                )
+        row = _as_write_offset(offset if write_offset is None else write_offset,
+                               write_offset is None)
+        # The local keeps the C object alive for the whole call.
+        native, address = self._handle
+        if not address:
+            raise self._uninitialized_error()
+        graph_outputs = _interop.apply_rope_with_cache(
+            address, queries, keys, values, query_weight, key_weight, offset, freqs, key_cache,
+            value_cache, row,
+        )
+        # The C builders' fixed order: queries, key buffer, value buffer.
+        if len(graph_outputs) != 3:
+            raise _composite._output_count_error(graph_outputs, operation)
+        return graph_outputs
+
     def _constants_repr(self) -> str:
         float32_repr = _composite._float32_repr
         base, input_scale = self.base, self.input_scale
@@ -294,6 +373,20 @@ class CompiledDualHeadNormRope(_NativeComposite):
             f"traditional={self.traditional!r}, scale={float32_repr(self.scale)}{scaled}, "
             f"mode={self.mode!r}"
         )
+
+
+def _as_write_offset(value: object, from_offset: bool) -> int:
+    """The write position as the C int the call checks against the buffers."""
+    operation = DUAL_HEAD_NORM_ROPE_WITH_CACHE_OPERATION
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        what = "offset (the write position when write_offset is omitted)" if from_offset else (
+            "write_offset"
+        )
+        raise TypeError(f"[{operation}] {what} must be an int, not {type(value).__name__}")
+    row = int(value)
+    if not _INT32_MIN <= row <= _INT32_MAX:
+        raise DualHeadNormValueError(operation, f"write_offset {row} is outside the buffers")
+    return row
 
 
 def _as_dims(dims: object) -> int:

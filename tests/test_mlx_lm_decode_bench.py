@@ -48,16 +48,16 @@ def patch_states_per_run(monkeypatch):
 def corrupt_full_attention_prework(monkeypatch):
     """Patched full-attention layers attend with zeroed queries: a patch
     that computes the wrong prework."""
-    rotated_queries_and_keys = full_attention._rotated_queries_and_keys
+    prework_and_cache_update = full_attention._prework_and_cache_update
 
-    def zeroed_queries(attention, queries, keys, cache):
-        rotated = rotated_queries_and_keys(attention, queries, keys, cache)
-        if rotated is None:
+    def zeroed_queries(attention, queries, keys, values, cache):
+        attended = prework_and_cache_update(attention, queries, keys, values, cache)
+        if attended is None:
             return None
-        rotated_queries, rotated_keys = rotated
-        return mx.zeros_like(rotated_queries), rotated_keys
+        rotated_queries, cached_keys, cached_values = attended
+        return mx.zeros_like(rotated_queries), cached_keys, cached_values
 
-    monkeypatch.setattr(full_attention, "_rotated_queries_and_keys", zeroed_queries)
+    monkeypatch.setattr(full_attention, "_prework_and_cache_update", zeroed_queries)
 
 
 @pytest.mark.parametrize("model", list(DECODE_MODELS))

@@ -80,14 +80,14 @@ def prework_calls(monkeypatch):
     """Counts the full-attention calls that went through one norm + RoPE
     call, and those that ran mlx-lm's own __call__."""
     counts = {"fused": 0, "original": 0}
-    rotated = full_attention._rotated_queries_and_keys
+    prework = full_attention._prework_and_cache_update
 
-    def counting(attention, queries, keys, cache):
-        result = rotated(attention, queries, keys, cache)
+    def counting(attention, queries, keys, values, cache):
+        result = prework(attention, queries, keys, values, cache)
         counts["fused" if result is not None else "original"] += 1
         return result
 
-    monkeypatch.setattr(full_attention, "_rotated_queries_and_keys", counting)
+    monkeypatch.setattr(full_attention, "_prework_and_cache_update", counting)
     return counts
 
 

@@ -27,6 +27,7 @@
 
 #include "dual_head_norm.h"
 #include "dual_head_norm_rope.h"
+#include "dual_head_norm_rope_cache.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -36,6 +37,7 @@ namespace {
 /* The composites' labels (dual_head_norm.c, dual_head_norm_rope.c). */
 const char APPLY_DUAL_HEAD_NORM_OPERATION[] = "dual_head_norm";
 const char APPLY_NORM_ROPE_OPERATION[] = "dual_head_norm_rope";
+const char APPLY_NORM_ROPE_CACHE_OPERATION[] = "dual_head_norm_rope_with_cache";
 
 /* What bind() received. The composite's functions live in the cffi module
  * (this module links no mlx-c), so the handles it creates are freed by the
@@ -59,6 +61,8 @@ struct BoundRopeFunctions {
   decltype(&mlx_dualnorm_dual_head_norm_rope_apply_with_freqs) apply = nullptr;
   nb::handle convert_array;  // (value, argument_name) -> mx.array, or raises
   nb::handle convert_offset; // value -> mx.array, or raises
+  /* The norm + RoPE with the cache write (bind_rope_cache), or null. */
+  decltype(&mlx_dualnorm_dual_head_norm_rope_apply_with_cache) apply_with_cache = nullptr;
 };
 BoundRopeFunctions bound_rope;
 
@@ -214,6 +218,27 @@ nb::tuple apply(std::uintptr_t dual_head_norm_address, nb::handle queries, nb::h
   return outputs_as_tuple(outputs);
 }
 
+/* The norm + RoPE's arguments as borrowed handles, and the converted
+ * objects that keep them alive for the call. */
+struct BorrowedNormRope {
+  nb::object converted[6];
+  mlx_array queries, keys, query_weight, key_weight, offset, freqs;
+
+  BorrowedNormRope(nb::handle queries_object, nb::handle keys_object,
+                   nb::handle query_weight_object, nb::handle key_weight_object,
+                   nb::handle offset_object, nb::handle freqs_object, const char* operation) {
+    nb::handle convert = bound_rope.convert_array;
+    queries = borrow_array(queries_object, "queries", false, converted[0], operation, convert);
+    keys = borrow_array(keys_object, "keys", false, converted[1], operation, convert);
+    query_weight = borrow_array(query_weight_object, "query_weight", true, converted[2],
+                                operation, convert);
+    key_weight =
+        borrow_array(key_weight_object, "key_weight", true, converted[3], operation, convert);
+    offset = borrow_offset(offset_object, converted[4]);
+    freqs = borrow_array(freqs_object, "freqs", true, converted[5], operation, convert);
+  }
+};
+
 /* The dual head norm + RoPE, as apply, with the offset: an int, or what
  * mx.fast.rope takes as an array; and the frequency table: None (an empty
  * handle) or an mx.array, as mx.fast.rope takes it (the facade refuses
@@ -224,25 +249,53 @@ nb::tuple apply_rope(std::uintptr_t norm_rope_address, nb::handle queries, nb::h
   if (bound_rope.apply == nullptr || bound.free_vector == nullptr) {
     throw std::runtime_error("mlx_dualnorm._interop.bind and bind_rope were not both called");
   }
-  const char* operation = APPLY_NORM_ROPE_OPERATION;
-  nb::handle convert = bound_rope.convert_array;
-  nb::object converted[6];
-  mlx_array borrowed_queries =
-      borrow_array(queries, "queries", false, converted[0], operation, convert);
-  mlx_array borrowed_keys = borrow_array(keys, "keys", false, converted[1], operation, convert);
-  mlx_array borrowed_query_weight =
-      borrow_array(query_scale_weight, "query_weight", true, converted[2], operation, convert);
-  mlx_array borrowed_key_weight =
-      borrow_array(key_scale_weight, "key_weight", true, converted[3], operation, convert);
-  mlx_array borrowed_offset = borrow_offset(offset, converted[4]);
-  mlx_array borrowed_freqs = borrow_array(freqs, "freqs", true, converted[5], operation, convert);
+  BorrowedNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset, freqs,
+                            APPLY_NORM_ROPE_OPERATION);
 
   OwnedOutputVector outputs;
   mlx_dualnorm_error error{};
   int status = bound_rope.apply(
       &outputs.vector, reinterpret_cast<mlx_dualnorm_dual_head_norm_rope*>(norm_rope_address),
-      borrowed_queries, borrowed_keys, borrowed_query_weight, borrowed_key_weight,
-      borrowed_offset, borrowed_freqs, &error);
+      borrowed.queries, borrowed.keys, borrowed.query_weight, borrowed.key_weight,
+      borrowed.offset, borrowed.freqs, &error);
+  if (status != MLX_DUALNORM_OK) {
+    raise_dual_head_norm_error(error);
+  }
+  return outputs_as_tuple(outputs);
+}
+
+/* The norm + RoPE with the KV-cache write: as apply_rope, plus values, the
+ * two cache buffers (borrowed, as every array) and the write position, a
+ * Python int the facade has checked fits a C int. Returns the composite's
+ * three outputs (queries, key buffer, value buffer) as a tuple, or raises. */
+nb::tuple apply_rope_with_cache(std::uintptr_t norm_rope_address, nb::handle queries,
+                                nb::handle keys, nb::handle values,
+                                nb::handle query_scale_weight, nb::handle key_scale_weight,
+                                nb::handle offset, nb::handle freqs, nb::handle key_cache,
+                                nb::handle value_cache, int write_offset) {
+  if (bound_rope.apply_with_cache == nullptr || bound.free_vector == nullptr) {
+    throw std::runtime_error(
+        "mlx_dualnorm._interop.bind and bind_rope_cache were not both called");
+  }
+  const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
+  nb::handle convert = bound_rope.convert_array;
+  BorrowedNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset, freqs,
+                            operation);
+  nb::object converted[3];
+  mlx_array borrowed_values =
+      borrow_array(values, "values", false, converted[0], operation, convert);
+  mlx_array borrowed_key_cache =
+      borrow_array(key_cache, "key_cache", false, converted[1], operation, convert);
+  mlx_array borrowed_value_cache =
+      borrow_array(value_cache, "value_cache", false, converted[2], operation, convert);
+
+  OwnedOutputVector outputs;
+  mlx_dualnorm_error error{};
+  int status = bound_rope.apply_with_cache(
+      &outputs.vector, reinterpret_cast<mlx_dualnorm_dual_head_norm_rope*>(norm_rope_address),
+      borrowed.queries, borrowed.keys, borrowed_values, borrowed.query_weight,
+      borrowed.key_weight, borrowed.offset, borrowed.freqs, borrowed_key_cache,
+      borrowed_value_cache, write_offset, &error);
   if (status != MLX_DUALNORM_OK) {
     raise_dual_head_norm_error(error);
   }
@@ -268,6 +321,11 @@ void bind_rope(std::uintptr_t apply_function_address, nb::callable convert_array
   bound_rope.convert_offset = convert_offset.release();
 }
 
+void bind_rope_cache(std::uintptr_t apply_with_cache_function_address) {
+  bound_rope.apply_with_cache =
+      reinterpret_cast<decltype(bound_rope.apply_with_cache)>(apply_with_cache_function_address);
+}
+
 } // namespace
 
 NB_MODULE(_interop, module) {
@@ -290,4 +348,14 @@ NB_MODULE(_interop, module) {
       nb::arg("freqs").none() = nb::none(),
       "Applies the compiled dual head norm rope: a tuple of its outputs, or the error "
       "raised.");
+  module.def("bind_rope_cache", &bind_rope_cache, nb::arg("apply_with_cache_function_address"),
+      "Binds the dual head norm rope's apply_with_cache (exported by the cffi module); "
+      "bind() and bind_rope() must be called too.");
+  module.def("apply_rope_with_cache", &apply_rope_with_cache, nb::arg("norm_rope_address"),
+      nb::arg("queries").none(), nb::arg("keys").none(), nb::arg("values").none(),
+      nb::arg("query_weight").none(), nb::arg("key_weight").none(), nb::arg("offset").none(),
+      nb::arg("freqs").none(), nb::arg("key_cache").none(), nb::arg("value_cache").none(),
+      nb::arg("write_offset"),
+      "Applies the dual head norm rope with the KV-cache write: a tuple of its outputs "
+      "(queries, key buffer, value buffer), or the error raised.");
 }

@@ -239,21 +239,30 @@ def _scaled_norm_rope_for(rope, query_norm, key_norm):
     return functools.partial(norm_rope, freqs=_rope_table(rope))
 
 
+def _layer_norm_rope(attention):
+    """(norm_rope, query_weight, key_weight) of a layer, norm_rope None where
+    the layer's norms or RoPE are not what it computes."""
+    item = _module_item
+    rope, query_norm = item(attention, "rope"), item(attention, "q_norm")
+    key_norm = item(attention, "k_norm")
+    if rope is None or query_norm is None or key_norm is None:  # not kept as items
+        rope, query_norm, key_norm = attention.rope, attention.q_norm, attention.k_norm
+    norm_rope = _norm_rope_for(rope, query_norm, key_norm)
+    if norm_rope is None:
+        return None, None, None
+    query_weight, key_weight = item(query_norm, "weight"), item(key_norm, "weight")
+    if query_weight is None or key_weight is None:
+        query_weight, key_weight = query_norm.weight, key_norm.weight
+    return norm_rope, query_weight, key_weight
+
+
 def _rotated_queries_and_keys(attention, queries, keys, cache):
     """(B, H, L, D) queries and keys, normalized and rotated in one call, or
     None (the caller then runs the class's own __call__)."""
     try:
-        item = _module_item
-        rope, query_norm = item(attention, "rope"), item(attention, "q_norm")
-        key_norm = item(attention, "k_norm")
-        if rope is None or query_norm is None or key_norm is None:  # not kept as items
-            rope, query_norm, key_norm = attention.rope, attention.q_norm, attention.k_norm
-        norm_rope = _norm_rope_for(rope, query_norm, key_norm)
+        norm_rope, query_weight, key_weight = _layer_norm_rope(attention)
         if norm_rope is None:
             return None
-        query_weight, key_weight = item(query_norm, "weight"), item(key_norm, "weight")
-        if query_weight is None or key_weight is None:
-            query_weight, key_weight = query_norm.weight, key_norm.weight
         return norm_rope(
             queries, keys, query_weight, key_weight, offset=0 if cache is None else cache.offset
         )
@@ -262,10 +271,108 @@ def _rotated_queries_and_keys(attention, queries, keys, cache):
         return None
 
 
+# mlx-lm's KVCache and BatchKVCache, looked up once (None: not yet looked
+# up; () where mlx-lm has neither).
+_written_cache_classes: Optional[tuple] = None
+
+
+def _cache_classes() -> tuple:
+    global _written_cache_classes
+    if _written_cache_classes is None:
+        try:
+            from mlx_lm.models import cache as cache_module
+        except ImportError:
+            _written_cache_classes = ()
+        else:
+            _written_cache_classes = tuple(
+                getattr(cache_module, name)
+                for name in ("KVCache", "BatchKVCache")
+                if hasattr(cache_module, name)
+            )
+    return _written_cache_classes
+
+
+def _written_in_one_call(attention, queries, keys, values, cache):
+    """What ``update_and_fetch`` of a ``KVCache`` or ``BatchKVCache`` (exact
+    types) returns, with the norm + RoPE and both buffer writes in ONE call
+    (:meth:`CompiledDualHeadNormRope.apply_with_cache`), the cache left as
+    the class leaves it: ``(rotated queries, keys, values)``. None where
+    the call does not apply (another cache, a step that grows the buffer,
+    a layer the package does not compute); the caller then takes the
+    two-step path, whose ``update_and_fetch`` grows the buffer as the class
+    does."""
+    cache_type = type(cache)
+    classes = _cache_classes()
+    batched = len(classes) > 1 and cache_type is classes[1]
+    if not batched and (not classes or cache_type is not classes[0]):
+        return None
+    buffer = cache.keys
+    row = cache._idx if batched else cache.offset
+    length = keys.shape[1]
+    if buffer is None or row + length > buffer.shape[2]:
+        return None
+    try:
+        norm_rope, query_weight, key_weight = _layer_norm_rope(attention)
+        if norm_rope is None:
+            return None
+        table = {}
+        if type(norm_rope) is functools.partial:  # a scaled RoPE: the object and its table
+            norm_rope, table = norm_rope.func, norm_rope.keywords
+        rotated_queries, written_keys, written_values = norm_rope.apply_with_cache(
+            queries, keys, values, query_weight, key_weight, key_cache=buffer,
+            value_cache=cache.values, offset=cache.offset, write_offset=row, **table,
+        )
+    except Exception as error:  # the cache is untouched: the two-step path runs instead
+        log_fallback_once("the full-attention norm + RoPE with the cache write", error)
+        return None
+    # The class's own bookkeeping. Replacing the buffers drops the cache's
+    # references to the old ones, so MLX writes into their memory.
+    del buffer
+    cache.keys, cache.values = written_keys, written_values
+    end = row + length
+    if batched:
+        cache.offset = cache.offset + length
+        cache._idx = end
+    else:
+        cache.offset = end
+        if end >= written_keys.shape[2]:  # KVCache.keys_and_values: the whole buffer
+            return rotated_queries, written_keys, written_values
+    return rotated_queries, written_keys[..., :end, :], written_values[..., :end, :]
+
+
+def _prework_and_cache_update(attention, queries, keys, values, cache):
+    """The q/k prework and the cache update of a full-attention layer, for
+    queries ``(B, L, Hq, D)``, keys ``(B, L, Hk, D)`` and values
+    ``(B, L, Hk, Dv)`` as the projections give them: ``(queries, keys,
+    values)`` ready for attention, ``(B, H, L', D)``, or None (the caller
+    then runs the class's own __call__). One call of the package for a
+    ``KVCache`` / ``BatchKVCache`` step within the buffer; otherwise the
+    norm + RoPE call, then ``cache.update_and_fetch``. For any family whose
+    attention is ``rms_norm`` + ``nn.RoPE`` of q and k before the cache."""
+    written = _written_in_one_call(attention, queries, keys, values, cache)
+    if written is not None:
+        return written
+    rotated = _rotated_queries_and_keys(attention, queries, keys, cache)
+    if rotated is None:
+        return None
+    rotated_queries, rotated_keys = rotated
+    values = values.transpose(0, 2, 1, 3)
+    if cache is not None:
+        rotated_keys, values = cache.update_and_fetch(rotated_keys, values)
+    return rotated_queries, rotated_keys, values
+
+
+
+
 def _attention_output(attention, queries, keys, values, cache, mask, batch, length):
     """The cache update and attention of mlx-lm's layers, as (B, L, H*D)."""
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
+    return _attended(attention, queries, keys, values, cache, mask, batch, length)
+
+
+def _attended(attention, queries, keys, values, cache, mask, batch, length):
+    """Attention over keys and values already fetched, as (B, L, H*D)."""
     # The model module's own name, looked up at each call as its code does.
     attend = sys.modules[type(attention).__module__].scaled_dot_product_attention
     attended = attend(queries, keys, values, cache=cache, scale=attention.scale, mask=mask)
@@ -277,11 +384,11 @@ def _qwen3_attention_call(self, x, mask=None, cache=None):
     batch, length, _ = x.shape
     head_queries = self.q_proj(x).reshape(batch, length, self.n_heads, -1)
     head_keys = self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1)
-    rotated = _rotated_queries_and_keys(self, head_queries, head_keys, cache)
-    if rotated is None:
+    head_values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1)
+    attended = _prework_and_cache_update(self, head_queries, head_keys, head_values, cache)
+    if attended is None:
         return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
-    values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    output = _attention_output(self, *rotated, values, cache, mask, batch, length)
+    output = _attended(self, *attended, cache, mask, batch, length)
     return self.o_proj(output)
 
 
@@ -291,12 +398,11 @@ def _qwen3_next_attention_call(self, x, mask=None, cache=None):
     projected = self.q_proj(x).reshape(batch, length, self.num_attention_heads, -1)
     head_queries, gate = mx.split(projected, 2, axis=-1)
     head_keys = self.k_proj(x).reshape(batch, length, self.num_key_value_heads, -1)
-    rotated = _rotated_queries_and_keys(self, head_queries, head_keys, cache)
-    if rotated is None:
+    head_values = self.v_proj(x).reshape(batch, length, self.num_key_value_heads, -1)
+    attended = _prework_and_cache_update(self, head_queries, head_keys, head_values, cache)
+    if attended is None:
         return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
-    values = self.v_proj(x).reshape(batch, length, self.num_key_value_heads, -1)
-    values = values.transpose(0, 2, 1, 3)
-    output = _attention_output(self, *rotated, values, cache, mask, batch, length)
+    output = _attended(self, *attended, cache, mask, batch, length)
     return self.o_proj(output * mx.sigmoid(gate.reshape(batch, length, -1)))
 
 

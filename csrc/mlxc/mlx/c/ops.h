@@ -47,6 +47,21 @@ int mlx_slice_update_prod(
     size_t strides_num,
     const mlx_stream s);
 
+/* Sets `*res` to `src` with `update` (cast to `src`'s dtype) written over
+ * the slice [start, stop) with `strides` (one of each per axis of `src`):
+ * MLX's SliceUpdate, what `src[..., a:b, :] = update` makes in Python. */
+int mlx_slice_update(mlx_array* res, const mlx_array src, const mlx_array update,
+    const int* start, size_t start_num, const int* stop, size_t stop_num, const int* strides,
+    size_t strides_num, const mlx_stream s);
+
+/* Sets `*res` to `src` with the block of `update` written at `start` along
+ * `axes` (the other axes from 0): `start` is an integer array with one
+ * element per axis, read when the graph runs, so one graph serves every
+ * position. `update` is cast to `src`'s dtype, as in MLX. The position is
+ * not bounds-checked by MLX: the caller keeps the block inside `src`. */
+int mlx_slice_update_dynamic(mlx_array* res, const mlx_array src, const mlx_array update,
+    const mlx_array start, const int* axes, size_t axes_num, const mlx_stream s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,159 @@
+"""Decode with the KV-cache write in the package's call, against its peers.
+
+Times mlx-lm greedy decode of a qwen3-like model at released dimensions
+(random weights, ``mlx_dualnorm.tools.mlx_lm_synthetic``) four ways,
+round-robin within each round:
+
+  mlx-lm            mlx-lm's own attention
+  patched           ``patch()``: the q/k norm + RoPE and the KV-cache write
+                    of a decode step in one call per layer
+  patched-no-write  ``patch()`` with the cache write left to the class's
+                    ``update_and_fetch`` (the norm + RoPE call only)
+  ceiling           the attention with the q/k norms, RoPE and the cache
+                    write removed (decode steps attend over rows never
+                    written; wrong tokens, for timing only)
+
+Ratios are per round against mlx-lm, median [min-max]. Then per path, over
+unpipelined decode steps: the bytes MLX allocates beyond what is live when
+a step's evaluation starts (median step: its transient peak, where a copy
+of the cache buffers would show) and the peak memory of the whole run.
+
+    python3 bench/cache_write.py [--model qwen3-1024] [--rounds 9] [--steps 64] [--vocab N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+
+import mlx.core as mx
+from mlx_lm.models import qwen3
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlx_dualnorm.integrations import mlx_lm as integration
+from mlx_dualnorm.integrations.mlx_lm import full_attention
+from mlx_dualnorm.tools.mlx_lm_bench import (
+    DECODE_DTYPE_OF_WEIGHTS,
+    DECODE_PROMPT_TOKENS,
+    _timed_greedy_decode,
+)
+from mlx_dualnorm.tools.mlx_lm_synthetic import (
+    build_model,
+    decode_model_config,
+    prompt_token_ids,
+)
+
+PATHS = ("mlx-lm", "patched", "patched-no-write", "ceiling")
+
+
+def unwritten_rows(cache, keys, values):
+    """The cache's rows as attention reads them, with the decode step's
+    write skipped (the class's own update where the buffer must grow)."""
+    length = keys.shape[2]
+    if type(cache) is not KVCache or cache.keys is None or (
+        cache.offset + length > cache.keys.shape[2]
+    ):
+        return cache.update_and_fetch(keys, values)
+    cache.offset += length
+    return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+
+
+def attention_ceiling(self, x, mask=None, cache=None):
+    """qwen3's attention minus q_norm, k_norm, both RoPE calls and the
+    cache write."""
+    batch, length, _ = x.shape
+    queries = self.q_proj(x).reshape(batch, length, self.n_heads, -1).transpose(0, 2, 1, 3)
+    keys = self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if cache is not None:
+        keys, values = unwritten_rows(cache, keys, values)
+    output = full_attention._attended(self, queries, keys, values, cache, mask, batch, length)
+    return self.o_proj(output)
+
+
+@contextlib.contextmanager
+def attention_of(path):
+    """qwen3's attention as ``path`` runs it, restored afterwards."""
+    original_call = qwen3.Attention.__call__
+    original_write = full_attention._written_in_one_call
+    with integration.patch() if path.startswith("patched") else integration.unpatch():
+        if path == "ceiling":
+            qwen3.Attention.__call__ = attention_ceiling
+        if path == "patched-no-write":
+            full_attention._written_in_one_call = lambda *arguments: None
+        try:
+            yield
+        finally:
+            qwen3.Attention.__call__ = original_call
+            full_attention._written_in_one_call = original_write
+
+
+def timed(path, network, prompt, steps):
+    with attention_of(path):
+        return _timed_greedy_decode(network, prompt, steps)
+
+
+def memory_of(path, network, prompt, steps):
+    """(median transient bytes of a step's evaluation, peak bytes of the run)
+    over ``steps`` unpipelined greedy steps after the prompt."""
+    with attention_of(path):
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        cache = make_prompt_cache(network)
+        token = mx.argmax(network(prompt[None], cache=cache)[:, -1], axis=-1)
+        mx.eval(token)
+        transients = []
+        run_peak = mx.get_peak_memory()
+        for _ in range(steps):
+            token = mx.argmax(network(token[:, None], cache=cache)[:, -1], axis=-1)
+            mx.synchronize()
+            live = mx.get_active_memory()
+            run_peak = max(run_peak, mx.get_peak_memory())
+            mx.reset_peak_memory()
+            mx.eval(token)
+            transients.append(mx.get_peak_memory() - live)
+        run_peak = max(run_peak, mx.get_peak_memory())
+    return statistics.median(transients), run_peak
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3-1024", help="qwen3-1024 or qwen3-2048")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--layers", type=int, help="fewer layers (a dry run on CPU)")
+    parser.add_argument("--vocab", type=int, help="a smaller vocabulary (on CPU the output "
+                        "projection of 151936 rows drowns the layers' differences)")
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 16 steps")
+    args = parser.parse_args()
+    rounds, steps = (3, 16) if args.quick else (args.rounds, args.steps)
+    config = decode_model_config(args.model, layers=args.layers, vocab_size=args.vocab)
+    network = build_model(config, dtype=DECODE_DTYPE_OF_WEIGHTS)
+    prompt = prompt_token_ids(config["vocab_size"], DECODE_PROMPT_TOKENS)
+    tokens = {}
+    for path in PATHS:
+        tokens[path] = timed(path, network, prompt, 4)[0]
+    if tokens["patched"] != tokens["mlx-lm"] or tokens["patched-no-write"] != tokens["mlx-lm"]:
+        raise SystemExit("patched tokens differ from mlx-lm's: not a valid comparison")
+    times = {path: [] for path in PATHS}
+    for round_index in range(rounds):
+        for path in PATHS if round_index % 2 == 0 else PATHS[::-1]:
+            times[path].append(timed(path, network, prompt, steps)[1])
+    print(f"{args.model} ({config['num_hidden_layers']} layers, vocabulary "
+          f"{config['vocab_size']}): ms per "
+          f"decode token, {rounds} rounds of {steps} steps, MLX {mx.__version__} on "
+          f"{mx.default_device()}, weights {DECODE_DTYPE_OF_WEIGHTS}")
+    for path in PATHS:
+        ratios = [time / reference for time, reference in zip(times[path], times["mlx-lm"])]
+        print(f"  {path:17s} {statistics.median(times[path]):8.3f} ms   vs mlx-lm "
+              f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]")
+    print("memory over unpipelined decode steps (bytes):")
+    for path in PATHS:
+        transient, peak = memory_of(path, network, prompt, steps)
+        print(f"  {path:17s} per-step transient {transient:12,.0f}   run peak {peak:14,d}")
+
+
+if __name__ == "__main__":
+    main()
