@@ -58,14 +58,14 @@ GREEDY_PARITY = """
     prompt = prompt_token_ids(512)
     reference = greedy_generate(model, prompt, 24)
     fused_calls = []
-    prework = full_attention._rotated_queries_and_keys
+    prework = full_attention._prework_and_cache_update
 
     def counting_prework(*arguments):
         rotated = prework(*arguments)
         fused_calls.append(rotated is not None)
         return rotated
 
-    full_attention._rotated_queries_and_keys = counting_prework
+    full_attention._prework_and_cache_update = counting_prework
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         integration.patch()

@@ -107,24 +107,15 @@ UNPROVEN_REASON = (
 
 _FILTER_MARKER = "_mlx_dualnorm_release_filter"
 
-# The registry's generator of ``(class, how it is replaced)`` entries, one
-# per registered class the installed mlx-lm has: the first of these names
-# that full_attention defines (the family registry's, then the fixed
-# table's).
-_REGISTRY_GENERATORS = ("_attention_classes", "_full_attention_classes")
-
-
-def registry_generator_name() -> str:
-    for name in _REGISTRY_GENERATORS:
-        if callable(getattr(full_attention, name, None)):
-            return name
-    raise AttributeError(f"full_attention defines none of {_REGISTRY_GENERATORS}")
+# The family registry's generator of ``(class, how it is replaced)``
+# entries, one per registered class the installed mlx-lm has.
+_REGISTRY_GENERATOR = "_attention_classes"
 
 
 def registered_entries() -> Iterator[tuple]:
     """``(class, how it is replaced)`` for every registered attention class
     the patch may install on (on an older mlx-lm, the proven ones only)."""
-    generator: Callable[[], Iterator[tuple]] = getattr(full_attention, registry_generator_name())
+    generator: Callable[[], Iterator[tuple]] = getattr(full_attention, _REGISTRY_GENERATOR)
     return generator()
 
 
@@ -136,8 +127,10 @@ def install_release_filter() -> None:
     """On an mlx-lm older than the replacements' release line: narrows the
     registry's generator, for the patch and everything that reads it, to
     the classes whose code is proven (:func:`proven_only`)."""
-    name = registry_generator_name()
-    setattr(full_attention, name, proven_only(getattr(full_attention, name)))
+    setattr(
+        full_attention, _REGISTRY_GENERATOR,
+        proven_only(getattr(full_attention, _REGISTRY_GENERATOR)),
+    )
 
 
 def class_name(attention_class: type) -> str:

@@ -279,15 +279,21 @@ _written_cache_classes: Optional[tuple] = None
 def _cache_classes() -> tuple:
     global _written_cache_classes
     if _written_cache_classes is None:
+        # Imported here: _release_check imports this module.
+        from mlx_dualnorm.integrations.mlx_lm import _release_check
+
         try:
             from mlx_lm.models import cache as cache_module
         except ImportError:
             _written_cache_classes = ()
         else:
+            # Only a class whose update_and_fetch is the tested code: the
+            # call below performs that update itself.
             _written_cache_classes = tuple(
                 getattr(cache_module, name)
                 for name in ("KVCache", "BatchKVCache")
                 if hasattr(cache_module, name)
+                and _release_check.code_is_tested(getattr(cache_module, name))
             )
     return _written_cache_classes
 
