@@ -142,61 +142,6 @@ def _dual_norm_for(eps) -> Optional[CompiledDualHeadNorm]:
     )
 
 
-# (mode, eps, type(eps)) -> the pair call with mlx-lm's transforms.
-_exact_pairs: dict = {}
-_exact_pairs_lock = threading.Lock()
-
-
-def _exact_pair_for(eps):
-    """The cached q/k norm pair call at ``eps``: one call of the package's
-    object forward, and for vjp, jvp and vmap MLX's own transforms of the
-    two ``mx.fast.rms_norm`` calls mlx-lm makes (an ``mx.custom_function``,
-    as the gated-delta fold does). The package's own transforms are by
-    composition too, but on MLX's CUDA backend their weight gradients
-    reduce in another order than rms_norm's own vjp for some layouts; these
-    are the original's by construction. None once the cache is full."""
-    mode = full_attention._full_attention_mode
-    key = (mode, eps, type(eps))
-    pair = _exact_pairs.get(key)
-    if pair is not None:
-        return pair
-    dual_norm = _dual_norm_for(eps)
-    if dual_norm is None:
-        return None
-    return cached_or_built(
-        _exact_pairs, _exact_pairs_lock, key, lambda: _with_rms_norm_transforms(dual_norm, eps),
-        None,
-    )
-
-
-def _with_rms_norm_transforms(dual_norm: CompiledDualHeadNorm, eps):
-    def original(queries, keys, query_weight, key_weight):
-        return (
-            mx.fast.rms_norm(queries, query_weight, eps),
-            mx.fast.rms_norm(keys, key_weight, eps),
-        )
-
-    def forward(queries, keys, query_weight, key_weight):
-        return dual_norm(queries, keys, query_weight, key_weight)
-
-    transformed = mx.custom_function(forward)
-
-    @transformed.vjp
-    def _vjp(primals, cotangents, outputs):
-        del outputs  # the original's vjp recomputes what it needs
-        return mx.vjp(original, list(primals), list(cotangents))[1]
-
-    @transformed.jvp
-    def _jvp(primals, tangents):
-        return mx.jvp(original, list(primals), list(tangents))[1]
-
-    @transformed.vmap
-    def _vmap(inputs, axes):
-        return mx.vmap(original, in_axes=tuple(axes))(*inputs), (0, 0)
-
-    return transformed
-
-
 def normalized_pair(queries, keys, query_norm, key_norm):
     """``(query_norm(queries), key_norm(keys))`` as one call, or None where
     the pair is not what this computes (the caller then runs mlx-lm's own
@@ -213,12 +158,10 @@ def _normalized_pair(queries, keys, query_norm, key_norm):
     if kind_and_epsilon is None:
         return None
     kind, eps = kind_and_epsilon
-    pair = _exact_pair_for(eps)
-    if pair is None:
+    dual_norm = _dual_norm_for(eps)
+    if dual_norm is None:
         return None
-    return tuple(
-        pair(queries, keys, kind.weight(query_norm, queries), kind.weight(key_norm, keys))
-    )
+    return dual_norm(queries, keys, kind.weight(query_norm, queries), kind.weight(key_norm, keys))
 
 
 def normalized_rotated_heads(queries, keys, query_norm, key_norm, rope, offset):
@@ -262,5 +205,3 @@ def clear_dual_norms() -> None:
     """Drops every cached q/k norm pair object."""
     with _dual_norms_lock:
         _dual_norms.clear()
-    with _exact_pairs_lock:
-        _exact_pairs.clear()
