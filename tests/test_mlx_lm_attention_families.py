@@ -21,6 +21,7 @@ pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
 from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 
+from mlx_dualnorm._bits import count_bit_differences  # noqa: E402
 from conftest import assert_bit_identical  # noqa: E402
 from mlx_dualnorm import CompiledDualHeadNorm, available_modes  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
@@ -294,6 +295,21 @@ def assert_gradients_match(model):
     flat_gradients = dict(tree_flatten(gradients))
     flat_patched_gradients = tree_flatten(patched_gradients)
     assert len(flat_patched_gradients) == len(flat_gradients)
+    differing = [
+        path for path, gradient in flat_patched_gradients
+        if count_bit_differences(gradient, flat_gradients[path])
+    ]
+    if differing:
+        # Only meaningful where mlx-lm's own step is reproducible: where two
+        # unpatched steps already differ (MLX's CUDA backend, for some MoE
+        # models), no comparison with them can tell what the patch did.
+        _, repeated = loss_and_grad(model, batch, lengths)
+        repeated_gradients = dict(tree_flatten(repeated))
+        if any(
+            count_bit_differences(repeated_gradients[path], flat_gradients[path])
+            for path in differing
+        ):
+            pytest.skip("two unpatched training steps of this model differ in bits on this backend")
     for path, gradient in flat_patched_gradients:
         assert_bit_identical(gradient, flat_gradients[path])
     return gradients
