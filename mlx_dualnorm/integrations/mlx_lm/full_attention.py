@@ -263,12 +263,18 @@ def _rotated_queries_and_keys(attention, queries, keys, cache):
         norm_rope, query_weight, key_weight = _layer_norm_rope(attention)
         if norm_rope is None:
             return None
-        return norm_rope(
-            queries, keys, query_weight, key_weight, offset=0 if cache is None else cache.offset
-        )
+        return rotated_at_cache_offset(norm_rope, queries, keys, query_weight, key_weight, cache)
     except Exception as error:  # anything unexpected runs mlx-lm's own code instead
         log_fallback_once("the full-attention norm + RoPE", error)
         return None
+
+
+def rotated_at_cache_offset(norm_rope, queries, keys, query_weight, key_weight, cache):
+    """``norm_rope``'s call at the cache's offset, as mlx-lm's layers rotate
+    (position 0 without a cache)."""
+    return norm_rope(
+        queries, keys, query_weight, key_weight, offset=0 if cache is None else cache.offset
+    )
 
 
 # mlx-lm's KVCache and BatchKVCache, looked up once (None: not yet looked

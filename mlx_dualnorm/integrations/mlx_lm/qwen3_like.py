@@ -223,8 +223,8 @@ def _prework(layout: Layout, attention, queries, keys, cache):
         norm_rope = full_attention._norm_rope_for(rope, query_norm, key_norm)
         if norm_rope is None:
             return None
-        return norm_rope(
-            queries, keys, query_weight, key_weight, offset=0 if cache is None else cache.offset
+        return full_attention.rotated_at_cache_offset(
+            norm_rope, queries, keys, query_weight, key_weight, cache
         )
     except Exception as error:  # anything unexpected runs mlx-lm's own code instead
         log_fallback_once("the full-attention norm (+ RoPE)", error)
