@@ -22,25 +22,52 @@ RUN_WITHOUT_NORMALIZE_QK = """
     import sys
     import mlx_lm.models.gated_delta as gated_delta
     del gated_delta.normalize_qk  # what mlx-lm 0.31.x lacks
+    from mlx_dualnorm.integrations.mlx_lm import _release_check
+    {release}
     from mlx_dualnorm.tools.cli import main
     sys.exit(main({arguments!r}))
 """
+# An mlx-lm none of whose attention code is the tested code either: the
+# patch has nothing it can prove, so it refuses.
+NOTHING_PROVEN = "_release_check.PROVEN_CLASS_CODE.clear()"
+
+
+def run_without_normalize_qk(arguments, release=""):
+    return run_python(RUN_WITHOUT_NORMALIZE_QK.format(arguments=arguments, release=release))
+
+
+def assert_refused_in_one_line(process, message):
+    assert process.returncode == 2, describe(process)
+    assert "Traceback" not in process.stderr, describe(process)
+    assert process.stderr.count("\n") == 1, describe(process)
+    assert message in process.stderr, describe(process)
+    assert process.stdout == ""  # refused before any model was built or timed
 
 
 @pytest.mark.parametrize(
     "arguments",
     [
-        ["mlx-lm-check", "--synthetic", "qwen3_next", "--tokens", "2"],
+        ["mlx-lm-check", "--synthetic", "glm4_moe", "--tokens", "2"],
         ["mlx-lm-bench", "--quick", "--layers", "36", "--models", "", "--decode-models", ""],
     ],
 )
 def test_an_unsupported_mlx_lm_is_refused_in_one_line_with_exit_2(arguments):
-    process = run_python(RUN_WITHOUT_NORMALIZE_QK.format(arguments=arguments))
+    process = run_without_normalize_qk(arguments, NOTHING_PROVEN)
+    assert_refused_in_one_line(process, "supports mlx-lm 0.32.0 to 0.32.2")
+
+
+def test_prework_rows_need_normalize_qk_and_say_so_in_one_line():
+    """An older mlx-lm whose attention the patch can still prove: the
+    gated-delta prework rows have no mlx-lm function to time."""
+    process = run_without_normalize_qk(
+        ["mlx-lm-bench", "--quick", "--layers", "36", "--models", "", "--decode-models", ""]
+    )
+    warning_lines = [line for line in process.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(warning_lines) == 1, describe(process)  # what the patch leaves, said once
     assert process.returncode == 2, describe(process)
     assert "Traceback" not in process.stderr, describe(process)
-    assert process.stderr.count("\n") == 1, describe(process)
-    assert "supports mlx-lm 0.32.0 to 0.32.2" in process.stderr
-    assert process.stdout == ""  # refused before any model was built or timed
+    assert "gated_delta.normalize_qk, which this mlx-lm lacks" in process.stderr, describe(process)
+    assert process.stdout == ""
 
 
 def test_mlx_lm_check_prints_a_ratio_agreeing_with_its_medians_with_range_and_rounds(capsys):

@@ -464,6 +464,11 @@ def _checked_arguments(
         parser.error(str(error))
     except RuntimeError as unsupported_mlx_lm:  # patch() names the supported releases
         raise command.Unavailable(str(unsupported_mlx_lm)) from unsupported_mlx_lm
+    if layer_counts and not hasattr(gated_delta_module, "normalize_qk"):
+        raise command.Unavailable(
+            "the q/k prework rows (--layers) time mlx-lm's gated_delta.normalize_qk, which "
+            "this mlx-lm lacks (mlx-lm 0.32.0 and later have it); --layers '' times the rest"
+        )
     return layer_counts, model_types, decode_models
 
 

@@ -218,45 +218,48 @@ def family_config(name: str) -> dict:
 
 class CallCounter:
     """Counts calls of the package's two compiled classes (the gated-delta
-    dual norm and the full-attention norm + RoPE) and of the model's own
-    class (forward passes), by wrapping their ``__call__`` for the duration
-    of a ``with`` block; the real objects run."""
+    dual norm and the full-attention norm + RoPE, called plain or with the
+    KV-cache write) and of the model's own class (forward passes), by
+    wrapping those methods for the duration of a ``with`` block; the real
+    objects run."""
 
     def __init__(self, model_class) -> None:
         from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
         from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
 
-        self.targets = {
-            "dual_head_norm": CompiledDualHeadNorm,
-            "dual_head_norm_rope": CompiledDualHeadNormRope,
-            "forward": model_class,
-        }
-        self.counts = dict.fromkeys(self.targets, 0)
-        self._originals: dict = {}
+        # (count, class, method): a decode step's norm + RoPE is one call of
+        # either method.
+        self.targets = (
+            ("dual_head_norm", CompiledDualHeadNorm, "__call__"),
+            ("dual_head_norm_rope", CompiledDualHeadNormRope, "__call__"),
+            ("dual_head_norm_rope", CompiledDualHeadNormRope, "apply_with_cache"),
+            ("forward", model_class, "__call__"),
+        )
+        self.reset()
+        self._originals: list = []
 
     def reset(self) -> None:
-        self.counts = dict.fromkeys(self.targets, 0)
+        self.counts = dict.fromkeys((name for name, _, _ in self.targets), 0)
 
     def __enter__(self) -> "CallCounter":
-        for name, target in self.targets.items():
-            original = target.__dict__.get("__call__")
-            self._originals[name] = original
-            inherited = target.__call__
+        for name, target, method in self.targets:
+            self._originals.append((target, method, target.__dict__.get(method)))
+            inherited = getattr(target, method)
 
             def counting(*args, _name=name, _call=inherited, **kwargs):
                 self.counts[_name] += 1
                 return _call(*args, **kwargs)
 
-            target.__call__ = functools.wraps(inherited)(counting)
+            setattr(target, method, functools.wraps(inherited)(counting))
         return self
 
     def __exit__(self, *exc_info) -> None:
-        for name, target in self.targets.items():
-            original = self._originals.pop(name)
+        while self._originals:
+            target, method, original = self._originals.pop()
             if original is None:
-                del target.__call__
+                delattr(target, method)
             else:
-                target.__call__ = original
+                setattr(target, method, original)
 
 
 def layer_kinds(model) -> dict:
