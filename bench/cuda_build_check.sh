@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU device (see ../shared/gpu/README.md): builds the package with
+# On a CUDA machine with MLX CUDA unpacked from .gpu/: builds the package with
 # MLX_DUALNORM_BACKEND=cuda13 against the CUDA MLX there, with the CUDA
 # runtime and fmt headers taken from PyPI's wheels (no toolkit, CUDA_HOME
 # unset), installs it outside the source tree and runs the main job and the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU device (see ../shared/gpu/README.md; carry .gpu and .ship):
+# On a CUDA machine with MLX CUDA unpacked from .gpu/ (and build wheels in .ship/):
 # unpack MLX CUDA, install the build's header wheels from .ship/wheels
 # (nvidia-cuda-runtime, nvidia-cuda-crt, cmeel-fmt, setuptools; the device
 # reaches no registry), build the package in place with the fused mode
