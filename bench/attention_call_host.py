@@ -1,13 +1,16 @@
 """Host time to build one mlx-lm attention call's graph, patched vs unpatched.
 
-Three qwen3 attention layers at Qwen3-0.6B's head layout (16 query heads,
+Qwen3 attention layers at Qwen3-0.6B's head layout (16 query heads,
 8 key/value heads of width 128): one with plain ``nn.RoPE`` and one with
 YaRN ``rope_scaling`` (a frequency table and an input scale), which the
-patch engages, and one with ``dynamic`` rope_scaling, which it leaves to
-mlx-lm's own code. Each call builds the layer's graph for one decode
-token (no evaluation, no cache), so the time is what the host spends in
-Python and MLX's graph building: the part of a decode step the patch
-changes. Patched and unpatched run in alternating rounds; each round's
+patch engages, one with ``dynamic`` rope_scaling, which it leaves to
+mlx-lm's own code, and the plain one again with a ``KVCache`` (patched:
+the norm + RoPE and the cache write in one call; unpatched: the class's
+``update_and_fetch``). Each call builds the layer's graph for one decode
+token (no evaluation: the cache's graph is evaluated every
+``CALLS_PER_EVALUATION`` calls, outside the clock, with the write row
+reset), so the time is what the host spends in Python and MLX's graph
+building: the part of a decode step the patch changes. Patched and unpatched run in alternating rounds; each round's
 median goes into the report, which prints per layer the median over rounds,
 their range, and patched / unpatched (lower is better; a layer the patch
 leaves alone should be at 1.0x).
@@ -23,6 +26,7 @@ import time
 
 import mlx.core as mx
 from mlx_lm.models import qwen3
+from mlx_lm.models.cache import KVCache
 
 from mlx_dualnorm.integrations import mlx_lm as integration
 
@@ -45,13 +49,26 @@ def attention_layer(rope_scaling):
     return layer
 
 
-def microseconds_per_call(layer, x, calls: int) -> float:
-    for _ in range(50):  # the first call decides the layer; then warm
-        layer(x)
-    started = time.perf_counter()
-    for _ in range(calls):
-        layer(x)
-    return (time.perf_counter() - started) / calls * 1e6
+CALLS_PER_EVALUATION = 50
+CACHE_ROW = 100
+
+
+def microseconds_per_call(layer, x, calls: int, with_cache: bool = False) -> float:
+    cache = KVCache() if with_cache else None
+    if cache is not None:  # a buffer written at one row, never grown while timed
+        layer(mx.zeros((1, CACHE_ROW + 1, HIDDEN), mx.bfloat16), cache=cache)
+    elapsed = 0.0
+    for call in range(50 + calls):  # the first calls decide the layer; then warm
+        if cache is not None and call % CALLS_PER_EVALUATION == 0:
+            mx.eval(cache.keys, cache.values)
+            cache.offset = CACHE_ROW
+        started = time.perf_counter()
+        layer(x, cache=cache)
+        if cache is not None:
+            cache.offset = CACHE_ROW
+        if call >= 50:
+            elapsed += time.perf_counter() - started
+    return elapsed / calls * 1e6
 
 
 def main() -> None:
@@ -64,6 +81,7 @@ def main() -> None:
         "plain nn.RoPE (engaged)": None,
         "YaRN rope_scaling (engaged)": YARN,
         "dynamic rope_scaling (left alone)": DYNAMIC,
+        "plain nn.RoPE, KVCache (engaged)": None,
     }
     times: dict = {(name, patched): [] for name in layers for patched in (False, True)}
     for round_index in range(options.rounds):
@@ -75,7 +93,8 @@ def main() -> None:
             for name, rope_scaling in layers.items():
                 # A fresh layer each round, so the patched round decides it anew.
                 layer = attention_layer(rope_scaling)
-                times[(name, patched)].append(microseconds_per_call(layer, x, options.calls))
+                times[(name, patched)].append(
+                    microseconds_per_call(layer, x, options.calls, "KVCache" in name))
     integration.unpatch()
     print(f"host us per attention call ({options.rounds} rounds x {options.calls} calls, "
           f"{mx.default_device()}); lower is better")

@@ -18,7 +18,12 @@ unpipelined decode steps: the bytes MLX allocates beyond what is live when
 a step's evaluation starts (median step: its transient peak, where a copy
 of the cache buffers would show) and the peak memory of the whole run.
 
-    python3 bench/cache_write.py [--model qwen3-1024] [--rounds 9] [--steps 64] [--vocab N] [--quick]
+With ``--cache-step N`` the caches grow N rows at a time (mlx-lm's
+``KVCache.step``, 256 by default): large buffers make a copy of them stand
+out in the transient column (a per-layer copy costs a whole buffer there).
+
+    python3 bench/cache_write.py [--model qwen3-1024] [--rounds 9] [--steps 64] [--vocab N]
+                                 [--cache-step N] [--quick]
 """
 
 from __future__ import annotations
@@ -127,7 +132,11 @@ def main():
     parser.add_argument("--vocab", type=int, help="a smaller vocabulary (on CPU the output "
                         "projection of 151936 rows drowns the layers' differences)")
     parser.add_argument("--quick", action="store_true", help="3 rounds of 16 steps")
+    parser.add_argument("--cache-step", type=int,
+                        help="rows the caches grow by (mlx-lm's KVCache.step)")
     args = parser.parse_args()
+    if args.cache_step:
+        KVCache.step = args.cache_step
     rounds, steps = (3, 16) if args.quick else (args.rounds, args.steps)
     config = decode_model_config(args.model, layers=args.layers, vocab_size=args.vocab)
     network = build_model(config, dtype=DECODE_DTYPE_OF_WEIGHTS)
@@ -142,7 +151,7 @@ def main():
         for path in PATHS if round_index % 2 == 0 else PATHS[::-1]:
             times[path].append(timed(path, network, prompt, steps)[1])
     print(f"{args.model} ({config['num_hidden_layers']} layers, vocabulary "
-          f"{config['vocab_size']}): ms per "
+          f"{config['vocab_size']}, cache step {KVCache.step}): ms per "
           f"decode token, {rounds} rounds of {steps} steps, MLX {mx.__version__} on "
           f"{mx.default_device()}, weights {DECODE_DTYPE_OF_WEIGHTS}")
     for path in PATHS:

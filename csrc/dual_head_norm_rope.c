@@ -591,19 +591,38 @@ static int fused_kernel_takes(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
                 : MLX_DUALNORM_OK;
 }
 
+/* The KV-cache write of apply_with_cache, borrowed from its caller. */
+typedef struct {
+  mlx_array values;
+  mlx_array key_cache;
+  mlx_array value_cache;
+  int write_offset;
+  /* The label of the call's errors. */
+  const char* operation;
+} cache_write;
+
 /* One launch of the fused backend, the object held open for the duration:
- * no graph, so no trace; the constants are kernel arguments. */
+ * no graph, so no trace; the constants are kernel arguments. With `cache`
+ * (else NULL), the launch also writes the KV cache (the backend's
+ * apply_with_cache). */
 static int apply_fused_kernel(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
                               const dual_head_norm_call* call, const mlx_array rope_offset,
-                              const mlx_array freqs, mlx_dualnorm_error* error) {
-  const char* operation = APPLY_NORM_ROPE_OPERATION;
+                              const mlx_array freqs, const cache_write* cache,
+                              mlx_dualnorm_error* error) {
+  const char* operation = cache != NULL ? cache->operation : APPLY_NORM_ROPE_OPERATION;
+  const mlx_dualnorm_fused_rope_backend* backend = norm_rope->fused_backend;
   pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
   bool closed = norm_rope->closed;
   int apply_status = 0;
-  if (!closed) {
-    apply_status = norm_rope->fused_backend->apply_with_freqs(
+  if (!closed && cache == NULL) {
+    apply_status = backend->apply_with_freqs(
         res, call->queries.array, call->keys.array, call->queries.weight, call->keys.weight,
         rope_offset, freqs, norm_rope->rms_norm_epsilon, norm_rope->rope);
+  } else if (!closed) {
+    apply_status = backend->apply_with_cache(
+        res, call->queries.array, call->keys.array, cache->values, call->queries.weight,
+        call->keys.weight, rope_offset, freqs, cache->key_cache, cache->value_cache,
+        cache->write_offset, norm_rope->rms_norm_epsilon, norm_rope->rope);
   }
   pthread_rwlock_unlock(&norm_rope->lifetime_lock);
   if (closed) {
@@ -737,7 +756,7 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
   if (status != MLX_DUALNORM_OK) {
     return status;
   }
-  return fused ? apply_fused_kernel(res, norm_rope, &call, rope_offset, freqs, error)
+  return fused ? apply_fused_kernel(res, norm_rope, &call, rope_offset, freqs, NULL, error)
                : apply_graph(res, norm_rope, &call, rope_offset, freqs, error);
 }
 
@@ -982,9 +1001,22 @@ static int append_write_offset(mlx_vector_array inputs,
   return status;
 }
 
-/* FUSED mode, a call the kernel takes: one launch for the norm + RoPE, then
- * the writes at the constant row (write_cache_rows). `inputs` is the cache
- * graph's input vector (borrowed). */
+/* Whether the fused backend writes the cache in the norm + RoPE's launch:
+ * it can, and the values and both buffers have the queries' dtype (a
+ * write that casts takes MLX's slice updates, which cast as indexing
+ * does). */
+static bool one_launch_takes(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                             const dual_head_norm_call* call, const cache_write* write) {
+  mlx_dtype dtype = mlx_array_dtype(call->queries.array);
+  return norm_rope->fused_backend->apply_with_cache != NULL &&
+         mlx_array_dtype(write->values) == dtype && mlx_array_dtype(write->key_cache) == dtype &&
+         mlx_array_dtype(write->value_cache) == dtype;
+}
+
+/* FUSED mode, a call the kernel takes but one_launch_takes does not: one
+ * launch for the norm + RoPE, then the writes at the constant row
+ * (write_cache_rows). `inputs` is the cache graph's input vector
+ * (borrowed). */
 static int apply_fused_kernel_with_cache(mlx_vector_array* res,
                                          mlx_dualnorm_dual_head_norm_rope* norm_rope,
                                          const dual_head_norm_call* call,
@@ -992,7 +1024,7 @@ static int apply_fused_kernel_with_cache(mlx_vector_array* res,
                                          const mlx_vector_array inputs, int write_offset,
                                          mlx_dualnorm_error* error) {
   mlx_vector_array rotated = mlx_vector_array_new();
-  int status = apply_fused_kernel(&rotated, norm_rope, call, rope_offset, freqs, error);
+  int status = apply_fused_kernel(&rotated, norm_rope, call, rope_offset, freqs, NULL, error);
   if (status == MLX_DUALNORM_OK &&
       publish_cache_outputs(res, rotated, inputs,
                             mlx_vector_array_size(inputs) - CACHE_GRAPH_EXTRA_INPUTS,
@@ -1056,6 +1088,10 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
   }
   if (status != MLX_DUALNORM_OK) {
     return status;
+  }
+  const cache_write write = {values, key_cache, value_cache, write_offset, operation};
+  if (facts.fused && one_launch_takes(norm_rope, call, &write)) {
+    return apply_fused_kernel(res, norm_rope, call, rope_offset, freqs, &write, error);
   }
   int layout = WEIGHTLESS_LAYOUT;
   /* Owned here, freed below on every path. */

@@ -169,11 +169,13 @@ def test_a_buffer_the_caller_still_holds_is_not_modified():
     assert mx.array_equal(written_keys[..., :30, :], key_cache[..., :30, :]).item()
 
 
-def test_a_buffer_nothing_else_holds_is_written_in_place():
-    """Replacing the caller's reference by the result, as a cache does: MLX
-    donates the buffer, so evaluating a step allocates far less than one
-    buffer (no copy of it)."""
-    norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_buffer_nothing_else_holds_is_written_in_place(mode):
+    """Replacing the caller's reference by the result, as a cache does: the
+    buffer's memory is reused (MLX's donation; the fused kernel's own, for
+    its multi-output node), so evaluating a step allocates far less than
+    one buffer (no copy of it)."""
+    norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode=mode)
     capacity = 4096
     key_cache, value_cache = buffers(1, mx.bfloat16, capacity=capacity)
     mx.eval(key_cache, value_cache)
@@ -192,9 +194,35 @@ def test_a_buffer_nothing_else_holds_is_written_in_place():
     assert max(peaks[1:]) < buffer_bytes // 4, (peaks, buffer_bytes)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", ["strided values", "strided key buffer", "one buffer twice"])
+def test_views_and_a_buffer_given_twice_are_written_as_indexing_writes(mode, case):
+    """Inputs that are views (read with their strides; a view's buffer is
+    copied, never written in place: its memory is shared) and one array
+    given as both buffers (each output is that array with its own rows
+    written)."""
+    norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode=mode)
+    queries, keys, values, query_weight, key_weight = layer_inputs(1, 2, mx.bfloat16, seed=3)
+    key_cache, value_cache = buffers(1, mx.bfloat16)
+    if case == "strided values":
+        values = random((1, HEADS_K, 2, WIDTH), mx.bfloat16, 20).transpose(0, 2, 1, 3)
+    elif case == "strided key buffer":
+        key_cache = random((1, CAPACITY, HEADS_K, WIDTH), mx.bfloat16, 21).transpose(0, 2, 1, 3)
+    else:
+        value_cache = key_cache
+    mx.eval(values, key_cache, value_cache)
+    actual = norm_rope.apply_with_cache(queries, keys, values, query_weight, key_weight,
+                                        key_cache=key_cache, value_cache=value_cache, offset=40)
+    expected = composed_with_cache(norm_rope, queries, keys, values, query_weight, key_weight,
+                                   key_cache, value_cache, 40, 40)
+    for actual_array, expected_array in zip(actual, expected):
+        assert_bit_identical(actual_array, expected_array)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap"])
-def test_transforms_match_the_composed_path(transform):
-    norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode="compiled")
+def test_transforms_match_the_composed_path(transform, mode):
+    norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode=mode)
     queries, keys, values, query_weight, key_weight = layer_inputs(1, 2, mx.float32)
     key_cache, value_cache = buffers(1, mx.float32)
 

@@ -55,6 +55,8 @@
     int sequence;                                         \
     long long offset_stride;                              \
     int signed_position;                                  \
+    int output_sequence;                                  \
+    int output_first_row;                                 \
   };                                                      \
   template <typename Rows>                                \
   struct DualRmsNormRopeParams {                          \
@@ -73,6 +75,29 @@
     long long freq_stride;                                \
     int has_input_scale;                                  \
     float input_scale;                                    \
+  };
+
+/* After MLX_DUALNORM_ROPE_KERNEL_PARAMS: the KV-cache write's arguments.
+ * StridedRows: the rows of a rank-4 source (`strides` in elements, the
+ * extents of its first three axes, `width` its last), enumerated over the
+ * first three axes in order; `rows` their product, 0 for none. For the
+ * buffers it describes the source of a copy: 0 rows where the buffer is
+ * written in place. */
+#define MLX_DUALNORM_ROPE_CACHE_KERNEL_PARAMS             \
+  struct StridedRows {                                    \
+    long long strides[4];                                 \
+    int extents[3];                                       \
+    int width;                                            \
+    int rows;                                             \
+  };                                                      \
+  template <typename Rows>                                \
+  struct DualRmsNormRopeCacheParams {                     \
+    DualRmsNormRopeParams<Rows> rope;                     \
+    StridedRows values;                                   \
+    StridedRows key_source;                               \
+    StridedRows value_source;                             \
+    int value_capacity;                                   \
+    int first_row;                                        \
   };
 
 namespace mlx_dualnorm_fused {
@@ -173,7 +198,9 @@ __device__ __forceinline__ void normalize_and_rotate_row(
   }
   normalize_row<Storage>(input, weight, normalized, layout, row_index, params.eps);
   __syncthreads();
-  const long long output_row = (static_cast<long long>(batch) * heads + head) * sequence + token;
+  const long long output_row = (static_cast<long long>(batch) * heads + head) *
+                                    rope.output_sequence +
+                                rope.output_first_row + token;
   rotate_row<Storage>(normalized, output + output_row * layout.width, layout.width, position,
                       own_pair, params);
 }
@@ -207,6 +234,123 @@ __device__ __forceinline__ void dual_rms_norm_rope(
 
 MLX_DUALNORM_DEFINE_ENTRY_POINTS(MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE,
                                  mlx_dualnorm_dual_rms_norm_rope)
+)cuda" MLX_DUALNORM_STRINGIFY(MLX_DUALNORM_ROPE_CACHE_KERNEL_PARAMS) R"cuda(
+/* Row `row` of a rank-4 source enumerated over its first three axes, as
+ * its three indices, first axis first. */
+__device__ __forceinline__ void strided_row_indices(const StridedRows& rows, unsigned int row,
+                                                    unsigned int index[3]) {
+  index[2] = row % static_cast<unsigned int>(rows.extents[2]);
+  row /= static_cast<unsigned int>(rows.extents[2]);
+  index[1] = row % static_cast<unsigned int>(rows.extents[1]);
+  index[0] = row / static_cast<unsigned int>(rows.extents[1]);
+}
+
+/* Copies one row of `width` elements, `stride` apart in the source, to a
+ * contiguous destination: the bits, unchanged. */
+template <typename Storage>
+__device__ __forceinline__ void copy_row(const typename Storage::storage* source,
+                                         long long stride, typename Storage::storage* destination,
+                                         int width) {
+  for (int j = threadIdx.x; j < width; j += blockDim.x) {
+    destination[j] = source[j * stride];
+  }
+}
+
+/* Value row (b, l, h) of (B, L, Hk, Dv) to row (b, h, first_row + l) of the
+ * row-contiguous value buffer (B, Hk, Cv, Dv): the transposed values, as
+ * `values.transpose(0, 2, 1, 3)` written at rows [w, w + L). */
+template <typename Storage>
+__device__ __forceinline__ void write_value_row(const typename Storage::storage* values,
+                                                typename Storage::storage* value_cache,
+                                                const StridedRows& rows, unsigned int row,
+                                                int capacity, int first_row) {
+  unsigned int index[3];
+  strided_row_indices(rows, row, index);
+  const typename Storage::storage* source =
+      values + index[0] * rows.strides[0] + index[1] * rows.strides[1] +
+      index[2] * rows.strides[2];
+  const long long destination_row =
+      (static_cast<long long>(index[0]) * rows.extents[2] + index[2]) * capacity + first_row +
+      index[1];
+  copy_row<Storage>(source, rows.strides[3], value_cache + destination_row * rows.width,
+                    rows.width);
+}
+
+/* Row (b, h, c) of a buffer (B, H, C, D) that is not written in place,
+ * copied to the same row of the row-contiguous output, unless it is one of
+ * the rows [first_row, first_row + length) the key or value blocks write. */
+template <typename Storage>
+__device__ __forceinline__ void copy_unwritten_row(const typename Storage::storage* buffer,
+                                                   typename Storage::storage* output,
+                                                   const StridedRows& rows, unsigned int row,
+                                                   int first_row, int length) {
+  unsigned int index[3];
+  strided_row_indices(rows, row, index);
+  const int cache_row = static_cast<int>(index[2]);
+  if (cache_row >= first_row && cache_row < first_row + length) {
+    return;
+  }
+  const typename Storage::storage* source =
+      buffer + index[0] * rows.strides[0] + index[1] * rows.strides[1] +
+      index[2] * rows.strides[2];
+  copy_row<Storage>(source, rows.strides[3], output + static_cast<long long>(row) * rows.width,
+                    rows.width);
+}
+
+/* The norm + RoPE with the KV-cache write. Blocks, in order: query rows,
+ * key rows (rotated into the key buffer at rows [w, w + L)), value rows,
+ * then the rows of each buffer that is copied rather than written in place
+ * (none in the common case). Every output element is written by exactly one
+ * block, and no block reads what another writes. */
+template <typename Storage, typename Rows>
+__device__ __forceinline__ void dual_rms_norm_rope_with_cache(
+    const typename Storage::storage* queries, const typename Storage::storage* keys,
+    const typename Storage::storage* values, const typename Storage::storage* query_weight,
+    const typename Storage::storage* key_weight, const int* offsets,
+    const typename Storage::storage* key_source, const typename Storage::storage* value_source,
+    typename Storage::storage* rotated_queries, typename Storage::storage* key_cache,
+    typename Storage::storage* value_cache, const DualRmsNormRopeCacheParams<Rows>& params) {
+  unsigned int block_row = blockIdx.x;
+  const unsigned int normalized_rows =
+      static_cast<unsigned int>(params.rope.queries.rows + params.rope.keys.rows);
+  if (block_row < normalized_rows) {
+    dual_rms_norm_rope<Storage>(queries, keys, query_weight, key_weight, offsets,
+                                rotated_queries, key_cache, params.rope);
+    return;
+  }
+  block_row -= normalized_rows;
+  const int length = params.values.extents[1];
+  if (block_row < static_cast<unsigned int>(params.values.rows)) {
+    write_value_row<Storage>(values, value_cache, params.values, block_row,
+                             params.value_capacity, params.first_row);
+    return;
+  }
+  block_row -= static_cast<unsigned int>(params.values.rows);
+  if (block_row < static_cast<unsigned int>(params.key_source.rows)) {
+    copy_unwritten_row<Storage>(key_source, key_cache, params.key_source, block_row,
+                                params.first_row, length);
+    return;
+  }
+  block_row -= static_cast<unsigned int>(params.key_source.rows);
+  copy_unwritten_row<Storage>(value_source, value_cache, params.value_source, block_row,
+                              params.first_row, length);
+}
+
+#define MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE_CACHE(NAME, STORAGE, ROWS)             \
+  extern "C" __global__ void NAME(                                                   \
+      const STORAGE::storage* queries, const STORAGE::storage* keys,                 \
+      const STORAGE::storage* values, const STORAGE::storage* query_weight,          \
+      const STORAGE::storage* key_weight, const int* offsets,                        \
+      const STORAGE::storage* key_source, const STORAGE::storage* value_source,      \
+      STORAGE::storage* rotated_queries, STORAGE::storage* key_cache,                \
+      STORAGE::storage* value_cache, const DualRmsNormRopeCacheParams<ROWS> params) { \
+    dual_rms_norm_rope_with_cache<STORAGE, ROWS>(                                    \
+        queries, keys, values, query_weight, key_weight, offsets, key_source,        \
+        value_source, rotated_queries, key_cache, value_cache, params);              \
+  }
+
+MLX_DUALNORM_DEFINE_ENTRY_POINTS(MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE_CACHE,
+                                 mlx_dualnorm_dual_rms_norm_rope_cache)
 )cuda";
 
 } // namespace mlx_dualnorm_fused

@@ -321,6 +321,15 @@ int prepare_fused_rope_kernel() {
   });
 }
 
+/* The RoPE constants as the primitive takes them. */
+#ifdef MLX_DUALNORM_WITH_CUDA
+mlx_dualnorm_fused::RopeConstants rope_constants(const mlx_dualnorm_rope_parameters& rope) {
+  return mlx_dualnorm_fused::RopeConstants{
+      rope.dims,       rope.traditional, rope.base, rope.scale, rope.with_freqs,
+      rope.input_scale.has_value, rope.input_scale.value};
+}
+#endif
+
 int apply_fused_rope_kernel_with_freqs(mlx_vector_array* res, const mlx_array queries,
     const mlx_array keys, const mlx_array query_scale_weight, const mlx_array key_scale_weight,
     const mlx_array rope_offset, const mlx_array freqs, float rms_norm_epsilon,
@@ -329,17 +338,38 @@ int apply_fused_rope_kernel_with_freqs(mlx_vector_array* res, const mlx_array qu
   int status = report_failures(kDualRmsNormRopeOperation, [&] {
     prepared_rope_kernel().require_ready();
 #ifdef MLX_DUALNORM_WITH_CUDA
-    const mlx_dualnorm_fused::RopeConstants constants{
-        rope.dims,       rope.traditional, rope.base, rope.scale, rope.with_freqs,
-        rope.input_scale.has_value, rope.input_scale.value};
     outputs = mlx_dualnorm_fused::fused_dual_rms_norm_rope(
         borrowed_array(queries), borrowed_array(keys),
         borrowed_weight_or_null(query_scale_weight), borrowed_weight_or_null(key_scale_weight),
-        borrowed_array(rope_offset), rms_norm_epsilon, constants,
+        borrowed_array(rope_offset), rms_norm_epsilon, rope_constants(rope),
         borrowed_weight_or_null(freqs));
 #else
     (void)queries, (void)keys, (void)query_scale_weight, (void)key_scale_weight;
     (void)rope_offset, (void)freqs, (void)rms_norm_epsilon, (void)rope;
+#endif
+  });
+  return status != 0 ? status : publish_outputs(res, outputs);
+}
+
+int apply_fused_rope_kernel_with_cache(mlx_vector_array* res, const mlx_array queries,
+    const mlx_array keys, const mlx_array values, const mlx_array query_scale_weight,
+    const mlx_array key_scale_weight, const mlx_array rope_offset, const mlx_array freqs,
+    const mlx_array key_cache, const mlx_array value_cache, int write_offset,
+    float rms_norm_epsilon, mlx_dualnorm_rope_parameters rope) {
+  std::vector<mx::array> outputs;
+  int status = report_failures(kDualRmsNormRopeOperation, [&] {
+    prepared_rope_kernel().require_ready();
+#ifdef MLX_DUALNORM_WITH_CUDA
+    outputs = mlx_dualnorm_fused::fused_dual_rms_norm_rope_with_cache(
+        borrowed_array(queries), borrowed_array(keys), borrowed_array(values),
+        borrowed_weight_or_null(query_scale_weight), borrowed_weight_or_null(key_scale_weight),
+        borrowed_array(rope_offset), rms_norm_epsilon, rope_constants(rope),
+        borrowed_weight_or_null(freqs),
+        {borrowed_array(key_cache), borrowed_array(value_cache), write_offset});
+#else
+    (void)queries, (void)keys, (void)values, (void)query_scale_weight, (void)key_scale_weight;
+    (void)rope_offset, (void)freqs, (void)key_cache, (void)value_cache, (void)write_offset;
+    (void)rms_norm_epsilon, (void)rope;
 #endif
   });
   return status != 0 ? status : publish_outputs(res, outputs);
@@ -363,6 +393,7 @@ const mlx_dualnorm_fused_rope_backend fused_rope_backend = {
     },
     apply_fused_rope_kernel,
     apply_fused_rope_kernel_with_freqs,
+    apply_fused_rope_kernel_with_cache,
 };
 
 } // namespace

@@ -2,7 +2,9 @@
  * launch that normalizes, rotates and transposes every row of queries and
  * keys (dual_rms_norm_rope_kernel.cuh), added to MLX's command encoder like
  * FusedDualRmsNorm. It replaces six graph nodes per layer (two rms_norm,
- * two transposes, two rope) with one.
+ * two transposes, two rope) with one; with the KV-cache write, eight (and
+ * the value transpose) with one: the rotated keys and the transposed values
+ * go straight into the cache's buffers.
  *
  * Built only where MLX's CUDA backend headers are found (build_ffi.py
  * defines MLX_DUALNORM_WITH_CUDA), like fused_dual_rms_norm_primitive.cpp.
@@ -13,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 
@@ -26,6 +29,7 @@
 
 #include "fused/dual_rms_norm_rope_kernel.cuh"
 #include "fused/fused_kernel_host.h"
+#include "fused/output_memory.h"
 
 namespace mlx_dualnorm_fused {
 
@@ -33,12 +37,20 @@ namespace {
 
 namespace mx = mlx::core;
 
-/* RopeSide and DualRmsNormRopeParams, from their one definition. */
+/* RopeSide, DualRmsNormRopeParams, StridedRows and
+ * DualRmsNormRopeCacheParams, from their one definition. */
 MLX_DUALNORM_ROPE_KERNEL_PARAMS
+MLX_DUALNORM_ROPE_CACHE_KERNEL_PARAMS
 
-/* Inputs in this order; the weights follow where present, then the
- * frequency table where the RoPE takes one. */
-enum { kQueriesInput = 0, kKeysInput = 1, kOffsetInput = 2, kFirstWeightInput = 3 };
+/* Inputs in this order; with the KV-cache write the values and both
+ * buffers follow; then the weights where present, then the frequency table
+ * where the RoPE takes one. */
+enum { kQueriesInput = 0, kKeysInput = 1, kOffsetInput = 2 };
+enum { kValuesInput = 3, kKeyCacheInput = 4, kValueCacheInput = 5 };
+constexpr size_t kCacheInputs = 3;
+
+/* The cache axis of (B, H, capacity, D) buffers, where rows are written. */
+constexpr int kCacheRowAxis = 2;
 
 /* (B, L, H, D) -> (B, H, L, D), as mlx-lm's attention transposes. */
 const std::vector<int> kHeadMajorAxes = {0, 2, 1, 3};
@@ -52,6 +64,13 @@ KernelModule& kernel_module() {
   return module;
 }
 
+/* The same cubin's entry points with the KV-cache write:
+ * mlx_dualnorm_dual_rms_norm_rope_cache_contiguous_float32 and so on. */
+KernelModule& cache_kernel_module() {
+  static KernelModule module(kOperation, "mlx_dualnorm_dual_rms_norm_rope_cache");
+  return module;
+}
+
 /* Where one side's rows go, and which of MLX's RoPE kernels (hence which
  * position conversion) its shape gets: MLX takes its single-row kernel for
  * a row-contiguous input with B == 1 and L == 1, and the transpose of a
@@ -62,7 +81,26 @@ RopeSide rope_side(const mx::array& input, const mx::array& offset) {
   side.sequence = input.shape(1);
   side.offset_stride = offset.ndim() > 0 ? offset.strides()[0] : 0;
   side.signed_position = input.shape(0) == 1 && input.shape(1) == 1 ? 1 : 0;
+  // A fresh (B, H, L, D) output; the KV-cache write points the keys at
+  // their rows of the key buffer instead.
+  side.output_sequence = side.sequence;
+  side.output_first_row = 0;
   return side;
+}
+
+/* The rows of a rank-4 array over its first three axes, as the kernel
+ * reads a source row by row. */
+StridedRows strided_rows(const mx::array& input) {
+  StridedRows rows{};
+  for (int axis = 0; axis < 4; ++axis) {
+    rows.strides[axis] = input.strides()[axis];
+  }
+  for (int axis = 0; axis < 3; ++axis) {
+    rows.extents[axis] = input.shape(axis);
+  }
+  rows.width = input.shape(3);
+  rows.rows = static_cast<int>(input.size() / std::max(input.shape(3), 1));
+  return rows;
 }
 
 /* The offset's value where the host holds it without a copy: one element,
@@ -88,18 +126,41 @@ mx::Shape head_major_shape(const mx::array& input) {
   return {input.shape(0), input.shape(2), input.shape(1), input.shape(3)};
 }
 
-/* Outputs: rotated queries, rotated keys, both fresh row-contiguous
+/* The composed KV-cache writes of mlx-lm's KVCache.update_and_fetch, the
+ * transforms' share of the cache variant: rows [first_row, first_row + L)
+ * of both buffers set, as `buffer[..., w:w+L, :] = update` does. */
+std::vector<mx::array> with_cache_writes(const mx::array& rotated_queries,
+                                         const mx::array& rotated_keys, const mx::array& values,
+                                         const mx::array& key_cache,
+                                         const mx::array& value_cache, int first_row,
+                                         mx::Stream stream) {
+  auto write = [&](const mx::array& buffer, const mx::array& rows) {
+    const mx::Shape& shape = buffer.shape();
+    const mx::Shape start = {0, 0, first_row, 0};
+    const mx::Shape stop = {shape[0], shape[1], first_row + rows.shape(kCacheRowAxis), shape[3]};
+    return mx::slice_update(buffer, rows, start, stop, stream);
+  };
+  return {rotated_queries, write(key_cache, rotated_keys),
+          write(value_cache, mx::transpose(values, kHeadMajorAxes, stream))};
+}
+
+/* Outputs: rotated queries and rotated keys, fresh row-contiguous
  * (B, H, L, D) buffers (an input buffer cannot be reused: a block writes
- * its row where another block's row was read). */
+ * its row where another block's row was read). With the KV-cache write
+ * (`cache_first_row`): rotated queries, then the key and value buffers,
+ * each its input's memory when MLX could donate it, else a copy made in
+ * the same launch. */
 class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
  public:
   FusedDualRmsNormRope(mx::Stream stream, float rms_norm_epsilon, const RopeConstants& rope,
-                       bool has_query_weight, bool has_key_weight)
+                       bool has_query_weight, bool has_key_weight,
+                       std::optional<int> cache_first_row = std::nullopt)
       : RowKernelPrimitive(kOperation, stream, rms_norm_epsilon, has_query_weight,
                            has_key_weight),
         rope_(rope),
         // As MLX's RoPE::eval_gpu: std::log2 of the float base, in float.
-        log2_base_(std::log2(rope.base)) {}
+        log2_base_(std::log2(rope.base)),
+        cache_first_row_(cache_first_row) {}
 
   /* Gradients and vectorization are those of the composed calls this
    * primitive reproduces; the integer offset gets a zero cotangent. The
@@ -141,10 +202,15 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     auto composed = [this](const std::vector<mx::array>& all_inputs) {
       return composed_over(all_inputs, true)(differentiable(all_inputs, true));
     };
-    return {mx::vmap(composed, axes, {0, 0})(inputs), {0, 0}};
+    const std::vector<int> output_axes(cache_first_row_ ? 3 : 2, 0);
+    return {mx::vmap(composed, axes, output_axes)(inputs), output_axes};
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    if (cache_first_row_) {
+      return {head_major_shape(inputs[kQueriesInput]), inputs[kKeyCacheInput].shape(),
+              inputs[kValueCacheInput].shape()};
+    }
     return {head_major_shape(inputs[kQueriesInput]), head_major_shape(inputs[kKeysInput])};
   }
 
@@ -158,23 +224,36 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
            rope_.traditional == fused.rope_.traditional && rope_.base == fused.rope_.base &&
            rope_.scale == fused.rope_.scale && rope_.with_freqs == fused.rope_.with_freqs &&
            rope_.has_input_scale == fused.rope_.has_input_scale &&
-           (!rope_.has_input_scale || rope_.input_scale == fused.rope_.input_scale);
+           (!rope_.has_input_scale || rope_.input_scale == fused.rope_.input_scale) &&
+           cache_first_row_ == fused.cache_first_row_;
   }
 
  private:
   friend class RowKernelPrimitive<FusedDualRmsNormRope>;
 
+  /* Where the weights start among the inputs. */
+  size_t first_weight_input() const {
+    return 3 + (cache_first_row_ ? kCacheInputs : 0);
+  }
+
   /* One launch of the kernel variant whose arguments describe rows as
    * `Rows` does. */
   template <typename Rows>
   void launch(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-    auto& encoder = mx::cu::get_command_encoder(stream());
+    if (cache_first_row_) {
+      launch_with_cache<Rows>(inputs, outputs);
+    } else {
+      launch_rotation<Rows>(inputs, outputs);
+    }
+  }
+
+  /* The norm + RoPE's kernel arguments for these inputs (either kernel). */
+  template <typename Rows>
+  DualRmsNormRopeParams<Rows> rotation_params(const std::vector<mx::array>& inputs,
+                                              const WeightInputs& weights) const {
     const mx::array& queries = inputs[kQueriesInput];
     const mx::array& keys = inputs[kKeysInput];
     const mx::array& offset = inputs[kOffsetInput];
-    CUfunction kernel = kernel_module().kernel_for<Rows>(queries.dtype(), stream().device);
-    const WeightInputs weights =
-        weight_inputs(inputs, kFirstWeightInput, has_query_weight_, has_key_weight_);
     DualRmsNormRopeParams<Rows> params{};
     params.queries = rows_of<Rows>(queries, weights.query);
     params.keys = rows_of<Rows>(keys, weights.key);
@@ -198,21 +277,102 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
       params.has_constant_offset = 1;
       params.constant_offset = *constant_offset;
     }
+    return params;
+  }
+
+  /* Shared memory per block: the wider side's normalized row, rounded up
+   * to 16 bytes. */
+  static uint32_t row_bytes(const ContiguousRows& queries, const ContiguousRows& keys,
+                            size_t itemsize) {
+    const size_t widest = static_cast<size_t>(std::max(queries.width, keys.width));
+    return static_cast<uint32_t>((widest * itemsize + 15) / 16 * 16);
+  }
+
+  template <typename Rows>
+  void launch_rotation(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    auto& encoder = mx::cu::get_command_encoder(stream());
+    const mx::array& queries = inputs[kQueriesInput];
+    CUfunction kernel = kernel_module().kernel_for<Rows>(queries.dtype(), stream().device);
+    const WeightInputs weights =
+        weight_inputs(inputs, first_weight_input(), has_query_weight_, has_key_weight_);
+    DualRmsNormRopeParams<Rows> params = rotation_params<Rows>(inputs, weights);
     prepare_outputs(encoder, inputs, outputs);
     void* query_data = mx::gpu_ptr<void>(queries);
-    void* key_data = mx::gpu_ptr<void>(keys);
+    void* key_data = mx::gpu_ptr<void>(inputs[kKeysInput]);
     void* query_weight = weights.query ? mx::gpu_ptr<void>(*weights.query) : nullptr;
     void* key_weight = weights.key ? mx::gpu_ptr<void>(*weights.key) : nullptr;
-    void* offsets = mx::gpu_ptr<void>(offset);
+    void* offsets = mx::gpu_ptr<void>(inputs[kOffsetInput]);
     void* rotated_queries = mx::gpu_ptr<void>(outputs[0]);
     void* rotated_keys = mx::gpu_ptr<void>(outputs[1]);
     void* arguments[] = {&query_data, &key_data,        &query_weight, &key_weight,
                          &offsets,    &rotated_queries, &rotated_keys, &params};
     const RowLaunch shape = row_launch(params.queries, params.keys);
-    const size_t widest = static_cast<size_t>(std::max(params.queries.width, params.keys.width));
-    const uint32_t row_bytes =
-        static_cast<uint32_t>((widest * queries.itemsize() + 15) / 16 * 16);
-    encoder.add_kernel_node_raw(kernel, shape.grid, shape.block, dim3(), row_bytes, arguments);
+    encoder.add_kernel_node_raw(kernel, shape.grid, shape.block, dim3(),
+                                row_bytes(params.queries, params.keys, queries.itemsize()),
+                                arguments);
+  }
+
+  /* The launch with the KV-cache write: the keys rotated into their rows of
+   * the key buffer, the values transposed into theirs, and each buffer
+   * either the input's memory (written in place) or a fresh one the same
+   * launch fills with the input's other rows. */
+  template <typename Rows>
+  void launch_with_cache(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    auto& encoder = mx::cu::get_command_encoder(stream());
+    const mx::array& queries = inputs[kQueriesInput];
+    const mx::array& values = inputs[kValuesInput];
+    const mx::array& key_cache = inputs[kKeyCacheInput];
+    const mx::array& value_cache = inputs[kValueCacheInput];
+    CUfunction kernel =
+        cache_kernel_module().kernel_for<Rows>(queries.dtype(), stream().device);
+    const WeightInputs weights =
+        weight_inputs(inputs, first_weight_input(), has_query_weight_, has_key_weight_);
+    DualRmsNormRopeCacheParams<Rows> params{};
+    params.rope = rotation_params<Rows>(inputs, weights);
+    params.rope.key_rope.output_sequence = key_cache.shape(kCacheRowAxis);
+    params.rope.key_rope.output_first_row = *cache_first_row_;
+    params.values = strided_rows(values);
+    params.value_capacity = value_cache.shape(kCacheRowAxis);
+    params.first_row = *cache_first_row_;
+    outputs[0].set_data(output_memory(outputs[0].nbytes(), encoder));
+    // Every output of this node holds its own copy of the node's inputs.
+    const size_t holders = outputs.size();
+    if (!take_buffer_or_allocate(key_cache, outputs[1], holders, encoder)) {
+      params.key_source = strided_rows(key_cache);
+    }
+    if (!take_buffer_or_allocate(value_cache, outputs[2], holders, encoder)) {
+      params.value_source = strided_rows(value_cache);
+    }
+    for (const auto& input : inputs) {
+      encoder.set_input_array(input);
+    }
+    for (const auto& output : outputs) {
+      encoder.set_output_array(output);
+    }
+    void* query_data = mx::gpu_ptr<void>(queries);
+    void* key_data = mx::gpu_ptr<void>(inputs[kKeysInput]);
+    void* value_data = mx::gpu_ptr<void>(values);
+    void* query_weight = weights.query ? mx::gpu_ptr<void>(*weights.query) : nullptr;
+    void* key_weight = weights.key ? mx::gpu_ptr<void>(*weights.key) : nullptr;
+    void* offsets = mx::gpu_ptr<void>(inputs[kOffsetInput]);
+    void* key_source = mx::gpu_ptr<void>(key_cache);
+    void* value_source = mx::gpu_ptr<void>(value_cache);
+    void* rotated_queries = mx::gpu_ptr<void>(outputs[0]);
+    void* written_keys = mx::gpu_ptr<void>(outputs[1]);
+    void* written_values = mx::gpu_ptr<void>(outputs[2]);
+    void* arguments[] = {&query_data,   &key_data,        &value_data,   &query_weight,
+                         &key_weight,   &offsets,         &key_source,   &value_source,
+                         &rotated_queries, &written_keys, &written_values, &params};
+    const RowLaunch shape = row_launch(params.rope.queries, params.rope.keys);
+    const long long blocks = static_cast<long long>(shape.grid.x) + params.values.rows +
+                             params.key_source.rows + params.value_source.rows;
+    if (blocks > std::numeric_limits<int>::max()) {
+      throw std::invalid_argument(std::string("[") + kOperation +
+                                  "] the cache buffers have too many rows for one launch");
+    }
+    encoder.add_kernel_node_raw(
+        kernel, dim3(static_cast<unsigned int>(blocks)), shape.block, dim3(),
+        row_bytes(params.rope.queries, params.rope.keys, queries.itemsize()), arguments);
   }
 
   /* Whether `argnums` asks for the frequency table's (co)tangent. */
@@ -223,7 +383,8 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
   }
 
   /* The inputs of the composed calls: every input but the offset, and but
-   * the frequency table unless `table_input`. */
+   * the frequency table unless `table_input` (the values and buffers of the
+   * KV-cache write included). */
   std::vector<mx::array> differentiable(const std::vector<mx::array>& inputs,
                                         bool table_input) const {
     const size_t count = rope_.with_freqs && !table_input ? inputs.size() - 1 : inputs.size();
@@ -237,9 +398,9 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
   }
 
   /* The composed calls over differentiable(primals, table_input): queries,
-   * keys, weights... (and the table last when `table_input`), the offset
-   * (and otherwise the table) fixed from `primals`. The same ops as the
-   * C builder (dual_head_norm_rope.c). */
+   * keys, (values, key and value buffers,) weights... (and the table last
+   * when `table_input`), the offset (and otherwise the table) fixed from
+   * `primals`. The same ops as the C builder (dual_head_norm_rope.c). */
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> composed_over(
       const std::vector<mx::array>& primals, bool table_input) {
     std::optional<mx::array> fixed_table;
@@ -248,10 +409,12 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     }
     return [eps = rms_norm_epsilon_, rope = rope_, has_query_weight = has_query_weight_,
             has_key_weight = has_key_weight_, stream = stream(), offset = primals[kOffsetInput],
-            fixed_table, table_input](const std::vector<mx::array>& inputs) {
-      // The offset is not among these inputs: the weights come one earlier.
+            fixed_table, table_input, first_weight = first_weight_input(),
+            cache_first_row = cache_first_row_](const std::vector<mx::array>& inputs) {
+      // The offset is not among these inputs: every later input comes one
+      // earlier.
       const WeightInputs weights =
-          weight_inputs(inputs, kFirstWeightInput - 1, has_query_weight, has_key_weight);
+          weight_inputs(inputs, first_weight - 1, has_query_weight, has_key_weight);
       std::optional<mx::array> freqs = fixed_table;
       if (rope.with_freqs && table_input) {
         freqs = inputs.back();
@@ -272,7 +435,14 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
         return mx::fast::rope(head_major, rope.dims, rope.traditional, base, rope.scale, offset,
                               freqs, stream);
       };
-      return std::vector<mx::array>{side(inputs[0], weights.query), side(inputs[1], weights.key)};
+      mx::array rotated_queries = side(inputs[kQueriesInput], weights.query);
+      mx::array rotated_keys = side(inputs[kKeysInput], weights.key);
+      if (!cache_first_row) {
+        return std::vector<mx::array>{rotated_queries, rotated_keys};
+      }
+      return with_cache_writes(rotated_queries, rotated_keys, inputs[kValuesInput - 1],
+                               inputs[kKeyCacheInput - 1], inputs[kValueCacheInput - 1],
+                               *cache_first_row, stream);
     };
   }
 
@@ -290,11 +460,40 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
 
   RopeConstants rope_;
   float log2_base_;
+  /* The KV-cache write's first row; none for the norm + RoPE alone. */
+  std::optional<int> cache_first_row_;
 };
+
+/* The node's inputs before the weights: the offset as int32, as the
+ * kernel reads it (MLX's RoPE converts offsets whose dtype is not 4 bytes
+ * wide the same way), after `leading`. */
+std::vector<mx::array> with_int32_offset(std::vector<mx::array> leading, const mx::array& offset,
+                                         mx::Stream stream) {
+  leading.insert(leading.begin() + kOffsetInput,
+                 offset.itemsize() == 4 ? offset : mx::astype(offset, mx::int32, stream));
+  return leading;
+}
+
+/* Appends the frequency table a RoPE with freqs needs, as float32 (what
+ * MLX's RoPE reads after the same conversion); `operation` names the
+ * error. */
+void append_freqs(std::vector<mx::array>& inputs, const RopeConstants& rope,
+                  const mx::array* freqs, const char* operation, mx::Stream stream) {
+  if (!rope.with_freqs) {
+    return;
+  }
+  if (freqs == nullptr) {
+    throw std::invalid_argument(std::string("[") + operation +
+                                "] a RoPE with freqs needs a table");
+  }
+  inputs.push_back(freqs->dtype() == mx::float32 ? *freqs
+                                                 : mx::astype(*freqs, mx::float32, stream));
+}
 
 } // namespace
 
 void set_rope_kernel_cubin(std::string cubin) {
+  cache_kernel_module().set_cubin(cubin);
   kernel_module().set_cubin(std::move(cubin));
 }
 
@@ -309,23 +508,47 @@ std::vector<mx::array> fused_dual_rms_norm_rope(
     const mx::array* freqs) {
   const mx::Stream stream = mx::default_stream(mx::Device::gpu);
   const mx::Dtype dtype = queries.dtype();
-  // The kernel reads int32, as MLX's RoPE does after the same conversion
-  // (fast::rope converts offsets whose dtype is not 4 bytes wide).
-  mx::array int32_offset = offset.itemsize() == 4 ? offset : mx::astype(offset, mx::int32, stream);
-  std::vector<mx::array> inputs =
-      inputs_with_weights({queries, keys, int32_offset}, query_weight, key_weight);
-  if (rope.with_freqs) {
-    if (freqs == nullptr) {
-      throw std::invalid_argument("[fused_dual_rms_norm_rope] a RoPE with freqs needs a table");
-    }
-    // The kernel reads float32, as MLX's RoPE does after the same conversion.
-    inputs.push_back(freqs->dtype() == mx::float32 ? *freqs
-                                                   : mx::astype(*freqs, mx::float32, stream));
-  }
+  std::vector<mx::array> inputs = inputs_with_weights(
+      with_int32_offset({queries, keys}, offset, stream), query_weight, key_weight);
+  append_freqs(inputs, rope, freqs, kOperation, stream);
   return mx::array::make_arrays(
       {head_major_shape(queries), head_major_shape(keys)}, {dtype, dtype},
       std::make_shared<FusedDualRmsNormRope>(stream, rms_norm_epsilon, rope,
                                              query_weight != nullptr, key_weight != nullptr),
+      std::move(inputs));
+}
+
+std::vector<mx::array> fused_dual_rms_norm_rope_with_cache(
+    const mx::array& queries,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array* query_weight,
+    const mx::array* key_weight,
+    const mx::array& offset,
+    float rms_norm_epsilon,
+    const RopeConstants& rope,
+    const mx::array* freqs,
+    const CacheBuffers& cache) {
+  const mx::Stream stream = mx::default_stream(mx::Device::gpu);
+  const mx::Dtype dtype = queries.dtype();
+  for (const mx::array* input : {&keys, &values, &cache.key_cache, &cache.value_cache}) {
+    if (input->dtype() != dtype) {
+      throw std::invalid_argument(std::string("[") + kOperation +
+                                  "] the KV-cache write needs one dtype for queries, keys, "
+                                  "values and both buffers");
+    }
+  }
+  std::vector<mx::array> inputs = inputs_with_weights(
+      with_int32_offset({queries, keys, values, cache.key_cache, cache.value_cache}, offset,
+                        stream),
+      query_weight, key_weight);
+  append_freqs(inputs, rope, freqs, kOperation, stream);
+  return mx::array::make_arrays(
+      {head_major_shape(queries), cache.key_cache.shape(), cache.value_cache.shape()},
+      {dtype, dtype, dtype},
+      std::make_shared<FusedDualRmsNormRope>(stream, rms_norm_epsilon, rope,
+                                             query_weight != nullptr, key_weight != nullptr,
+                                             cache.first_row),
       std::move(inputs));
 }
 

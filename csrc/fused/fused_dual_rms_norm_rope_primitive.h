@@ -16,8 +16,9 @@ namespace mlx_dualnorm_fused {
  * use without opting in). */
 inline constexpr int kMaxRopeRowWidth = 8192;
 
-/* Hands the kernel's cubin to the primitive, which loads it (once, at the
- * first evaluation, where MLX has the device context current). */
+/* Hands the kernels' cubin (the norm + RoPE's entry points and those with
+ * the KV-cache write) to the primitive, which loads it (once, at the first
+ * evaluation, where MLX has the device context current). */
 void set_rope_kernel_cubin(std::string cubin);
 
 /* The RoPE of both sides, as fast::rope takes it: with a base, or, when
@@ -50,6 +51,37 @@ std::vector<mlx::core::array> fused_dual_rms_norm_rope(
     float rms_norm_epsilon,
     const RopeConstants& rope,
     const mlx::core::array* freqs = nullptr);
+
+/* Where fused_dual_rms_norm_rope_with_cache writes: the cache's key
+ * buffer (B, Hk, C, D) and value buffer (B, Hk, Cv, Dv), borrowed, and the
+ * first row of axis 2 written, `first_row`, with rows [first_row,
+ * first_row + L) inside both (the caller checks). */
+struct CacheBuffers {
+  const mlx::core::array& key_cache;
+  const mlx::core::array& value_cache;
+  int first_row;
+};
+
+/* The lazy rotated queries (B, Hq, L, D) and both buffers written, in that
+ * order, from ONE launch: the norm + RoPE of fused_dual_rms_norm_rope
+ * (same arguments), the rotated keys and `values` (B, L, Hk, Dv)
+ * transposed written at rows [first_row, first_row + L) of the buffers, as
+ * mlx-lm's KVCache.update_and_fetch writes them. Queries, keys, values,
+ * weights and both buffers share one float dtype. Each buffer output takes
+ * its input's memory when nothing else holds that input at evaluation (as
+ * MLX's SliceUpdate donates), else a copy: the input is never visibly
+ * modified. */
+std::vector<mlx::core::array> fused_dual_rms_norm_rope_with_cache(
+    const mlx::core::array& queries,
+    const mlx::core::array& keys,
+    const mlx::core::array& values,
+    const mlx::core::array* query_weight,
+    const mlx::core::array* key_weight,
+    const mlx::core::array& offset,
+    float rms_norm_epsilon,
+    const RopeConstants& rope,
+    const mlx::core::array* freqs,
+    const CacheBuffers& cache);
 
 } // namespace mlx_dualnorm_fused
 

@@ -22,6 +22,8 @@
 
 #include <cstddef>
 
+#include "mlx/array.h"
+
 #include "mlx/allocator.h"
 #include "mlx/backend/cuda/device.h"
 
@@ -30,6 +32,19 @@ namespace mlx_dualnorm_fused {
 /* `bytes` of memory for one output of a kernel added to `encoder`, owned
  * by the returned Data (hand it to array::set_data). */
 mlx::core::allocator::Data output_memory(size_t bytes, mlx::core::cu::CommandEncoder& encoder);
+
+/* Gives `output` the memory of `buffer` and returns true when MLX itself
+ * would let a node write into it (its SliceUpdate donates so): nothing but
+ * the `node_outputs` outputs of the node being evaluated hold `buffer`
+ * (each output of a multi-output node keeps its own list of the node's
+ * inputs, so MLX's is_donatable, which asks for one holder, never says yes
+ * for one), no other array shares its memory, the memory is MLX's own, and
+ * `buffer` is row-contiguous, of the output's shape and dtype. Otherwise
+ * gives `output` fresh memory (output_memory) and returns false: the
+ * caller fills it. Either way `buffer`'s visible contents stay what every
+ * holder saw: written in place only where no one else can look. */
+bool take_buffer_or_allocate(const mlx::core::array& buffer, mlx::core::array& output,
+                             size_t node_outputs, mlx::core::cu::CommandEncoder& encoder);
 
 /* Whether outputs come from MLX's stream-ordered device pool (true) or
  * from its public, unified-memory allocator (false). Does the lookup if
