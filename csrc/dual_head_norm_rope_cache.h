@@ -13,16 +13,20 @@
  *
  * where w is `write_offset`: what mlx-lm's KVCache.update_and_fetch writes
  * (`keys[..., w:w+L, :] = ...`), every element of both buffers with the
- * same bits. The norm + RoPE are the object's (dual_head_norm_rope.h); the
- * writes are MLX slice updates whose position is a graph input, so a decode
- * step at a new position replays one trace.
+ * same bits. The norm + RoPE are the object's (dual_head_norm_rope.h). In
+ * the compiled graph the writes are MLX slice updates whose position is a
+ * graph input, so a decode step at a new position replays one trace; in
+ * FUSED mode one kernel launch does the norms, the RoPEs, the transposes
+ * and both writes (MLX's slice updates follow the launch only for buffers
+ * or values of another dtype than the queries, which the write casts).
  *
  * The buffers are inputs, never modified: the results are new lazy arrays.
- * MLX gives a result the buffer's memory instead of a copy when, at
+ * A result takes the buffer's memory instead of a copy when, at
  * evaluation, the buffer has no other reference (the caller replaced its
- * own reference with the result, as `cache.keys = ...` does); a caller
- * that still holds the buffer keeps seeing its old contents, and the
- * result is then a copy.
+ * own reference with the result, as `cache.keys = ...` does): MLX's
+ * donation, or in FUSED mode the kernel's own check of the same facts; a
+ * caller that still holds the buffer keeps seeing its old contents, and
+ * the result is then a copy.
  */
 #ifndef MLX_DUALNORM_DUAL_HEAD_NORM_ROPE_CACHE_H
 #define MLX_DUALNORM_DUAL_HEAD_NORM_ROPE_CACHE_H

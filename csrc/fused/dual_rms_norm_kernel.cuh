@@ -125,16 +125,27 @@ struct Float32Storage {
   static __device__ __forceinline__ float multiply(float a, float b) { return __fmul_rn(a, b); }
 };
 
-struct Float16Storage {
+/* What both 16-bit formats share: values travel as their bits, and a
+ * float is rounded to the format with PTX's cvt.rn (round to nearest
+ * even), as MLX's conversions round. `kBrain`: bfloat16, else IEEE half. */
+template <bool kBrain>
+struct Bits16Storage {
   typedef bits16 storage;
+  static __device__ __forceinline__ bits16 round(float value) {
+    bits16 result;
+    if (kBrain) {
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(result) : "f"(value));
+    } else {
+      asm("cvt.rn.f16.f32 %0, %1;" : "=h"(result) : "f"(value));
+    }
+    return result;
+  }
+};
+
+struct Float16Storage : Bits16Storage<false> {
   static __device__ __forceinline__ float to_float(bits16 value) {
     float result;
     asm("cvt.f32.f16 %0, %1;" : "=f"(result) : "h"(value));
-    return result;
-  }
-  static __device__ __forceinline__ bits16 round(float value) {
-    bits16 result;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(result) : "f"(value));
     return result;
   }
   static __device__ __forceinline__ bits16 multiply(bits16 a, bits16 b) {
@@ -144,15 +155,9 @@ struct Float16Storage {
   }
 };
 
-struct BFloat16Storage {
-  typedef bits16 storage;
+struct BFloat16Storage : Bits16Storage<true> {
   static __device__ __forceinline__ float to_float(bits16 value) {
     return __uint_as_float(static_cast<unsigned int>(value) << 16);
-  }
-  static __device__ __forceinline__ bits16 round(float value) {
-    bits16 result;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(result) : "f"(value));
-    return result;
   }
   static __device__ __forceinline__ bits16 multiply(bits16 a, bits16 b) {
     // a * b + (-0): the correctly rounded product, signed zeros kept.

@@ -39,9 +39,18 @@
  * kernel cost more than half its time on an H200 (ncu: 58% of the stall
  * samples on that load).
  *
- * DualRmsNormRopeParams is passed by value; its one definition below is
- * compiled into the host code (fused_dual_rms_norm_rope_primitive.cpp) and
- * pasted, as text, into the kernel source.
+ * With the KV-cache write (the _cache entry points), the key rows go to
+ * rows [w, w + L) of the key buffer (B, Hk, C, D) instead of a fresh
+ * (B, Hk, L, D), further blocks copy each value row (b, l, h) to row
+ * (b, h, w + l) of the value buffer, and, for a buffer the host could not
+ * let the launch write in place, further blocks copy the buffer's other
+ * rows into the fresh output: the bits of MLX's SliceUpdate, which copies
+ * (or donates) the buffer and then the update's elements.
+ *
+ * DualRmsNormRopeParams (and DualRmsNormRopeCacheParams) are passed by
+ * value; their one definition below is compiled into the host code
+ * (fused_dual_rms_norm_rope_primitive.cpp) and pasted, as text, into the
+ * kernel source.
  */
 #ifndef MLX_DUALNORM_DUAL_RMS_NORM_ROPE_KERNEL_CUH
 #define MLX_DUALNORM_DUAL_RMS_NORM_ROPE_KERNEL_CUH
@@ -235,14 +244,17 @@ __device__ __forceinline__ void dual_rms_norm_rope(
 MLX_DUALNORM_DEFINE_ENTRY_POINTS(MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE,
                                  mlx_dualnorm_dual_rms_norm_rope)
 )cuda" MLX_DUALNORM_STRINGIFY(MLX_DUALNORM_ROPE_CACHE_KERNEL_PARAMS) R"cuda(
-/* Row `row` of a rank-4 source enumerated over its first three axes, as
- * its three indices, first axis first. */
-__device__ __forceinline__ void strided_row_indices(const StridedRows& rows, unsigned int row,
-                                                    unsigned int index[3]) {
+/* Row `row` of a rank-4 source enumerated over its first three axes: its
+ * three indices (first axis first) into `index`, and where it starts. */
+template <typename T>
+__device__ __forceinline__ const T* strided_row(const T* source, const StridedRows& rows,
+                                                unsigned int row, unsigned int index[3]) {
   index[2] = row % static_cast<unsigned int>(rows.extents[2]);
   row /= static_cast<unsigned int>(rows.extents[2]);
   index[1] = row % static_cast<unsigned int>(rows.extents[1]);
   index[0] = row / static_cast<unsigned int>(rows.extents[1]);
+  return source + index[0] * rows.strides[0] + index[1] * rows.strides[1] +
+         index[2] * rows.strides[2];
 }
 
 /* Copies one row of `width` elements, `stride` apart in the source, to a
@@ -256,45 +268,31 @@ __device__ __forceinline__ void copy_row(const typename Storage::storage* source
   }
 }
 
-/* Value row (b, l, h) of (B, L, Hk, Dv) to row (b, h, first_row + l) of the
- * row-contiguous value buffer (B, Hk, Cv, Dv): the transposed values, as
- * `values.transpose(0, 2, 1, 3)` written at rows [w, w + L). */
+/* Copies row `row` of a rank-4 source into the row-contiguous buffer
+ * output (B, H, C, width). A value row (b, l, h) of (B, L, Hk, Dv), with
+ * `value_row`, goes to row (b, h, first_row + l): the transposed values, as
+ * `values.transpose(0, 2, 1, 3)` written at rows [w, w + L). A row
+ * (b, h, c) of a buffer that is not written in place goes to the same row,
+ * unless c is one of the rows [first_row, first_row + length) the key or
+ * value blocks write. */
 template <typename Storage>
-__device__ __forceinline__ void write_value_row(const typename Storage::storage* values,
-                                                typename Storage::storage* value_cache,
-                                                const StridedRows& rows, unsigned int row,
-                                                int capacity, int first_row) {
+__device__ __forceinline__ void copy_into_buffer(const typename Storage::storage* source,
+                                                 typename Storage::storage* buffer,
+                                                 const StridedRows& rows, unsigned int row,
+                                                 bool value_row, int capacity, int first_row,
+                                                 int length) {
   unsigned int index[3];
-  strided_row_indices(rows, row, index);
-  const typename Storage::storage* source =
-      values + index[0] * rows.strides[0] + index[1] * rows.strides[1] +
-      index[2] * rows.strides[2];
-  const long long destination_row =
-      (static_cast<long long>(index[0]) * rows.extents[2] + index[2]) * capacity + first_row +
-      index[1];
-  copy_row<Storage>(source, rows.strides[3], value_cache + destination_row * rows.width,
-                    rows.width);
-}
-
-/* Row (b, h, c) of a buffer (B, H, C, D) that is not written in place,
- * copied to the same row of the row-contiguous output, unless it is one of
- * the rows [first_row, first_row + length) the key or value blocks write. */
-template <typename Storage>
-__device__ __forceinline__ void copy_unwritten_row(const typename Storage::storage* buffer,
-                                                   typename Storage::storage* output,
-                                                   const StridedRows& rows, unsigned int row,
-                                                   int first_row, int length) {
-  unsigned int index[3];
-  strided_row_indices(rows, row, index);
-  const int cache_row = static_cast<int>(index[2]);
-  if (cache_row >= first_row && cache_row < first_row + length) {
+  const typename Storage::storage* start = strided_row(source, rows, row, index);
+  long long destination_row = row;
+  if (value_row) {
+    destination_row =
+        (static_cast<long long>(index[0]) * rows.extents[2] + index[2]) * capacity +
+        first_row + index[1];
+  } else if (static_cast<int>(index[2]) >= first_row &&
+             static_cast<int>(index[2]) < first_row + length) {
     return;
   }
-  const typename Storage::storage* source =
-      buffer + index[0] * rows.strides[0] + index[1] * rows.strides[1] +
-      index[2] * rows.strides[2];
-  copy_row<Storage>(source, rows.strides[3], output + static_cast<long long>(row) * rows.width,
-                    rows.width);
+  copy_row<Storage>(start, rows.strides[3], buffer + destination_row * rows.width, rows.width);
 }
 
 /* The norm + RoPE with the KV-cache write. Blocks, in order: query rows,
@@ -321,19 +319,19 @@ __device__ __forceinline__ void dual_rms_norm_rope_with_cache(
   block_row -= normalized_rows;
   const int length = params.values.extents[1];
   if (block_row < static_cast<unsigned int>(params.values.rows)) {
-    write_value_row<Storage>(values, value_cache, params.values, block_row,
-                             params.value_capacity, params.first_row);
+    copy_into_buffer<Storage>(values, value_cache, params.values, block_row, true,
+                              params.value_capacity, params.first_row, length);
     return;
   }
   block_row -= static_cast<unsigned int>(params.values.rows);
   if (block_row < static_cast<unsigned int>(params.key_source.rows)) {
-    copy_unwritten_row<Storage>(key_source, key_cache, params.key_source, block_row,
-                                params.first_row, length);
+    copy_into_buffer<Storage>(key_source, key_cache, params.key_source, block_row, false,
+                              params.rope.key_rope.output_sequence, params.first_row, length);
     return;
   }
   block_row -= static_cast<unsigned int>(params.key_source.rows);
-  copy_unwritten_row<Storage>(value_source, value_cache, params.value_source, block_row,
-                              params.first_row, length);
+  copy_into_buffer<Storage>(value_source, value_cache, params.value_source, block_row, false,
+                            params.value_capacity, params.first_row, length);
 }
 
 #define MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE_CACHE(NAME, STORAGE, ROWS)             \

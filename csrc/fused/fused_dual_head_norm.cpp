@@ -15,6 +15,7 @@
 
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <variant>
@@ -184,20 +185,42 @@ PreparedKernel& prepared_once(PreparedKernel& kernel, CompileAndLoad compile_and
 }
 #endif
 
-/* Compiles the kernel and hands it to the primitive, once; `failure` says
- * why not. */
-PreparedKernel& prepared_kernel() {
-  static PreparedKernel kernel;
-  return prepared_once(kernel, [] {
+/* A primitive's cubin loader (its set_*_cubin), or null in a build
+ * without MLX's CUDA headers, where no primitive is compiled. */
+using CubinLoader = void (*)(std::string);
+
 #ifdef MLX_DUALNORM_WITH_CUDA
-    mlx_dualnorm_fused::set_kernel_cubin(compile_kernel_cubin(
-        std::string(mlx_dualnorm_fused::kRowNormalizationSource) +
-            mlx_dualnorm_fused::kDualRmsNormEntrySource,
-        "mlx_dualnorm_dual_rms_norm.cu", kDualRmsNormOperation));
+constexpr CubinLoader kNormCubinLoader = &mlx_dualnorm_fused::set_kernel_cubin;
+constexpr CubinLoader kRopeCubinLoader = &mlx_dualnorm_fused::set_rope_kernel_cubin;
 #else
-    throw_built_without_cuda(kDualRmsNormOperation);
+constexpr CubinLoader kNormCubinLoader = nullptr;
+constexpr CubinLoader kRopeCubinLoader = nullptr;
+#endif
+
+/* Compiles a kernel's program (kRowNormalizationSource followed by its
+ * `entry_source`) and hands the cubin to `load`, once per `kernel`;
+ * `failure` says why not, `operation` labelling it. */
+PreparedKernel& prepared_program(PreparedKernel& kernel, const char* entry_source,
+                                 const char* program_name, const char* operation,
+                                 CubinLoader load) {
+  return prepared_once(kernel, [&] {
+#ifdef MLX_DUALNORM_WITH_CUDA
+    load(compile_kernel_cubin(std::string(mlx_dualnorm_fused::kRowNormalizationSource) +
+                                  entry_source,
+                              program_name, operation));
+#else
+    (void)entry_source, (void)program_name, (void)load;
+    throw_built_without_cuda(operation);
 #endif
   });
+}
+
+/* The dual norm's kernel, compiled and handed to its primitive once. */
+PreparedKernel& prepared_kernel() {
+  static PreparedKernel kernel;
+  return prepared_program(kernel, mlx_dualnorm_fused::kDualRmsNormEntrySource,
+                          "mlx_dualnorm_dual_rms_norm.cu", kDualRmsNormOperation,
+                          kNormCubinLoader);
 }
 
 #ifdef MLX_DUALNORM_WITH_CUDA
@@ -263,27 +286,35 @@ int publish_outputs(mlx_vector_array* res, std::vector<mx::array>& outputs) {
   return 0;
 }
 
-int apply_fused_kernel(
-    mlx_vector_array* res,
-    const mlx_array queries,
-    const mlx_array keys,
-    const mlx_array query_scale_weight,
-    const mlx_array key_scale_weight,
-    float rms_norm_epsilon) {
+/* Runs `launch` (which returns a launch's lazy outputs) once `prepared`'s
+ * kernel is ready, then publishes the outputs to `*res`; 0 on success, 1
+ * with the reason sent to mlx-c's error handler (report_failures). */
+template <typename Launch>
+int launch_and_publish(mlx_vector_array* res, const char* operation,
+                       PreparedKernel& (*prepared)(), Launch&& launch) {
   std::vector<mx::array> outputs;
-  int status = report_failures(kDualRmsNormOperation, [&] {
-    prepared_kernel().require_ready();
+  int status = report_failures(operation, [&] {
+    prepared().require_ready();
+    outputs = launch();
+  });
+  return status != 0 ? status : publish_outputs(res, outputs);
+}
+
+int apply_fused_kernel(mlx_vector_array* res, const mlx_array queries, const mlx_array keys,
+                       const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+                       float rms_norm_epsilon) {
+  return launch_and_publish(res, kDualRmsNormOperation, prepared_kernel, [&] {
 #ifdef MLX_DUALNORM_WITH_CUDA
-    outputs = mlx_dualnorm_fused::fused_dual_rms_norm(
+    return mlx_dualnorm_fused::fused_dual_rms_norm(
         borrowed_array(queries), borrowed_array(keys),
         borrowed_weight_or_null(query_scale_weight), borrowed_weight_or_null(key_scale_weight),
         rms_norm_epsilon);
 #else
     (void)queries, (void)keys, (void)query_scale_weight, (void)key_scale_weight;
     (void)rms_norm_epsilon;
+    return std::vector<mx::array>{};
 #endif
   });
-  return status != 0 ? status : publish_outputs(res, outputs);
 }
 
 const mlx_dualnorm_fused_backend fused_backend = {
@@ -298,21 +329,14 @@ const mlx_dualnorm_fused_backend fused_backend = {
 
 /* ---- The fused dual head norm + RoPE ----------------------------------- */
 
-/* Compiles the norm + RoPE kernel (its own program: the row normalization
- * source followed by the RoPE entry points) and hands it to its primitive,
- * once; `failure` says why not. */
+/* The norm + RoPE kernels (their own program: the row normalization
+ * source followed by the RoPE entry points, with and without the KV-cache
+ * write), compiled and handed to their primitive once. */
 PreparedKernel& prepared_rope_kernel() {
   static PreparedKernel kernel;
-  return prepared_once(kernel, [] {
-#ifdef MLX_DUALNORM_WITH_CUDA
-    mlx_dualnorm_fused::set_rope_kernel_cubin(compile_kernel_cubin(
-        std::string(mlx_dualnorm_fused::kRowNormalizationSource) +
-            mlx_dualnorm_fused::kDualRmsNormRopeEntrySource,
-        "mlx_dualnorm_dual_rms_norm_rope.cu", kDualRmsNormRopeOperation));
-#else
-    throw_built_without_cuda(kDualRmsNormRopeOperation);
-#endif
-  });
+  return prepared_program(kernel, mlx_dualnorm_fused::kDualRmsNormRopeEntrySource,
+                          "mlx_dualnorm_dual_rms_norm_rope.cu", kDualRmsNormRopeOperation,
+                          kRopeCubinLoader);
 }
 
 int prepare_fused_rope_kernel() {
@@ -330,25 +354,47 @@ mlx_dualnorm_fused::RopeConstants rope_constants(const mlx_dualnorm_rope_paramet
 }
 #endif
 
+/* The KV-cache write's inputs as the backend table passes them. */
+struct CacheWriteHandles {
+  mlx_array values;
+  mlx_array key_cache;
+  mlx_array value_cache;
+  int write_offset;
+};
+
+/* One norm + RoPE launch; with `cache` (else null), the KV-cache write in
+ * the same launch. */
+int apply_fused_rope(mlx_vector_array* res, const mlx_array queries, const mlx_array keys,
+                     const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+                     const mlx_array rope_offset, const mlx_array freqs, float rms_norm_epsilon,
+                     mlx_dualnorm_rope_parameters rope, const CacheWriteHandles* cache) {
+  return launch_and_publish(res, kDualRmsNormRopeOperation, prepared_rope_kernel, [&] {
+#ifdef MLX_DUALNORM_WITH_CUDA
+    std::optional<mlx_dualnorm_fused::CacheWrite> write;
+    if (cache != nullptr) {
+      write.emplace(mlx_dualnorm_fused::CacheWrite{
+          borrowed_array(cache->values), borrowed_array(cache->key_cache),
+          borrowed_array(cache->value_cache), cache->write_offset});
+    }
+    return mlx_dualnorm_fused::fused_dual_rms_norm_rope(
+        borrowed_array(queries), borrowed_array(keys),
+        borrowed_weight_or_null(query_scale_weight), borrowed_weight_or_null(key_scale_weight),
+        borrowed_array(rope_offset), rms_norm_epsilon, rope_constants(rope),
+        borrowed_weight_or_null(freqs), write ? &*write : nullptr);
+#else
+    (void)queries, (void)keys, (void)query_scale_weight, (void)key_scale_weight;
+    (void)rope_offset, (void)freqs, (void)rms_norm_epsilon, (void)rope, (void)cache;
+    return std::vector<mx::array>{};
+#endif
+  });
+}
+
 int apply_fused_rope_kernel_with_freqs(mlx_vector_array* res, const mlx_array queries,
     const mlx_array keys, const mlx_array query_scale_weight, const mlx_array key_scale_weight,
     const mlx_array rope_offset, const mlx_array freqs, float rms_norm_epsilon,
     mlx_dualnorm_rope_parameters rope) {
-  std::vector<mx::array> outputs;
-  int status = report_failures(kDualRmsNormRopeOperation, [&] {
-    prepared_rope_kernel().require_ready();
-#ifdef MLX_DUALNORM_WITH_CUDA
-    outputs = mlx_dualnorm_fused::fused_dual_rms_norm_rope(
-        borrowed_array(queries), borrowed_array(keys),
-        borrowed_weight_or_null(query_scale_weight), borrowed_weight_or_null(key_scale_weight),
-        borrowed_array(rope_offset), rms_norm_epsilon, rope_constants(rope),
-        borrowed_weight_or_null(freqs));
-#else
-    (void)queries, (void)keys, (void)query_scale_weight, (void)key_scale_weight;
-    (void)rope_offset, (void)freqs, (void)rms_norm_epsilon, (void)rope;
-#endif
-  });
-  return status != 0 ? status : publish_outputs(res, outputs);
+  return apply_fused_rope(res, queries, keys, query_scale_weight, key_scale_weight, rope_offset,
+                          freqs, rms_norm_epsilon, rope, nullptr);
 }
 
 int apply_fused_rope_kernel_with_cache(mlx_vector_array* res, const mlx_array queries,
@@ -356,23 +402,9 @@ int apply_fused_rope_kernel_with_cache(mlx_vector_array* res, const mlx_array qu
     const mlx_array key_scale_weight, const mlx_array rope_offset, const mlx_array freqs,
     const mlx_array key_cache, const mlx_array value_cache, int write_offset,
     float rms_norm_epsilon, mlx_dualnorm_rope_parameters rope) {
-  std::vector<mx::array> outputs;
-  int status = report_failures(kDualRmsNormRopeOperation, [&] {
-    prepared_rope_kernel().require_ready();
-#ifdef MLX_DUALNORM_WITH_CUDA
-    outputs = mlx_dualnorm_fused::fused_dual_rms_norm_rope_with_cache(
-        borrowed_array(queries), borrowed_array(keys), borrowed_array(values),
-        borrowed_weight_or_null(query_scale_weight), borrowed_weight_or_null(key_scale_weight),
-        borrowed_array(rope_offset), rms_norm_epsilon, rope_constants(rope),
-        borrowed_weight_or_null(freqs),
-        {borrowed_array(key_cache), borrowed_array(value_cache), write_offset});
-#else
-    (void)queries, (void)keys, (void)values, (void)query_scale_weight, (void)key_scale_weight;
-    (void)rope_offset, (void)freqs, (void)key_cache, (void)value_cache, (void)write_offset;
-    (void)rms_norm_epsilon, (void)rope;
-#endif
-  });
-  return status != 0 ? status : publish_outputs(res, outputs);
+  const CacheWriteHandles cache{values, key_cache, value_cache, write_offset};
+  return apply_fused_rope(res, queries, keys, query_scale_weight, key_scale_weight, rope_offset,
+                          freqs, rms_norm_epsilon, rope, &cache);
 }
 
 /* The table's `apply`: no frequency table (a RoPE with a base). */

@@ -36,6 +36,14 @@ KernelModule& kernel_module() {
   return module;
 }
 
+} // namespace
+
+void set_kernel_cubin(std::string cubin) {
+  kernel_module().set_cubin(std::move(cubin));
+}
+
+namespace {
+
 /* Outputs: normalized queries, normalized keys. */
 class FusedDualRmsNorm : public RowKernelPrimitive<FusedDualRmsNorm> {
  public:
@@ -129,16 +137,9 @@ class FusedDualRmsNorm : public RowKernelPrimitive<FusedDualRmsNorm> {
 
 } // namespace
 
-void set_kernel_cubin(std::string cubin) {
-  kernel_module().set_cubin(std::move(cubin));
-}
-
-std::vector<mx::array> fused_dual_rms_norm(
-    const mx::array& queries,
-    const mx::array& keys,
-    const mx::array* query_weight,
-    const mx::array* key_weight,
-    float rms_norm_epsilon) {
+std::vector<mx::array> fused_dual_rms_norm(const mx::array& queries, const mx::array& keys,
+                                           const mx::array* query_weight,
+                                           const mx::array* key_weight, float rms_norm_epsilon) {
   const mx::Dtype dtype = queries.dtype();
   return mx::array::make_arrays(
       {queries.shape(), keys.shape()}, {dtype, dtype},

@@ -71,6 +71,15 @@ KernelModule& cache_kernel_module() {
   return module;
 }
 
+} // namespace
+
+void set_rope_kernel_cubin(std::string cubin) {
+  cache_kernel_module().set_cubin(cubin);
+  kernel_module().set_cubin(std::move(cubin));
+}
+
+namespace {
+
 /* Where one side's rows go, and which of MLX's RoPE kernels (hence which
  * position conversion) its shape gets: MLX takes its single-row kernel for
  * a row-contiguous input with B == 1 and L == 1, and the transpose of a
@@ -492,11 +501,6 @@ void append_freqs(std::vector<mx::array>& inputs, const RopeConstants& rope,
 
 } // namespace
 
-void set_rope_kernel_cubin(std::string cubin) {
-  cache_kernel_module().set_cubin(cubin);
-  kernel_module().set_cubin(std::move(cubin));
-}
-
 std::vector<mx::array> fused_dual_rms_norm_rope(
     const mx::array& queries,
     const mx::array& keys,
@@ -505,50 +509,34 @@ std::vector<mx::array> fused_dual_rms_norm_rope(
     const mx::array& offset,
     float rms_norm_epsilon,
     const RopeConstants& rope,
-    const mx::array* freqs) {
-  const mx::Stream stream = mx::default_stream(mx::Device::gpu);
-  const mx::Dtype dtype = queries.dtype();
-  std::vector<mx::array> inputs = inputs_with_weights(
-      with_int32_offset({queries, keys}, offset, stream), query_weight, key_weight);
-  append_freqs(inputs, rope, freqs, kOperation, stream);
-  return mx::array::make_arrays(
-      {head_major_shape(queries), head_major_shape(keys)}, {dtype, dtype},
-      std::make_shared<FusedDualRmsNormRope>(stream, rms_norm_epsilon, rope,
-                                             query_weight != nullptr, key_weight != nullptr),
-      std::move(inputs));
-}
-
-std::vector<mx::array> fused_dual_rms_norm_rope_with_cache(
-    const mx::array& queries,
-    const mx::array& keys,
-    const mx::array& values,
-    const mx::array* query_weight,
-    const mx::array* key_weight,
-    const mx::array& offset,
-    float rms_norm_epsilon,
-    const RopeConstants& rope,
     const mx::array* freqs,
-    const CacheBuffers& cache) {
+    const CacheWrite* cache) {
   const mx::Stream stream = mx::default_stream(mx::Device::gpu);
   const mx::Dtype dtype = queries.dtype();
-  for (const mx::array* input : {&keys, &values, &cache.key_cache, &cache.value_cache}) {
-    if (input->dtype() != dtype) {
-      throw std::invalid_argument(std::string("[") + kOperation +
-                                  "] the KV-cache write needs one dtype for queries, keys, "
-                                  "values and both buffers");
+  std::vector<mx::array> leading = {queries, keys};
+  std::vector<mx::Shape> shapes = {head_major_shape(queries), head_major_shape(keys)};
+  std::optional<int> cache_first_row;
+  if (cache != nullptr) {
+    for (const mx::array* input : {&keys, &cache->values, &cache->key_cache, &cache->value_cache}) {
+      if (input->dtype() != dtype) {
+        throw std::invalid_argument(std::string("[") + kOperation +
+                                    "] the KV-cache write needs one dtype for queries, keys, "
+                                    "values and both buffers");
+      }
     }
+    leading.insert(leading.end(), {cache->values, cache->key_cache, cache->value_cache});
+    shapes = {head_major_shape(queries), cache->key_cache.shape(), cache->value_cache.shape()};
+    cache_first_row = cache->first_row;
   }
   std::vector<mx::array> inputs = inputs_with_weights(
-      with_int32_offset({queries, keys, values, cache.key_cache, cache.value_cache}, offset,
-                        stream),
-      query_weight, key_weight);
+      with_int32_offset(std::move(leading), offset, stream), query_weight, key_weight);
   append_freqs(inputs, rope, freqs, kOperation, stream);
+  const std::vector<mx::Dtype> dtypes(shapes.size(), dtype);
   return mx::array::make_arrays(
-      {head_major_shape(queries), cache.key_cache.shape(), cache.value_cache.shape()},
-      {dtype, dtype, dtype},
+      std::move(shapes), dtypes,
       std::make_shared<FusedDualRmsNormRope>(stream, rms_norm_epsilon, rope,
                                              query_weight != nullptr, key_weight != nullptr,
-                                             cache.first_row),
+                                             cache_first_row),
       std::move(inputs));
 }
 

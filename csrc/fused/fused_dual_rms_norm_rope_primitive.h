@@ -36,12 +36,32 @@ struct RopeConstants {
   float input_scale = 1.0f;
 };
 
-/* The lazy rotated queries (B, Hq, L, D) and keys (B, Hk, L, D) of one
- * fused launch over queries (B, L, Hq, D) and keys (B, L', Hk, D'), which
- * share a float dtype with the weights, if given. `offset` is an integer
- * scalar, or one value per batch entry of both sides. `freqs`, required
- * when `rope.with_freqs` (else ignored), is the float32 (dims / 2,) table,
- * read with its stride as MLX's CUDA RoPE reads it. */
+/* The KV-cache write of a fused launch: `values` (B, L, Hk, Dv) and the
+ * cache's key buffer (B, Hk, C, D) and value buffer (B, Hk, Cv, Dv), all
+ * borrowed, and the first row of axis 2 written, `first_row`, with rows
+ * [first_row, first_row + L) inside both buffers (the caller checks). */
+struct CacheWrite {
+  const mlx::core::array& values;
+  const mlx::core::array& key_cache;
+  const mlx::core::array& value_cache;
+  int first_row;
+};
+
+/* The lazy outputs of one fused launch over queries (B, L, Hq, D) and keys
+ * (B, L', Hk, D'), which share a float dtype with the weights, if given.
+ * `offset` is an integer scalar, or one value per batch entry of both
+ * sides. `freqs`, required when `rope.with_freqs` (else ignored), is the
+ * float32 (dims / 2,) table, read with its stride as MLX's CUDA RoPE reads
+ * it.
+ *
+ * Without `cache`: the rotated queries (B, Hq, L, D) and keys
+ * (B, Hk, L, D). With it: the rotated queries, then the key and value
+ * buffers with the rotated keys and the transposed values written at rows
+ * [first_row, first_row + L), as mlx-lm's KVCache.update_and_fetch writes
+ * them; the values and buffers have the queries' dtype too. Each buffer
+ * output takes its input's memory when nothing else holds that input at
+ * evaluation (as MLX's SliceUpdate donates), else a copy: the input is
+ * never visibly modified. */
 std::vector<mlx::core::array> fused_dual_rms_norm_rope(
     const mlx::core::array& queries,
     const mlx::core::array& keys,
@@ -50,38 +70,8 @@ std::vector<mlx::core::array> fused_dual_rms_norm_rope(
     const mlx::core::array& offset,
     float rms_norm_epsilon,
     const RopeConstants& rope,
-    const mlx::core::array* freqs = nullptr);
-
-/* Where fused_dual_rms_norm_rope_with_cache writes: the cache's key
- * buffer (B, Hk, C, D) and value buffer (B, Hk, Cv, Dv), borrowed, and the
- * first row of axis 2 written, `first_row`, with rows [first_row,
- * first_row + L) inside both (the caller checks). */
-struct CacheBuffers {
-  const mlx::core::array& key_cache;
-  const mlx::core::array& value_cache;
-  int first_row;
-};
-
-/* The lazy rotated queries (B, Hq, L, D) and both buffers written, in that
- * order, from ONE launch: the norm + RoPE of fused_dual_rms_norm_rope
- * (same arguments), the rotated keys and `values` (B, L, Hk, Dv)
- * transposed written at rows [first_row, first_row + L) of the buffers, as
- * mlx-lm's KVCache.update_and_fetch writes them. Queries, keys, values,
- * weights and both buffers share one float dtype. Each buffer output takes
- * its input's memory when nothing else holds that input at evaluation (as
- * MLX's SliceUpdate donates), else a copy: the input is never visibly
- * modified. */
-std::vector<mlx::core::array> fused_dual_rms_norm_rope_with_cache(
-    const mlx::core::array& queries,
-    const mlx::core::array& keys,
-    const mlx::core::array& values,
-    const mlx::core::array* query_weight,
-    const mlx::core::array* key_weight,
-    const mlx::core::array& offset,
-    float rms_norm_epsilon,
-    const RopeConstants& rope,
-    const mlx::core::array* freqs,
-    const CacheBuffers& cache);
+    const mlx::core::array* freqs = nullptr,
+    const CacheWrite* cache = nullptr);
 
 } // namespace mlx_dualnorm_fused
 

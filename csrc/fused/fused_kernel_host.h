@@ -168,9 +168,10 @@ std::vector<mlx::core::array> inputs_with_weights(std::vector<mlx::core::array> 
 std::optional<mlx::core::array> optional_weight(const mlx::core::array* weight);
 
 /* Gives every output fresh memory (output_memory.h; never an input's
- * buffer: each output of a two-output node holds its own copy of the
- * inputs, MLX's make_arrays, so no input is ever donatable) and tells the
- * encoder what the next kernel reads and writes, which orders it after
+ * buffer: each output of a multi-output node holds its own copy of the
+ * inputs, MLX's make_arrays, so MLX calls no input donatable; the cache
+ * write decides for its buffers with take_buffer_or_allocate) and tells
+ * the encoder what the next kernel reads and writes, which orders it after
  * the nodes that produce its inputs. */
 void prepare_outputs(mlx::core::cu::CommandEncoder& encoder,
                      const std::vector<mlx::core::array>& inputs,
