@@ -28,7 +28,6 @@ out in the transient column (a per-layer copy costs a whole buffer there).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 
@@ -38,16 +37,10 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_dualnorm.integrations import mlx_lm as integration
 from mlx_dualnorm.integrations.mlx_lm import full_attention
-from mlx_dualnorm.tools.mlx_lm_bench import (
-    DECODE_DTYPE_OF_WEIGHTS,
-    DECODE_PROMPT_TOKENS,
-    _timed_greedy_decode,
-)
-from mlx_dualnorm.tools.mlx_lm_synthetic import (
-    build_model,
-    decode_model_config,
-    prompt_token_ids,
-)
+from mlx_dualnorm.tools.mlx_lm_bench import DECODE_DTYPE_OF_WEIGHTS, _timed_greedy_decode
+from mlx_dualnorm.tools.mlx_lm_synthetic import decode_model_config
+
+from decode_rounds import decode_parser, network_and_prompt, round_robin
 
 PATHS = ("mlx-lm", "patched", "patched-no-write", "ceiling")
 
@@ -124,11 +117,7 @@ def memory_of(path, network, prompt, steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen3-1024", help="qwen3-1024 or qwen3-2048")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--layers", type=int, help="fewer layers (a dry run on CPU)")
+    parser = decode_parser(__doc__, rounds=9)
     parser.add_argument("--vocab", type=int, help="a smaller vocabulary (on CPU the output "
                         "projection of 151936 rows drowns the layers' differences)")
     parser.add_argument("--quick", action="store_true", help="3 rounds of 16 steps")
@@ -139,17 +128,13 @@ def main():
         KVCache.step = args.cache_step
     rounds, steps = (3, 16) if args.quick else (args.rounds, args.steps)
     config = decode_model_config(args.model, layers=args.layers, vocab_size=args.vocab)
-    network = build_model(config, dtype=DECODE_DTYPE_OF_WEIGHTS)
-    prompt = prompt_token_ids(config["vocab_size"], DECODE_PROMPT_TOKENS)
+    network, prompt = network_and_prompt(config)
     tokens = {}
     for path in PATHS:
         tokens[path] = timed(path, network, prompt, 4)[0]
     if tokens["patched"] != tokens["mlx-lm"] or tokens["patched-no-write"] != tokens["mlx-lm"]:
         raise SystemExit("patched tokens differ from mlx-lm's: not a valid comparison")
-    times = {path: [] for path in PATHS}
-    for round_index in range(rounds):
-        for path in PATHS if round_index % 2 == 0 else PATHS[::-1]:
-            times[path].append(timed(path, network, prompt, steps)[1])
+    times = round_robin(PATHS, rounds, lambda path: timed(path, network, prompt, steps)[1])
     print(f"{args.model} ({config['num_hidden_layers']} layers, vocabulary "
           f"{config['vocab_size']}, cache step {KVCache.step}): ms per "
           f"decode token, {rounds} rounds of {steps} steps, MLX {mx.__version__} on "

@@ -23,7 +23,6 @@ goes says which of the host's or the GPU's savings can show.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import time
@@ -33,16 +32,10 @@ from mlx_lm.models import qwen3
 
 from mlx_dualnorm.integrations import mlx_lm as integration
 from mlx_dualnorm.integrations.mlx_lm import full_attention
-from mlx_dualnorm.tools.mlx_lm_bench import (
-    DECODE_DTYPE_OF_WEIGHTS,
-    DECODE_PROMPT_TOKENS,
-    _timed_greedy_decode,
-)
-from mlx_dualnorm.tools.mlx_lm_synthetic import (
-    build_model,
-    decode_model_config,
-    prompt_token_ids,
-)
+from mlx_dualnorm.tools.mlx_lm_bench import _timed_greedy_decode
+from mlx_dualnorm.tools.mlx_lm_synthetic import decode_model_config
+
+from decode_rounds import decode_parser, network_and_prompt, round_robin
 
 
 def attention_without_prework(self, x, mask=None, cache=None):
@@ -97,23 +90,15 @@ def split_steps(path, network, prompt, steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen3-1024", help="qwen3-1024 or qwen3-2048")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--layers", type=int, help="fewer layers (a dry run on CPU)")
+    parser = decode_parser(__doc__, rounds=15)
     parser.add_argument("--split", action="store_true", help="also split unpipelined steps")
     args = parser.parse_args()
     config = decode_model_config(args.model, **({"layers": args.layers} if args.layers else {}))
-    network = build_model(config, dtype=DECODE_DTYPE_OF_WEIGHTS)
-    prompt = prompt_token_ids(config["vocab_size"], DECODE_PROMPT_TOKENS)
+    network, prompt = network_and_prompt(config)
     paths = ["mlx-lm", "patched", "no-prework"]
     for path in paths:
         run(path, network, prompt, 4)
-    times = {path: [] for path in paths}
-    for round_index in range(args.rounds):
-        for path in paths if round_index % 2 == 0 else paths[::-1]:
-            times[path].append(run(path, network, prompt, args.steps))
+    times = round_robin(paths, args.rounds, lambda path: run(path, network, prompt, args.steps))
     print(f"{args.model}: ms per decode token, {args.rounds} rounds of {args.steps} steps, "
           f"MLX {mx.__version__} on {mx.default_device()}")
     for path in paths:
@@ -123,10 +108,9 @@ def main():
     if not args.split:
         return
     print("unpipelined steps, µs (median over rounds of the median step):")
-    splits = {path: [] for path in paths}
-    for round_index in range(max(3, args.rounds // 3)):
-        for path in paths if round_index % 2 == 0 else paths[::-1]:
-            splits[path].append(split_steps(path, network, prompt, args.steps))
+    splits = round_robin(
+        paths, max(3, args.rounds // 3), lambda path: split_steps(path, network, prompt, args.steps)
+    )
     for path in paths:
         build, encode, wait = (statistics.median(part) for part in zip(*splits[path]))
         print(f"  {path:11s} build {build:7.1f}  encode {encode:7.1f}  wait {wait:7.1f}  "

@@ -164,25 +164,20 @@ static int build_dual_head_norm_graph(mlx_vector_array* output_vector,
   return status;
 }
 
-static int build_weightless_graph(mlx_vector_array* output_vector,
-                                  const mlx_vector_array input_vector) {
-  return build_dual_head_norm_graph(output_vector, input_vector, false, false);
-}
-
-static int build_query_weighted_graph(mlx_vector_array* output_vector,
-                                      const mlx_vector_array input_vector) {
-  return build_dual_head_norm_graph(output_vector, input_vector, true, false);
-}
-
-static int build_key_weighted_graph(mlx_vector_array* output_vector,
-                                    const mlx_vector_array input_vector) {
-  return build_dual_head_norm_graph(output_vector, input_vector, false, true);
-}
-
-static int build_weighted_graph(mlx_vector_array* output_vector,
-                                const mlx_vector_array input_vector) {
-  return build_dual_head_norm_graph(output_vector, input_vector, true, true);
-}
+/* The builder of one weight layout. A plain function pointer captures
+ * nothing (see the file comment), so each layout has a function of its
+ * own, with the layout's weights fixed in it: one definition for the four. */
+#define DEFINE_LAYOUT_GRAPH_BUILDER(name, layout)                                         \
+  static int name(mlx_vector_array* output_vector, const mlx_vector_array input_vector) { \
+    return build_dual_head_norm_graph(output_vector, input_vector,                        \
+                                      ((layout) & QUERY_WEIGHTED_LAYOUT) != 0,            \
+                                      ((layout) & KEY_WEIGHTED_LAYOUT) != 0);             \
+  }
+DEFINE_LAYOUT_GRAPH_BUILDER(build_weightless_graph, WEIGHTLESS_LAYOUT)
+DEFINE_LAYOUT_GRAPH_BUILDER(build_query_weighted_graph, QUERY_WEIGHTED_LAYOUT)
+DEFINE_LAYOUT_GRAPH_BUILDER(build_key_weighted_graph, KEY_WEIGHTED_LAYOUT)
+DEFINE_LAYOUT_GRAPH_BUILDER(build_weighted_graph, WEIGHTED_LAYOUT)
+#undef DEFINE_LAYOUT_GRAPH_BUILDER
 
 static int (*const graph_builders[WEIGHT_LAYOUT_COUNT])(mlx_vector_array*,
                                                          const mlx_vector_array) = {
@@ -214,6 +209,16 @@ struct mlx_dualnorm_compiled_dual_head_norm_ {
   /* Written under trace_lock; atomic so the fused path may read it without. */
   atomic_bool closed;
 };
+
+mlx_dualnorm_mode mlx_dualnorm_compiled_dual_head_norm_mode(
+    const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
+  return dual_head_norm == NULL ? MLX_DUALNORM_MODE_AUTO : dual_head_norm->mode;
+}
+
+float mlx_dualnorm_compiled_dual_head_norm_epsilon(
+    const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
+  return dual_head_norm == NULL ? NAN : dual_head_norm->rms_norm_epsilon;
+}
 
 /* Frees the compiled graphs and erases their traces from every thread's
  * cache; the caller holds trace_lock or is the only user. */
@@ -262,24 +267,14 @@ int mlx_dualnorm_compiled_dual_head_norm_new(mlx_dualnorm_compiled_dual_head_nor
   dual_head_norm->mode = resolved_mode;
   /* The kernel is its table's first member (mode_choice.h). */
   dual_head_norm->fused_backend = (const mlx_dualnorm_fused_backend*)fused_kernel;
-  if (compile_graphs(dual_head_norm) != 0) {
-    status = dualnorm_fail_in_mlx(error, operation);
-    release_compiled_graphs(dual_head_norm);
-    free(dual_head_norm);
+  status = compile_graphs(dual_head_norm) == 0 ? MLX_DUALNORM_OK
+                                               : dualnorm_fail_in_mlx(error, operation);
+  if (status != MLX_DUALNORM_OK) {
+    mlx_dualnorm_compiled_dual_head_norm_free(dual_head_norm); /* releases what was built */
     return status;
   }
   *res = dual_head_norm;
   return MLX_DUALNORM_OK;
-}
-
-mlx_dualnorm_mode mlx_dualnorm_compiled_dual_head_norm_mode(
-    const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
-  return dual_head_norm == NULL ? MLX_DUALNORM_MODE_AUTO : dual_head_norm->mode;
-}
-
-float mlx_dualnorm_compiled_dual_head_norm_epsilon(
-    const mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
-  return dual_head_norm == NULL ? NAN : dual_head_norm->rms_norm_epsilon;
 }
 
 /* ---- Applying: one route per call ---------------------------------------- */

@@ -405,10 +405,7 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
   norm_rope->fused_backend = (const mlx_dualnorm_fused_rope_backend*)fused_kernel;
   if (compile_graphs(norm_rope) != 0) {
     status = dualnorm_fail_in_mlx(error, operation);
-    release_graphs(norm_rope);
-    pthread_mutex_destroy(&norm_rope->write_offset_lock);
-    pthread_rwlock_destroy(&norm_rope->lifetime_lock);
-    free(norm_rope);
+    mlx_dualnorm_dual_head_norm_rope_free(norm_rope); /* releases what was built */
     return status;
   }
   *res = norm_rope;

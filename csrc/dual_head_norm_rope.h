@@ -72,13 +72,9 @@ typedef struct mlx_dualnorm_fused_rope_backend_ {
    * rotated queries and keys, in that order, from one launch. Inputs are
    * borrowed; an empty weight handle means no weight. 0 on success;
    * non-zero with the reason sent to mlx_error. */
-  int (*apply)(mlx_vector_array* res,
-               const mlx_array queries,
-               const mlx_array keys,
-               const mlx_array query_scale_weight,
-               const mlx_array key_scale_weight,
-               const mlx_array rope_offset,
-               float rms_norm_epsilon,
+  int (*apply)(mlx_vector_array* res, const mlx_array queries, const mlx_array keys,
+               const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+               const mlx_array rope_offset, float rms_norm_epsilon,
                mlx_dualnorm_rope_parameters rope);
   /* As `apply`, with the frequency table of a `rope.with_freqs` object
    * (borrowed; float32, shape (dims / 2,): the composite sends it no other
@@ -129,20 +125,17 @@ typedef struct mlx_dualnorm_dual_head_norm_rope_ mlx_dualnorm_dual_head_norm_rop
  * rope.base 0 when rope.with_freqs; rope.input_scale finite when given.
  * `*res` receives a new object the caller owns (free it with
  * mlx_dualnorm_dual_head_norm_rope_free). */
-int mlx_dualnorm_dual_head_norm_rope_new(
-    mlx_dualnorm_dual_head_norm_rope** res,
-    double rms_norm_epsilon,
-    mlx_dualnorm_rope_parameters rope,
-    mlx_dualnorm_mode mode,
-    mlx_dualnorm_error* error);
+int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
+                                         double rms_norm_epsilon,
+                                         mlx_dualnorm_rope_parameters rope,
+                                         mlx_dualnorm_mode mode, mlx_dualnorm_error* error);
 
 /* The mode construction resolved (never AUTO); AUTO for NULL. */
 mlx_dualnorm_mode mlx_dualnorm_dual_head_norm_rope_mode(
     const mlx_dualnorm_dual_head_norm_rope* norm_rope);
 
 /* The epsilon the graphs bake in, as the float32 MLX uses; NaN for NULL. */
-float mlx_dualnorm_dual_head_norm_rope_epsilon(
-    const mlx_dualnorm_dual_head_norm_rope* norm_rope);
+float mlx_dualnorm_dual_head_norm_rope_epsilon(const mlx_dualnorm_dual_head_norm_rope* norm_rope);
 
 /* The RoPE parameters the graphs bake in; all zero for NULL. */
 mlx_dualnorm_rope_parameters mlx_dualnorm_dual_head_norm_rope_parameters(
@@ -155,14 +148,10 @@ mlx_dualnorm_rope_parameters mlx_dualnorm_dual_head_norm_rope_parameters(
  * an int32 scalar). Outputs: two lazy arrays, the rotated queries first,
  * the rotated keys second (ownership: the common life cycle). */
 int mlx_dualnorm_dual_head_norm_rope_apply(
-    mlx_vector_array* res,
-    mlx_dualnorm_dual_head_norm_rope* norm_rope,
-    const mlx_array queries,
-    const mlx_array keys,
-    const mlx_array query_scale_weight,
-    const mlx_array key_scale_weight,
-    const mlx_array rope_offset,
-    mlx_dualnorm_error* error);
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+    const mlx_array queries, const mlx_array keys,
+    const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+    const mlx_array rope_offset, mlx_dualnorm_error* error);
 
 /* As mlx_dualnorm_dual_head_norm_rope_apply, with `freqs`, the frequency
  * table of a `rope.with_freqs` object (BORROWED, like every input): an
@@ -179,9 +168,8 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
     mlx_dualnorm_error* error);
 
 /* Releases the compiled graphs (the common life cycle's _close). */
-int mlx_dualnorm_dual_head_norm_rope_close(
-    mlx_dualnorm_dual_head_norm_rope* norm_rope,
-    mlx_dualnorm_error* error);
+int mlx_dualnorm_dual_head_norm_rope_close(mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                                           mlx_dualnorm_error* error);
 
 /* Closes (if still open) and frees (the common life cycle's _free). */
 void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* norm_rope);

@@ -98,13 +98,9 @@ class CompiledDualHeadNorm(_NativeComposite):
         )
 
     def __call__(
-        self,
-        queries: ArrayLike,
-        keys: ArrayLike,
-        query_weight: Optional[ArrayLike] = None,
-        key_weight: Optional[ArrayLike] = None,
-        *,
-        stream: StreamLike = None,
+        self, queries: ArrayLike, keys: ArrayLike,
+        query_weight: Optional[ArrayLike] = None, key_weight: Optional[ArrayLike] = None,
+        *, stream: StreamLike = None,
     ) -> tuple[mx.array, mx.array]:
         """Normalizes queries and keys over their last axis.
 

@@ -366,13 +366,16 @@ class CompiledDualHeadNormRope(_NativeComposite):
     def _constants_repr(self) -> str:
         float32_repr = _composite._float32_repr
         base, input_scale = self.base, self.input_scale
-        scaled = "" if input_scale is None else f", input_scale={float32_repr(input_scale)}"
-        return (
-            f"eps={float32_repr(self.eps)}, dims={self.dims!r}, "
-            f"base={None if base is None else float32_repr(base)}, "
-            f"traditional={self.traditional!r}, scale={float32_repr(self.scale)}{scaled}, "
-            f"mode={self.mode!r}"
-        )
+        constants = [
+            f"eps={float32_repr(self.eps)}",
+            f"dims={self.dims!r}",
+            f"base={None if base is None else float32_repr(base)}",
+            f"traditional={self.traditional!r}",
+            f"scale={float32_repr(self.scale)}",
+        ]
+        if input_scale is not None:
+            constants.append(f"input_scale={float32_repr(input_scale)}")
+        return ", ".join([*constants, f"mode={self.mode!r}"])
 
 
 def _as_write_offset(value: object, from_offset: bool) -> int:

@@ -23,19 +23,15 @@ EXPECTED_METRIC_KINDS = {
 EXPECTED_SCENARIOS = {"decode_gated_delta", "decode_full_attention", "prefill_gated_delta"}
 
 
+# Quick mode, cut down further: the structure, not the statistics.
+TINY_SETTINGS = {
+    "repeats": 2, "layers": 3, "host_batches": 2, "host_calls_per_batch": 4,
+    "decode_warmup_tokens": 1, "decode_tokens": 2, "prefill_iterations": 1,
+}
+
+
 def tiny_config(**overrides: object) -> benchmark.BenchmarkConfig:
-    """Quick mode, cut down further: the structure, not the statistics."""
-    settings = dict(
-        repeats=2,
-        layers=3,
-        host_batches=2,
-        host_calls_per_batch=4,
-        decode_warmup_tokens=1,
-        decode_tokens=2,
-        prefill_iterations=1,
-    )
-    settings.update(overrides)
-    return benchmark.BenchmarkConfig.quick(**settings)
+    return benchmark.BenchmarkConfig.quick(**{**TINY_SETTINGS, **overrides})
 
 
 @pytest.fixture

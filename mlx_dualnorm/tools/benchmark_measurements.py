@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import gc
 import os
 import platform
 import statistics
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
@@ -359,34 +360,48 @@ class _Measurement:
             self.config.host_calls_per_batch,
         )[0]
 
-    def measure_host_calls(self, repeat: int) -> None:
+    def _decode_scenario_samples(
+        self,
+        repeat: int,
+        measure: Callable[[DualNormPath, ScenarioInputs], Sample],
+        count: int,
+        **sampling: int,
+    ) -> Iterator[tuple[Scenario, str, list[Sample]]]:
+        """``(scenario, path, its samples)`` of ``measure(call, inputs)`` at
+        each decode scenario, the paths interleaved (``sampling``: the
+        warm-up and turns of :func:`interleaved_samples`); a scenario's
+        samples are all taken before the next one's."""
         for scenario in DECODE_SCENARIOS:
             scenario_inputs = self.inputs[scenario.name]
-            batches = interleaved_samples(
+            samples_by_path = interleaved_samples(
                 self.paths_for(scenario, repeat),
-                lambda call: build_batch(call, scenario_inputs, self.config.host_calls_per_batch),
-                self.config.host_batches,
-                warmup=1,
+                lambda call: measure(call, scenario_inputs),
+                count,
+                **sampling,
             )
-            for name, samples in batches.items():
-                self.record(HOST_CALL, scenario, name, statistics.median(b for b, _ in samples))
-                self.record(HOST_RELEASE, scenario, name, statistics.median(r for _, r in samples))
+            for name, samples in samples_by_path.items():
+                yield scenario, name, samples
+
+    def measure_host_calls(self, repeat: int) -> None:
+        batches = self._decode_scenario_samples(
+            repeat, functools.partial(build_batch, calls=self.config.host_calls_per_batch),
+            self.config.host_batches, warmup=1,
+        )
+        for scenario, name, samples in batches:
+            self.record(HOST_CALL, scenario, name, statistics.median(b for b, _ in samples))
+            self.record(HOST_RELEASE, scenario, name, statistics.median(r for _, r in samples))
 
     def measure_decode_tokens(self, repeat: int) -> None:
-        for scenario in DECODE_SCENARIOS:
-            scenario_inputs = self.inputs[scenario.name]
-            tokens = interleaved_samples(
-                self.paths_for(scenario, repeat),
-                lambda call: run_decode_token(call, scenario_inputs, self.config.layers),
-                self.config.decode_tokens,
-                warmup=self.config.decode_warmup_tokens,
-                per_turn=self.config.decode_tokens_per_turn,
-            )
-            for name, samples in tokens.items():
-                total_us = statistics.median(total for _, total in samples) / 1e3
-                build_us = statistics.median(build for build, _ in samples) / 1e3
-                self.record(DECODE_TOKEN, scenario, name, total_us)
-                self.record(DECODE_BUILD, scenario, name, build_us)
+        tokens = self._decode_scenario_samples(
+            repeat, functools.partial(run_decode_token, layers=self.config.layers),
+            self.config.decode_tokens, warmup=self.config.decode_warmup_tokens,
+            per_turn=self.config.decode_tokens_per_turn,
+        )
+        for scenario, name, samples in tokens:
+            total_us = statistics.median(total for _, total in samples) / 1e3
+            build_us = statistics.median(build for build, _ in samples) / 1e3
+            self.record(DECODE_TOKEN, scenario, name, total_us)
+            self.record(DECODE_BUILD, scenario, name, build_us)
 
     def measure_prefill(self, repeat: int) -> None:
         # Same buffer cache for every path: emptied once, then one warm-up

@@ -52,26 +52,36 @@ class Scenario:
     dtype_name: str = "bfloat16"
 
 
-GATED_DELTA_DECODE = Scenario(
-    "decode_gated_delta",
-    (1, 1, 16, 128),
-    (1, 1, 16, 128),
-    weighted=False,
-    description="gated-delta decode: q, k (1,1,16,128) bf16, no weights",
+def _scenario(
+    layer: str, phase: str, query_shape: tuple[int, ...], key_shape: tuple[int, ...], weighted: bool
+) -> Scenario:
+    """A bfloat16 scenario of one kind of layer (``"gated-delta"``,
+    ``"full-attention"``) at ``phase``, named and described from its shapes
+    so that the description cannot disagree with them."""
+
+    def shape_text(shape: tuple[int, ...]) -> str:
+        return "(" + ",".join(str(extent) for extent in shape) + ")"
+
+    shapes = (
+        f"q, k {shape_text(query_shape)}"
+        if query_shape == key_shape
+        else f"q {shape_text(query_shape)}, k {shape_text(key_shape)}"
+    )
+    return Scenario(
+        f"{phase}_{layer.replace('-', '_')}",
+        query_shape,
+        key_shape,
+        weighted=weighted,
+        description=f"{layer} {phase}: {shapes} bf16, {'weighted' if weighted else 'no weights'}",
+    )
+
+
+GATED_DELTA_DECODE = _scenario("gated-delta", "decode", (1, 1, 16, 128), (1, 1, 16, 128), False)
+FULL_ATTENTION_DECODE = _scenario(
+    "full-attention", "decode", (1, 1, 16, 256), (1, 1, 2, 256), True
 )
-FULL_ATTENTION_DECODE = Scenario(
-    "decode_full_attention",
-    (1, 1, 16, 256),
-    (1, 1, 2, 256),
-    weighted=True,
-    description="full-attention decode: q (1,1,16,256), k (1,1,2,256) bf16, weighted",
-)
-GATED_DELTA_PREFILL = Scenario(
-    "prefill_gated_delta",
-    (1, 512, 16, 128),
-    (1, 512, 16, 128),
-    weighted=False,
-    description="gated-delta prefill: q, k (1,512,16,128) bf16, no weights",
+GATED_DELTA_PREFILL = _scenario(
+    "gated-delta", "prefill", (1, 512, 16, 128), (1, 512, 16, 128), False
 )
 DECODE_SCENARIOS = (GATED_DELTA_DECODE, FULL_ATTENTION_DECODE)
 

@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
@@ -48,7 +49,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Collection, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx_lm.models.gated_delta as gated_delta_module
@@ -120,6 +121,15 @@ def _report(progress: Optional[StepReport], detail: str) -> None:
         progress(detail)
 
 
+def _paired_rounds(rounds: int) -> Iterator[tuple[int, bool]]:
+    """``(round index, patched)`` in run order: each round runs both paths,
+    the first one alternating (round 0 unpatched first), so neither path
+    always runs on what the other just warmed."""
+    for round_index in range(rounds):
+        for patched in (False, True) if round_index % 2 == 0 else (True, False):
+            yield round_index, patched
+
+
 @contextlib.contextmanager
 def _partial_on_interrupt(partial: object) -> Iterator[None]:
     """Ctrl-C inside the block raises InterruptedWithPartialResult carrying
@@ -176,12 +186,11 @@ def run_prework(
     with _partial_on_interrupt(timing):
         for normalize_qk in paths.values():  # warm-up: traces, folds, allocator
             _prework_seconds_per_token(normalize_qk, queries, keys, layers, max(tokens // 10, 3))
-        for round_index in range(repeats):
-            order = list(paths) if round_index % 2 == 0 else list(reversed(paths))
-            for name in order:
-                seconds = _prework_seconds_per_token(paths[name], queries, keys, layers, tokens)
-                timing.times_of(name).append(1e6 * seconds)
-                _report(progress, f"round {round_index + 1}/{repeats} {name}")
+        for round_index, patched in _paired_rounds(repeats):
+            name = PATCHED if patched else UNPATCHED
+            seconds = _prework_seconds_per_token(paths[name], queries, keys, layers, tokens)
+            timing.times_of(name).append(1e6 * seconds)
+            _report(progress, f"round {round_index + 1}/{repeats} {name}")
     return timing
 
 
@@ -218,12 +227,10 @@ def run_generation(
     with _partial_on_interrupt(timing):
         for patched in (False, True):  # warm-up: mlx-lm's compiled helpers, folds
             one_round(patched)
-        for round_index in range(repeats):
-            order = (False, True) if round_index % 2 == 0 else (True, False)
-            for patched in order:
-                timing.times_of(PATCHED if patched else UNPATCHED).append(one_round(patched))
-                _report(progress, f"round {round_index + 1}/{repeats} "
-                        f"{PATCHED if patched else UNPATCHED}")
+        for round_index, patched in _paired_rounds(repeats):
+            name = PATCHED if patched else UNPATCHED
+            timing.times_of(name).append(one_round(patched))
+            _report(progress, f"round {round_index + 1}/{repeats} {name}")
     return timing
 
 
@@ -271,13 +278,8 @@ def first_token_mismatch(expected: list[int], actual: list[int]) -> Optional[str
 
 
 def run_decode(
-    model: str,
-    steps: int = 32,
-    rounds: int = 5,
-    mode: Optional[Mode] = None,
-    quick: bool = False,
-    config: Optional[dict] = None,
-    progress: Optional[StepReport] = None,
+    model: str, steps: int = 32, rounds: int = 5, mode: Optional[Mode] = None,
+    quick: bool = False, config: Optional[dict] = None, progress: Optional[StepReport] = None,
 ) -> DecodeMeasurement:
     """Milliseconds per decode token of ``DECODE_MODELS[model]`` in
     bfloat16, unpatched vs patched, ``rounds`` paired rounds of ``steps``
@@ -331,21 +333,19 @@ def run_decode(
         # warm-up: compiled helpers, folds, allocator
         one_run(False, WARM_UP_DECODE_STEPS, f"warm-up {UNPATCHED}")
         warm_up_recording_engagement()
-        for round_index in range(rounds):
-            order = (False, True) if round_index % 2 == 0 else (True, False)
-            for patched in order:
-                path = PATCHED if patched else UNPATCHED
-                token_ids, milliseconds = one_run(
-                    patched, steps, f"round {round_index + 1}/{rounds} {path}"
+        for round_index, patched in _paired_rounds(rounds):
+            path = PATCHED if patched else UNPATCHED
+            token_ids, milliseconds = one_run(
+                patched, steps, f"round {round_index + 1}/{rounds} {path}"
+            )
+            measurement.timing.times_of(path).append(milliseconds)
+            if reference_tokens is None:  # round 0 runs unpatched first
+                reference_tokens = token_ids
+            difference = first_token_mismatch(reference_tokens, token_ids)
+            if difference is not None and measurement.token_mismatch is None:
+                measurement.token_mismatch = (
+                    f"round {round_index}, {PATCHED if patched else 'unpatched'}: {difference}"
                 )
-                measurement.timing.times_of(path).append(milliseconds)
-                if reference_tokens is None:  # round 0 runs unpatched first
-                    reference_tokens = token_ids
-                difference = first_token_mismatch(reference_tokens, token_ids)
-                if difference is not None and measurement.token_mismatch is None:
-                    measurement.token_mismatch = (
-                        f"round {round_index}, {PATCHED if patched else 'unpatched'}: {difference}"
-                    )
     return measurement
 
 
@@ -373,6 +373,22 @@ def _mlx_lm_version() -> str:
     return __version__
 
 
+def _add_workload(
+    parser: argparse.ArgumentParser, flag: str, counts: tuple[tuple[str, str], ...], **options: Any
+) -> None:
+    """A workload's list argument, then the positive counts of its rounds,
+    each ``(flag, what it counts)``: their help states both defaults from
+    FULL_DEFAULTS and QUICK_DEFAULTS, so it cannot drift from what the run
+    fills in."""
+    parser.add_argument(flag, **options)
+    for count_flag, what in counts:
+        name = count_flag.lstrip("-").replace("-", "_")
+        parser.add_argument(
+            count_flag, type=command.positive_int,
+            help=f"{what} (default: {FULL_DEFAULTS[name]}, or {QUICK_DEFAULTS[name]} reduced)",
+        )
+
+
 def _bench_parser() -> argparse.ArgumentParser:
     parser = command.tool_parser(
         "mlx-lm-bench",
@@ -380,35 +396,27 @@ def _bench_parser() -> argparse.ArgumentParser:
         "Qwen3-Next decode shape and per-token generation time of small random models. "
         "Ratios are patched time / unpatched time: lower is better.",
     )
-    parser.add_argument(
-        "--layers", type=command.positive_int_list, default="36,48",
+    _add_workload(
+        parser, "--layers",
+        (("--prework-tokens", "tokens per prework round"), ("--prework-repeats", "prework rounds")),
+        type=command.positive_int_list, default="36,48",
         help="comma-separated chained layer counts for the prework ('' for none)",
     )
-    parser.add_argument("--prework-tokens", type=command.positive_int,
-                        help="tokens per prework round (default: 200, or 50 reduced)")
-    parser.add_argument("--prework-repeats", type=command.positive_int,
-                        help="prework rounds (default: 7, or 3 reduced)")
-    parser.add_argument(
-        "--models",
+    _add_workload(
+        parser, "--models", (("--tokens", "greedy tokens per generation round"),
+                             ("--generation-repeats", "generation rounds")),
         default=",".join(GATED_DELTA_MODEL_TYPES),
         help="comma-separated synthetic models to generate with ('' for none; any of "
         f"{', '.join(SYNTHETIC_MODEL_TYPES)})",
     )
-    parser.add_argument("--tokens", type=command.positive_int,
-                        help="greedy tokens per generation round (default: 64, or 32 reduced)")
-    parser.add_argument("--generation-repeats", type=command.positive_int,
-                        help="generation rounds (default: 5, or 2 reduced)")
-    parser.add_argument(
-        "--decode-models",
+    _add_workload(
+        parser, "--decode-models",
+        (("--decode-steps", "greedy decode steps per round"),
+         ("--decode-rounds", "decode rounds, each path once per round")),
         default=",".join(DECODE_MODELS),
         help="comma-separated models at released dimensions to time decode tokens with "
         f"({', '.join(DECODE_MODELS)}; '' for none)",
     )
-    parser.add_argument("--decode-steps", type=command.positive_int,
-                        help="greedy decode steps per round (default: 32, or 4 reduced)")
-    parser.add_argument("--decode-rounds", type=command.positive_int,
-                        help="decode rounds, each path once per round "
-                        "(default: 5, or 2 reduced)")
     parser.add_argument("--mode", default=None, help="mode for patch() (default: its own)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument(
@@ -434,6 +442,18 @@ def _bench_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _known_names(
+    parser: argparse.ArgumentParser, flag: str, text: str, known: Collection[str]
+) -> list[str]:
+    """The comma-separated names of ``flag``, each one of ``known`` (any
+    other exits 2, naming the choices)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"{flag}: unknown {unknown}; choose from {', '.join(known)}")
+    return names
+
+
 def _checked_arguments(
     arguments: argparse.Namespace, parser: argparse.ArgumentParser
 ) -> tuple[list[int], list[str], list[str]]:
@@ -441,14 +461,8 @@ def _checked_arguments(
     filled in (``arguments.reduced``: the reduced run, asked for or on a
     CPU); bad usage exits 2."""
     layer_counts = arguments.layers
-    model_types = [text.strip() for text in arguments.models.split(",") if text.strip()]
-    unknown = sorted(set(model_types) - set(SYNTHETIC_MODEL_TYPES))
-    if unknown:
-        parser.error(f"--models: unknown {unknown}; choose from {', '.join(SYNTHETIC_MODEL_TYPES)}")
-    decode_models = [text.strip() for text in arguments.decode_models.split(",") if text.strip()]
-    unknown = sorted(set(decode_models) - set(DECODE_MODELS))
-    if unknown:
-        parser.error(f"--decode-models: unknown {unknown}; choose from {', '.join(DECODE_MODELS)}")
+    model_types = _known_names(parser, "--models", arguments.models, SYNTHETIC_MODEL_TYPES)
+    decode_models = _known_names(parser, "--decode-models", arguments.decode_models, DECODE_MODELS)
     # Full-size decode on a CPU takes over an hour (bfloat16 matmuls on 2
     # cores): a CPU gets the reduced run unless --full-size asks otherwise.
     on_cpu = mx.default_device().type == mx.cpu
@@ -512,22 +526,22 @@ def _measure_all(
         results.interrupted_in = name
         return command.StepProgress(f"[{stage}/{stages}] {name}", steps, min_interval_s=1.0).step
 
-    for layers in layer_counts:
-        progress = next_stage(f"prework, {layers} layers", 2 * arguments.prework_repeats)
-        results.timings.append(
-            run_prework(
-                layers, arguments.prework_tokens, arguments.prework_repeats, arguments.mode,
-                progress=progress,
-            )
-        )
-    for model_type in model_types:
-        progress = next_stage(f"generation, {model_type}", 2 * arguments.generation_repeats)
-        results.timings.append(
-            run_generation(
-                model_type, arguments.tokens, arguments.generation_repeats, arguments.mode,
-                progress=progress,
-            )
-        )
+    # The paired timings in stage order, each (stage, progress steps, the run
+    # without its progress report).
+    paired_timings: list[tuple[str, int, Callable[..., PairedTiming]]] = [
+        (f"prework, {layers} layers", 2 * arguments.prework_repeats, functools.partial(
+            run_prework, layers, arguments.prework_tokens, arguments.prework_repeats, arguments.mode
+        ))
+        for layers in layer_counts
+    ] + [
+        (f"generation, {model_type}", 2 * arguments.generation_repeats, functools.partial(
+            run_generation, model_type, arguments.tokens, arguments.generation_repeats,
+            arguments.mode,
+        ))
+        for model_type in model_types
+    ]
+    for name, steps, run in paired_timings:
+        results.timings.append(run(progress=next_stage(name, steps)))
     for model in decode_models:
         progress = next_stage(
             f"decode, {model}",

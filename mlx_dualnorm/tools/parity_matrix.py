@@ -40,6 +40,7 @@ builds them, :mod:`mlx_dualnorm.tools.parity` runs the paths on them.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import random
 from dataclasses import dataclass, replace
@@ -271,6 +272,39 @@ class _SeededRotation:
         return shuffled[position % len(shuffled)]
 
 
+# A family's builder makes its cases with this: ParityCase with the family,
+# the builder's name in _FAMILY_BUILDERS, filled in.
+_CaseOfFamily = Callable[..., ParityCase]
+
+
+def _rotated_case(
+    case: _CaseOfFamily,
+    rotation: _SeededRotation,
+    axis: str,
+    position: int,
+    widths: Sequence[int],
+    **fields: object,
+) -> ParityCase:
+    """A case whose width, then head layout, rotate on the family's own
+    axes (``axis/width``, ``axis/heads``)."""
+    return case(
+        width=rotation.pick(f"{axis}/width", widths, position),
+        heads=rotation.pick(f"{axis}/heads", HEAD_LAYOUTS, position),
+        **fields,
+    )
+
+
+def _rotated_weighting(
+    rotation: _SeededRotation, axis: str, dtypes: DtypeConfiguration, position: int
+) -> Weighting:
+    """Every weighting in turn (``axis/weighting``), except for dtype
+    configurations that promote: they promote only through a weight, so
+    they take the weighted ones in turn (``axis/weighting-promoting``)."""
+    if dtypes in PROMOTING_DTYPE_CONFIGURATIONS:
+        return rotation.pick(f"{axis}/weighting-promoting", WEIGHTED_WEIGHTINGS, position)
+    return rotation.pick(f"{axis}/weighting", tuple(Weighting), position)
+
+
 def _fit_to_element_budget(case: ParityCase, element_budget: int) -> ParityCase:
     """Halves the batch, then the sequence, until the query input fits, so
     a wide prefill stays a (shorter) prefill; the case description then
@@ -282,20 +316,14 @@ def _fit_to_element_budget(case: ParityCase, element_budget: int) -> ParityCase:
     return case
 
 
-def _width_by_dtype_family(rotation: _SeededRotation) -> list[ParityCase]:
+def _width_by_dtype_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
     cases = []
     for position, (width, dtypes) in enumerate(
         (width, dtypes) for width in WIDTHS for dtypes in DTYPE_CONFIGURATIONS
     ):
-        promoting = dtypes in PROMOTING_DTYPE_CONFIGURATIONS
-        weighting = (
-            rotation.pick("width/weighting-promoting", WEIGHTED_WEIGHTINGS, position)
-            if promoting
-            else rotation.pick("width/weighting", tuple(Weighting), position)
-        )
+        weighting = _rotated_weighting(rotation, "width", dtypes, position)
         cases.append(
-            ParityCase(
-                family="width_by_dtype",
+            case(
                 width=width,
                 dtypes=dtypes,
                 heads=rotation.pick("width/heads", HEAD_LAYOUTS, position),
@@ -307,7 +335,7 @@ def _width_by_dtype_family(rotation: _SeededRotation) -> list[ParityCase]:
     return cases
 
 
-def _head_layout_family(rotation: _SeededRotation) -> list[ParityCase]:
+def _head_layout_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
     """Gated-delta shape (weightless, width 128) and full-attention shape
     (weighted, width 256), each head layout at decode and at prefill, in
     bfloat16 as models run them."""
@@ -318,8 +346,7 @@ def _head_layout_family(rotation: _SeededRotation) -> list[ParityCase]:
         for sequence_length in SEQUENCE_LENGTHS:
             for width, weighting in model_shapes:
                 cases.append(
-                    ParityCase(
-                        family="head_layout",
+                    case(
                         width=width,
                         dtypes=BFLOAT16_DTYPES,
                         heads=heads,
@@ -332,7 +359,7 @@ def _head_layout_family(rotation: _SeededRotation) -> list[ParityCase]:
     return cases
 
 
-def _batch_and_sequence_family(rotation: _SeededRotation) -> list[ParityCase]:
+def _batch_and_sequence_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
     """Batch 1..8 at decode (width 128) and prefill (width 64, so batch 8 of
     512 tokens of 16 heads fits the budget)."""
     cases = []
@@ -341,8 +368,7 @@ def _batch_and_sequence_family(rotation: _SeededRotation) -> list[ParityCase]:
         decode_and_prefill = ((DECODE_SEQUENCE_LENGTH, 128), (PREFILL_SEQUENCE_LENGTH, 64))
         for sequence_length, width in decode_and_prefill:
             cases.append(
-                ParityCase(
-                    family="batch_and_sequence",
+                case(
                     width=width,
                     dtypes=dtypes,
                     heads=HeadLayout(16, 16),
@@ -354,7 +380,7 @@ def _batch_and_sequence_family(rotation: _SeededRotation) -> list[ParityCase]:
     return cases
 
 
-def _epsilon_family(rotation: _SeededRotation) -> list[ParityCase]:
+def _epsilon_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
     """Each epsilon with each base dtype, weightless and weighted, on
     near-epsilon, zero and subnormal rows: the only rows where an epsilon
     that is off by one ulp changes any output bit."""
@@ -364,23 +390,17 @@ def _epsilon_family(rotation: _SeededRotation) -> list[ParityCase]:
         for dtypes in BASE_DTYPE_CONFIGURATIONS:
             for weighting in (Weighting.WEIGHTLESS, Weighting.WEIGHTED):
                 cases.append(
-                    ParityCase(
-                        family="epsilon",
-                        width=rotation.pick("eps/width", (128, 256), position),
-                        dtypes=dtypes,
-                        heads=rotation.pick("eps/heads", HEAD_LAYOUTS, position),
-                        batch_size=1,
-                        sequence_length=4,
-                        eps=eps,
-                        weighting=weighting,
-                        value_profile=ValueProfile.NEAR_EPSILON,
+                    _rotated_case(
+                        case, rotation, "eps", position, (128, 256),
+                        dtypes=dtypes, batch_size=1, sequence_length=4, eps=eps,
+                        weighting=weighting, value_profile=ValueProfile.NEAR_EPSILON,
                     )
                 )
                 position += 1
     return cases
 
 
-def _non_contiguous_family(rotation: _SeededRotation) -> list[ParityCase]:
+def _non_contiguous_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
     """Each non-contiguous layout for queries (and, shifted by one, for
     keys) with each base dtype. Weight views rotate over the weighted cases
     only, so each appears whatever the seed. Width-sliced weightless inputs
@@ -401,8 +421,7 @@ def _non_contiguous_family(rotation: _SeededRotation) -> list[ParityCase]:
                 )
                 weighted_position += 1
             cases.append(
-                ParityCase(
-                    family="non_contiguous",
+                case(
                     width=rotation.pick("views/width", (64, 128, 200, 256), position),
                     dtypes=dtypes,
                     heads=rotation.pick("views/heads", HEAD_LAYOUTS, position),
@@ -418,27 +437,21 @@ def _non_contiguous_family(rotation: _SeededRotation) -> list[ParityCase]:
     return cases
 
 
-def _special_values_family(rotation: _SeededRotation) -> list[ParityCase]:
+def _special_values_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
     """Each special-value profile with each dtype configuration, at a
     rotating width (up to 8192)."""
     cases = []
     position = 0
     for value_profile in SPECIAL_VALUE_PROFILES:
         for dtypes in DTYPE_CONFIGURATIONS:
-            promoting = dtypes in PROMOTING_DTYPE_CONFIGURATIONS
             cases.append(
-                ParityCase(
-                    family="special_values",
+                case(
                     width=rotation.pick("special/width", WIDTHS, position),
                     dtypes=dtypes,
                     heads=rotation.pick("special/heads", HEAD_LAYOUTS, position),
                     batch_size=rotation.pick("special/batch", (1, 2), position),
                     sequence_length=rotation.pick("special/seq", (1, 5), position),
-                    weighting=(
-                        rotation.pick("special/weighting-promoting", WEIGHTED_WEIGHTINGS, position)
-                        if promoting
-                        else rotation.pick("special/weighting", tuple(Weighting), position)
-                    ),
+                    weighting=_rotated_weighting(rotation, "special", dtypes, position),
                     value_profile=value_profile,
                 )
             )
@@ -446,7 +459,7 @@ def _special_values_family(rotation: _SeededRotation) -> list[ParityCase]:
     return cases
 
 
-def _mixed_dtypes_family(rotation: _SeededRotation) -> list[ParityCase]:
+def _mixed_dtypes_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
     """Queries and keys of different dtypes (each traced separately), and
     half-precision inputs with a weight of the other half type (promoting to
     float32), on rows of every special kind."""
@@ -460,22 +473,17 @@ def _mixed_dtypes_family(rotation: _SeededRotation) -> list[ParityCase]:
         )
         for weighting in weightings:
             cases.append(
-                ParityCase(
-                    family="mixed_dtypes",
-                    width=rotation.pick("mixed/width", (128, 256), position),
-                    dtypes=dtypes,
-                    heads=rotation.pick("mixed/heads", HEAD_LAYOUTS, position),
-                    batch_size=2,
-                    sequence_length=3,
-                    weighting=weighting,
-                    value_profile=ValueProfile.ALL_SPECIAL_ROWS,
+                _rotated_case(
+                    case, rotation, "mixed", position, (128, 256),
+                    dtypes=dtypes, batch_size=2, sequence_length=3,
+                    weighting=weighting, value_profile=ValueProfile.ALL_SPECIAL_ROWS,
                 )
             )
             position += 1
     return cases
 
 
-_FAMILY_BUILDERS: dict[str, Callable[[_SeededRotation], list[ParityCase]]] = {
+_FAMILY_BUILDERS: dict[str, Callable[[_SeededRotation, _CaseOfFamily], list[ParityCase]]] = {
     "width_by_dtype": _width_by_dtype_family,
     "head_layout": _head_layout_family,
     "batch_and_sequence": _batch_and_sequence_family,
@@ -491,10 +499,10 @@ def build_full_parity_matrix(seed: int = DEFAULT_PARITY_SEED) -> list[ParityCase
     """The covering matrix (about 160 cases), deterministic from the seed."""
     rotation = _SeededRotation(seed)
     cases: list[ParityCase] = []
-    for build_family in _FAMILY_BUILDERS.values():
+    for family, build_family in _FAMILY_BUILDERS.items():
         cases.extend(
             _fit_to_element_budget(case, FULL_MATRIX_ELEMENT_BUDGET)
-            for case in build_family(rotation)
+            for case in build_family(rotation, functools.partial(ParityCase, family))
         )
     return cases
 

@@ -118,10 +118,10 @@ def _parameter_shapes(config: ReplayModelConfig) -> list[tuple[str, tuple[int, .
             key_projection_width = config.gated_delta_key_heads * config.gated_delta_head_width
             value_projection_width = config.gated_delta_value_heads * config.gated_delta_value_width
             value_heads = config.gated_delta_value_heads
+            shapes += _query_key_value_shapes(
+                prefix, width, key_projection_width, key_projection_width, value_projection_width
+            )
             shapes += [
-                (prefix + "query_projection", (width, key_projection_width), "projection"),
-                (prefix + "key_projection", (width, key_projection_width), "projection"),
-                (prefix + "value_projection", (width, value_projection_width), "projection"),
                 (prefix + "decay_projection", (width, value_heads), "projection"),
                 (prefix + "write_strength_projection", (width, value_heads), "projection"),
                 (prefix + "decay_log_rate", (value_heads,), "decay_log_rate"),
@@ -132,10 +132,11 @@ def _parameter_shapes(config: ReplayModelConfig) -> list[tuple[str, tuple[int, .
             head_width = config.attention_head_width
             query_projection_width = config.attention_query_heads * head_width
             key_value_projection_width = config.attention_key_value_heads * head_width
+            shapes += _query_key_value_shapes(
+                prefix, width, query_projection_width, key_value_projection_width,
+                key_value_projection_width,
+            )
             shapes += [
-                (prefix + "query_projection", (width, query_projection_width), "projection"),
-                (prefix + "key_projection", (width, key_value_projection_width), "projection"),
-                (prefix + "value_projection", (width, key_value_projection_width), "projection"),
                 (prefix + "query_norm_weight", (head_width,), "norm_weight"),
                 (prefix + "key_norm_weight", (head_width,), "norm_weight"),
                 (prefix + "output_projection", (query_projection_width, width), "projection"),
@@ -147,6 +148,18 @@ def _parameter_shapes(config: ReplayModelConfig) -> list[tuple[str, tuple[int, .
         ("language_model_head", (width, config.vocabulary_size), "projection"),
     ]
     return shapes
+
+
+def _query_key_value_shapes(
+    prefix: str, width: int, query_width: int, key_width: int, value_width: int
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """The first weights of every layer kind: its query, key and value
+    projections, in that order."""
+    return [
+        (prefix + "query_projection", (width, query_width), "projection"),
+        (prefix + "key_projection", (width, key_width), "projection"),
+        (prefix + "value_projection", (width, value_width), "projection"),
+    ]
 
 
 def build_replay_model(config: ReplayModelConfig = ReplayModelConfig()) -> dict[str, mx.array]:
@@ -194,33 +207,51 @@ class _LayerCache:
         ]
 
 
-def _project_heads(normalized_input: mx.array, projection: mx.array, heads: int) -> mx.array:
-    """``normalized_input @ projection`` split into ``heads`` heads:
-    ``(batch, sequence, heads, projection width / heads)``."""
-    batch, sequence_length, _ = normalized_input.shape
-    return (normalized_input @ projection).reshape(batch, sequence_length, heads, -1)
+@dataclass(frozen=True)
+class _MixerInput:
+    """What one layer's mixer reads: its normalized input, its weights (the
+    model's under ``prefix``), its cache, and the path under test."""
+
+    normalized_input: mx.array
+    parameters: Mapping[str, mx.array]
+    prefix: str
+    cache: _LayerCache
+    config: ReplayModelConfig
+    dual_head_norm: DualNormPath
+
+    def weight(self, name: str) -> mx.array:
+        return self.parameters[self.prefix + name]
+
+    def query_key_value(
+        self, query_heads: int, key_heads: int, value_heads: int
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """The query, key and value projections of the input, each split
+        into its heads: ``(batch, sequence, heads, projection width / heads)``."""
+        batch, sequence_length, _ = self.normalized_input.shape
+
+        def heads_of(projection: str, heads: int) -> mx.array:
+            projected = self.normalized_input @ self.weight(projection)
+            return projected.reshape(batch, sequence_length, heads, -1)
+
+        return (
+            heads_of("query_projection", query_heads),
+            heads_of("key_projection", key_heads),
+            heads_of("value_projection", value_heads),
+        )
 
 
-def _gated_delta_mixer(
-    normalized_input: mx.array,
-    parameters: Mapping[str, mx.array],
-    prefix: str,
-    cache: _LayerCache,
-    config: ReplayModelConfig,
-    dual_head_norm: DualNormPath,
-) -> mx.array:
+def _gated_delta_mixer(layer: _MixerInput) -> mx.array:
+    normalized_input, cache, config = layer.normalized_input, layer.cache, layer.config
     batch, sequence_length, _ = normalized_input.shape
     key_heads = config.gated_delta_key_heads
     value_heads = config.gated_delta_value_heads
     head_width = config.gated_delta_head_width
     value_width = config.gated_delta_value_width
 
-    queries = _project_heads(normalized_input, parameters[prefix + "query_projection"], key_heads)
-    keys = _project_heads(normalized_input, parameters[prefix + "key_projection"], key_heads)
-    values = _project_heads(normalized_input, parameters[prefix + "value_projection"], value_heads)
+    queries, keys, values = layer.query_key_value(key_heads, key_heads, value_heads)
     # The path under test, as mlx-lm's gated-delta layers call it:
     # weightless, then scaled (queries by 1/d, keys by 1/sqrt(d)).
-    normalized_queries, normalized_keys = dual_head_norm(queries, keys, None, None)
+    normalized_queries, normalized_keys = layer.dual_head_norm(queries, keys, None, None)
     inverse_scale = head_width**-0.5
     scaled_queries = normalized_queries * (inverse_scale * inverse_scale)
     scaled_keys = normalized_keys * inverse_scale
@@ -229,13 +260,13 @@ def _gated_delta_mixer(
     scaled_keys = mx.repeat(scaled_keys, value_heads_per_key_head, axis=2).astype(mx.float32)
     values = values.astype(mx.float32)
 
-    decay_input = (normalized_input @ parameters[prefix + "decay_projection"]).astype(mx.float32)
-    decay_rate = mx.exp(parameters[prefix + "decay_log_rate"].astype(mx.float32))
-    decay_time_bias = parameters[prefix + "decay_time_bias"].astype(mx.float32)
+    decay_input = (normalized_input @ layer.weight("decay_projection")).astype(mx.float32)
+    decay_rate = mx.exp(layer.weight("decay_log_rate").astype(mx.float32))
+    decay_time_bias = layer.weight("decay_time_bias").astype(mx.float32)
     softplus = mx.logaddexp(decay_input + decay_time_bias, 0.0)
     decay = mx.exp(-decay_rate * softplus)  # (batch, sequence, value heads), in (0, 1)
     write_strength = mx.sigmoid(
-        (normalized_input @ parameters[prefix + "write_strength_projection"]).astype(mx.float32)
+        (normalized_input @ layer.weight("write_strength_projection")).astype(mx.float32)
     )
 
     state = cache.recurrent_state
@@ -252,35 +283,22 @@ def _gated_delta_mixer(
         step_outputs.append((state * scaled_queries[:, position, :, :, None]).sum(axis=-2))
     cache.recurrent_state = state
     mixed = mx.stack(step_outputs, axis=1).astype(config.dtype)
-    return mixed.reshape(batch, sequence_length, value_heads * value_width) @ parameters[
-        prefix + "output_projection"
-    ]
+    return mixed.reshape(batch, sequence_length, value_heads * value_width) @ layer.weight(
+        "output_projection"
+    )
 
 
-def _full_attention_mixer(
-    normalized_input: mx.array,
-    parameters: Mapping[str, mx.array],
-    prefix: str,
-    cache: _LayerCache,
-    config: ReplayModelConfig,
-    dual_head_norm: DualNormPath,
-) -> mx.array:
-    batch, sequence_length, _ = normalized_input.shape
+def _full_attention_mixer(layer: _MixerInput) -> mx.array:
+    cache, config = layer.cache, layer.config
+    batch, sequence_length, _ = layer.normalized_input.shape
     head_width = config.attention_head_width
     key_value_heads = config.attention_key_value_heads
-    queries = _project_heads(
-        normalized_input, parameters[prefix + "query_projection"], config.attention_query_heads
-    )
-    keys = _project_heads(normalized_input, parameters[prefix + "key_projection"], key_value_heads)
-    values = _project_heads(
-        normalized_input, parameters[prefix + "value_projection"], key_value_heads
+    queries, keys, values = layer.query_key_value(
+        config.attention_query_heads, key_value_heads, key_value_heads
     )
     # The path under test with q/k norm weights, as full-attention layers use it.
-    normalized_queries, normalized_keys = dual_head_norm(
-        queries,
-        keys,
-        parameters[prefix + "query_norm_weight"],
-        parameters[prefix + "key_norm_weight"],
+    normalized_queries, normalized_keys = layer.dual_head_norm(
+        queries, keys, layer.weight("query_norm_weight"), layer.weight("key_norm_weight")
     )
     position_offset = 0 if cache.cached_keys is None else cache.cached_keys.shape[2]
 
@@ -311,7 +329,7 @@ def _full_attention_mixer(
     attended = attended.transpose(0, 2, 1, 3).reshape(
         batch, sequence_length, config.attention_query_heads * head_width
     )
-    return attended @ parameters[prefix + "output_projection"]
+    return attended @ layer.weight("output_projection")
 
 
 def _forward(
@@ -330,7 +348,9 @@ def _forward(
             hidden, parameters[prefix + "input_norm_weight"], config.rms_norm_eps
         )
         mixer = _gated_delta_mixer if layer_kind == GATED_DELTA_LAYER else _full_attention_mixer
-        hidden = hidden + mixer(normalized_input, parameters, prefix, cache, config, dual_head_norm)
+        hidden = hidden + mixer(
+            _MixerInput(normalized_input, parameters, prefix, cache, config, dual_head_norm)
+        )
     final_hidden = mx.fast.rms_norm(hidden, parameters["final_norm_weight"], config.rms_norm_eps)
     return final_hidden @ parameters["language_model_head"], final_hidden
 

@@ -118,19 +118,15 @@ def build_rope_parity_matrix(quick: bool = False) -> list[RopeParityCase]:
     dtype_names = ("bfloat16",) if quick else ("bfloat16", "float16", "float32")
     cases = []
     position = 0
-    for batch, sequence, query_heads, key_heads, width, dims in shapes:
+    for shape in shapes:
+        batch = shape[0]
         for dtype_name in dtype_names:
             offset: OffsetSpec = offsets[position % len(offsets)]
             if batch > 1 and position % 2:
                 offset = tuple(3 + 97 * entry for entry in range(batch))
             cases.append(
                 RopeParityCase(
-                    batch_size=batch,
-                    sequence_length=sequence,
-                    query_heads=query_heads,
-                    key_heads=key_heads,
-                    width=width,
-                    dims=dims,
+                    *shape,  # the case's first fields, in their order
                     dtype_name=dtype_name,
                     offset=offset,
                     weighted=position % 3 != 2,

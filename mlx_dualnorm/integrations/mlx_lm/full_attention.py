@@ -391,16 +391,27 @@ def _attended(attention, queries, keys, values, cache, mask, batch, length):
     return attended.transpose(0, 2, 1, 3).reshape(batch, length, -1)
 
 
+def _attention_after_queries(attention, x, mask, cache, head_queries, key_value_heads):
+    """The rest of a layer's attention once its queries are projected: the
+    key and value projections, the q/k prework with the cache update, and
+    attention, as (B, L, H*D); None where the call must take the layer's
+    original code (_prework_and_cache_update says when)."""
+    batch, length, _ = x.shape
+    head_keys = attention.k_proj(x).reshape(batch, length, key_value_heads, -1)
+    head_values = attention.v_proj(x).reshape(batch, length, key_value_heads, -1)
+    attended = _prework_and_cache_update(attention, head_queries, head_keys, head_values, cache)
+    if attended is None:
+        return None
+    return _attended(attention, *attended, cache, mask, batch, length)
+
+
 def _qwen3_attention_call(self, x, mask=None, cache=None):
     """Qwen3 / Qwen3-MoE attention with the q/k prework in one call."""
     batch, length, _ = x.shape
     head_queries = self.q_proj(x).reshape(batch, length, self.n_heads, -1)
-    head_keys = self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1)
-    head_values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1)
-    attended = _prework_and_cache_update(self, head_queries, head_keys, head_values, cache)
-    if attended is None:
+    output = _attention_after_queries(self, x, mask, cache, head_queries, self.n_kv_heads)
+    if output is None:
         return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
-    output = _attended(self, *attended, cache, mask, batch, length)
     return self.o_proj(output)
 
 
@@ -409,12 +420,11 @@ def _qwen3_next_attention_call(self, x, mask=None, cache=None):
     batch, length, _ = x.shape
     projected = self.q_proj(x).reshape(batch, length, self.num_attention_heads, -1)
     head_queries, gate = mx.split(projected, 2, axis=-1)
-    head_keys = self.k_proj(x).reshape(batch, length, self.num_key_value_heads, -1)
-    head_values = self.v_proj(x).reshape(batch, length, self.num_key_value_heads, -1)
-    attended = _prework_and_cache_update(self, head_queries, head_keys, head_values, cache)
-    if attended is None:
+    output = _attention_after_queries(
+        self, x, mask, cache, head_queries, self.num_key_value_heads
+    )
+    if output is None:
         return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
-    output = _attended(self, *attended, cache, mask, batch, length)
     return self.o_proj(output * mx.sigmoid(gate.reshape(batch, length, -1)))
 
 

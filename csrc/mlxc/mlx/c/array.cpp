@@ -111,8 +111,7 @@ extern "C" mlx_array mlx_array_new(void) {
 }
 
 extern "C" int mlx_array_free(mlx_array arr) {
-  free_object(arr);
-  return 0;
+  return free_handle(arr);
 }
 
 extern "C" mlx_array mlx_array_new_data(

@@ -39,8 +39,7 @@ extern "C" mlx_closure mlx_closure_new(void) {
 }
 
 extern "C" int mlx_closure_free(mlx_closure cls) {
-  free_object(cls);
-  return 0;
+  return free_handle(cls);
 }
 
 /* Upstream wraps a NULL `fun` and crashes when the closure is called; here

@@ -16,8 +16,7 @@ extern "C" mlx_device mlx_device_new_type(mlx_device_type type, int index) {
 }
 
 extern "C" int mlx_device_free(mlx_device dev) {
-  free_object(dev);
-  return 0;
+  return free_handle(dev);
 }
 
 extern "C" int mlx_get_default_device(mlx_device* dev) {

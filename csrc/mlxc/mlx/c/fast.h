@@ -28,16 +28,9 @@ int mlx_fast_rms_norm(
  * (exactly one of the two must be given; an empty `freqs` handle means
  * none). `offset` is an integer array: a scalar, or one value per batch
  * entry. */
-int mlx_fast_rope_dynamic(
-    mlx_array* res,
-    const mlx_array x,
-    int dims,
-    bool traditional,
-    mlx_optional_float base,
-    float scale,
-    const mlx_array offset,
-    const mlx_array freqs /* may be null */,
-    const mlx_stream s);
+int mlx_fast_rope_dynamic(mlx_array* res, const mlx_array x, int dims, bool traditional,
+                          mlx_optional_float base, float scale, const mlx_array offset,
+                          const mlx_array freqs /* may be null */, const mlx_stream s);
 
 #ifdef __cplusplus
 }

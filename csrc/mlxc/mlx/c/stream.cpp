@@ -9,8 +9,7 @@ extern "C" mlx_stream mlx_stream_new(void) {
 }
 
 extern "C" int mlx_stream_free(mlx_stream stream) {
-  free_object(stream);
-  return 0;
+  return free_handle(stream);
 }
 
 extern "C" int mlx_get_default_stream(mlx_stream* stream, mlx_device dev) {

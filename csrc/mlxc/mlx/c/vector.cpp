@@ -29,8 +29,7 @@ extern "C" mlx_vector_array mlx_vector_array_new(void) {
 }
 
 extern "C" int mlx_vector_array_free(mlx_vector_array vec) {
-  free_object(vec);
-  return 0;
+  return free_handle(vec);
 }
 
 extern "C" mlx_vector_array mlx_vector_array_new_data(const mlx_array* data, size_t n) {

@@ -11,7 +11,8 @@
  *   - new_handle() wraps a value in a new handle;
  *   - store()      sets an out-parameter: overwrites the object of a
  *                  non-empty handle, allocates one for an empty handle;
- *   - free_object() deletes the object (an empty handle is a no-op).
+ *   - free_object() deletes the object (an empty handle is a no-op);
+ *   - free_handle() is every mlx_*_free: free_object(), then 0.
  * The C functions run each C++ call through status_of() or value_or(),
  * which report what MLX threw through mlx_error (error.h) and return 1 or a
  * fallback (0, NULL, an empty handle), as upstream's try/catch does.
@@ -103,6 +104,13 @@ void store(Handle* out, ObjectOf<Handle> value) {
 template <typename Handle>
 void free_object(Handle handle) {
   delete static_cast<ObjectOf<Handle>*>(handle.ctx);
+}
+
+/* Upstream's _free functions cannot fail: they always return 0. */
+template <typename Handle>
+int free_handle(Handle handle) {
+  free_object(handle);
+  return 0;
 }
 
 /* Reports `error` through mlx_error at `where`: the C function's own file
