@@ -594,6 +594,8 @@ typedef struct {
   mlx_array key_cache;
   mlx_array value_cache;
   int write_offset;
+  /* Whether the outputs also hold the rows fetched for attention. */
+  bool fetch;
   /* The label of the call's errors. */
   const char* operation;
 } cache_write;
@@ -619,7 +621,7 @@ static int apply_fused_kernel(mlx_vector_array* res, mlx_dualnorm_dual_head_norm
     apply_status = backend->apply_with_cache(
         res, call->queries.array, call->keys.array, cache->values, call->queries.weight,
         call->keys.weight, rope_offset, freqs, cache->key_cache, cache->value_cache,
-        cache->write_offset, norm_rope->rms_norm_epsilon, norm_rope->rope);
+        cache->write_offset, norm_rope->rms_norm_epsilon, norm_rope->rope, cache->fetch);
   }
   pthread_rwlock_unlock(&norm_rope->lifetime_lock);
   if (closed) {
@@ -1034,6 +1036,40 @@ static int apply_fused_kernel_with_cache(mlx_vector_array* res,
   return status;
 }
 
+/* Sets `*res` to the three outputs of `written` (borrowed: rotated
+ * queries, both buffers written) followed by rows [0, end) of both
+ * buffers, MLX slices on the default device's stream: what the class's
+ * `buffer[..., :end, :]` fetches (the graphs cannot hold them: their
+ * shape changes at every decode step). Every handle made here is freed
+ * on every path; `*res` is set only once everything is built. */
+static int publish_with_fetched_rows(mlx_vector_array* res, const mlx_vector_array written,
+                                     int end) {
+  mlx_array outputs[5] = {mlx_array_new(), mlx_array_new(), mlx_array_new(), mlx_array_new(),
+                          mlx_array_new()};
+  mlx_device default_device = mlx_device_new();
+  mlx_stream stream = mlx_stream_new();
+  int status = mlx_get_default_device(&default_device) != 0 ||
+               mlx_get_default_stream(&stream, default_device) != 0;
+  for (size_t index = 0; status == 0 && index < 3; ++index) {
+    status = mlx_vector_array_get(&outputs[index], written, index) != 0;
+  }
+  for (int buffer = 1; status == 0 && buffer < 3; ++buffer) {
+    const int* shape = mlx_array_shape(outputs[buffer]);
+    const int start[ATTENTION_INPUT_RANK] = {0, 0, 0, 0};
+    const int stop[ATTENTION_INPUT_RANK] = {shape[0], shape[1], end, shape[3]};
+    const int strides[ATTENTION_INPUT_RANK] = {1, 1, 1, 1};
+    status = mlx_slice(&outputs[buffer + 2], outputs[buffer], start, ATTENTION_INPUT_RANK, stop,
+                       ATTENTION_INPUT_RANK, strides, ATTENTION_INPUT_RANK, stream) != 0;
+  }
+  status = status || mlx_vector_array_set_data(res, outputs, 5) != 0;
+  for (size_t index = 0; index < 5; ++index) {
+    status |= mlx_array_free(outputs[index]);
+  }
+  status |= mlx_stream_free(stream);
+  status |= mlx_device_free(default_device);
+  return status;
+}
+
 /* The cache graph's input vector (owned by the caller): the norm + RoPE
  * graph's, then values, the buffers and the write position. An empty
  * handle, with the reason sent to mlx_error, on failure. */
@@ -1062,7 +1098,7 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
     const mlx_array queries, const mlx_array keys, const mlx_array values,
     const mlx_array query_scale_weight, const mlx_array key_scale_weight,
     const mlx_array rope_offset, const mlx_array freqs, const mlx_array key_cache,
-    const mlx_array value_cache, int write_offset, mlx_dualnorm_error* error) {
+    const mlx_array value_cache, int write_offset, bool fetch, mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
   /* What the checks read of the inputs, once, and the route they choose. */
   struct {
@@ -1086,23 +1122,31 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
   if (status != MLX_DUALNORM_OK) {
     return status;
   }
-  const cache_write write = {values, key_cache, value_cache, write_offset, operation};
+  const cache_write write = {values, key_cache, value_cache, write_offset, fetch, operation};
   if (facts.fused && one_launch_takes(norm_rope, call, &write)) {
     return apply_fused_kernel(res, norm_rope, call, rope_offset, freqs, &write, error);
   }
   int layout = WEIGHTLESS_LAYOUT;
-  /* Owned here, freed below on every path. */
+  /* Owned here, freed below on every path: the graph's inputs, and with
+   * `fetch` the three written outputs before the fetched rows join them. */
   mlx_vector_array inputs = cache_graph_inputs(norm_rope, call, &rope_offset, freqs, values,
                                                key_cache, value_cache, write_offset, &layout);
-  if (inputs.ctx == NULL) {
-    return dualnorm_fail_in_mlx(error, operation);
+  mlx_vector_array written = fetch ? mlx_vector_array_new() : (mlx_vector_array){NULL};
+  if (inputs.ctx == NULL || (fetch && written.ctx == NULL)) {
+    status = dualnorm_fail_in_mlx(error, operation);
+  } else {
+    mlx_vector_array* outputs = fetch ? &written : res;
+    status = facts.fused ? apply_fused_kernel_with_cache(outputs, norm_rope, call, rope_offset,
+                                                         freqs, inputs, write_offset, error)
+                         : run_layout_graph(outputs, norm_rope, &norm_rope->cache_graphs, call,
+                                            layout, inputs, operation, error);
   }
-  status = facts.fused
-               ? apply_fused_kernel_with_cache(res, norm_rope, call, rope_offset, freqs, inputs,
-                                               write_offset, error)
-               : run_layout_graph(res, norm_rope, &norm_rope->cache_graphs, call, layout, inputs,
-                                  operation, error);
-  if (mlx_vector_array_free(inputs) != 0 && status == MLX_DUALNORM_OK) {
+  int end = write_offset + mlx_array_shape(keys)[1];
+  if (status == MLX_DUALNORM_OK && fetch && publish_with_fetched_rows(res, written, end) != 0) {
+    status = dualnorm_fail_in_mlx(error, operation);
+  }
+  int freed = (fetch ? mlx_vector_array_free(written) : 0) | mlx_vector_array_free(inputs);
+  if (freed != 0 && status == MLX_DUALNORM_OK) {
     status = dualnorm_fail_in_mlx(error, operation);
   }
   return status;

@@ -92,14 +92,16 @@ typedef struct mlx_dualnorm_fused_rope_backend_ {
    * buffer taking its input's memory where nothing else holds it, else a
    * copy. The composite sends it only calls whose values and buffers have
    * the queries' dtype, with rows [write_offset, write_offset + L) inside
-   * both buffers. NULL: the composite writes with MLX's slice updates
+   * both buffers. With `fetch`, `*res` also holds rows [0, write_offset +
+   * L) of both buffers written (the key rows, then the value rows), as
+   * views of them. NULL: the composite writes with MLX's slice updates
    * after `apply_with_freqs`. */
   int (*apply_with_cache)(mlx_vector_array* res, const mlx_array queries, const mlx_array keys,
                           const mlx_array values, const mlx_array query_scale_weight,
                           const mlx_array key_scale_weight, const mlx_array rope_offset,
                           const mlx_array freqs, const mlx_array key_cache,
                           const mlx_array value_cache, int write_offset,
-                          float rms_norm_epsilon, mlx_dualnorm_rope_parameters rope);
+                          float rms_norm_epsilon, mlx_dualnorm_rope_parameters rope, bool fetch);
 } mlx_dualnorm_fused_rope_backend;
 
 /* Registers the fused CUDA mode of the norm + RoPE process-wide (NULL

@@ -57,12 +57,16 @@ extern "C" {
  * order: the rotated queries (B, Hq, L, D), the key buffer written, the
  * value buffer written (each the shape and dtype of its input buffer; an
  * update of another dtype is cast to the buffer's, as MLX's slice update
- * does). On failure `*res` is left as it was. Thread-safe. */
+ * does). With `fetch` it holds five: those three, then rows
+ * [0, write_offset + L) of the key buffer written and of the value buffer
+ * written (what KVCache.update_and_fetch returns for attention: views of
+ * the written buffers in FUSED mode, MLX slices otherwise, the same
+ * values). On failure `*res` is left as it was. Thread-safe. */
 int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(mlx_vector_array* res,
     mlx_dualnorm_dual_head_norm_rope* norm_rope, const mlx_array queries, const mlx_array keys,
     const mlx_array values, const mlx_array query_scale_weight,
     const mlx_array key_scale_weight, const mlx_array rope_offset, const mlx_array freqs,
-    const mlx_array key_cache, const mlx_array value_cache, int write_offset,
+    const mlx_array key_cache, const mlx_array value_cache, int write_offset, bool fetch,
     mlx_dualnorm_error* error);
 
 #ifdef __cplusplus

@@ -164,13 +164,15 @@ def _mode_value(mode: object, operation: str) -> int:
     return _MODES[mode]
 
 
-def _output_count_error(graph_outputs: tuple[mx.array, ...], operation: str) -> MlxCError:
-    """What a call raises when the graph did not give exactly two outputs:
-    the C builders publish queries first, keys second, nothing else. The
+def _output_count_error(
+    graph_outputs: tuple[mx.array, ...], operation: str, expected: int = 2
+) -> MlxCError:
+    """What a call raises when the C call did not give exactly the outputs
+    it publishes (two for a norm pair: queries first, keys second). The
     facades check the count inline and return the bridge's tuple as is (one
     Python call less per call)."""
     return MlxCError(
-        operation, f"the compiled graph returned {len(graph_outputs)} outputs, expected 2"
+        operation, f"the compiled graph returned {len(graph_outputs)} outputs, expected {expected}"
     )
 
 

@@ -34,15 +34,7 @@ def apply_rope(
 ) -> tuple[mx.array, ...]: ...
 def bind_rope_cache(apply_with_cache_function_address: int) -> None: ...
 def apply_rope_with_cache(
-    norm_rope_address: int,
-    queries: object,
-    keys: object,
-    values: object,
-    query_weight: object,
-    key_weight: object,
-    offset: object,
-    freqs: object,
-    key_cache: object,
-    value_cache: object,
-    write_offset: int,
+    norm_rope_address: int, queries: object, keys: object, values: object,
+    query_weight: object, key_weight: object, offset: object, freqs: object,
+    key_cache: object, value_cache: object, write_offset: int, fetch: bool = False,
 ) -> tuple[mx.array, ...]: ...

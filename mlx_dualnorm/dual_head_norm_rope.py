@@ -298,8 +298,9 @@ class CompiledDualHeadNormRope(_NativeComposite):
         offset: Offset = 0,
         write_offset: Optional[int] = None,
         freqs: Optional[mx.array] = None,
+        fetch: bool = False,
         stream: StreamLike = None,
-    ) -> tuple[mx.array, mx.array, mx.array]:
+    ) -> tuple[mx.array, ...]:
         """The norm + RoPE of this call and the KV-cache write of
         mlx-lm's ``KVCache.update_and_fetch``, in one call.
 
@@ -309,6 +310,11 @@ class CompiledDualHeadNormRope(_NativeComposite):
         and to ``values.transpose(0, 2, 1, 3)``, where ``w`` is
         ``write_offset``: the buffers ``cache.keys[..., w:w+L, :] = keys``
         and ``cache.values[..., w:w+L, :] = values`` leave, bit for bit.
+        With ``fetch=True``, also ``key_cache_written[..., :w + L, :]`` and
+        ``value_cache_written[..., :w + L, :]``: the rows attention reads,
+        as ``update_and_fetch`` returns them (on the fused route, views of
+        the written buffers made in the same launch, so no slicing is left
+        to do).
 
         Args:
             queries: ``(B, L, Hq, D)`` array.
@@ -324,6 +330,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
                 must then be an int (mlx-lm's ``KVCache``: both are
                 ``cache.offset``).
             freqs: the frequency table, as for ``__call__``.
+            fetch: also return the rows written so far of both buffers.
             stream: stream or device to run on; the default stream if None.
 
         The buffers are not modified: the results are new lazy arrays. MLX
@@ -341,12 +348,14 @@ class CompiledDualHeadNormRope(_NativeComposite):
             MlxCError: MLX failed while building the graph.
         """
         operation = DUAL_HEAD_NORM_ROPE_WITH_CACHE_OPERATION
+        if type(fetch) is not bool:
+            raise TypeError(f"[{operation}] fetch must be a bool, not {type(fetch).__name__}")
         if stream is not None:
             with _composite._default_stream(stream, operation):
                 return self.apply_with_cache(
                     queries, keys, values, query_weight, key_weight, key_cache=key_cache,
                     value_cache=value_cache, offset=offset, write_offset=write_offset,
-                    freqs=freqs,
+                    freqs=freqs, fetch=fetch,
                 )
         row = _as_write_offset(offset if write_offset is None else write_offset,
                                write_offset is None)
@@ -356,11 +365,13 @@ class CompiledDualHeadNormRope(_NativeComposite):
             raise self._uninitialized_error()
         graph_outputs = _interop.apply_rope_with_cache(
             address, queries, keys, values, query_weight, key_weight, offset, freqs, key_cache,
-            value_cache, row,
+            value_cache, row, fetch,
         )
-        # The C builders' fixed order: queries, key buffer, value buffer.
-        if len(graph_outputs) != 3:
-            raise _composite._output_count_error(graph_outputs, operation)
+        # The C call's fixed order: queries, key buffer, value buffer (then
+        # the key rows and the value rows fetched).
+        expected = 5 if fetch else 3
+        if len(graph_outputs) != expected:
+            raise _composite._output_count_error(graph_outputs, operation, expected)
         return graph_outputs
 
     def _constants_repr(self) -> str:

@@ -170,11 +170,14 @@ def test_a_buffer_the_caller_still_holds_is_not_modified():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_buffer_nothing_else_holds_is_written_in_place(mode):
+@pytest.mark.parametrize("fetch", [False, True])
+def test_a_buffer_nothing_else_holds_is_written_in_place(mode, fetch):
     """Replacing the caller's reference by the result, as a cache does: the
     buffer's memory is reused (MLX's donation; the fused kernel's own, for
     its multi-output node), so evaluating a step allocates far less than
-    one buffer (no copy of it)."""
+    one buffer (no copy of it). The fetched rows of one step, evaluated
+    with it and let go before the next, as attention uses them, do not
+    stop the next step's reuse."""
     norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode=mode)
     capacity = 4096
     key_cache, value_cache = buffers(1, mx.bfloat16, capacity=capacity)
@@ -184,13 +187,15 @@ def test_a_buffer_nothing_else_holds_is_written_in_place(mode):
     for row in range(8):
         inputs = layer_inputs(1, 1, mx.bfloat16, seed=row)
         mx.eval(inputs)
-        rotated, key_cache, value_cache = norm_rope.apply_with_cache(
-            *inputs, key_cache=key_cache, value_cache=value_cache, offset=row)
+        outputs = norm_rope.apply_with_cache(
+            *inputs, key_cache=key_cache, value_cache=value_cache, offset=row, fetch=fetch)
+        key_cache, value_cache = outputs[1], outputs[2]
         mx.synchronize()
         before = mx.get_active_memory()
         mx.reset_peak_memory()
-        mx.eval(rotated, key_cache, value_cache)
+        mx.eval(outputs)
         peaks.append(mx.get_peak_memory() - before)
+        del outputs
     assert max(peaks[1:]) < buffer_bytes // 4, (peaks, buffer_bytes)
 
 
@@ -219,9 +224,42 @@ def test_views_and_a_buffer_given_twice_are_written_as_indexing_writes(mode, cas
         assert_bit_identical(actual_array, expected_array)
 
 
+def fetched(outputs, end):
+    """The reference outputs with what ``fetch=True`` adds: rows [0, end)
+    of both written buffers, sliced as KVCache.update_and_fetch slices."""
+    return (*outputs, outputs[1][..., :end, :], outputs[2][..., :end, :])
+
+
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "dtype, batch, length, write_offset",
+    [(mx.bfloat16, 1, 1, 37), (mx.float16, 2, 1, 0), (mx.float32, 1, 3, 61),
+     (mx.bfloat16, 1, 1, CAPACITY - 1), (mx.bfloat16, 1, 9, 3)],
+)
+def test_fetch_adds_the_rows_update_and_fetch_returns(mode, dtype, batch, length, write_offset):
+    norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode=mode)
+    inputs = layer_inputs(batch, length, dtype, seed=7)
+    key_cache, value_cache = buffers(batch, dtype)
+    actual = norm_rope.apply_with_cache(*inputs, key_cache=key_cache, value_cache=value_cache,
+                                        offset=write_offset, fetch=True)
+    expected = fetched(composed_with_cache(norm_rope, *inputs, key_cache, value_cache,
+                                           write_offset, write_offset), write_offset + length)
+    assert len(actual) == 5
+    for actual_array, expected_array in zip(actual, expected):
+        assert actual_array.shape == expected_array.shape
+        assert_bit_identical(actual_array, expected_array)
+    # What attention does with them: the same bits from the same rows.
+    for actual_rows, expected_rows in zip(actual[3:], expected[3:]):
+        assert_bit_identical(actual_rows * 2 + 1, expected_rows * 2 + 1)
+    with pytest.raises(TypeError, match=r"\[dual_head_norm_rope_with_cache\] fetch must be a bool"):
+        norm_rope.apply_with_cache(*inputs, key_cache=key_cache, value_cache=value_cache,
+                                   offset=write_offset, fetch=1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fetch", [False, True])
 @pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap"])
-def test_transforms_match_the_composed_path(transform, mode):
+def test_transforms_match_the_composed_path(transform, fetch, mode):
     norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode=mode)
     queries, keys, values, query_weight, key_weight = layer_inputs(1, 2, mx.float32)
     key_cache, value_cache = buffers(1, mx.float32)
@@ -229,11 +267,12 @@ def test_transforms_match_the_composed_path(transform, mode):
     def actual(queries, keys, values, key_cache, value_cache):
         return list(norm_rope.apply_with_cache(
             queries, keys, values, query_weight, key_weight, key_cache=key_cache,
-            value_cache=value_cache, offset=6))
+            value_cache=value_cache, offset=6, fetch=fetch))
 
     def expected(queries, keys, values, key_cache, value_cache):
-        return list(composed_with_cache(norm_rope, queries, keys, values, query_weight,
-                                        key_weight, key_cache, value_cache, 6, 6))
+        outputs = composed_with_cache(norm_rope, queries, keys, values, query_weight,
+                                      key_weight, key_cache, value_cache, 6, 6)
+        return list(fetched(outputs, 8) if fetch else outputs)
 
     primals = [queries, keys, values, key_cache, value_cache]
     if transform == "vjp":
@@ -351,7 +390,7 @@ def test_c_api_three_outputs_in_order_and_refusals():
     q, k, v, wq, wk, kc, vc = (handle[0] for handle in handles)
     no_freqs = ffi.new("mlx_array *")[0]  # an object with a base takes no table
     assert lib.mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
-        result, norm_rope, q, k, v, wq, wk, offset[0], no_freqs, kc, vc, 9,
+        result, norm_rope, q, k, v, wq, wk, offset[0], no_freqs, kc, vc, 9, False,
         error) == lib.MLX_DUALNORM_OK
     assert lib.mlx_vector_array_size(result[0]) == 3
     expected = CompiledDualHeadNormRope(EPS, DIMS, base=BASE).apply_with_cache(
@@ -366,12 +405,12 @@ def test_c_api_three_outputs_in_order_and_refusals():
 
     empty = ffi.new("mlx_array *")[0]
     status = lib.mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
-        ffi.NULL, norm_rope, q, k, v, wq, wk, offset[0], no_freqs, kc, vc, 0, error)
+        ffi.NULL, norm_rope, q, k, v, wq, wk, offset[0], no_freqs, kc, vc, 0, False, error)
     assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT
     assert ffi.string(error.operation) == b"dual_head_norm_rope_with_cache"
     untouched = ffi.new("mlx_vector_array *", lib.mlx_vector_array_new())
     status = lib.mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
-        untouched, norm_rope, q, k, empty, wq, wk, offset[0], no_freqs, kc, vc, 0, error)
+        untouched, norm_rope, q, k, empty, wq, wk, offset[0], no_freqs, kc, vc, 0, True, error)
     assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT
     assert ffi.string(error.description) == b"values is an empty array handle"
     assert lib.mlx_vector_array_size(untouched[0]) == 0

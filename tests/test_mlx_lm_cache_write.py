@@ -98,8 +98,25 @@ def assert_runs_identical(reference, patched):
     assert_caches_identical(patched_cache, reference_cache)
 
 
+def runs_identical(reference, patched) -> bool:
+    try:
+        assert_runs_identical(reference, patched)
+    except AssertionError:
+        return False
+    return True
+
+
+# Unpatched runs tried before a patched run that differs from the first is
+# called different from every outcome of mlx-lm's own.
+UNPATCHED_ATTEMPTS = 4
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
 def test_decode_across_a_buffer_growth_is_bit_identical(model_type, one_call_writes):
+    """On CPU one outcome, which the patched run must give. MLX's CUDA
+    backend gives one of two outcomes from run to run across a buffer
+    growth, unpatched as patched (docs/results/2026-12-01-h200-families.md):
+    there the patched run must give one that unpatched runs give."""
     model = build_model(model_type)
 
     def run():
@@ -108,6 +125,11 @@ def test_decode_across_a_buffer_growth_is_bit_identical(model_type, one_call_wri
         return tokens, logits, cache
 
     reference, patched = run_both(model, run)
+    if mx.default_device() == mx.gpu:
+        for _ in range(UNPATCHED_ATTEMPTS - 1):
+            if runs_identical(reference, patched):
+                break
+            reference = run()
     assert_runs_identical(reference, patched)
     layers = sum(type(layer) is cache_module.KVCache for layer in patched[2])
     assert layers > 0

@@ -360,6 +360,7 @@ struct CacheWriteHandles {
   mlx_array key_cache;
   mlx_array value_cache;
   int write_offset;
+  bool fetch;
 };
 
 /* One norm + RoPE launch; with `cache` (else null), the KV-cache write in
@@ -374,7 +375,7 @@ int apply_fused_rope(mlx_vector_array* res, const mlx_array queries, const mlx_a
     if (cache != nullptr) {
       write.emplace(mlx_dualnorm_fused::CacheWrite{
           borrowed_array(cache->values), borrowed_array(cache->key_cache),
-          borrowed_array(cache->value_cache), cache->write_offset});
+          borrowed_array(cache->value_cache), cache->write_offset, cache->fetch});
     }
     return mlx_dualnorm_fused::fused_dual_rms_norm_rope(
         borrowed_array(queries), borrowed_array(keys),
@@ -401,8 +402,8 @@ int apply_fused_rope_kernel_with_cache(mlx_vector_array* res, const mlx_array qu
     const mlx_array keys, const mlx_array values, const mlx_array query_scale_weight,
     const mlx_array key_scale_weight, const mlx_array rope_offset, const mlx_array freqs,
     const mlx_array key_cache, const mlx_array value_cache, int write_offset,
-    float rms_norm_epsilon, mlx_dualnorm_rope_parameters rope) {
-  const CacheWriteHandles cache{values, key_cache, value_cache, write_offset};
+    float rms_norm_epsilon, mlx_dualnorm_rope_parameters rope, bool fetch) {
+  const CacheWriteHandles cache{values, key_cache, value_cache, write_offset, fetch};
   return apply_fused_rope(res, queries, keys, query_scale_weight, key_scale_weight, rope_offset,
                           freqs, rms_norm_epsilon, rope, &cache);
 }

@@ -21,6 +21,7 @@
 
 #include "mlx/backend/cuda/allocator.h"
 #include "mlx/backend/cuda/device.h"
+#include "mlx/backend/common/utils.h"
 #include "mlx/backend/cuda/utils.h"
 #include "mlx/fast.h"
 #include "mlx/ops.h"
@@ -51,6 +52,19 @@ constexpr size_t kCacheInputs = 3;
 
 /* The cache axis of (B, H, capacity, D) buffers, where rows are written. */
 constexpr int kCacheRowAxis = 2;
+
+/* What a node with the KV-cache write outputs beyond the rotated queries:
+ * both buffers with rows [first_row, first_row + L) written, and with
+ * `fetch` also their rows [0, first_row + L), views of the written
+ * buffers (what KVCache.update_and_fetch returns for attention). */
+struct CacheOutputs {
+  int first_row;
+  bool fetch;
+
+  bool operator==(const CacheOutputs& other) const {
+    return first_row == other.first_row && fetch == other.fetch;
+  }
+};
 
 /* (B, L, H, D) -> (B, H, L, D), as mlx-lm's attention transposes. */
 const std::vector<int> kHeadMajorAxes = {0, 2, 1, 3};
@@ -135,41 +149,102 @@ mx::Shape head_major_shape(const mx::array& input) {
   return {input.shape(0), input.shape(2), input.shape(1), input.shape(3)};
 }
 
+/* The shape of rows [0, end) of axis 2 of a (B, H, C, D) buffer. */
+mx::Shape fetched_shape(const mx::array& buffer, int end) {
+  mx::Shape shape = buffer.shape();
+  shape[kCacheRowAxis] = end;
+  return shape;
+}
+
 /* The composed KV-cache writes of mlx-lm's KVCache.update_and_fetch, the
  * transforms' share of the cache variant: rows [first_row, first_row + L)
- * of both buffers set, as `buffer[..., w:w+L, :] = update` does. */
+ * of both buffers set, as `buffer[..., w:w+L, :] = update` does; with
+ * `cache.fetch`, also rows [0, first_row + L) of both, as the class's
+ * `buffer[..., :offset, :]` returns them. */
 std::vector<mx::array> with_cache_writes(const mx::array& rotated_queries,
                                          const mx::array& rotated_keys, const mx::array& values,
                                          const mx::array& key_cache,
-                                         const mx::array& value_cache, int first_row,
-                                         mx::Stream stream) {
+                                         const mx::array& value_cache,
+                                         const CacheOutputs& cache, mx::Stream stream) {
+  const int end = cache.first_row + rotated_keys.shape(kCacheRowAxis);
   auto write = [&](const mx::array& buffer, const mx::array& rows) {
     const mx::Shape& shape = buffer.shape();
-    const mx::Shape start = {0, 0, first_row, 0};
-    const mx::Shape stop = {shape[0], shape[1], first_row + rows.shape(kCacheRowAxis), shape[3]};
+    const mx::Shape start = {0, 0, cache.first_row, 0};
+    const mx::Shape stop = {shape[0], shape[1], end, shape[3]};
     return mx::slice_update(buffer, rows, start, stop, stream);
   };
-  return {rotated_queries, write(key_cache, rotated_keys),
-          write(value_cache, mx::transpose(values, kHeadMajorAxes, stream))};
+  std::vector<mx::array> outputs = {
+      rotated_queries, write(key_cache, rotated_keys),
+      write(value_cache, mx::transpose(values, kHeadMajorAxes, stream))};
+  if (cache.fetch) {
+    for (size_t buffer = 1; buffer < 3; ++buffer) {
+      outputs.push_back(mx::slice(outputs[buffer], mx::Shape{0, 0, 0, 0},
+                                  fetched_shape(outputs[buffer], end), stream));
+    }
+  }
+  return outputs;
+}
+
+/* Makes `view` rows [0, end) of axis 2 of the row-contiguous buffer
+ * output `buffer`, sharing its memory, with the strides, flags and data
+ * size MLX's Slice gives the same view (backend/common/slicing.cpp): so
+ * every later op reads it as it reads the class's `buffer[..., :end, :]`. */
+void make_fetched_view(const mx::array& buffer, mx::array& view) {
+  const mx::Strides& strides = buffer.strides();
+  int64_t high_index = 0;
+  for (size_t axis = 0; axis < strides.size(); ++axis) {
+    high_index += strides[axis] * (view.shape(static_cast<int>(axis)) - 1);
+  }
+  const size_t data_size = view.size() == 0 ? 0 : static_cast<size_t>(high_index + 1);
+  auto [unbroadcast_size, row_contiguous, col_contiguous] =
+      mx::check_contiguity(view.shape(), strides);
+  mx::array::Flags flags = buffer.flags();
+  flags.row_contiguous = row_contiguous;
+  flags.col_contiguous = col_contiguous;
+  flags.contiguous = unbroadcast_size == data_size;
+  view.copy_shared_buffer(buffer, strides, flags, data_size);
+}
+
+/* The output shapes of a node over `inputs` (in the node's order): rotated
+ * queries and keys, or rotated queries, both buffers and (with
+ * `cache->fetch`) their fetched rows. */
+std::vector<mx::Shape> node_output_shapes(const std::vector<mx::array>& inputs,
+                                          const std::optional<CacheOutputs>& cache) {
+  const mx::array& queries = inputs[kQueriesInput];
+  const mx::array& keys = inputs[kKeysInput];
+  if (!cache) {
+    return {head_major_shape(queries), head_major_shape(keys)};
+  }
+  const mx::array& key_cache = inputs[kKeyCacheInput];
+  const mx::array& value_cache = inputs[kValueCacheInput];
+  std::vector<mx::Shape> shapes = {head_major_shape(queries), key_cache.shape(),
+                                   value_cache.shape()};
+  if (cache->fetch) {
+    const int end = cache->first_row + keys.shape(1);
+    shapes.push_back(fetched_shape(key_cache, end));
+    shapes.push_back(fetched_shape(value_cache, end));
+  }
+  return shapes;
 }
 
 /* Outputs: rotated queries and rotated keys, fresh row-contiguous
  * (B, H, L, D) buffers (an input buffer cannot be reused: a block writes
  * its row where another block's row was read). With the KV-cache write
- * (`cache_first_row`): rotated queries, then the key and value buffers,
- * each its input's memory when MLX could donate it, else a copy made in
- * the same launch. */
+ * (`cache`): rotated queries, then the key and value buffers, each its
+ * input's memory when MLX could donate it, else a copy made in the same
+ * launch, then (with `cache->fetch`) the views of their rows written so
+ * far, in the same order. */
 class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
  public:
   FusedDualRmsNormRope(mx::Stream stream, float rms_norm_epsilon, const RopeConstants& rope,
                        bool has_query_weight, bool has_key_weight,
-                       std::optional<int> cache_first_row = std::nullopt)
+                       std::optional<CacheOutputs> cache = std::nullopt)
       : RowKernelPrimitive(kOperation, stream, rms_norm_epsilon, has_query_weight,
                            has_key_weight),
         rope_(rope),
         // As MLX's RoPE::eval_gpu: std::log2 of the float base, in float.
         log2_base_(std::log2(rope.base)),
-        cache_first_row_(cache_first_row) {}
+        cache_(cache) {}
 
   /* Gradients and vectorization are those of the composed calls this
    * primitive reproduces; the integer offset gets a zero cotangent. The
@@ -211,16 +286,12 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     auto composed = [this](const std::vector<mx::array>& all_inputs) {
       return composed_over(all_inputs, true)(differentiable(all_inputs, true));
     };
-    const std::vector<int> output_axes(cache_first_row_ ? 3 : 2, 0);
+    const std::vector<int> output_axes(output_count(), 0);
     return {mx::vmap(composed, axes, output_axes)(inputs), output_axes};
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    if (cache_first_row_) {
-      return {head_major_shape(inputs[kQueriesInput]), inputs[kKeyCacheInput].shape(),
-              inputs[kValueCacheInput].shape()};
-    }
-    return {head_major_shape(inputs[kQueriesInput]), head_major_shape(inputs[kKeysInput])};
+    return node_output_shapes(inputs, cache_);
   }
 
   const char* name() const override {
@@ -234,7 +305,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
            rope_.scale == fused.rope_.scale && rope_.with_freqs == fused.rope_.with_freqs &&
            rope_.has_input_scale == fused.rope_.has_input_scale &&
            (!rope_.has_input_scale || rope_.input_scale == fused.rope_.input_scale) &&
-           cache_first_row_ == fused.cache_first_row_;
+           cache_ == fused.cache_;
   }
 
  private:
@@ -242,14 +313,19 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
 
   /* Where the weights start among the inputs. */
   size_t first_weight_input() const {
-    return 3 + (cache_first_row_ ? kCacheInputs : 0);
+    return 3 + (cache_ ? kCacheInputs : 0);
+  }
+
+  /* The node's outputs: rotated queries and keys, or the cache write's. */
+  size_t output_count() const {
+    return !cache_ ? 2 : cache_->fetch ? 5 : 3;
   }
 
   /* One launch of the kernel variant whose arguments describe rows as
    * `Rows` does. */
   template <typename Rows>
   void launch(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-    if (cache_first_row_) {
+    if (cache_) {
       launch_with_cache<Rows>(inputs, outputs);
     } else {
       launch_rotation<Rows>(inputs, outputs);
@@ -339,24 +415,30 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     DualRmsNormRopeCacheParams<Rows> params{};
     params.rope = rotation_params<Rows>(inputs, weights);
     params.rope.key_rope.output_sequence = key_cache.shape(kCacheRowAxis);
-    params.rope.key_rope.output_first_row = *cache_first_row_;
+    params.rope.key_rope.output_first_row = cache_->first_row;
     params.values = strided_rows(values);
     params.value_capacity = value_cache.shape(kCacheRowAxis);
-    params.first_row = *cache_first_row_;
+    params.first_row = cache_->first_row;
     outputs[0].set_data(output_memory(outputs[0].nbytes(), encoder));
     // Every output of this node holds its own copy of the node's inputs.
     const size_t holders = outputs.size();
+    // The fetched views (outputs 3 and 4) share the buffers' memory, set
+    // below once the buffers have theirs.
     if (!take_buffer_or_allocate(key_cache, outputs[1], holders, encoder)) {
       params.key_source = strided_rows(key_cache);
     }
     if (!take_buffer_or_allocate(value_cache, outputs[2], holders, encoder)) {
       params.value_source = strided_rows(value_cache);
     }
+    if (cache_->fetch) {
+      make_fetched_view(outputs[1], outputs[3]);
+      make_fetched_view(outputs[2], outputs[4]);
+    }
     for (const auto& input : inputs) {
       encoder.set_input_array(input);
     }
-    for (const auto& output : outputs) {
-      encoder.set_output_array(output);
+    for (size_t output = 0; output < 3; ++output) {
+      encoder.set_output_array(outputs[output]);
     }
     void* query_data = mx::gpu_ptr<void>(queries);
     void* key_data = mx::gpu_ptr<void>(inputs[kKeysInput]);
@@ -419,7 +501,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     return [eps = rms_norm_epsilon_, rope = rope_, has_query_weight = has_query_weight_,
             has_key_weight = has_key_weight_, stream = stream(), offset = primals[kOffsetInput],
             fixed_table, table_input, first_weight = first_weight_input(),
-            cache_first_row = cache_first_row_](const std::vector<mx::array>& inputs) {
+            cache = cache_](const std::vector<mx::array>& inputs) {
       // The offset is not among these inputs: every later input comes one
       // earlier.
       const WeightInputs weights =
@@ -446,12 +528,12 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
       };
       mx::array rotated_queries = side(inputs[kQueriesInput], weights.query);
       mx::array rotated_keys = side(inputs[kKeysInput], weights.key);
-      if (!cache_first_row) {
+      if (!cache) {
         return std::vector<mx::array>{rotated_queries, rotated_keys};
       }
       return with_cache_writes(rotated_queries, rotated_keys, inputs[kValuesInput - 1],
                                inputs[kKeyCacheInput - 1], inputs[kValueCacheInput - 1],
-                               *cache_first_row, stream);
+                               *cache, stream);
     };
   }
 
@@ -469,8 +551,8 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
 
   RopeConstants rope_;
   float log2_base_;
-  /* The KV-cache write's first row; none for the norm + RoPE alone. */
-  std::optional<int> cache_first_row_;
+  /* The KV-cache write's outputs; none for the norm + RoPE alone. */
+  std::optional<CacheOutputs> cache_;
 };
 
 /* The node's inputs before the weights: the offset as int32, as the
@@ -514,8 +596,7 @@ std::vector<mx::array> fused_dual_rms_norm_rope(
   const mx::Stream stream = mx::default_stream(mx::Device::gpu);
   const mx::Dtype dtype = queries.dtype();
   std::vector<mx::array> leading = {queries, keys};
-  std::vector<mx::Shape> shapes = {head_major_shape(queries), head_major_shape(keys)};
-  std::optional<int> cache_first_row;
+  std::optional<CacheOutputs> outputs;
   if (cache != nullptr) {
     for (const mx::array* input : {&keys, &cache->values, &cache->key_cache, &cache->value_cache}) {
       if (input->dtype() != dtype) {
@@ -525,18 +606,18 @@ std::vector<mx::array> fused_dual_rms_norm_rope(
       }
     }
     leading.insert(leading.end(), {cache->values, cache->key_cache, cache->value_cache});
-    shapes = {head_major_shape(queries), cache->key_cache.shape(), cache->value_cache.shape()};
-    cache_first_row = cache->first_row;
+    outputs = CacheOutputs{cache->first_row, cache->fetch};
   }
   std::vector<mx::array> inputs = inputs_with_weights(
       with_int32_offset(std::move(leading), offset, stream), query_weight, key_weight);
   append_freqs(inputs, rope, freqs, kOperation, stream);
+  std::vector<mx::Shape> shapes = node_output_shapes(inputs, outputs);
   const std::vector<mx::Dtype> dtypes(shapes.size(), dtype);
   return mx::array::make_arrays(
       std::move(shapes), dtypes,
       std::make_shared<FusedDualRmsNormRope>(stream, rms_norm_epsilon, rope,
                                              query_weight != nullptr, key_weight != nullptr,
-                                             cache_first_row),
+                                             outputs),
       std::move(inputs));
 }
 

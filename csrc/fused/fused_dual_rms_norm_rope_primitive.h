@@ -45,6 +45,9 @@ struct CacheWrite {
   const mlx::core::array& key_cache;
   const mlx::core::array& value_cache;
   int first_row;
+  /* Also output rows [0, first_row + L) of both written buffers, as views
+   * of them. */
+  bool fetch = false;
 };
 
 /* The lazy outputs of one fused launch over queries (B, L, Hq, D) and keys
@@ -58,7 +61,10 @@ struct CacheWrite {
  * (B, Hk, L, D). With it: the rotated queries, then the key and value
  * buffers with the rotated keys and the transposed values written at rows
  * [first_row, first_row + L), as mlx-lm's KVCache.update_and_fetch writes
- * them; the values and buffers have the queries' dtype too. Each buffer
+ * them, and with `cache->fetch` then rows [0, first_row + L) of both
+ * (views sharing the written buffers' memory, strided as MLX's Slice
+ * makes them: what update_and_fetch returns); the values and buffers have
+ * the queries' dtype too. Each buffer
  * output takes its input's memory when nothing else holds that input at
  * evaluation (as MLX's SliceUpdate donates), else a copy: the input is
  * never visibly modified. */

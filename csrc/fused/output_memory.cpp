@@ -176,6 +176,11 @@ bool node_references_readable() {
   return readable;
 }
 
+/* How much larger than the output a donated buffer may be: MLX's own
+ * limit (backend/common/utils.h, is_donatable), so that a write keeps an
+ * oversized buffer no more often than MLX's SliceUpdate would. */
+constexpr size_t kDonationSlack = 16384;
+
 } // namespace
 
 bool take_buffer_or_allocate(const mx::array& buffer, mx::array& output, size_t node_outputs,
@@ -185,7 +190,8 @@ bool take_buffer_or_allocate(const mx::array& buffer, mx::array& output, size_t 
                          node_references(buffer) == static_cast<long>(node_outputs) &&
                          memory != nullptr && memory.use_count() == 1 && memory->is_owned() &&
                          buffer.flags().row_contiguous && buffer.data_size() == buffer.size() &&
-                         buffer.shape() == output.shape() && buffer.dtype() == output.dtype();
+                         buffer.shape() == output.shape() && buffer.dtype() == output.dtype() &&
+                         buffer.buffer_size() <= output.nbytes() + kDonationSlack;
   if (donatable) {
     output.copy_shared_buffer(buffer);
     return true;

@@ -38,8 +38,9 @@ mlx::core::allocator::Data output_memory(size_t bytes, mlx::core::cu::CommandEnc
  * the `node_outputs` outputs of the node being evaluated hold `buffer`
  * (each output of a multi-output node keeps its own list of the node's
  * inputs, so MLX's is_donatable, which asks for one holder, never says yes
- * for one), no other array shares its memory, the memory is MLX's own, and
- * `buffer` is row-contiguous, of the output's shape and dtype. Otherwise
+ * for one), no other array shares its memory, the memory is MLX's own and
+ * not much larger than the output (MLX's limit), and `buffer` is
+ * row-contiguous, of the output's shape and dtype. Otherwise
  * gives `output` fresh memory (output_memory) and returns false: the
  * caller fills it. Either way `buffer`'s visible contents stay what every
  * holder saw: written in place only where no one else can look. */

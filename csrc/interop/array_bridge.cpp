@@ -266,13 +266,14 @@ nb::tuple apply_rope(std::uintptr_t norm_rope_address, nb::handle queries, nb::h
 
 /* The norm + RoPE with the KV-cache write: as apply_rope, plus values, the
  * two cache buffers (borrowed, as every array) and the write position, a
- * Python int the facade has checked fits a C int. Returns the composite's
- * three outputs (queries, key buffer, value buffer) as a tuple, or raises. */
+ * Python int the facade has checked fits a C int, and `fetch`. Returns the
+ * composite's outputs (queries, key buffer, value buffer, and with `fetch`
+ * the key and value rows fetched) as a tuple, or raises. */
 nb::tuple apply_rope_with_cache(std::uintptr_t norm_rope_address, nb::handle queries,
                                 nb::handle keys, nb::handle values,
                                 nb::handle query_scale_weight, nb::handle key_scale_weight,
                                 nb::handle offset, nb::handle freqs, nb::handle key_cache,
-                                nb::handle value_cache, int write_offset) {
+                                nb::handle value_cache, int write_offset, bool fetch) {
   if (bound_rope.apply_with_cache == nullptr || bound.free_vector == nullptr) {
     throw std::runtime_error(
         "mlx_dualnorm._interop.bind and bind_rope_cache were not both called");
@@ -295,7 +296,7 @@ nb::tuple apply_rope_with_cache(std::uintptr_t norm_rope_address, nb::handle que
       &outputs.vector, reinterpret_cast<mlx_dualnorm_dual_head_norm_rope*>(norm_rope_address),
       borrowed.queries, borrowed.keys, borrowed_values, borrowed.query_weight,
       borrowed.key_weight, borrowed.offset, borrowed.freqs, borrowed_key_cache,
-      borrowed_value_cache, write_offset, &error);
+      borrowed_value_cache, write_offset, fetch, &error);
   if (status != MLX_DUALNORM_OK) {
     raise_dual_head_norm_error(error);
   }
@@ -355,7 +356,8 @@ NB_MODULE(_interop, module) {
       nb::arg("queries").none(), nb::arg("keys").none(), nb::arg("values").none(),
       nb::arg("query_weight").none(), nb::arg("key_weight").none(), nb::arg("offset").none(),
       nb::arg("freqs").none(), nb::arg("key_cache").none(), nb::arg("value_cache").none(),
-      nb::arg("write_offset"),
+      nb::arg("write_offset"), nb::arg("fetch") = false,
       "Applies the dual head norm rope with the KV-cache write: a tuple of its outputs "
-      "(queries, key buffer, value buffer), or the error raised.");
+      "(queries, key buffer, value buffer, and with fetch the rows fetched), or the error "
+      "raised.");
 }

@@ -330,9 +330,12 @@ def _written_in_one_call(attention, queries, keys, values, cache):
         table = {}
         if type(norm_rope) is functools.partial:  # a scaled RoPE: the object and its table
             norm_rope, table = norm_rope.func, norm_rope.keywords
-        rotated_queries, written_keys, written_values = norm_rope.apply_with_cache(
-            queries, keys, values, query_weight, key_weight, key_cache=buffer,
-            value_cache=cache.values, offset=cache.offset, write_offset=row, **table,
+        rotated_queries, written_keys, written_values, fetched_keys, fetched_values = (
+            norm_rope.apply_with_cache(
+                queries, keys, values, query_weight, key_weight, key_cache=buffer,
+                value_cache=cache.values, offset=cache.offset, write_offset=row, fetch=True,
+                **table,
+            )
         )
     except Exception as error:  # the cache is untouched: the two-step path runs instead
         log_fallback_once("the full-attention norm + RoPE with the cache write", error)
@@ -349,7 +352,9 @@ def _written_in_one_call(attention, queries, keys, values, cache):
         cache.offset = end
         if end >= written_keys.shape[2]:  # KVCache.keys_and_values: the whole buffer
             return rotated_queries, written_keys, written_values
-    return rotated_queries, written_keys[..., :end, :], written_values[..., :end, :]
+    # Rows [0, end) of both buffers, as the class slices them (made by the
+    # same call: no indexing left to do here).
+    return rotated_queries, fetched_keys, fetched_values
 
 
 def _prework_and_cache_update(attention, queries, keys, values, cache):

@@ -70,6 +70,15 @@ extern "C" int mlx_slice_update_prod(mlx_array* res, const mlx_array src,
   });
 }
 
+extern "C" int mlx_slice(mlx_array* res, const mlx_array a, const int* start, size_t start_num,
+    const int* stop, size_t stop_num, const int* strides, size_t strides_num,
+    const mlx_stream s) {
+  return status_of([&] {
+    SliceBounds bounds("mlx_slice", start, start_num, stop, stop_num, strides, strides_num);
+    store(res, mx::slice(object_of(a), bounds.start, bounds.stop, bounds.strides, object_of(s)));
+  });
+}
+
 extern "C" int mlx_slice_update(mlx_array* res, const mlx_array src, const mlx_array update,
     const int* start, size_t start_num, const int* stop, size_t stop_num, const int* strides,
     size_t strides_num, const mlx_stream s) {

@@ -47,6 +47,13 @@ int mlx_slice_update_prod(
     size_t strides_num,
     const mlx_stream s);
 
+/* Sets `*res` to the (lazy) slice [start, stop) of `a` with `strides`, one
+ * of each per axis of `a`: MLX's Slice, what `a[..., :b, :]` makes in
+ * Python (a view of `a`'s memory once evaluated). */
+int mlx_slice(mlx_array* res, const mlx_array a, const int* start, size_t start_num,
+    const int* stop, size_t stop_num, const int* strides, size_t strides_num,
+    const mlx_stream s);
+
 /* Sets `*res` to `src` with `update` (cast to `src`'s dtype) written over
  * the slice [start, stop) with `strides` (one of each per axis of `src`):
  * MLX's SliceUpdate, what `src[..., a:b, :] = update` makes in Python. */
