@@ -120,6 +120,27 @@ def test_decode_and_prefill_shapes(query_shape, key_shape):
                                 traditional=False, scale=1.0, offset=offset)
 
 
+@pytest.mark.parametrize(
+    "query_shape, key_shape",
+    [
+        ((1, 1, 96, 128), (1, 1, 8, 128)),  # GLM-4.5 decode: the compiled graph
+        ((1, 1, 120, 128), (1, 1, 8, 128)),  # at the compiled graph's element bound
+        ((1, 1, 120, 128), (1, 1, 9, 128)),  # one row past it: the plain builder
+        ((2, 1, 96, 128), (2, 1, 8, 128)),  # GLM-4.5 decode at batch 2: the plain builder
+    ],
+)
+def test_partial_rotary_decode_shapes_around_the_compiled_bound(query_shape, key_shape):
+    """Many heads, half the head width rotated, on both sides of the
+    element count up to which calls take the compiled graph."""
+    norm_rope = CompiledDualHeadNormRope(1e-5, 64, base=1e6)
+    inputs = random_inputs(query_shape, key_shape, mx.bfloat16, 3)
+    for offset in (0, 12, 13, 4097):
+        outputs = norm_rope(*inputs, offset=offset)
+        assert_matches_composed(outputs, inputs, eps=1e-5, dims=64, base=1e6,
+                                traditional=False, scale=1.0, offset=offset,
+                                context=f"{query_shape} {key_shape} offset={offset}")
+
+
 def test_offsets_as_mlx_rope_takes_them():
     """Ints beyond int32, numpy integers, integer arrays of any width and
     per-batch offset vectors give rope's own results."""
