@@ -25,10 +25,19 @@
  * graphs are therefore compiled per input shape: MLX's compile cache keeps
  * one trace per (shapes, dtypes, stream), and a decode step, whose shapes
  * do not change, replays its trace. Calls with more than
- * COMPILED_GRAPH_MAX_ROWS rows in all (prefill) take the plain builder: on
- * CPU each new shape would cost a trace (0.5-1 ms measured), and at those
- * sizes MLX's fused CPU kernels are no faster than the composed ops (1.5
- * against 1.4 ms at (1, 64, 16+8, 128) bf16). Empty inputs take the plain
+ * COMPILED_GRAPH_MAX_ELEMENTS elements in all (prefill) take the plain
+ * builder: on CPU each new shape would cost a trace (0.5-1 ms measured),
+ * and at those sizes MLX's fused CPU kernels are no faster than the
+ * composed ops (1.5 against 1.4 ms at (1, 64, 16+8, 128) bf16). The bound
+ * counts elements, not rows, because MLX's fused CPU kernels lose to the
+ * composed ops per element, while the compiled graph saves a fixed number
+ * of dispatches (RoPE's CPU op graph is most of them). Measured, build and
+ * eval, compiled against composed, bf16, 2-core CPU: 0.65-0.81x at
+ * (1, 1, 96+8, 128) with 64 dims rotated (GLM-4.5's decode, 13312
+ * elements), 0.86x at (1, 2, 48+4, 128), 0.78x at (1, 1, 64+8, 256); past
+ * the bound 1.08x at (1, 2, 96+8, 128) (26624 elements). The cache graphs
+ * (apply_with_cache) keep the bound of COMPILED_GRAPH_MAX_ROWS rows: their
+ * slice updates were not measured past it. Empty inputs take the plain
  * builder too, on the CPU stream (nothing to compute, as dual_head_norm.c
  * does for rms_norm).
  *
@@ -89,6 +98,8 @@ static const int HEAD_MAJOR_AXES[4] = {0, 2, 1, 3};
 enum { ATTENTION_INPUT_RANK = 4 };
 
 enum { COMPILED_GRAPH_MAX_ROWS = 48 };
+/* The norm + RoPE graphs' bound (see the file comment): 128 rows of 128. */
+enum { COMPILED_GRAPH_MAX_ELEMENTS = 16384 };
 
 /* ---- The fused backend --------------------------------------------------- */
 
@@ -558,14 +569,20 @@ static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
   return status;
 }
 
-/* The compiled graph for decode-sized, non-empty calls; the plain builder
- * otherwise (see the file comment). */
+/* The compiled graph for decode-sized, non-empty calls of `graphs`; the
+ * plain builder otherwise (see the file comment): the norm + RoPE graphs
+ * by elements, the cache graphs by rows. */
 static bool takes_compiled_graph(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                                 const dualnorm_layout_graphs* graphs,
                                  const dual_head_norm_call* call) {
   const head_norm_input* queries = &call->queries;
   const head_norm_input* keys = &call->keys;
-  return norm_rope->mode != MLX_DUALNORM_MODE_COMPOSED && queries->size > 0 &&
-         keys->size > 0 && queries->rows + keys->rows <= COMPILED_GRAPH_MAX_ROWS;
+  if (norm_rope->mode == MLX_DUALNORM_MODE_COMPOSED || queries->size == 0 || keys->size == 0) {
+    return false;
+  }
+  return graphs == &norm_rope->graphs
+             ? queries->size + keys->size <= COMPILED_GRAPH_MAX_ELEMENTS
+             : queries->rows + keys->rows <= COMPILED_GRAPH_MAX_ROWS;
 }
 
 /* Whether MLX's RoPE reads the offset of this side in bounds: a scalar, or
@@ -655,7 +672,7 @@ static int run_layout_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_r
                             const dual_head_norm_call* call, int layout,
                             const mlx_vector_array inputs, const char* operation,
                             mlx_dualnorm_error* error) {
-  bool compiled = takes_compiled_graph(norm_rope, call);
+  bool compiled = takes_compiled_graph(norm_rope, graphs, call);
   pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
   bool closed = norm_rope->closed;
   int apply_status = 0;

@@ -60,8 +60,8 @@ class CompiledDualHeadNorm(_NativeComposite):
             >= 0 and within float32's range, checked as given; it is then
             used as float32, as ``mx.fast.rms_norm`` does.
         mode: ``"compiled"``: one replay of the compiled dual-output graph
-            (calls with more than 48 rows in all build the composed graph,
-            which MLX runs faster at that size).
+            (calls with more than 6144 elements in all, 48 rows of 128,
+            build the composed graph, which MLX runs faster at that size).
             ``"fused"``: one CUDA kernel launch for both inputs (MLX's CUDA
             backend only; inputs it does not cover, e.g. mixed dtypes, take
             the compiled graph). ``"composed"``: the two calls, rebuilt each
@@ -75,7 +75,7 @@ class CompiledDualHeadNorm(_NativeComposite):
     for queries and keys. The graph is traced once per input shape and
     dtype (a trace specialized to the shape runs faster than a shapeless
     one), so the first call at a new decode batch size traces it; calls
-    over 48 rows, such as prefills, never trace.
+    over 6144 elements, such as prefills, never trace.
 
     Thread-safe. ``close()`` (or leaving a ``with`` block) releases the
     compiled graphs at once; garbage collection does it otherwise.

@@ -150,8 +150,8 @@ class CompiledDualHeadNormRope(_NativeComposite):
             rounded to float32, then to the inputs' dtype, the product
             computed in that dtype, as MLX does. Finite.
         mode: ``"compiled"``: one replay of a compiled graph, traced once
-            per input shape (calls with more than 48 rows in all, as in a
-            prefill, build the composed graph instead). ``"composed"``: the
+            per input shape (calls with more than 16384 elements in all,
+            as in a prefill, build the composed graph instead). ``"composed"``: the
             six calls, rebuilt each time (the reference). ``"fused"``: one
             CUDA kernel launch for every row of queries and keys (MLX's CUDA
             backend with a GPU only; calls it does not take run the compiled

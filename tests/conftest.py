@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import re
 
 import mlx.core as mx
 import pytest
@@ -109,6 +111,13 @@ def unpatched_mlx_lm():
     integration.unpatch()
     yield
     integration.unpatch()
+
+
+def graph_primitives(*outputs: mx.array) -> list[str]:
+    """The primitive names of the graph behind `outputs`, sorted."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return sorted(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))
 
 
 @pytest.fixture

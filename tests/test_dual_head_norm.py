@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import gc
-import io
 import math
-import re
 import weakref
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_bit_identical, assert_transforms_agree
+from conftest import assert_bit_identical, assert_transforms_agree, graph_primitives
 
 from mlx_dualnorm import (
     CompiledDualHeadNorm,
@@ -77,13 +75,6 @@ def test_new_batch_and_sequence_sizes_give_the_composed_bits(rng_key):
         assert_matches_composed(norm, queries, keys)
 
 
-def graph_primitives(*outputs: mx.array) -> list[str]:
-    """The primitive names of the graph behind `outputs`, sorted."""
-    dot = io.StringIO()
-    mx.export_to_dot(dot, *outputs)
-    return sorted(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))
-
-
 def test_compiled_graph_is_traced_for_the_shape_like_a_shaped_mx_compile(rng_key):
     """A trace for the call's shape folds rms_norm's element count into a
     constant: the same primitives as Python's shape-specialized mx.compile,
@@ -140,7 +131,8 @@ def test_numpy_inputs_are_accepted(rng_key):
 @pytest.mark.parametrize(
     "query_shape,key_shape",
     [
-        ((1, 16, 65536), (1, 16, 65536)),  # decode-sized: the compiled graph
+        ((1, 1, 3072), (1, 1, 3072)),  # decode-sized: the compiled graph (6144 elements)
+        ((1, 16, 65536), (1, 16, 65536)),  # few rows, many elements: the composed graph
         ((1024, 16, 128), (1024, 4, 128)),  # prefill-sized: the composed graph
     ],
 )
@@ -152,17 +144,19 @@ def test_a_call_evaluates_nothing_and_copies_nothing(query_shape, key_shape):
     mx.eval(norm(mx.zeros(query_shape), mx.zeros(key_shape)))  # trace outside the count
     gc.collect()
     input_bytes = 4 * (math.prod(query_shape) + math.prod(key_shape))
+    # Under half the inputs' bytes: a copy or an evaluation of them would show.
+    allowance = min(64 * 1024, input_bytes // 2)
     baseline = mx.get_active_memory()
     lazy_queries = mx.random.normal(query_shape)
     lazy_keys = mx.random.normal(key_shape)
     normalized_queries, normalized_keys = norm(lazy_queries, lazy_keys)
-    assert mx.get_active_memory() - baseline < 64 * 1024
+    assert mx.get_active_memory() - baseline < allowance
 
     mx.eval(lazy_queries, lazy_keys)
     evaluated = mx.get_active_memory()
     assert evaluated - baseline >= input_bytes, "the measurement must see evaluation"
     normalized_queries, normalized_keys = norm(lazy_queries, lazy_keys)
-    assert mx.get_active_memory() - evaluated < 64 * 1024
+    assert mx.get_active_memory() - evaluated < allowance
 
     mx.eval(normalized_queries, normalized_keys)
     assert mx.get_active_memory() - evaluated >= 0.9 * input_bytes
@@ -334,3 +328,34 @@ def test_transforms_give_the_composed_calls_bits(mode, transform):
         return list(composed_dual_head_norm(q, k, wq, wk, EPS))
 
     assert_transforms_agree(transform, ours, composed, primals, primals)
+
+
+@pytest.mark.parametrize(
+    "query_shape,key_shape,compiled",
+    [
+        ((1, 1, 20, 256), (1, 1, 4, 256), True),  # 6144 elements: the bound
+        ((1, 1, 20, 256), (1, 1, 5, 256), False),  # one row of 256 past it
+        ((1, 1, 2048), (1, 1, 2048), True),  # OLMo 2's whole-projection norms, batch 1
+        ((2, 1, 2048), (2, 1, 2048), False),  # the same at batch 2
+        ((1, 1, 32, 128), (1, 1, 16, 128), True),  # 48 rows of 128
+        ((1, 1, 48, 128), (1, 1, 1, 128), False),  # 49 rows of 128
+    ],
+)
+def test_calls_take_the_compiled_graph_up_to_an_element_count(query_shape, key_shape, compiled):
+    """Up to 6144 elements in all a call replays the compiled graph (the
+    primitives of a shaped mx.compile); past it, it builds the composed
+    graph: which one, whatever the row width, and the composed bits either way."""
+    keys_ = mx.random.split(mx.random.key(11), 4)
+    queries = random_heads(keys_[0], query_shape, mx.bfloat16)
+    keys = random_heads(keys_[1], key_shape, mx.bfloat16)
+    query_weight = mx.random.normal((query_shape[-1],), key=keys_[2]).astype(mx.bfloat16)
+    key_weight = mx.random.normal((key_shape[-1],), key=keys_[3]).astype(mx.bfloat16)
+    norm = CompiledDualHeadNorm(EPS, mode="compiled")
+    actual = norm(queries, keys, query_weight, key_weight)
+    composed = composed_dual_head_norm(queries, keys, query_weight, key_weight, EPS)
+    shaped_peer = mx.compile(lambda q, k, wq, wk: composed_dual_head_norm(q, k, wq, wk, EPS))
+    peer_primitives = graph_primitives(*shaped_peer(queries, keys, query_weight, key_weight))
+    assert peer_primitives != graph_primitives(*composed), "the routes must be told apart"
+    expected_primitives = peer_primitives if compiled else graph_primitives(*composed)
+    assert graph_primitives(*actual) == expected_primitives
+    assert_matches_composed(norm, queries, keys, query_weight, key_weight)

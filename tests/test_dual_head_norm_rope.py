@@ -11,7 +11,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_bit_identical, assert_transforms_agree
+from conftest import assert_bit_identical, assert_transforms_agree, graph_primitives
 
 from mlx_dualnorm import (
     CompiledDualHeadNormRope,
@@ -118,6 +118,32 @@ def test_decode_and_prefill_shapes(query_shape, key_shape):
         outputs = norm_rope(*inputs, offset=offset)
         assert_matches_composed(outputs, inputs, eps=1e-6, dims=query_shape[-1], base=1e6,
                                 traditional=False, scale=1.0, offset=offset)
+
+
+@pytest.mark.parametrize(
+    "query_shape, key_shape, compiled",
+    [
+        ((1, 1, 96, 128), (1, 1, 8, 128), True),  # GLM-4.5 decode
+        ((1, 1, 120, 128), (1, 1, 8, 128), True),  # 16384 elements: the bound
+        ((1, 1, 120, 128), (1, 1, 9, 128), False),  # one row past it
+        ((2, 1, 96, 128), (2, 1, 8, 128), False),  # GLM-4.5 decode at batch 2
+    ],
+)
+def test_partial_rotary_decode_shapes_around_the_compiled_bound(query_shape, key_shape, compiled):
+    """Many heads, half the head width rotated, on both sides of the
+    element count up to which calls replay the compiled graph (whose
+    outputs come from MLX's fused Compiled primitives) instead of building
+    the composed ops: the composed bits either way."""
+    norm_rope = CompiledDualHeadNormRope(1e-5, 64, base=1e6, mode="compiled")
+    inputs = random_inputs(query_shape, key_shape, mx.bfloat16, 3)
+    mx.eval(*(array for array in inputs if array is not None))
+    for offset in (0, 12, 13, 4097):
+        outputs = norm_rope(*inputs, offset=offset)
+        fused = any(name.startswith("Compiled") for name in graph_primitives(*outputs))
+        assert fused is compiled, f"{query_shape} {key_shape}: compiled graph {fused}"
+        assert_matches_composed(outputs, inputs, eps=1e-5, dims=64, base=1e6,
+                                traditional=False, scale=1.0, offset=offset,
+                                context=f"{query_shape} {key_shape} offset={offset}")
 
 
 def test_offsets_as_mlx_rope_takes_them():

@@ -130,7 +130,7 @@ def test_scaled_ropes_give_their_modules_bits(mode, dtype, traditional, offset):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_prefill_sizes_and_full_width_dims(mode):
-    """More than 48 rows (the plain builder in compiled mode), dims equal
+    """Prefill sizes (the plain builder in compiled mode), dims equal
     to the head width, and unweighted or mixed-weight layouts."""
     for name, rope in scaled_ropes(128).items():
         dims, traditional, input_scale = constants_of(rope)
