@@ -36,8 +36,9 @@
  * (1, 1, 96+8, 128) with 64 dims rotated (GLM-4.5's decode, 13312
  * elements), 0.86x at (1, 2, 48+4, 128), 0.78x at (1, 1, 64+8, 256); past
  * the bound 1.08x at (1, 2, 96+8, 128) (26624 elements). The cache graphs
- * (apply_with_cache) keep the bound of COMPILED_GRAPH_MAX_ROWS rows: their
- * slice updates were not measured past it. Empty inputs take the plain
+ * (apply_with_cache, with fetch) take the same bound: 0.73x at GLM-4.5's
+ * decode with a 256-row cache, 0.74x at (1, 1, 16+8, 128), 0.77x at
+ * (1, 2, 48+4, 128), and 0.99x past it at (1, 2, 96+8, 128). Empty inputs take the plain
  * builder too, on the CPU stream (nothing to compute, as dual_head_norm.c
  * does for rms_norm).
  *
@@ -97,8 +98,8 @@ static const char BUILD_NORM_ROPE_GRAPH_OPERATION[] = "dual_head_norm_rope_graph
 static const int HEAD_MAJOR_AXES[4] = {0, 2, 1, 3};
 enum { ATTENTION_INPUT_RANK = 4 };
 
-enum { COMPILED_GRAPH_MAX_ROWS = 48 };
-/* The norm + RoPE graphs' bound (see the file comment): 128 rows of 128. */
+/* The compiled graphs' bound, with or without the cache write (see the
+ * file comment): 128 rows of 128. */
 enum { COMPILED_GRAPH_MAX_ELEMENTS = 16384 };
 
 /* ---- The fused backend --------------------------------------------------- */
@@ -573,16 +574,13 @@ static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
  * plain builder otherwise (see the file comment): the norm + RoPE graphs
  * by elements, the cache graphs by rows. */
 static bool takes_compiled_graph(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                                 const dualnorm_layout_graphs* graphs,
                                  const dual_head_norm_call* call) {
   const head_norm_input* queries = &call->queries;
   const head_norm_input* keys = &call->keys;
   if (norm_rope->mode == MLX_DUALNORM_MODE_COMPOSED || queries->size == 0 || keys->size == 0) {
     return false;
   }
-  return graphs == &norm_rope->graphs
-             ? queries->size + keys->size <= COMPILED_GRAPH_MAX_ELEMENTS
-             : queries->rows + keys->rows <= COMPILED_GRAPH_MAX_ROWS;
+  return queries->size + keys->size <= COMPILED_GRAPH_MAX_ELEMENTS;
 }
 
 /* Whether MLX's RoPE reads the offset of this side in bounds: a scalar, or
@@ -672,7 +670,7 @@ static int run_layout_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_r
                             const dual_head_norm_call* call, int layout,
                             const mlx_vector_array inputs, const char* operation,
                             mlx_dualnorm_error* error) {
-  bool compiled = takes_compiled_graph(norm_rope, graphs, call);
+  bool compiled = takes_compiled_graph(norm_rope, call);
   pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
   bool closed = norm_rope->closed;
   int apply_status = 0;

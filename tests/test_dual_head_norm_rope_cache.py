@@ -65,7 +65,7 @@ def composed_with_cache(norm_rope, queries, keys, values, query_weight, key_weig
         (mx.bfloat16, 1, 1, CAPACITY - 1),
         (mx.float16, 2, 1, 5),
         (mx.float32, 1, 4, 60),
-        (mx.bfloat16, 1, 9, 3),  # 54 rows: the plain graph
+        (mx.bfloat16, 1, 25, 3),  # 19200 elements: the plain graph
         (mx.bfloat16, 1, 0, 7),  # nothing to write
     ],
 )
@@ -234,7 +234,7 @@ def fetched(outputs, end):
 @pytest.mark.parametrize(
     "dtype, batch, length, write_offset",
     [(mx.bfloat16, 1, 1, 37), (mx.float16, 2, 1, 0), (mx.float32, 1, 3, 61),
-     (mx.bfloat16, 1, 1, CAPACITY - 1), (mx.bfloat16, 1, 9, 3)],
+     (mx.bfloat16, 1, 1, CAPACITY - 1), (mx.bfloat16, 1, 25, 3)],
 )
 def test_fetch_adds_the_rows_update_and_fetch_returns(mode, dtype, batch, length, write_offset):
     norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode=mode)
