@@ -234,7 +234,7 @@ def test_a_raising_norm_pair_runs_the_original(monkeypatch):
     def broken(eps):
         raise RuntimeError("broken")
 
-    monkeypatch.setattr(head_norms, "_dual_norm_for", broken)
+    monkeypatch.setattr(head_norms, "dual_norm_for", broken)
     with integration.patch():
         patched = greedy_generate(model, PROMPT, 4)
     assert compare_traces(reference, patched).identical

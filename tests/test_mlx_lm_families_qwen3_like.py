@@ -20,7 +20,7 @@ from conftest import assert_bit_identical  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm import qwen3_like  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import head_norms, qwen3_like  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     DEFAULT_DTYPES,
@@ -176,7 +176,7 @@ def test_greedy_generation_is_bit_identical(name, call_counts):
     integration.clear_cache()
     check_family(model, engaged, left_alone, call_counts)
     # A layer without RoPE had its norm alone fused.
-    assert bool(qwen3_like._head_norms) == bool(set(without_rope) & set(engaged))
+    assert bool(head_norms._dual_norms) == bool(set(without_rope) & set(engaged))
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

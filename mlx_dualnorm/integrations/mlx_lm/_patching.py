@@ -202,5 +202,4 @@ def clear_cache() -> None:
     next call of each key builds and probes it again."""
     gated_delta.clear_folds()
     full_attention.clear_norm_ropes()
-    qwen3_like.clear_head_norms()
     head_norms.clear_dual_norms()

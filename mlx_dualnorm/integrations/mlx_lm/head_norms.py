@@ -133,7 +133,10 @@ _dual_norms: dict = {}
 _dual_norms_lock = threading.Lock()
 
 
-def _dual_norm_for(eps) -> Optional[CompiledDualHeadNorm]:
+def dual_norm_for(eps) -> Optional[CompiledDualHeadNorm]:
+    """The CompiledDualHeadNorm of epsilon ``eps`` (and of the mode the
+    integration runs in), built once and shared by every layer whose q/k
+    norm pair it computes; None once the cache is full."""
     mode = full_attention._full_attention_mode
     return cached_or_built(
         _dual_norms, _dual_norms_lock, (mode, eps, type(eps)),
@@ -158,7 +161,7 @@ def _normalized_pair(queries, keys, query_norm, key_norm):
     if kind_and_epsilon is None:
         return None
     kind, eps = kind_and_epsilon
-    dual_norm = _dual_norm_for(eps)
+    dual_norm = dual_norm_for(eps)
     if dual_norm is None:
         return None
     return dual_norm(queries, keys, kind.weight(query_norm, queries), kind.weight(key_norm, keys))

@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
-from mlx_dualnorm.integrations.mlx_lm import full_attention
+from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms
 from mlx_dualnorm.integrations.mlx_lm._shared import (
     PLAIN_SCALAR_TYPES,
     cached_or_built,
@@ -56,8 +56,6 @@ from mlx_dualnorm.integrations.mlx_lm.full_attention import (
 # what is built, or None where the layer has no q/k norms.
 NormsRead = Optional[tuple]
 
-_head_norms: dict = {}
-_head_norms_lock = threading.Lock()
 # (type(eps), eps) -> an nn.RMSNorm of that eps, standing for norms that
 # compute nn.RMSNorm's expression without being one (or have no module).
 _stand_in_norms: dict = {}
@@ -179,20 +177,12 @@ class Layout:
 
 
 def _head_norm_for(query_norm, key_norm) -> Optional[CompiledDualHeadNorm]:
-    """The cached CompiledDualHeadNorm of a layer without RoPE, or None
-    where its norms are not nn.RMSNorm with one plain eps."""
-    mode = full_attention._full_attention_mode
-    key = (mode, type(query_norm), type(key_norm), query_norm.eps, type(query_norm.eps),
-           key_norm.eps, type(key_norm.eps))
-    head_norm = _head_norms.get(key)
-    if head_norm is not None or not _is_plain_norm(query_norm, key_norm):
-        return head_norm
-    eps = query_norm.eps
-    return cached_or_built(
-        _head_norms, _head_norms_lock, key,
-        lambda: CompiledDualHeadNorm(eps, **({} if mode is None else {"mode": mode})),
-        None,
-    )
+    """The CompiledDualHeadNorm of a layer without RoPE (the one every
+    norm pair of that eps shares, head_norms'), or None where its norms are
+    not nn.RMSNorm with one plain eps."""
+    if not _is_plain_norm(query_norm, key_norm):
+        return None
+    return head_norms.dual_norm_for(query_norm.eps)
 
 
 def _is_plain_norm(query_norm, key_norm) -> bool:
@@ -304,8 +294,3 @@ QWEN3_LIKE_FAMILIES = (
 )
 register_attention_families(*QWEN3_LIKE_FAMILIES)
 
-
-def clear_head_norms() -> None:
-    """Drops every cached norm object of layers without RoPE."""
-    with _head_norms_lock:
-        _head_norms.clear()
