@@ -397,6 +397,38 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
                                 arguments);
   }
 
+  /* The cache write's outputs given memory and registered with the
+   * encoder: fresh rotated queries; each buffer its input's memory
+   * (take_buffer_or_allocate) or fresh memory, whose other rows the launch
+   * then copies (`params`' key_source / value_source); the fetched views
+   * (outputs 3 and 4) sharing the buffers' memory once they have it. */
+  template <typename Params>
+  void prepare_cache_outputs(mx::cu::CommandEncoder& encoder,
+                             const std::vector<mx::array>& inputs,
+                             std::vector<mx::array>& outputs, Params& params) const {
+    const mx::array& key_cache = inputs[kKeyCacheInput];
+    const mx::array& value_cache = inputs[kValueCacheInput];
+    outputs[0].set_data(output_memory(outputs[0].nbytes(), encoder));
+    // Every output of this node holds its own copy of the node's inputs.
+    const size_t holders = outputs.size();
+    if (!take_buffer_or_allocate(key_cache, outputs[1], holders, encoder)) {
+      params.key_source = strided_rows(key_cache);
+    }
+    if (!take_buffer_or_allocate(value_cache, outputs[2], holders, encoder)) {
+      params.value_source = strided_rows(value_cache);
+    }
+    if (cache_->fetch) {
+      make_fetched_view(outputs[1], outputs[3]);
+      make_fetched_view(outputs[2], outputs[4]);
+    }
+    for (const auto& input : inputs) {
+      encoder.set_input_array(input);
+    }
+    for (size_t output = 0; output < 3; ++output) {
+      encoder.set_output_array(outputs[output]);
+    }
+  }
+
   /* The launch with the KV-cache write: the keys rotated into their rows of
    * the key buffer, the values transposed into theirs, and each buffer
    * either the input's memory (written in place) or a fresh one the same
@@ -419,27 +451,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     params.values = strided_rows(values);
     params.value_capacity = value_cache.shape(kCacheRowAxis);
     params.first_row = cache_->first_row;
-    outputs[0].set_data(output_memory(outputs[0].nbytes(), encoder));
-    // Every output of this node holds its own copy of the node's inputs.
-    const size_t holders = outputs.size();
-    // The fetched views (outputs 3 and 4) share the buffers' memory, set
-    // below once the buffers have theirs.
-    if (!take_buffer_or_allocate(key_cache, outputs[1], holders, encoder)) {
-      params.key_source = strided_rows(key_cache);
-    }
-    if (!take_buffer_or_allocate(value_cache, outputs[2], holders, encoder)) {
-      params.value_source = strided_rows(value_cache);
-    }
-    if (cache_->fetch) {
-      make_fetched_view(outputs[1], outputs[3]);
-      make_fetched_view(outputs[2], outputs[4]);
-    }
-    for (const auto& input : inputs) {
-      encoder.set_input_array(input);
-    }
-    for (size_t output = 0; output < 3; ++output) {
-      encoder.set_output_array(outputs[output]);
-    }
+    prepare_cache_outputs(encoder, inputs, outputs, params);
     void* query_data = mx::gpu_ptr<void>(queries);
     void* key_data = mx::gpu_ptr<void>(inputs[kKeysInput]);
     void* value_data = mx::gpu_ptr<void>(values);
