@@ -91,6 +91,7 @@
  * apply are the operation itself. */
 static const char COMPILE_NORM_ROPE_OPERATION[] = "dual_head_norm_rope";
 static const char APPLY_NORM_ROPE_OPERATION[] = "dual_head_norm_rope";
+static const char APPLY_NORM_ROPE_CACHE_OPERATION[] = "dual_head_norm_rope_with_cache";
 static const char CLOSE_NORM_ROPE_OPERATION[] = "dual_head_norm_rope_close";
 static const char BUILD_NORM_ROPE_GRAPH_OPERATION[] = "dual_head_norm_rope_graph";
 
@@ -570,9 +571,8 @@ static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
   return status;
 }
 
-/* The compiled graph for decode-sized, non-empty calls of `graphs`; the
- * plain builder otherwise (see the file comment): the norm + RoPE graphs
- * by elements, the cache graphs by rows. */
+/* The compiled graph for decode-sized, non-empty calls, with or without the
+ * cache write; the plain builder otherwise (see the file comment). */
 static bool takes_compiled_graph(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
                                  const dual_head_norm_call* call) {
   const head_norm_input* queries = &call->queries;
@@ -611,8 +611,6 @@ typedef struct {
   int write_offset;
   /* Whether the outputs also hold the rows fetched for attention. */
   bool fetch;
-  /* The label of the call's errors. */
-  const char* operation;
 } cache_write;
 
 /* One launch of the fused backend, the object held open for the duration:
@@ -623,7 +621,8 @@ static int apply_fused_kernel(mlx_vector_array* res, mlx_dualnorm_dual_head_norm
                               const dual_head_norm_call* call, const mlx_array rope_offset,
                               const mlx_array freqs, const cache_write* cache,
                               mlx_dualnorm_error* error) {
-  const char* operation = cache != NULL ? cache->operation : APPLY_NORM_ROPE_OPERATION;
+  const char* operation =
+      cache != NULL ? APPLY_NORM_ROPE_CACHE_OPERATION : APPLY_NORM_ROPE_OPERATION;
   const mlx_dualnorm_fused_rope_backend* backend = norm_rope->fused_backend;
   pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
   bool closed = norm_rope->closed;
@@ -811,8 +810,6 @@ void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* nor
  * to the buffer's dtype: the same bits in every element. The graphs are
  * compiled per input shape as the norm + RoPE's, so a buffer that grew
  * traces once per capacity. */
-
-static const char APPLY_NORM_ROPE_CACHE_OPERATION[] = "dual_head_norm_rope_with_cache";
 
 /* The cache axis of (B, H, capacity, D) buffers, where rows are written. */
 static const int CACHE_ROW_AXIS[1] = {2};
@@ -1137,7 +1134,7 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
   if (status != MLX_DUALNORM_OK) {
     return status;
   }
-  const cache_write write = {values, key_cache, value_cache, write_offset, fetch, operation};
+  const cache_write write = {values, key_cache, value_cache, write_offset, fetch};
   if (facts.fused && one_launch_takes(norm_rope, call, &write)) {
     return apply_fused_kernel(res, norm_rope, call, rope_offset, freqs, &write, error);
   }
