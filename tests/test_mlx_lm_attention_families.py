@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 
 from mlx_dualnorm._bits import count_bit_differences  # noqa: E402
@@ -61,10 +62,21 @@ EXPECTED_LAYERS = {
 ONE_PLUS_WEIGHT_MODELS = ("gemma3_text", "gear", "minimax_m3_vl", "plamo3")
 
 
+# Models whose engaged layers (some or all) take the norm + RoPE call: the
+# layers whose RoPE it computes, their norms per head before or after the
+# transpose.
+NORM_ROPE_MODELS = (
+    "openelm", "bailing_moe", "bailing_moe_linear", "gemma3_text", "plamo3", "gemma3n",
+    "gemma4_text",
+)
+
+
 @pytest.fixture
 def pair_calls(monkeypatch):
-    """Counts the q/k norm pair calls that went through the package, and
-    those that did not (the layer then ran mlx-lm's own __call__)."""
+    """Counts the q/k norm (+ RoPE) calls that went through the package, and
+    those that did not (the layer then ran mlx-lm's own __call__). A norm +
+    RoPE prework that does not apply (None) is followed by the q/k norm
+    pair, which counts the call."""
     counts = {"package": 0, "original": 0}
     for name in ("normalized_pair", "normalized_rotated_heads"):
         entry_point = getattr(head_norms, name)
@@ -75,6 +87,14 @@ def pair_calls(monkeypatch):
             return result
 
         monkeypatch.setattr(head_norms, name, counting)
+    norm_rope_prework = full_attention.prework_and_cache_update
+
+    def counting_norm_rope(*arguments):
+        result = norm_rope_prework(*arguments)
+        counts["package"] += result is not None
+        return result
+
+    monkeypatch.setattr(full_attention, "prework_and_cache_update", counting_norm_rope)
     return counts
 
 
@@ -144,9 +164,9 @@ def test_greedy_generation_is_bit_identical(model_type, pair_calls, norm_module_
     assert_traces_identical(reference, patched)
     assert (engaged, left_alone) == EXPECTED_LAYERS[model_type]
     assert modes == {"fused" if "fused" in available_modes() else "compiled"}
-    # gemma3n's and gemma4_text's layers: norms and RoPE (plain or, gemma4's
-    # global layers, proportional) in one call.
-    assert (norm_ropes > 0) is (model_type in ("gemma3n", "gemma4_text"))
+    # Norms and RoPE (plain or scaled, such as gemma4's proportional one on
+    # its global layers) in one call where the layer's RoPE is covered.
+    assert (norm_ropes > 0) is (model_type in NORM_ROPE_MODELS)
     # Every engaged layer at the prompt and every generated step, through
     # the package, its norm modules not called; the others as before.
     assert pair_calls == {"package": engaged * (GENERATED_TOKENS + 2), "original": 0}
@@ -324,6 +344,46 @@ def test_training_gradients_are_bit_identical(model_type, pair_calls):
     unpatched, bit for bit, with the package engaged."""
     assert_gradients_match(build_synthetic_model(model_type))
     assert pair_calls["package"] > 0 and pair_calls["original"] == 0
+
+
+# The families whose layers normalize after the transpose and take the norm +
+# RoPE call at one-token steps, one per norm class.
+HEADS_FIRST_NORM_ROPE_MODELS = ("gemma3_text", "plamo3", "bailing_moe", "openelm")
+
+
+@pytest.mark.parametrize("with_cache", [False, True], ids=["no-cache", "kv-cache"])
+@pytest.mark.parametrize("model_type", HEADS_FIRST_NORM_ROPE_MODELS)
+def test_one_token_step_gradients_are_bit_identical(model_type, with_cache, pair_calls):
+    """A one-token step of two sequences, alone or after a prefill into
+    mlx-lm's caches (the step then writes its KVCache in the package's
+    call): the loss and every gradient, the norm weights' included, have
+    mlx-lm's bits, through the norm + RoPE call that normalizes before the
+    transpose."""
+    model = build_synthetic_model(model_type)
+    prompts = mx.array([[(7 * column + 3 + row) % 512 for column in range(8)] for row in range(2)])
+    steps, targets = mx.array([[5], [9]]), mx.array([[17], [3]])
+
+    def step_loss(model):
+        cache = None
+        if with_cache:
+            cache = make_prompt_cache(model)
+            model(prompts, cache=cache)
+        logits = model(steps, cache=cache)
+        return nn.losses.cross_entropy(logits.astype(mx.float32), targets).mean()
+
+    loss_and_grad = nn.value_and_grad(model, step_loss)
+    loss, gradients = loss_and_grad(model)
+    with integration.patch():
+        patched_loss, patched_gradients = loss_and_grad(model)
+        norm_ropes = len(full_attention._norm_ropes)
+    assert norm_ropes > 0 and pair_calls["original"] == 0
+    assert_bit_identical(patched_loss, loss)
+    flat_gradients = dict(tree_flatten(gradients))
+    flat_patched_gradients = tree_flatten(patched_gradients)
+    assert len(flat_patched_gradients) == len(flat_gradients)
+    assert any(path.endswith("norm.weight") for path, _ in flat_patched_gradients)
+    for path, gradient in flat_patched_gradients:
+        assert_bit_identical(gradient, flat_gradients[path], path)
 
 
 @pytest.mark.parametrize("model_type", ONE_PLUS_WEIGHT_MODELS)

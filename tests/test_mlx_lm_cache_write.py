@@ -20,6 +20,7 @@ from test_mlx_lm_full_attention import build_model  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import full_attention  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model  # noqa: E402
 
 PROMPT_LENGTH = 250
 DECODE_STEPS = 12  # the step writing row 256 grows the buffer
@@ -111,13 +112,29 @@ def runs_identical(reference, patched) -> bool:
 UNPATCHED_ATTEMPTS = 4
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
+# Families whose attention writes the cache in the norm + RoPE call: the
+# qwen3 shapes, the qwen3-like shape with partial rotary (glm4_moe), and
+# the shapes that normalize after the transpose, with the weight of each
+# norm class (gemma3_text's 1 + w on its global layers, plamo3's w + offset,
+# bailing_moe's and openelm's w).
+CACHE_WRITING_FAMILIES = (
+    "qwen3", "qwen3_next", "glm4_moe", "gemma3_text", "plamo3", "bailing_moe", "openelm",
+)
+
+
+def build_cache_model(model_type):
+    if model_type == "qwen3":
+        return build_model(model_type)
+    return build_synthetic_model(model_type)
+
+
+@pytest.mark.parametrize("model_type", CACHE_WRITING_FAMILIES)
 def test_decode_across_a_buffer_growth_is_bit_identical(model_type, one_call_writes):
     """On CPU one outcome, which the patched run must give. MLX's CUDA
     backend gives one of two outcomes from run to run across a buffer
     growth, unpatched as patched (docs/results/2026-12-01-h200-families.md):
     there the patched run must give one that unpatched runs give."""
-    model = build_model(model_type)
+    model = build_cache_model(model_type)
 
     def run():
         cache = cache_module.make_prompt_cache(model)

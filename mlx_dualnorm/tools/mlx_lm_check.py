@@ -245,7 +245,7 @@ _PREWORKS = (
     # A KVCache / BatchKVCache step's norm + RoPE with the cache write (the
     # prework above then runs only where this one returns None).
     (full_attention, "_written_in_one_call"),
-    (qwen3_like, "_prework"),
+    (qwen3_like, "_normalized_heads"),  # its layers without RoPE
     (head_norms, "normalized_pair"),
     (head_norms, "normalized_rotated_heads"),
 )

@@ -30,7 +30,7 @@ import importlib
 import sys
 import threading
 import weakref
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -239,31 +239,41 @@ def _scaled_norm_rope_for(rope, query_norm, key_norm):
     return functools.partial(norm_rope, freqs=_rope_table(rope))
 
 
-def _layer_norm_rope(attention):
-    """(norm_rope, query_weight, key_weight) of a layer, norm_rope None where
-    the layer's norms or RoPE are not what it computes."""
+class LayerPrework(NamedTuple):
+    """What a layer's q/k prework is made of, read at each call: its RoPE
+    module, its two norms as ``nn.RMSNorm`` modules (or stand-ins of the
+    same eps for norm classes that compute ``rms_norm`` with another
+    weight: only their type and eps are read) and the weights those norms
+    pass to ``rms_norm`` (None for none)."""
+
+    rope: object
+    query_norm: object
+    key_norm: object
+    query_weight: Optional[mx.array]
+    key_weight: Optional[mx.array]
+
+
+def _layer_prework(attention) -> LayerPrework:
+    """The prework of a qwen3-shaped layer (``rope``, ``q_norm``,
+    ``k_norm``), read as items where the module keeps them so."""
     item = _module_item
     rope, query_norm = item(attention, "rope"), item(attention, "q_norm")
     key_norm = item(attention, "k_norm")
     if rope is None or query_norm is None or key_norm is None:  # not kept as items
         rope, query_norm, key_norm = attention.rope, attention.q_norm, attention.k_norm
-    norm_rope = _norm_rope_for(rope, query_norm, key_norm)
-    if norm_rope is None:
-        return None, None, None
     query_weight, key_weight = item(query_norm, "weight"), item(key_norm, "weight")
     if query_weight is None or key_weight is None:
         query_weight, key_weight = query_norm.weight, key_norm.weight
-    return norm_rope, query_weight, key_weight
+    return LayerPrework(rope, query_norm, key_norm, query_weight, key_weight)
 
 
-def _rotated_queries_and_keys(attention, queries, keys, cache):
+def _rotated_queries_and_keys(norm_rope, prework: LayerPrework, queries, keys, cache):
     """(B, H, L, D) queries and keys, normalized and rotated in one call, or
     None (the caller then runs the class's own __call__)."""
     try:
-        norm_rope, query_weight, key_weight = _layer_norm_rope(attention)
-        if norm_rope is None:
-            return None
-        return rotated_at_cache_offset(norm_rope, queries, keys, query_weight, key_weight, cache)
+        return rotated_at_cache_offset(
+            norm_rope, queries, keys, prework.query_weight, prework.key_weight, cache
+        )
     except Exception as error:  # anything unexpected runs mlx-lm's own code instead
         log_fallback_once("the full-attention norm + RoPE", error)
         return None
@@ -304,15 +314,14 @@ def _cache_classes() -> tuple:
     return _written_cache_classes
 
 
-def _written_in_one_call(attention, queries, keys, values, cache):
+def _written_in_one_call(norm_rope, prework: LayerPrework, queries, keys, values, cache):
     """What ``update_and_fetch`` of a ``KVCache`` or ``BatchKVCache`` (exact
     types) returns, with the norm + RoPE and both buffer writes in ONE call
     (:meth:`CompiledDualHeadNormRope.apply_with_cache`), the cache left as
     the class leaves it: ``(rotated queries, keys, values)``. None where
-    the call does not apply (another cache, a step that grows the buffer,
-    a layer the package does not compute); the caller then takes the
-    two-step path, whose ``update_and_fetch`` grows the buffer as the class
-    does."""
+    the call does not apply (another cache, a step that grows the buffer);
+    the caller then takes the two-step path, whose ``update_and_fetch``
+    grows the buffer as the class does."""
     cache_type = type(cache)
     classes = _cache_classes()
     batched = len(classes) > 1 and cache_type is classes[1]
@@ -324,17 +333,14 @@ def _written_in_one_call(attention, queries, keys, values, cache):
     if buffer is None or row + length > buffer.shape[2]:
         return None
     try:
-        norm_rope, query_weight, key_weight = _layer_norm_rope(attention)
-        if norm_rope is None:
-            return None
         table = {}
         if type(norm_rope) is functools.partial:  # a scaled RoPE: the object and its table
             norm_rope, table = norm_rope.func, norm_rope.keywords
         rotated_queries, written_keys, written_values, fetched_keys, fetched_values = (
             norm_rope.apply_with_cache(
-                queries, keys, values, query_weight, key_weight, key_cache=buffer,
-                value_cache=cache.values, offset=cache.offset, write_offset=row, fetch=True,
-                **table,
+                queries, keys, values, prework.query_weight, prework.key_weight,
+                key_cache=buffer, value_cache=cache.values, offset=cache.offset,
+                write_offset=row, fetch=True, **table,
             )
         )
     except Exception as error:  # the cache is untouched: the two-step path runs instead
@@ -357,19 +363,29 @@ def _written_in_one_call(attention, queries, keys, values, cache):
     return rotated_queries, fetched_keys, fetched_values
 
 
-def _prework_and_cache_update(attention, queries, keys, values, cache):
+def prework_and_cache_update(prework: LayerPrework, queries, keys, values, cache):
     """The q/k prework and the cache update of a full-attention layer, for
     queries ``(B, L, Hq, D)``, keys ``(B, L, Hk, D)`` and values
     ``(B, L, Hk, Dv)`` as the projections give them: ``(queries, keys,
-    values)`` ready for attention, ``(B, H, L', D)``, or None (the caller
+    values)`` ready for attention, ``(B, H, L', D)``, or None where the
+    layer's norms or RoPE are not what the package computes (the caller
     then runs the class's own __call__). One call of the package for a
     ``KVCache`` / ``BatchKVCache`` step within the buffer; otherwise the
     norm + RoPE call, then ``cache.update_and_fetch``. For any family whose
-    attention is ``rms_norm`` + ``nn.RoPE`` of q and k before the cache."""
-    written = _written_in_one_call(attention, queries, keys, values, cache)
+    attention is ``rms_norm`` + RoPE of q and k before the cache: the
+    norms of ``(B, L, H, D)`` heads and of their ``(B, H, L, D)``
+    transposes are the same rows, normalized alike."""
+    try:
+        norm_rope = _norm_rope_for(prework.rope, prework.query_norm, prework.key_norm)
+    except Exception as error:  # anything unexpected runs mlx-lm's own code instead
+        log_fallback_once("the full-attention norm + RoPE", error)
+        return None
+    if norm_rope is None:
+        return None
+    written = _written_in_one_call(norm_rope, prework, queries, keys, values, cache)
     if written is not None:
         return written
-    rotated = _rotated_queries_and_keys(attention, queries, keys, cache)
+    rotated = _rotated_queries_and_keys(norm_rope, prework, queries, keys, cache)
     if rotated is None:
         return None
     rotated_queries, rotated_keys = rotated
@@ -379,6 +395,14 @@ def _prework_and_cache_update(attention, queries, keys, values, cache):
     return rotated_queries, rotated_keys, values
 
 
+def _prework_and_cache_update(attention, queries, keys, values, cache):
+    """:func:`prework_and_cache_update` of a qwen3-shaped layer."""
+    try:
+        prework = _layer_prework(attention)
+    except Exception as error:  # anything unexpected runs mlx-lm's own code instead
+        log_fallback_once("the full-attention norm + RoPE", error)
+        return None
+    return prework_and_cache_update(prework, queries, keys, values, cache)
 
 
 def _attention_output(attention, queries, keys, values, cache, mask, batch, length):

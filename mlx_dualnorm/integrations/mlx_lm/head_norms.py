@@ -167,6 +167,40 @@ def _normalized_pair(queries, keys, query_norm, key_norm):
     return dual_norm(queries, keys, kind.weight(query_norm, queries), kind.weight(key_norm, keys))
 
 
+_stand_in_norms: dict = {}
+_stand_in_norms_lock = threading.Lock()
+
+
+def stand_in_norm(eps) -> nn.RMSNorm:
+    """An ``nn.RMSNorm`` of epsilon ``eps``, standing for norms that compute
+    ``rms_norm`` with that eps without being one (another weight, or no
+    module at all) where the package reads a norm's type and eps only."""
+    stand_in = cached_or_built(
+        _stand_in_norms, _stand_in_norms_lock, (type(eps), eps), lambda: nn.RMSNorm(1, eps),
+        None,
+    )
+    return nn.RMSNorm(1, eps) if stand_in is None else stand_in
+
+
+def norm_rope_prework(rope, query_norm, key_norm, queries, keys):
+    """The prework of a layer whose q/k norms of a known class are followed
+    by ``rope``, as :func:`~.full_attention.prework_and_cache_update` takes
+    it: the RoPE, the norms (stand-ins of their eps where they are not
+    ``nn.RMSNorm``) and the weights each norm passes to ``rms_norm``, read
+    now; None where the norms are not a known pair or ``rope`` is not one
+    the norm + RoPE call computes (``nn.RoPE``, the scaled RoPEs)."""
+    if type(rope) is not nn.RoPE and type(rope) not in full_attention.SCALED_ROPE_CLASSES:
+        return None
+    kind_and_epsilon = _kind_and_epsilon(query_norm, key_norm)
+    if kind_and_epsilon is None:
+        return None
+    kind, eps = kind_and_epsilon
+    weights = kind.weight(query_norm, queries), kind.weight(key_norm, keys)
+    if kind is not _PLAIN:
+        query_norm = key_norm = stand_in_norm(eps)
+    return full_attention.LayerPrework(rope, query_norm, key_norm, *weights)
+
+
 def normalized_rotated_heads(queries, keys, query_norm, key_norm, rope, offset):
     """(B, H, L, D) queries and keys from (B, L, H, D) heads: normalized,
     transposed and rotated by ``rope(x, offset=offset)``, as mlx-lm's

@@ -20,9 +20,11 @@ import sys
 
 import mlx.core as mx
 
-from mlx_dualnorm.integrations.mlx_lm import head_norms
+from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms
+from mlx_dualnorm.integrations.mlx_lm._shared import log_fallback_once
 from mlx_dualnorm.integrations.mlx_lm.full_attention import (
     AttentionFamily,
+    _attended,
     _attention_output,
     register_attention_families,
 )
@@ -34,32 +36,64 @@ def _model_module(attention):
 
 
 def _projected_attention(attention, output_projection, projections, norms, call_arguments):
-    """``output_projection`` of the attention over (B, H, L, D) queries, keys
-    and values, q and k normalized by ``norms`` in one call and rotated by
-    the layer's RoPE; the class's own ``__call__`` on ``call_arguments``
-    (x, mask, cache) where the pair is not what the package computes."""
+    """``output_projection`` of the attention over queries, keys and values
+    given as ``(B, L, H, D)`` heads. mlx-lm transposes them to ``(B, H, L,
+    D)`` before its norms. A one-token call (decode) whose norms and RoPE
+    are what the norm + RoPE call computes makes the q/k prework (with the
+    cache write, where the cache allows) ONE call, which normalizes before
+    the transpose: for ``L == 1`` both layouts hold the rows in the same
+    order, so the forward AND a norm weight's gradient, which sums over the
+    rows in their order, have mlx-lm's bits. Any other call transposes q and
+    k as mlx-lm does, normalizes them by ``norms`` in one call and rotates
+    them by the layer's RoPE. The class's own ``__call__`` on
+    ``call_arguments`` (x, mask, cache) where neither computes the layer."""
     queries, keys, values = projections
-    normalized = head_norms.normalized_pair(queries, keys, *norms)
-    if normalized is None:
-        return type(attention).mlx_dualnorm_original_call(attention, *call_arguments)
     _, mask, cache = call_arguments
-    queries, keys = head_norms.rotated_pair(attention.rope, *normalized, cache)
-    batch, _, length, _ = queries.shape
-    output = _attention_output(attention, queries, keys, values, cache, mask, batch, length)
+    prepared = prework = None
+    if queries.shape[1] == 1:
+        prework = _norm_rope_prework(attention, norms, queries, keys)
+    if prework is not None:
+        prepared = full_attention.prework_and_cache_update(prework, queries, keys, values, cache)
+    if prepared is None:
+        queries, keys, values = (_heads_first(heads) for heads in projections)
+        normalized = head_norms.normalized_pair(queries, keys, *norms)
+        if normalized is None:
+            return type(attention).mlx_dualnorm_original_call(attention, *call_arguments)
+        queries, keys = head_norms.rotated_pair(attention.rope, *normalized, cache)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        prepared = queries, keys, values
+    batch, _, length, _ = prepared[0].shape
+    output = _attended(attention, *prepared, cache, mask, batch, length)
     return output_projection(output)
 
 
-def _heads_first(projected, batch, length, heads, head_dim):
-    return projected.reshape(batch, length, heads, head_dim).transpose(0, 2, 1, 3)
+def _norm_rope_prework(attention, norms, queries, keys):
+    """:func:`~.head_norms.norm_rope_prework` of the layer, or None."""
+    try:
+        return head_norms.norm_rope_prework(attention.rope, *norms, queries, keys)
+    except Exception as error:  # anything unexpected takes the norm pair instead
+        log_fallback_once("the heads-first norm + RoPE", error, "takes the q/k norm pair")
+        return None
 
 
-def _projections_heads_first(attention, x, heads, kv_heads, head_dim):
-    """The layer's q, k and v projections of ``x``, each (B, H, L, D)."""
+def _heads(projected, batch, length, heads, head_dim):
+    """A (B, L, heads * head_dim) projection as (B, L, H, D) heads."""
+    return projected.reshape(batch, length, heads, head_dim)
+
+
+def _heads_first(heads):
+    """(B, L, H, D) heads as mlx-lm's (B, H, L, D)."""
+    return heads.transpose(0, 2, 1, 3)
+
+
+def _projections(attention, x, heads, kv_heads, head_dim):
+    """The layer's q, k and v projections of ``x``, each (B, L, H, D)."""
     batch, length, _ = x.shape
     return (
-        _heads_first(attention.q_proj(x), batch, length, heads, head_dim),
-        _heads_first(attention.k_proj(x), batch, length, kv_heads, head_dim),
-        _heads_first(attention.v_proj(x), batch, length, kv_heads, head_dim),
+        _heads(attention.q_proj(x), batch, length, heads, head_dim),
+        _heads(attention.k_proj(x), batch, length, kv_heads, head_dim),
+        _heads(attention.v_proj(x), batch, length, kv_heads, head_dim),
     )
 
 
@@ -67,18 +101,19 @@ def _normalized_projections_heads_first(attention, x, heads, kv_heads, head_dim)
     """The layer's (B, H, L, D) q, k and v projections of ``x``, q and k
     normalized by ``q_norm`` / ``k_norm`` in one call; None where the pair
     is not what the package computes."""
-    queries, keys, values = _projections_heads_first(attention, x, heads, kv_heads, head_dim)
+    projections = _projections(attention, x, heads, kv_heads, head_dim)
+    queries, keys, values = (_heads_first(heads) for heads in projections)
     normalized = head_norms.normalized_pair(queries, keys, attention.q_norm, attention.k_norm)
     return None if normalized is None else (*normalized, values)
 
 
-def _split_heads_first(projected, batch, length, heads, head_dims):
+def _split_heads(projected, batch, length, heads, head_dims):
     """Queries, keys and values of one fused (B, L, ...) projection, split
-    as mlx-lm splits it (at the query and key widths), each (B, H, L, D)."""
+    as mlx-lm splits it (at the query and key widths), each (B, L, H, D)."""
     query_size, key_size = heads[0] * head_dims[0], heads[1] * head_dims[1]
     parts = mx.split(projected, [query_size, query_size + key_size], axis=-1)
     return [
-        _heads_first(part, batch, length, part_heads, head_dim)
+        _heads(part, batch, length, part_heads, head_dim)
         for part, part_heads, head_dim in zip(parts, heads, head_dims)
     ]
 
@@ -102,8 +137,7 @@ def _afmoe_attention_call(self, x, mask=None, cache=None):
 def _openelm_attention_call(self, x, mask=None, cache=None):
     B, L, _ = x.shape
     qkv = self.qkv_proj(x).reshape(B, L, self.n_heads + (self.n_kv_heads * 2), self.head_dim)
-    qkv = qkv.transpose(0, 2, 1, 3)
-    queries, keys, values = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
+    queries, keys, values = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=2)
     return _projected_attention(
         self, self.out_proj, (queries, keys, values), (self.q_norm, self.k_norm), (x, mask, cache)
     )
@@ -113,7 +147,7 @@ def _bailing_attention_call(self, x, mask=None, cache=None):
     """bailing_moe's and bailing_moe_linear's full attention."""
     B, L, _ = x.shape
     heads = (self.num_attention_heads, self.num_key_value_heads, self.num_key_value_heads)
-    queries, keys, values = _split_heads_first(
+    queries, keys, values = _split_heads(
         self.query_key_value(x), B, L, heads, (self.head_dim,) * 3
     )
     return _projected_attention(
@@ -164,7 +198,7 @@ def _bailing_hybrid_linear_attention_call(self, x, mask=None, cache=None, offset
 def _gemma3_text_attention_call(self, x, mask=None, cache=None):
     """gemma3_text: norms of weight ``1.0 + w``."""
     B, L, _ = x.shape
-    queries, keys, values = _projections_heads_first(self, x, self.n_heads, self.n_kv_heads, -1)
+    queries, keys, values = _projections(self, x, self.n_heads, self.n_kv_heads, -1)
     return _projected_attention(
         self, self.o_proj, (queries, keys, values), (self.q_norm, self.k_norm), (x, mask, cache)
     )
@@ -173,7 +207,7 @@ def _gemma3_text_attention_call(self, x, mask=None, cache=None):
 def _plamo3_attention_call(self, hidden_states, mask=None, cache=None):
     """plamo3: norms of weight ``w + offset`` (their ``scale``)."""
     B, L, _ = hidden_states.shape
-    queries, keys, values = _split_heads_first(
+    queries, keys, values = _split_heads(
         self.qkv_proj(hidden_states), B, L,
         (self.q_num_heads, self.k_num_heads, self.v_num_heads),
         (self.qk_dim, self.qk_dim, self.v_dim),

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import threading
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -38,14 +37,10 @@ import mlx.nn as nn
 
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
 from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms
-from mlx_dualnorm.integrations.mlx_lm._shared import (
-    PLAIN_SCALAR_TYPES,
-    cached_or_built,
-    log_fallback_once,
-)
+from mlx_dualnorm.integrations.mlx_lm._shared import PLAIN_SCALAR_TYPES, log_fallback_once
 from mlx_dualnorm.integrations.mlx_lm.full_attention import (
     AttentionFamily,
-    _attention_output,
+    _attended,
     _is_plain_norm_rope,
     _module_item,
     register_attention_families,
@@ -56,25 +51,12 @@ from mlx_dualnorm.integrations.mlx_lm.full_attention import (
 # what is built, or None where the layer has no q/k norms.
 NormsRead = Optional[tuple]
 
-# (type(eps), eps) -> an nn.RMSNorm of that eps, standing for norms that
-# compute nn.RMSNorm's expression without being one (or have no module).
-_stand_in_norms: dict = {}
-_stand_in_norms_lock = threading.Lock()
-
 
 def _item(module, name: str):
     """``module.name``, read as a dict item where it is one (the quick way,
     see full_attention._module_item); raises AttributeError where absent."""
     value = _module_item(module, name)
     return getattr(module, name) if value is None else value
-
-
-def _stand_in_norm(eps) -> nn.RMSNorm:
-    stand_in = cached_or_built(
-        _stand_in_norms, _stand_in_norms_lock, (type(eps), eps), lambda: nn.RMSNorm(1, eps),
-        None,
-    )
-    return nn.RMSNorm(1, eps) if stand_in is None else stand_in
 
 
 # ---- How a family's layer holds its norms and RoPE ------------------------------
@@ -107,7 +89,7 @@ def _zero_centered_norms(attention) -> NormsRead:
     eps = query_norm.eps
     if type(key_norm.eps) is not type(eps) or key_norm.eps != eps:
         return None
-    stand_in = _stand_in_norm(eps)
+    stand_in = head_norms.stand_in_norm(eps)
     return stand_in, stand_in, _item(query_norm, "weight"), _item(key_norm, "weight")
 
 
@@ -117,7 +99,7 @@ def _weightless_norms(attention) -> NormsRead:
     with no weight."""
     if not attention.use_qk_norm:
         return None
-    stand_in = _stand_in_norm(attention.rms_norm_eps)
+    stand_in = head_norms.stand_in_norm(attention.rms_norm_eps)
     return stand_in, stand_in, None, None
 
 
@@ -194,31 +176,44 @@ def _is_plain_norm(query_norm, key_norm) -> bool:
     )
 
 
-def _prework(layout: Layout, attention, queries, keys, cache):
-    """(B, H, L, D) queries and keys, normalized (and rotated, where the
-    layer has RoPE) by one call of the package, or None (the caller then
-    runs the class's own __call__)."""
+def _normalized_heads(query_norm, key_norm, query_weight, key_weight, queries, keys):
+    """(B, H, L, D) queries and keys of a layer without RoPE, normalized by
+    one call of the package, or None (the caller then runs the class's own
+    __call__)."""
+    try:
+        head_norm = _head_norm_for(query_norm, key_norm)
+        if head_norm is None:
+            return None
+        queries, keys = head_norm(queries, keys, query_weight, key_weight)
+        return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+    except Exception as error:  # anything unexpected runs mlx-lm's own code instead
+        log_fallback_once("the full-attention norm", error)
+        return None
+
+
+def _prework(layout: Layout, attention, queries, keys, values, cache):
+    """Queries, keys and values ready for attention, ``(B, H, L', D)``, the
+    q/k prework one call of the package (norm + RoPE, with the cache write
+    where the cache allows, or the norm alone in a layer without RoPE), or
+    None (the caller then runs the class's own __call__)."""
     try:
         norms = layout.norms(attention)
-        if norms is None:
-            return None
-        query_norm, key_norm, query_weight, key_weight = norms
-        rope = layout.rope(attention)
-        if rope is None:
-            head_norm = _head_norm_for(query_norm, key_norm)
-            if head_norm is None:
-                return None
-            queries, keys = head_norm(queries, keys, query_weight, key_weight)
-            return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
-        norm_rope = full_attention._norm_rope_for(rope, query_norm, key_norm)
-        if norm_rope is None:
-            return None
-        return full_attention.rotated_at_cache_offset(
-            norm_rope, queries, keys, query_weight, key_weight, cache
-        )
+        rope = None if norms is None else layout.rope(attention)
     except Exception as error:  # anything unexpected runs mlx-lm's own code instead
         log_fallback_once("the full-attention norm (+ RoPE)", error)
         return None
+    if norms is None:
+        return None
+    if rope is not None:
+        prework = full_attention.LayerPrework(rope, *norms)
+        return full_attention.prework_and_cache_update(prework, queries, keys, values, cache)
+    normalized = _normalized_heads(*norms, queries, keys)
+    if normalized is None:
+        return None
+    values = values.transpose(0, 2, 1, 3)
+    if cache is not None:
+        return (normalized[0], *cache.update_and_fetch(normalized[1], values))
+    return (*normalized, values)
 
 
 def _engages(layout: Layout, attention) -> bool:
@@ -240,11 +235,11 @@ def _attention_call(layout: Layout):
         query_heads, kv_heads = getattr(self, layout.heads), getattr(self, layout.kv_heads)
         head_queries = self.q_proj(x).reshape(batch, length, query_heads, -1)
         head_keys = self.k_proj(x).reshape(batch, length, kv_heads, -1)
-        prepared = _prework(layout, self, head_queries, head_keys, cache)
+        head_values = self.v_proj(x).reshape(batch, length, kv_heads, -1)
+        prepared = _prework(layout, self, head_queries, head_keys, head_values, cache)
         if prepared is None:
             return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
-        values = self.v_proj(x).reshape(batch, length, kv_heads, -1).transpose(0, 2, 1, 3)
-        output = _attention_output(self, *prepared, values, cache, mask, batch, length)
+        output = _attended(self, *prepared, cache, mask, batch, length)
         return layout.finish(self, x, output, batch, length)
 
     return call
