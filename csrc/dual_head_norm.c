@@ -389,10 +389,11 @@ int mlx_dualnorm_compiled_dual_head_norm_apply(
   dual_head_norm_call call = {0};
   dual_head_norm_route route = COMPILED_GRAPH_ROUTE;
   int status = dualnorm_inspect_head_norm_input(&call.queries, operation, "queries", queries,
-                                                "query_weight", query_scale_weight, error);
+                                                "query_weight", query_scale_weight, false,
+                                                error);
   if (status == MLX_DUALNORM_OK) {
     status = dualnorm_inspect_head_norm_input(&call.keys, operation, "keys", keys,
-                                              "key_weight", key_scale_weight, error);
+                                              "key_weight", key_scale_weight, false, error);
   }
   if (status == MLX_DUALNORM_OK) {
     status = dualnorm_check_float64_placement(&call, operation, error);

@@ -153,11 +153,41 @@ static int scale_rotated_features(mlx_array* scaled, const mlx_array head_major,
   return status;
 }
 
-/* rope(rms_norm(input, weight, eps).transpose(0, 2, 1, 3)) for one side,
+/* rope(rms_norm(input, weight, eps).transpose(0, 2, 1, 3)) for one side
+ * (the norm as normalize_heads takes it),
  * the first `dims` features multiplied by the input scale first where the
  * constants have one; every step on the one stream
  * dualnorm_select_side_stream picks. `freqs` is the call's table (borrowed)
  * or, for an object with a base, an empty handle. */
+/* rms_norm(input, weight, eps) of one (B, L, H, D) side: over each head, or,
+ * for a weight of H * D elements (H > 1, the call's checks allowed it),
+ * over each token's H * D elements as mlx-lm's OLMo-2 normalizes its whole
+ * projection before splitting it into heads: the input as (B, L, H * D),
+ * normalized, then as (B, L, H, D) again. `*normalized` receives a new
+ * handle; every other handle made here is freed. */
+static int normalize_heads(mlx_array* normalized, const mlx_array input,
+                           const mlx_array scale_weight, float rms_norm_epsilon,
+                           const mlx_stream stream) {
+  const int* shape = mlx_array_shape(input);
+  bool spans_heads = scale_weight.ctx != NULL && shape[2] > 1 && shape[3] > 0 &&
+                     mlx_array_shape(scale_weight)[0] == shape[2] * shape[3];
+  if (!spans_heads) {
+    return mlx_fast_rms_norm(normalized, input, scale_weight, rms_norm_epsilon, stream);
+  }
+  const int projection_shape[3] = {shape[0], shape[1], shape[2] * shape[3]};
+  const int head_shape[ATTENTION_INPUT_RANK] = {shape[0], shape[1], shape[2], shape[3]};
+  mlx_array projection = mlx_array_new();
+  mlx_array normalized_projection = mlx_array_new();
+  int status = mlx_reshape(&projection, input, projection_shape, 3, stream) != 0 ||
+               mlx_fast_rms_norm(&normalized_projection, projection, scale_weight,
+                                 rms_norm_epsilon, stream) != 0 ||
+               mlx_reshape(normalized, normalized_projection, head_shape,
+                           ATTENTION_INPUT_RANK, stream) != 0;
+  status |= mlx_array_free(projection);
+  status |= mlx_array_free(normalized_projection);
+  return status;
+}
+
 static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
                                 const mlx_array scale_weight, const mlx_array rope_offset,
                                 const mlx_array freqs, const graph_constants* constants,
@@ -170,8 +200,8 @@ static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
   mlx_array scaled = mlx_array_new();
   int status =
       dualnorm_select_side_stream(&stream, input, default_device) != 0 ||
-      mlx_fast_rms_norm(&normalized, input, scale_weight, constants->rms_norm_epsilon,
-                        stream) != 0 ||
+      normalize_heads(&normalized, input, scale_weight, constants->rms_norm_epsilon,
+                      stream) != 0 ||
       mlx_transpose_axes(&head_major, normalized, HEAD_MAJOR_AXES, ATTENTION_INPUT_RANK,
                          stream) != 0 ||
       (rope->input_scale.has_value &&
@@ -547,11 +577,11 @@ static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
                           mlx_dualnorm_error* error) {
   const char* operation = APPLY_NORM_ROPE_OPERATION;
   int status = dualnorm_inspect_head_norm_input(&call->queries, operation, "queries", queries,
-                                                "query_weight", query_scale_weight,
+                                                "query_weight", query_scale_weight, true,
                                                 error);
   if (status == MLX_DUALNORM_OK) {
     status = dualnorm_inspect_head_norm_input(&call->keys, operation, "keys", keys,
-                                              "key_weight", key_scale_weight, error);
+                                              "key_weight", key_scale_weight, true, error);
   }
   if (status == MLX_DUALNORM_OK) {
     status = inspect_rope_offset(rope_offset, offset, error);
@@ -589,14 +619,24 @@ static bool offset_fits_side(const head_norm_input* side, const rope_offset_inpu
   return offset->rank == 0 || offset->size == (size_t)mlx_array_shape(side->array)[0];
 }
 
+/* Whether a side's normalized rows (a head, or all heads of a token where
+ * the side's norm spans them) fit the kernel's widest row. */
+static bool normalized_rows_fit(const mlx_dualnorm_fused_kernel* kernel,
+                                const head_norm_input* side) {
+  return (long long)side->width * side->norm_heads <= (long long)kernel->max_width;
+}
+
 /* Whether the fused kernel computes exactly what the composed calls would:
- * the inputs fit the kernel (mode_choice.h), an offset MLX reads in
- * bounds, a float32 table if any (others take the graph, where
- * mlx_fast_rope_dynamic converts them), the CUDA GPU by default. */
+ * the inputs fit the kernel (mode_choice.h) and its widest row, an offset
+ * MLX reads in bounds, a float32 table if any (others take the graph,
+ * where mlx_fast_rope_dynamic converts them), the CUDA GPU by default. */
 static int fused_kernel_takes(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
                               dual_head_norm_call* call, const rope_offset_input* offset,
                               const mlx_array freqs, bool* takes, mlx_dualnorm_error* error) {
-  *takes = dualnorm_fused_kernel_fits(&norm_rope->fused_backend->kernel, call) &&
+  const mlx_dualnorm_fused_kernel* kernel = &norm_rope->fused_backend->kernel;
+  *takes = dualnorm_fused_kernel_fits(kernel, call) &&
+           normalized_rows_fit(kernel, &call->queries) &&
+           normalized_rows_fit(kernel, &call->keys) &&
            offset_fits_side(&call->queries, offset) && offset_fits_side(&call->keys, offset) &&
            (freqs.ctx == NULL || mlx_array_dtype(freqs) == MLX_FLOAT32);
   return *takes ? dualnorm_default_device_is_gpu(call, APPLY_NORM_ROPE_OPERATION, takes, error)

@@ -145,7 +145,12 @@ mlx_dualnorm_rope_parameters mlx_dualnorm_dual_head_norm_rope_parameters(
 
 /* Normalizes, transposes to (B, H, L, D) and rotates queries and keys, both
  * of rank 4, with the weights given (an empty weight handle means no weight
- * for that side) and `rope_offset`, an integer array as mlx_fast_rope_dynamic
+ * for that side) and `rope_offset`. A weight of D elements normalizes each
+ * head, as above; a weight of H * D elements (H > 1 heads) normalizes each
+ * token's heads together, as mlx-lm's OLMo-2 normalizes its whole q/k
+ * projection before splitting it into heads: rms_norm(x.reshape(B, L,
+ * H * D), w, eps).reshape(B, L, H, D), then the transpose and RoPE. The
+ * RoPE offset is an integer array as mlx_fast_rope_dynamic
  * takes it (a scalar, or one value per batch entry; mlx-lm's decode passes
  * an int32 scalar). Outputs: two lazy arrays, the rotated queries first,
  * the rotated keys second (ownership: the common life cycle). */

@@ -49,13 +49,14 @@ int dualnorm_select_side_stream(mlx_stream* stream, const mlx_array input,
 
 /* Reads the facts of one side and checks rms_norm's preconditions: at least
  * one dimension; a weight, if any, one-dimensional and as long as the last
- * dimension; and a result dtype, MLX's promotion of the input and weight
+ * dimension (or, where `heads_may_share_norm`, as the last two: see the
+ * header); and a result dtype, MLX's promotion of the input and weight
  * dtypes, that is a real floating type (promotion yields one exactly when
  * neither is complex and at least one is real floating). */
 int dualnorm_inspect_head_norm_input(head_norm_input* side, const char* operation,
                                      const char* input_name, const mlx_array input,
                                      const char* weight_name, const mlx_array weight,
-                                     mlx_dualnorm_error* error) {
+                                     bool heads_may_share_norm, mlx_dualnorm_error* error) {
   if (input.ctx == NULL) {
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
                      "%s is an empty array handle", input_name);
@@ -72,6 +73,7 @@ int dualnorm_inspect_head_norm_input(head_norm_input* side, const char* operatio
   side->rows = side->width > 0 ? side->size / (size_t)side->width : 0;
   side->dtype = mlx_array_dtype(input);
   side->weight_dtype = side->dtype;
+  side->norm_heads = 1;
   if (weight.ctx != NULL) {
     size_t weight_rank = mlx_array_ndim(weight);
     if (weight_rank != 1) {
@@ -79,7 +81,19 @@ int dualnorm_inspect_head_norm_input(head_norm_input* side, const char* operatio
                        "%s must have 1 dimension but has %zu", weight_name, weight_rank);
     }
     int weight_length = mlx_array_shape(weight)[0];
-    if (weight_length != side->width) {
+    /* A weight as long as the last two dimensions together, where the
+     * caller allows it: each norm spans all heads of its (b, l) row. */
+    int all_heads = side->rank >= 2 ? mlx_array_shape(input)[side->rank - 2] : 1;
+    if (heads_may_share_norm && all_heads > 1 && side->width > 0 &&
+        weight_length == all_heads * side->width) {
+      side->norm_heads = all_heads;
+    } else if (weight_length != side->width) {
+      if (heads_may_share_norm && side->rank >= 2) {
+        return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                         "%s has %d elements but the last dimension of %s is %d (or %d "
+                         "for a norm over all %d heads)", weight_name, weight_length,
+                         input_name, side->width, all_heads * side->width, all_heads);
+      }
       return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
                        "%s has %d elements but the last dimension of %s is %d",
                        weight_name, weight_length, input_name, side->width);

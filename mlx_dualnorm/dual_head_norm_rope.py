@@ -12,6 +12,11 @@ offset=offset)`` returns the same two arrays, bit for bit, as::
 the q/k prework of mlx-lm's Qwen3 attention, from one replay of a compiled
 MLX graph: one crossing into C per call, lazy outputs, no copies.
 
+A weight of ``H * D`` elements (more than one head) normalizes each token's
+heads together, as mlx-lm's OLMo-2 normalizes its whole q/k projection
+before splitting it into heads: ``mx.fast.rms_norm(x.reshape(B, L, H * D),
+w, eps).reshape(B, L, H, D)``, then the transpose and RoPE.
+
 Scaled RoPE (mlx-lm's ``Llama3RoPE``, ``YarnRoPE``, ``SuScaledRoPE``):
 ``base=None`` and the frequency table as ``freqs=`` of each call, as
 ``mx.fast.rope(..., base=None, freqs=freqs)``; ``input_scale=s`` multiplies
@@ -77,7 +82,13 @@ def composed_dual_head_norm_rope(
     rms_norm_epsilon = _composite._as_epsilon(eps, COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION)
 
     def normalized_and_rotated(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
-        normalized = mx.fast.rms_norm(inputs, weight, rms_norm_epsilon, stream=stream)
+        batch, length, heads, width = inputs.shape
+        if weight is not None and heads > 1 and width > 0 and weight.shape == (heads * width,):
+            projection = inputs.reshape(batch, length, heads * width, stream=stream)
+            normalized = mx.fast.rms_norm(projection, weight, rms_norm_epsilon, stream=stream)
+            normalized = normalized.reshape(batch, length, heads, width, stream=stream)
+        else:
+            normalized = mx.fast.rms_norm(inputs, weight, rms_norm_epsilon, stream=stream)
         head_major = normalized.transpose(0, 2, 1, 3, stream=stream)
         if input_scale is not None:
             # ArrayAt takes no stream: the default one, set for the call.
@@ -159,7 +170,8 @@ class CompiledDualHeadNormRope(_NativeComposite):
             ``"compiled"``. Every mode gives the same bits.
 
     Call it with queries ``(B, L, Hq, D)``, keys ``(B, L, Hk, D)``, optional
-    ``(D,)`` weights and the RoPE ``offset``: an int, or an integer
+    ``(D,)`` weights (or ``(H * D,)``: one norm over each token's heads) and
+    the RoPE ``offset``: an int, or an integer
     ``mx.array`` (a scalar, or one per batch entry, as ``mx.fast.rope``
     takes). The offset is an input of the graph, not a constant: decoding
     at successive positions replays one trace.
@@ -248,8 +260,10 @@ class CompiledDualHeadNormRope(_NativeComposite):
         Args:
             queries: ``(B, L, Hq, D)`` array.
             keys: ``(B, L, Hk, D)`` array.
-            query_weight: optional ``(D,)`` scale of the query norm.
-            key_weight: optional ``(D,)`` scale of the key norm.
+            query_weight: optional ``(D,)`` scale of the query norm, or
+                ``(Hq * D,)``: one norm over each token's heads (see above).
+            key_weight: optional ``(D,)`` scale of the key norm, or
+                ``(Hk * D,)``.
             offset: position of the first of the ``L`` tokens: an int, or an
                 integer ``mx.array`` (scalar or ``(B,)``), as mlx-lm's
                 ``cache.offset``.
@@ -320,8 +334,10 @@ class CompiledDualHeadNormRope(_NativeComposite):
             queries: ``(B, L, Hq, D)`` array.
             keys: ``(B, L, Hk, D)`` array.
             values: ``(B, L, Hk, Dv)`` array.
-            query_weight: optional ``(D,)`` scale of the query norm.
-            key_weight: optional ``(D,)`` scale of the key norm.
+            query_weight: optional ``(D,)`` scale of the query norm, or
+                ``(Hq * D,)``: one norm over each token's heads (see above).
+            key_weight: optional ``(D,)`` scale of the key norm, or
+                ``(Hk * D,)``.
             key_cache: the key buffer, ``(B, Hk, capacity, D)``.
             value_cache: the value buffer, ``(B, Hk, capacity, Dv)``.
             offset: the RoPE offset, as for ``__call__``.

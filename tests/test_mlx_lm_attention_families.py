@@ -64,10 +64,10 @@ ONE_PLUS_WEIGHT_MODELS = ("gemma3_text", "gear", "minimax_m3_vl", "plamo3")
 
 # Models whose engaged layers (some or all) take the norm + RoPE call: the
 # layers whose RoPE it computes, their norms per head before or after the
-# transpose.
+# transpose, or over the whole projection.
 NORM_ROPE_MODELS = (
     "openelm", "bailing_moe", "bailing_moe_linear", "gemma3_text", "plamo3", "gemma3n",
-    "gemma4_text",
+    "gemma4_text", "olmo2", "olmo3", "olmoe", "minimax", "olmo_hybrid",
 )
 
 

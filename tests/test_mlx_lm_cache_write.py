@@ -118,7 +118,7 @@ UNPATCHED_ATTEMPTS = 4
 # norm class (gemma3_text's 1 + w on its global layers, plamo3's w + offset,
 # bailing_moe's and openelm's w).
 CACHE_WRITING_FAMILIES = (
-    "qwen3", "qwen3_next", "glm4_moe", "gemma3_text", "plamo3", "bailing_moe", "openelm",
+    "qwen3", "qwen3_next", "glm4_moe", "gemma3_text", "plamo3", "bailing_moe", "openelm", "olmo2",
 )
 
 

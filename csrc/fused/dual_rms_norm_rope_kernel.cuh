@@ -21,6 +21,11 @@
  *   3. writes the row where transpose(0, 2, 1, 3) puts it: input row
  *      (b, l, h) of (B, L, H, D) becomes output row (b, h, l) of the
  *      row-contiguous (B, H, L, D).
+ * A side normalized over all its heads at once (`row_heads` = H, OLMo-2's
+ * norm over each token's whole projection) comes as (B, L, 1, H * D): its
+ * block normalizes the token's H * D elements as one row (MLX's RMSNorm
+ * over that width), then rotates and places each of the row's H heads as
+ * above. With `row_heads` = 1 a row is one head.
  * With a frequency table (`freqs` not null) step 2 takes instead, as MLX's
  * rope_freqs kernel does, inv_freq = 1.0 / freqs[freq_stride * i] (the
  * float32 entry divided in double, converted to float). With
@@ -61,6 +66,7 @@
 #define MLX_DUALNORM_ROPE_KERNEL_PARAMS                   \
   struct RopeSide {                                       \
     int heads;                                            \
+    int row_heads;                                        \
     int sequence;                                         \
     long long offset_stride;                              \
     int signed_position;                                  \
@@ -187,10 +193,12 @@ __device__ __forceinline__ void normalize_and_rotate_row(
   typename Storage::storage* normalized =
       reinterpret_cast<typename Storage::storage*>(normalized_row_bytes);
   const unsigned int heads = static_cast<unsigned int>(rope.heads);
+  const unsigned int row_heads = static_cast<unsigned int>(rope.row_heads);
+  const unsigned int row_groups = heads / row_heads;
   const unsigned int sequence = static_cast<unsigned int>(rope.sequence);
-  const unsigned int head = row_index % heads;
-  const unsigned int token = (row_index / heads) % sequence;
-  const unsigned int batch = row_index / heads / sequence;
+  const unsigned int first_head = (row_index % row_groups) * row_heads;
+  const unsigned int token = (row_index / row_groups) % sequence;
+  const unsigned int batch = row_index / row_groups / sequence;
   // The position and this thread's first rotation come before the
   // normalization: they depend on the offset only, so the offset's load
   // and the trigonometry overlap the row's load and reduction instead of
@@ -207,11 +215,14 @@ __device__ __forceinline__ void normalize_and_rotate_row(
   }
   normalize_row<Storage>(input, weight, normalized, layout, row_index, params.eps);
   __syncthreads();
-  const long long output_row = (static_cast<long long>(batch) * heads + head) *
-                                    rope.output_sequence +
-                                rope.output_first_row + token;
-  rotate_row<Storage>(normalized, output + output_row * layout.width, layout.width, position,
-                      own_pair, params);
+  const int head_width = layout.width / static_cast<int>(row_heads);
+  for (unsigned int k = 0; k < row_heads; ++k) {
+    const long long output_row =
+        (static_cast<long long>(batch) * heads + first_head + k) * rope.output_sequence +
+        rope.output_first_row + token;
+    rotate_row<Storage>(normalized + k * head_width, output + output_row * head_width,
+                        head_width, position, own_pair, params);
+  }
 }
 
 template <typename Storage, typename Rows>

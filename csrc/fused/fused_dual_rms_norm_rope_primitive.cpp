@@ -69,6 +69,19 @@ struct CacheOutputs {
 /* (B, L, H, D) -> (B, H, L, D), as mlx-lm's attention transposes. */
 const std::vector<int> kHeadMajorAxes = {0, 2, 1, 3};
 
+/* The heads one normalization spans, per side: 1 (a norm per head), or all
+ * H where the side's weight has H * D elements (OLMo-2's q/k norms over
+ * each token's whole projection). Such a side is a node input of shape
+ * (B, L, 1, H * D): one kernel row, and one rms_norm row, per token. */
+struct NormHeads {
+  int queries = 1;
+  int keys = 1;
+
+  bool operator==(const NormHeads& other) const {
+    return queries == other.queries && keys == other.keys;
+  }
+};
+
 const char kOperation[] = "fused_dual_rms_norm_rope";
 
 /* The cubin's kernels: mlx_dualnorm_dual_rms_norm_rope_contiguous_float32 and so
@@ -94,13 +107,15 @@ void set_rope_kernel_cubin(std::string cubin) {
 
 namespace {
 
-/* Where one side's rows go, and which of MLX's RoPE kernels (hence which
- * position conversion) its shape gets: MLX takes its single-row kernel for
- * a row-contiguous input with B == 1 and L == 1, and the transpose of a
- * normalized (1, 1, H, D) is row-contiguous. */
-RopeSide rope_side(const mx::array& input, const mx::array& offset) {
+/* Where one side's rows go (each node input row holds `norm_heads` heads),
+ * and which of MLX's RoPE kernels (hence which position conversion) its
+ * shape gets: MLX takes its single-row kernel for a row-contiguous input
+ * with B == 1 and L == 1, and the transpose of a normalized (1, 1, H, D)
+ * is row-contiguous. */
+RopeSide rope_side(const mx::array& input, int norm_heads, const mx::array& offset) {
   RopeSide side{};
-  side.heads = input.shape(2);
+  side.heads = input.shape(2) * norm_heads;
+  side.row_heads = norm_heads;
   side.sequence = input.shape(1);
   side.offset_stride = offset.ndim() > 0 ? offset.strides()[0] : 0;
   side.signed_position = input.shape(0) == 1 && input.shape(1) == 1 ? 1 : 0;
@@ -145,8 +160,11 @@ std::optional<int32_t> host_readable_offset(const mx::array& offset) {
   return *mx::gpu_ptr<int32_t>(offset);
 }
 
-mx::Shape head_major_shape(const mx::array& input) {
-  return {input.shape(0), input.shape(2), input.shape(1), input.shape(3)};
+/* The (B, H, L, D) output of a node input whose rows hold `norm_heads`
+ * heads each. */
+mx::Shape head_major_shape(const mx::array& input, int norm_heads) {
+  return {input.shape(0), input.shape(2) * norm_heads, input.shape(1),
+          input.shape(3) / norm_heads};
 }
 
 /* The shape of rows [0, end) of axis 2 of a (B, H, C, D) buffer. */
@@ -209,16 +227,18 @@ void make_fetched_view(const mx::array& buffer, mx::array& view) {
  * queries and keys, or rotated queries, both buffers and (with
  * `cache->fetch`) their fetched rows. */
 std::vector<mx::Shape> node_output_shapes(const std::vector<mx::array>& inputs,
+                                          const NormHeads& norm_heads,
                                           const std::optional<CacheOutputs>& cache) {
   const mx::array& queries = inputs[kQueriesInput];
   const mx::array& keys = inputs[kKeysInput];
   if (!cache) {
-    return {head_major_shape(queries), head_major_shape(keys)};
+    return {head_major_shape(queries, norm_heads.queries),
+            head_major_shape(keys, norm_heads.keys)};
   }
   const mx::array& key_cache = inputs[kKeyCacheInput];
   const mx::array& value_cache = inputs[kValueCacheInput];
-  std::vector<mx::Shape> shapes = {head_major_shape(queries), key_cache.shape(),
-                                   value_cache.shape()};
+  std::vector<mx::Shape> shapes = {head_major_shape(queries, norm_heads.queries),
+                                   key_cache.shape(), value_cache.shape()};
   if (cache->fetch) {
     const int end = cache->first_row + keys.shape(1);
     shapes.push_back(fetched_shape(key_cache, end));
@@ -237,11 +257,12 @@ std::vector<mx::Shape> node_output_shapes(const std::vector<mx::array>& inputs,
 class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
  public:
   FusedDualRmsNormRope(mx::Stream stream, float rms_norm_epsilon, const RopeConstants& rope,
-                       bool has_query_weight, bool has_key_weight,
+                       bool has_query_weight, bool has_key_weight, NormHeads norm_heads,
                        std::optional<CacheOutputs> cache = std::nullopt)
       : RowKernelPrimitive(kOperation, stream, rms_norm_epsilon, has_query_weight,
                            has_key_weight),
         rope_(rope),
+        norm_heads_(norm_heads),
         // As MLX's RoPE::eval_gpu: std::log2 of the float base, in float.
         log2_base_(std::log2(rope.base)),
         cache_(cache) {}
@@ -291,7 +312,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return node_output_shapes(inputs, cache_);
+    return node_output_shapes(inputs, norm_heads_, cache_);
   }
 
   const char* name() const override {
@@ -305,7 +326,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
            rope_.scale == fused.rope_.scale && rope_.with_freqs == fused.rope_.with_freqs &&
            rope_.has_input_scale == fused.rope_.has_input_scale &&
            (!rope_.has_input_scale || rope_.input_scale == fused.rope_.input_scale) &&
-           cache_ == fused.cache_;
+           norm_heads_ == fused.norm_heads_ && cache_ == fused.cache_;
   }
 
  private:
@@ -342,8 +363,8 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     DualRmsNormRopeParams<Rows> params{};
     params.queries = rows_of<Rows>(queries, weights.query);
     params.keys = rows_of<Rows>(keys, weights.key);
-    params.query_rope = rope_side(queries, offset);
-    params.key_rope = rope_side(keys, offset);
+    params.query_rope = rope_side(queries, norm_heads_.queries, offset);
+    params.key_rope = rope_side(keys, norm_heads_.keys, offset);
     params.eps = rms_norm_epsilon_;
     params.dims = rope_.dims;
     params.traditional = rope_.traditional ? 1 : 0;
@@ -513,7 +534,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     return [eps = rms_norm_epsilon_, rope = rope_, has_query_weight = has_query_weight_,
             has_key_weight = has_key_weight_, stream = stream(), offset = primals[kOffsetInput],
             fixed_table, table_input, first_weight = first_weight_input(),
-            cache = cache_](const std::vector<mx::array>& inputs) {
+            norm_heads = norm_heads_, cache = cache_](const std::vector<mx::array>& inputs) {
       // The offset is not among these inputs: every later input comes one
       // earlier.
       const WeightInputs weights =
@@ -526,8 +547,14 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
       if (!rope.with_freqs) {
         base = rope.base;
       }
-      auto side = [&](const mx::array& input, const mx::array* weight) {
+      auto side = [&](const mx::array& input, const mx::array* weight, int heads_per_row) {
         mx::array normalized = mx::fast::rms_norm(input, optional_weight(weight), eps, stream);
+        if (heads_per_row > 1) {  // (B, L, 1, H * D) normalized per token, then split
+          normalized = mx::reshape(normalized,
+                                   {input.shape(0), input.shape(1), heads_per_row,
+                                    input.shape(3) / heads_per_row},
+                                   stream);
+        }
         mx::array head_major = mx::transpose(normalized, kHeadMajorAxes, stream);
         if (rope.has_input_scale) {
           const mx::Shape& shape = head_major.shape();
@@ -538,8 +565,8 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
         return mx::fast::rope(head_major, rope.dims, rope.traditional, base, rope.scale, offset,
                               freqs, stream);
       };
-      mx::array rotated_queries = side(inputs[kQueriesInput], weights.query);
-      mx::array rotated_keys = side(inputs[kKeysInput], weights.key);
+      mx::array rotated_queries = side(inputs[kQueriesInput], weights.query, norm_heads.queries);
+      mx::array rotated_keys = side(inputs[kKeysInput], weights.key, norm_heads.keys);
       if (!cache) {
         return std::vector<mx::array>{rotated_queries, rotated_keys};
       }
@@ -562,10 +589,31 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
   }
 
   RopeConstants rope_;
+  NormHeads norm_heads_;
   float log2_base_;
   /* The KV-cache write's outputs; none for the norm + RoPE alone. */
   std::optional<CacheOutputs> cache_;
 };
+
+/* The heads one normalization of a (B, L, H, D) side spans: all H (> 1)
+ * for a weight of H * D elements, else 1. */
+int norm_heads_of(const mx::array& input, const mx::array* weight) {
+  const int heads = input.shape(2);
+  const bool spans = weight != nullptr && heads > 1 && input.shape(3) > 0 &&
+                     weight->shape(0) == heads * input.shape(3);
+  return spans ? heads : 1;
+}
+
+/* A side as the node takes it: as is, or, normalized over all its heads,
+ * as (B, L, 1, H * D) (a view of a row-contiguous input, a copy of a
+ * strided one, as MLX's reshape makes it). */
+mx::array as_node_rows(const mx::array& input, int norm_heads, mx::Stream stream) {
+  if (norm_heads == 1) {
+    return input;
+  }
+  return mx::reshape(input, {input.shape(0), input.shape(1), 1, input.shape(2) * input.shape(3)},
+                     stream);
+}
 
 /* The node's inputs before the weights: the offset as int32, as the
  * kernel reads it (MLX's RoPE converts offsets whose dtype is not 4 bytes
@@ -607,7 +655,9 @@ std::vector<mx::array> fused_dual_rms_norm_rope(
     const CacheWrite* cache) {
   const mx::Stream stream = mx::default_stream(mx::Device::gpu);
   const mx::Dtype dtype = queries.dtype();
-  std::vector<mx::array> leading = {queries, keys};
+  const NormHeads norm_heads{norm_heads_of(queries, query_weight), norm_heads_of(keys, key_weight)};
+  std::vector<mx::array> leading = {as_node_rows(queries, norm_heads.queries, stream),
+                                    as_node_rows(keys, norm_heads.keys, stream)};
   std::optional<CacheOutputs> outputs;
   if (cache != nullptr) {
     for (const mx::array* input : {&keys, &cache->values, &cache->key_cache, &cache->value_cache}) {
@@ -623,13 +673,13 @@ std::vector<mx::array> fused_dual_rms_norm_rope(
   std::vector<mx::array> inputs = inputs_with_weights(
       with_int32_offset(std::move(leading), offset, stream), query_weight, key_weight);
   append_freqs(inputs, rope, freqs, kOperation, stream);
-  std::vector<mx::Shape> shapes = node_output_shapes(inputs, outputs);
+  std::vector<mx::Shape> shapes = node_output_shapes(inputs, norm_heads, outputs);
   const std::vector<mx::Dtype> dtypes(shapes.size(), dtype);
   return mx::array::make_arrays(
       std::move(shapes), dtypes,
       std::make_shared<FusedDualRmsNormRope>(stream, rms_norm_epsilon, rope,
                                              query_weight != nullptr, key_weight != nullptr,
-                                             outputs),
+                                             norm_heads, outputs),
       std::move(inputs));
 }
 

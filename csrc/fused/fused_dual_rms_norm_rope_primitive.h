@@ -52,6 +52,9 @@ struct CacheWrite {
 
 /* The lazy outputs of one fused launch over queries (B, L, Hq, D) and keys
  * (B, L', Hk, D'), which share a float dtype with the weights, if given.
+ * A weight of D elements normalizes each head; one of H * D (H > 1)
+ * normalizes each token's H heads together, as one row of H * D (OLMo-2's
+ * q/k norms), before they are rotated per head.
  * `offset` is an integer scalar, or one value per batch entry of both
  * sides. `freqs`, required when `rope.with_freqs` (else ignored), is the
  * float32 (dims / 2,) table, read with its stride as MLX's CUDA RoPE reads

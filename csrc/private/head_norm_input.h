@@ -27,6 +27,11 @@ typedef struct head_norm_input {
   int width;
   size_t size;
   size_t rows; /* 0 for an empty input */
+  /* The heads one normalization spans: 1 (a norm per head, over the last
+   * axis), or the second-to-last axis's extent where the weight is as long
+   * as the last two axes together (OLMo-2's q/k norms over each token's
+   * whole projection); set by inspect_head_norm_input. */
+  int norm_heads;
 } head_norm_input;
 
 /* One call's inputs, and the default device's type once it is needed. */
@@ -62,12 +67,15 @@ int dualnorm_select_side_stream(mlx_stream* stream, const mlx_array input,
 /* Reads the facts of one side and checks rms_norm's preconditions: at least
  * one dimension; a weight, if any, one-dimensional and as long as the last
  * dimension; and a result dtype, MLX's promotion of the input and weight
- * dtypes, that is a real floating type. Failures are invalid arguments of
+ * dtypes, that is a real floating type. Where `heads_may_share_norm` (the
+ * norm + RoPE), a weight as long as the last two dimensions together (more
+ * than one head) is taken too: the side is then normalized over all heads
+ * of each row at once (`norm_heads`). Failures are invalid arguments of
  * `operation`. */
 int dualnorm_inspect_head_norm_input(head_norm_input* side, const char* operation,
                                      const char* input_name, const mlx_array input,
                                      const char* weight_name, const mlx_array weight,
-                                     mlx_dualnorm_error* error);
+                                     bool heads_may_share_norm, mlx_dualnorm_error* error);
 
 /* Whether the default device is the GPU, asked of MLX at most once a call
  * and only by the checks that depend on it. */

@@ -3,20 +3,25 @@
 ``olmo2``, ``olmo3``, ``olmoe``, ``minimax`` (with ``use_qk_norm``) and
 ``olmo_hybrid``'s full attention normalize q and k over their whole
 ``H * D`` width, right after the projections, and only then split them into
-heads, transpose and rotate per head. The replacements make the two norm
-calls one :func:`~.head_norms.normalized_pair` call at that width, on the
-projections themselves, and keep the reshapes, the layer's own RoPE, the
-cache update and the attention as mlx-lm writes them. A sharded norm (the
-``minimax`` tensor-parallel one) is not a known norm class: those layers
-run the class's own ``__call__``.
+heads, transpose and rotate per head. Where the layer's RoPE is one the
+norm + RoPE call computes, the replacements make the norms, the split, the
+transpose, the RoPE and (for mlx-lm's ``KVCache`` / ``BatchKVCache``) the
+cache write ONE call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope`,
+whose weights of ``H * D`` elements normalize each token's heads together;
+elsewhere (no RoPE, another RoPE class) the two norm calls are one
+:func:`~.head_norms.normalized_pair` call at that width, and the reshapes,
+the layer's own RoPE, the cache update and the attention are mlx-lm's. A
+sharded norm (the ``minimax`` tensor-parallel one) is not a known norm
+class: those layers run the class's own ``__call__``.
 """
 
 from __future__ import annotations
 
-from mlx_dualnorm.integrations.mlx_lm import head_norms
+from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms
+from mlx_dualnorm.integrations.mlx_lm._shared import log_fallback_once
 from mlx_dualnorm.integrations.mlx_lm.full_attention import (
     AttentionFamily,
-    _attention_output,
+    _attended,
     register_attention_families,
 )
 from mlx_dualnorm.integrations.mlx_lm.heads_first import REFUSAL
@@ -25,22 +30,51 @@ from mlx_dualnorm.integrations.mlx_lm.heads_first import REFUSAL
 def _attend_normalized_projections(
     attention, x, mask, cache, heads, kv_heads, rope_optional=False
 ):
-    """The layer's output, its q/k projections normalized in one call; the
-    class's own ``__call__`` where the pair is not what the package computes."""
+    """The layer's output. Where the layer's norms and RoPE are what the
+    norm + RoPE call computes, its q/k prework (with the cache write where
+    the cache allows) is ONE call: the projections as ``(B, L, H, D)``
+    heads, the norm weights of ``H * D`` elements, which make the call
+    normalize each token's heads together, as mlx-lm does before the split.
+    Otherwise the two norms are one call at the projections' width, and the
+    rest is mlx-lm's code. The class's own ``__call__`` where neither
+    computes the layer."""
     B, L, _ = x.shape
-    normalized = head_norms.normalized_pair(
-        attention.q_proj(x), attention.k_proj(x), attention.q_norm, attention.k_norm
+    query_norm, key_norm = attention.q_norm, attention.k_norm
+    projections = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+    queries, keys, values = (
+        projected.reshape(B, L, heads_of, -1)
+        for projected, heads_of in zip(projections, (heads, kv_heads, kv_heads))
     )
-    if normalized is None:
-        return type(attention).mlx_dualnorm_original_call(attention, x, mask, cache)
-    queries, keys = normalized
-    queries = queries.reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
-    keys = keys.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
-    values = attention.v_proj(x).reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
-    if attention.rope is not None or not rope_optional:
-        queries, keys = head_norms.rotated_pair(attention.rope, queries, keys, cache)
-    output = _attention_output(attention, queries, keys, values, cache, mask, B, L)
+    rope = attention.rope
+    prework = None
+    if rope is not None:
+        prework = _norm_rope_prework(rope, query_norm, key_norm, queries, keys)
+    prepared = None
+    if prework is not None:
+        prepared = full_attention.prework_and_cache_update(prework, queries, keys, values, cache)
+    if prepared is None:
+        normalized = head_norms.normalized_pair(*projections[:2], query_norm, key_norm)
+        if normalized is None:
+            return type(attention).mlx_dualnorm_original_call(attention, x, mask, cache)
+        queries = normalized[0].reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
+        keys = normalized[1].reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
+        values = values.transpose(0, 2, 1, 3)
+        if rope is not None or not rope_optional:
+            queries, keys = head_norms.rotated_pair(rope, queries, keys, cache)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        prepared = queries, keys, values
+    output = _attended(attention, *prepared, cache, mask, B, L)
     return attention.o_proj(output)
+
+
+def _norm_rope_prework(rope, query_norm, key_norm, queries, keys):
+    """:func:`~.head_norms.norm_rope_prework` of the layer, or None."""
+    try:
+        return head_norms.norm_rope_prework(rope, query_norm, key_norm, queries, keys)
+    except Exception as error:  # anything unexpected takes the norm pair instead
+        log_fallback_once("the whole-projection norm + RoPE", error, "takes the q/k norm pair")
+        return None
 
 
 def _olmo2_attention_call(self, x, mask=None, cache=None):

@@ -1,4 +1,4 @@
-/* mlx_transpose_axes, mlx_astype and the slice updates (mlx_slice_update,
+/* mlx_transpose_axes, mlx_reshape, mlx_astype and the slice updates (mlx_slice_update,
  * mlx_slice_update_prod, mlx_slice_update_dynamic) over mlx::core,
  * behaving as upstream's ops.cpp. */
 #include <string>
@@ -25,6 +25,22 @@ extern "C" int mlx_transpose_axes(
     }
     std::vector<int> permutation(axes, axes + axes_num);
     store(res, mx::transpose(object_of(a), std::move(permutation), object_of(s)));
+  });
+}
+
+/* Upstream reads `shape` unchecked; NULL with a non-zero count is a
+ * reported error here, as for mlx_transpose_axes. */
+extern "C" int mlx_reshape(
+    mlx_array* res,
+    const mlx_array a,
+    const int* shape,
+    size_t shape_num,
+    const mlx_stream s) {
+  return status_of([&] {
+    if (shape == nullptr && shape_num > 0) {
+      throw std::invalid_argument("[mlx_reshape] NULL shape with a non-zero count");
+    }
+    store(res, mx::reshape(object_of(a), mx::Shape(shape, shape + shape_num), object_of(s)));
   });
 }
 

@@ -22,6 +22,16 @@ int mlx_transpose_axes(
     size_t axes_num,
     const mlx_stream s);
 
+/* Sets `*res` to a (lazy) array of `a`'s elements in row-major order with
+ * the `shape_num` extents of `shape` (one may be -1: inferred), as
+ * mlx::core::reshape; a view of `a`'s memory where MLX can make one. */
+int mlx_reshape(
+    mlx_array* res,
+    const mlx_array a,
+    const int* shape,
+    size_t shape_num,
+    const mlx_stream s);
+
 /* Sets `*res` to `a` converted to `dtype` (lazy; `a` itself when it already
  * has that dtype), as mlx::core::astype. */
 int mlx_astype(
