@@ -308,10 +308,20 @@ def assert_gradients_match(model):
     loss_and_grad = nn.value_and_grad(model, default_loss)
     model.train()
     mx.eval(model(batch))  # gemma3n's AltUp casts its weights to float32 at its first call
-    (loss, _), gradients = loss_and_grad(model, batch, lengths)
+    return assert_patched_loss_and_gradients_match(
+        lambda: loss_and_grad(model, batch, lengths), lambda outputs: outputs[0]
+    )
+
+
+def assert_patched_loss_and_gradients_match(step, loss_of=lambda outputs: outputs):
+    """``step()`` (a ``value_and_grad`` call: the loss, or outputs that
+    ``loss_of`` reads it from, and the gradients) unpatched, then patched:
+    the loss and every gradient the same bits; returns the unpatched
+    gradients."""
+    outputs, gradients = step()
     with integration.patch():
-        (patched_loss, _), patched_gradients = loss_and_grad(model, batch, lengths)
-    assert_bit_identical(patched_loss, loss)
+        patched_outputs, patched_gradients = step()
+    assert_bit_identical(loss_of(patched_outputs), loss_of(outputs))
     flat_gradients = dict(tree_flatten(gradients))
     flat_patched_gradients = tree_flatten(patched_gradients)
     assert len(flat_patched_gradients) == len(flat_gradients)
@@ -322,8 +332,9 @@ def assert_gradients_match(model):
     if differing:
         # Only meaningful where mlx-lm's own step is reproducible: where two
         # unpatched steps already differ (MLX's CUDA backend, for some MoE
-        # models), no comparison with them can tell what the patch did.
-        _, repeated = loss_and_grad(model, batch, lengths)
+        # models and the embedding's scatter-add), no comparison with them
+        # can tell what the patch did.
+        _, repeated = step()
         repeated_gradients = dict(tree_flatten(repeated))
         if any(
             count_bit_differences(repeated_gradients[path], flat_gradients[path])
@@ -331,7 +342,7 @@ def assert_gradients_match(model):
         ):
             pytest.skip("two unpatched training steps of this model differ in bits on this backend")
     for path, gradient in flat_patched_gradients:
-        assert_bit_identical(gradient, flat_gradients[path])
+        assert_bit_identical(gradient, flat_gradients[path], path)
     return gradients
 
 
@@ -372,18 +383,10 @@ def test_one_token_step_gradients_are_bit_identical(model_type, with_cache, pair
         return nn.losses.cross_entropy(logits.astype(mx.float32), targets).mean()
 
     loss_and_grad = nn.value_and_grad(model, step_loss)
-    loss, gradients = loss_and_grad(model)
-    with integration.patch():
-        patched_loss, patched_gradients = loss_and_grad(model)
-        norm_ropes = len(full_attention._norm_ropes)
-    assert norm_ropes > 0 and pair_calls["original"] == 0
-    assert_bit_identical(patched_loss, loss)
-    flat_gradients = dict(tree_flatten(gradients))
-    flat_patched_gradients = tree_flatten(patched_gradients)
-    assert len(flat_patched_gradients) == len(flat_gradients)
-    assert any(path.endswith("norm.weight") for path, _ in flat_patched_gradients)
-    for path, gradient in flat_patched_gradients:
-        assert_bit_identical(gradient, flat_gradients[path], path)
+    gradients = assert_patched_loss_and_gradients_match(lambda: loss_and_grad(model))
+    assert pair_calls["package"] > 0 and pair_calls["original"] == 0
+    assert len(full_attention._norm_ropes) > 0
+    assert any(path.endswith("norm.weight") for path, _ in tree_flatten(gradients))
 
 
 @pytest.mark.parametrize("model_type", ONE_PLUS_WEIGHT_MODELS)
