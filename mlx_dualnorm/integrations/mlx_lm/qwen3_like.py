@@ -204,10 +204,15 @@ def _prework(layout: Layout, attention, queries, keys, values, cache):
         return None
     if norms is None:
         return None
+    query_norm, key_norm, query_weight, key_weight = norms
     if rope is not None:
-        prework = full_attention.LayerPrework(rope, *norms)
+        prework = full_attention.LayerPrework(
+            rope, query_norm, key_norm, query_weight, key_weight
+        )
         return full_attention.prework_and_cache_update(prework, queries, keys, values, cache)
-    normalized = _normalized_heads(*norms, queries, keys)
+    normalized = _normalized_heads(
+        query_norm, key_norm, query_weight, key_weight, queries, keys
+    )
     if normalized is None:
         return None
     values = values.transpose(0, 2, 1, 3)
