@@ -113,6 +113,20 @@ def unpatched_mlx_lm():
     integration.unpatch()
 
 
+def count_applied_calls(monkeypatch, module, name: str, counts: dict, key: str) -> None:
+    """Replaces ``module.name`` for the test with a wrapper that adds 1 to
+    ``counts[key]`` each time the function returns something other than
+    None (how the integration's entry points say they applied)."""
+    function = getattr(module, name)
+
+    def counting(*arguments):
+        result = function(*arguments)
+        counts[key] += result is not None
+        return result
+
+    monkeypatch.setattr(module, name, counting)
+
+
 def graph_primitives(*outputs: mx.array) -> list[str]:
     """The primitive names of the graph behind `outputs`, sorted."""
     dot = io.StringIO()

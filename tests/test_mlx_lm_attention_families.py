@@ -23,7 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 
 from mlx_dualnorm._bits import count_bit_differences  # noqa: E402
-from conftest import assert_bit_identical  # noqa: E402
+from conftest import assert_bit_identical, count_applied_calls  # noqa: E402
 from mlx_dualnorm import CompiledDualHeadNorm, available_modes  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms  # noqa: E402
@@ -87,14 +87,7 @@ def pair_calls(monkeypatch):
             return result
 
         monkeypatch.setattr(head_norms, name, counting)
-    norm_rope_prework = full_attention.prework_and_cache_update
-
-    def counting_norm_rope(*arguments):
-        result = norm_rope_prework(*arguments)
-        counts["package"] += result is not None
-        return result
-
-    monkeypatch.setattr(full_attention, "prework_and_cache_update", counting_norm_rope)
+    count_applied_calls(monkeypatch, full_attention, "prework_and_cache_update", counts, "package")
     return counts
 
 

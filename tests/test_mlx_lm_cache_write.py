@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
-from conftest import assert_bit_identical  # noqa: E402
+from conftest import assert_bit_identical, count_applied_calls  # noqa: E402
 from mlx_lm.models import cache as cache_module  # noqa: E402
 from test_mlx_lm_full_attention import build_model  # noqa: E402
 
@@ -31,14 +31,7 @@ def one_call_writes(monkeypatch):
     """Counts the layer calls whose cache write went through the package's
     one call."""
     counts = {"one_call": 0}
-    written = full_attention._written_in_one_call
-
-    def counting(*arguments):
-        result = written(*arguments)
-        counts["one_call"] += result is not None
-        return result
-
-    monkeypatch.setattr(full_attention, "_written_in_one_call", counting)
+    count_applied_calls(monkeypatch, full_attention, "_written_in_one_call", counts, "one_call")
     return counts
 
 
