@@ -153,12 +153,6 @@ static int scale_rotated_features(mlx_array* scaled, const mlx_array head_major,
   return status;
 }
 
-/* rope(rms_norm(input, weight, eps).transpose(0, 2, 1, 3)) for one side
- * (the norm as normalize_heads takes it),
- * the first `dims` features multiplied by the input scale first where the
- * constants have one; every step on the one stream
- * dualnorm_select_side_stream picks. `freqs` is the call's table (borrowed)
- * or, for an object with a base, an empty handle. */
 /* rms_norm(input, weight, eps) of one (B, L, H, D) side: over each head, or,
  * for a weight of H * D elements (H > 1, the call's checks allowed it),
  * over each token's H * D elements as mlx-lm's OLMo-2 normalizes its whole
@@ -188,6 +182,12 @@ static int normalize_heads(mlx_array* normalized, const mlx_array input,
   return status;
 }
 
+/* rope(rms_norm(input, weight, eps).transpose(0, 2, 1, 3)) for one side
+ * (the norm as normalize_heads takes it),
+ * the first `dims` features multiplied by the input scale first where the
+ * constants have one; every step on the one stream
+ * dualnorm_select_side_stream picks. `freqs` is the call's table (borrowed)
+ * or, for an object with a base, an empty handle. */
 static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
                                 const mlx_array scale_weight, const mlx_array rope_offset,
                                 const mlx_array freqs, const graph_constants* constants,
