@@ -164,7 +164,7 @@ static int normalize_heads(mlx_array* normalized, const mlx_array input,
                            const mlx_stream stream) {
   const int* shape = mlx_array_shape(input);
   bool spans_heads = scale_weight.ctx != NULL && shape[2] > 1 && shape[3] > 0 &&
-                     mlx_array_shape(scale_weight)[0] == shape[2] * shape[3];
+                     mlx_array_shape(scale_weight)[0] == (long long)shape[2] * shape[3];
   if (!spans_heads) {
     return mlx_fast_rms_norm(normalized, input, scale_weight, rms_norm_epsilon, stream);
   }

@@ -84,15 +84,16 @@ int dualnorm_inspect_head_norm_input(head_norm_input* side, const char* operatio
     /* A weight as long as the last two dimensions together, where the
      * caller allows it: each norm spans all heads of its (b, l) row. */
     int all_heads = side->rank >= 2 ? mlx_array_shape(input)[side->rank - 2] : 1;
+    long long all_heads_width = (long long)all_heads * side->width;  /* no int overflow */
     if (heads_may_share_norm && all_heads > 1 && side->width > 0 &&
-        weight_length == all_heads * side->width) {
+        weight_length == all_heads_width) {
       side->norm_heads = all_heads;
     } else if (weight_length != side->width) {
       if (heads_may_share_norm && side->rank >= 2) {
         return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
-                         "%s has %d elements but the last dimension of %s is %d (or %d "
+                         "%s has %d elements but the last dimension of %s is %d (or %lld "
                          "for a norm over all %d heads)", weight_name, weight_length,
-                         input_name, side->width, all_heads * side->width, all_heads);
+                         input_name, side->width, all_heads_width, all_heads);
       }
       return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
                        "%s has %d elements but the last dimension of %s is %d",

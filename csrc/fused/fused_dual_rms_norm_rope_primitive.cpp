@@ -600,7 +600,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
 int norm_heads_of(const mx::array& input, const mx::array* weight) {
   const int heads = input.shape(2);
   const bool spans = weight != nullptr && heads > 1 && input.shape(3) > 0 &&
-                     weight->shape(0) == heads * input.shape(3);
+                     weight->shape(0) == static_cast<int64_t>(heads) * input.shape(3);
   return spans ? heads : 1;
 }
 
