@@ -81,15 +81,18 @@ def composed_dual_head_norm_rope(
         )
     rms_norm_epsilon = _composite._as_epsilon(eps, COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION)
 
+    def normalized_heads(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
+        if inputs.ndim == 4 and weight is not None and weight.ndim == 1:
+            batch, length, heads, width = inputs.shape
+            if heads > 1 and width > 0 and weight.shape[0] == heads * width:
+                # A weight of H * D elements: each token's heads as one row.
+                projection = inputs.reshape(batch, length, heads * width, stream=stream)
+                normalized = mx.fast.rms_norm(projection, weight, rms_norm_epsilon, stream=stream)
+                return normalized.reshape(batch, length, heads, width, stream=stream)
+        return mx.fast.rms_norm(inputs, weight, rms_norm_epsilon, stream=stream)
+
     def normalized_and_rotated(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
-        batch, length, heads, width = inputs.shape
-        if weight is not None and heads > 1 and width > 0 and weight.shape == (heads * width,):
-            projection = inputs.reshape(batch, length, heads * width, stream=stream)
-            normalized = mx.fast.rms_norm(projection, weight, rms_norm_epsilon, stream=stream)
-            normalized = normalized.reshape(batch, length, heads, width, stream=stream)
-        else:
-            normalized = mx.fast.rms_norm(inputs, weight, rms_norm_epsilon, stream=stream)
-        head_major = normalized.transpose(0, 2, 1, 3, stream=stream)
+        head_major = normalized_heads(inputs, weight).transpose(0, 2, 1, 3, stream=stream)
         if input_scale is not None:
             # ArrayAt takes no stream: the default one, set for the call.
             if stream is None:
