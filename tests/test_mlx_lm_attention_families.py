@@ -322,21 +322,32 @@ def assert_patched_loss_and_gradients_match(step, loss_of=lambda outputs: output
         path for path, gradient in flat_patched_gradients
         if count_bit_differences(gradient, flat_gradients[path])
     ]
+    unreproducible = set()
     if differing:
-        # Only meaningful where mlx-lm's own step is reproducible: where two
-        # unpatched steps already differ (MLX's CUDA backend, for some MoE
-        # models and the embedding's scatter-add), no comparison with them
-        # can tell what the patch did.
+        # A comparison means something only where mlx-lm's own step is
+        # reproducible: where two unpatched steps already differ (MLX's CUDA
+        # backend, for some MoE models and the embedding's scatter-add), it
+        # cannot tell what the patch did. Those gradients are left out; every
+        # other one is compared, and the test skips only where a norm
+        # weight's gradient, which the package's call computes, is among them.
         _, repeated = step()
         repeated_gradients = dict(tree_flatten(repeated))
-        if any(
-            count_bit_differences(repeated_gradients[path], flat_gradients[path])
-            for path in differing
-        ):
-            pytest.skip("two unpatched training steps of this model differ in bits on this backend")
+        unreproducible = {
+            path for path in differing
+            if count_bit_differences(repeated_gradients[path], flat_gradients[path])
+        }
+        if any(_is_norm_weight(path) for path in unreproducible):
+            pytest.skip("two unpatched steps give this model's norm-weight gradients other bits here")
     for path, gradient in flat_patched_gradients:
-        assert_bit_identical(gradient, flat_gradients[path], path)
+        if path not in unreproducible:
+            assert_bit_identical(gradient, flat_gradients[path], path)
     return gradients
+
+
+def _is_norm_weight(path: str) -> bool:
+    """Whether a flattened parameter path names a norm module's weight."""
+    parts = path.split(".")
+    return len(parts) >= 2 and parts[-1] == "weight" and "norm" in parts[-2]
 
 
 @pytest.mark.parametrize(
