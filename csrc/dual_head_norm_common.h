@@ -46,7 +46,8 @@ typedef enum mlx_dualnorm_status_ {
   /* MLX itself failed; the description is MLX's first message. */
   MLX_DUALNORM_MLX_FAILURE = 1,
   /* An input the composed path would reject, or one a compiled replay
-   * would not check (a weight whose length is not the width). */
+   * would not check (a weight whose length is not the width, nor, for the
+   * norm + RoPE, the width times the heads). */
   MLX_DUALNORM_INVALID_ARGUMENT = 2,
   /* The object was closed. */
   MLX_DUALNORM_CLOSED = 3,

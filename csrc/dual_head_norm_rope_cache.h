@@ -13,7 +13,9 @@
  *
  * where w is `write_offset`: what mlx-lm's KVCache.update_and_fetch writes
  * (`keys[..., w:w+L, :] = ...`), every element of both buffers with the
- * same bits. The norm + RoPE are the object's (dual_head_norm_rope.h). In
+ * same bits. The norm + RoPE are the object's (dual_head_norm_rope.h),
+ * including its rule for weights of H * D elements (each token's heads
+ * normalized together, before the transpose). In
  * the compiled graph the writes are MLX slice updates whose position is a
  * graph input, so a decode step at a new position replays one trace; in
  * FUSED mode one kernel launch does the norms, the RoPEs, the transposes

@@ -9,7 +9,10 @@ the patched layers make them ONE call of
 :class:`~mlx_dualnorm.CompiledDualHeadNorm` on those very arrays, with the
 weight each norm class passes, and leave every other op (RoPE included) to
 the model's own code in its own order: the same primitives on the same
-inputs, so the same bits.
+inputs, so the same bits. Where a layer's norms, RoPE and cache write can
+be one norm + RoPE call with mlx-lm's row order (:func:`norm_rope_prework`:
+decode steps of the heads-first layers, the whole-projection layers), the
+layer takes that call instead.
 
 The norm classes known here, and the weight each passes to ``rms_norm``:
 
