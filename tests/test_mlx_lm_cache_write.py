@@ -1,10 +1,10 @@
 """The mlx-lm patch with the KV-cache write in the package's call: for
-mlx-lm's ``KVCache`` and ``BatchKVCache``, the tokens, the logits of every
-step and every element of the cache buffers are bit-identical patched and
-unpatched, across a step that grows the buffer, a trimmed cache, a prompt
-cache saved and loaded back, and batched generation of prompts of
-different lengths; the decode steps within a buffer go through the
-one-call path."""
+mlx-lm's ``KVCache``, ``BatchKVCache`` and ``RotatingKVCache``, the tokens,
+the logits of every step and every element of the cache buffers are
+bit-identical patched and unpatched, across a step that grows the buffer,
+a trimmed cache, a prompt cache saved and loaded back, batched generation
+of prompts of different lengths and a rotating cache that wraps around;
+the decode steps within a buffer go through the one-call path."""
 
 from __future__ import annotations
 
@@ -141,10 +141,12 @@ def test_decode_across_a_buffer_growth_is_bit_identical(model_type, one_call_wri
                 break
             reference = run()
     assert_runs_identical(reference, patched)
-    layers = sum(type(layer) is cache_module.KVCache for layer in patched[2])
+    written_classes = (cache_module.KVCache, cache_module.RotatingKVCache)
+    layers = sum(type(layer) in written_classes for layer in patched[2])
     assert layers > 0
-    # Prefill and the growing step take the class's own update: every
-    # other decode step is one call per layer.
+    # Prefill and the step that grows a KVCache (or first trims a sliding
+    # window's RotatingKVCache to its size) take the class's own update:
+    # every other decode step is one call per layer.
     assert one_call_writes["one_call"] == layers * (DECODE_STEPS - 1)
     assert all(layer.keys.shape[2] == 512 for layer in patched[2]
                if type(layer) is cache_module.KVCache)
@@ -187,6 +189,30 @@ def test_a_saved_and_loaded_prompt_cache_decodes_identically(tmp_path, one_call_
         patched = run("patched")
     assert_runs_identical(reference, patched)
     assert one_call_writes["one_call"] > 0
+
+
+@pytest.mark.parametrize("prompt_length", [10, 40], ids=["short-prompt", "prompt-over-max"])
+def test_a_rotating_cache_wrapping_around_is_bit_identical(prompt_length, one_call_writes):
+    """``make_prompt_cache(model, max_kv_size=24)``, as ``generate`` builds it
+    for ``max_kv_size``: RotatingKVCache layers that keep 4 rows and
+    overwrite the rest in a ring. 40 steps wrap the ring more than once;
+    a prompt longer than the ring makes the first step trim it. The
+    buffers, offsets and write indices match mlx-lm's after every run."""
+    model = build_model("qwen3")
+    steps = 40
+
+    def run():
+        cache = cache_module.make_prompt_cache(model, max_kv_size=24)
+        tokens, logits = greedy_decode(model, prompt_tokens(prompt_length), steps, cache)
+        return tokens, logits, cache
+
+    reference, patched = run_both(model, run)
+    assert_runs_identical(reference, patched)
+    assert all(type(layer) is cache_module.RotatingKVCache for layer in patched[2])
+    assert all(layer.offset == prompt_length + steps for layer in patched[2])
+    # Class updates: growing the short prompt's buffer to the ring's size
+    # (one step), trimming the long prompt's to it (one step).
+    assert one_call_writes["one_call"] == len(model.layers) * (steps - 1)
 
 
 def test_to_quantized_after_patched_decode_is_identical():

@@ -292,7 +292,7 @@ def test_code_is_tested_follows_the_release() -> None:
             import mlx_lm.models.cache as cache
             from mlx_dualnorm.integrations.mlx_lm import _release_check
             print("KVCACHE", _release_check.code_is_tested(cache.KVCache))
-            print("ROTATING", _release_check.code_is_tested(cache.RotatingKVCache))
+            print("QUANTIZED", _release_check.code_is_tested(cache.QuantizedKVCache))
             print("TESTED_LINE", _release_check._TESTED_RELEASE_LINE)
             """,
         )
@@ -300,8 +300,8 @@ def test_code_is_tested_follows_the_release() -> None:
     assert process.returncode == 0, describe(process)
     output = process.stdout
     assert "TESTED_LINE False" in output, describe(process)
-    # RotatingKVCache has no recorded code: never proven on an older release.
-    assert "ROTATING False" in output
+    # QuantizedKVCache has no recorded code: never proven on an older release.
+    assert "QUANTIZED False" in output
     # KVCache is proven where its code is 0.32.2's (the simulation), not on 0.31.3.
     expected = "True" if INSTALLED_HAS_NORMALIZE_QK else "False"
     assert f"KVCACHE {expected}" in output

@@ -242,8 +242,9 @@ class AttentionLayerCounts:
 # a module global its replacement calls read at each call.
 _PREWORKS = (
     (full_attention, "_rotated_queries_and_keys"),
-    # A KVCache / BatchKVCache step's norm + RoPE with the cache write (the
-    # prework above then runs only where this one returns None).
+    # A KVCache / BatchKVCache / RotatingKVCache step's norm + RoPE with the
+    # cache write (the prework above then runs only where this one returns
+    # None).
     (full_attention, "_written_in_one_call"),
     (qwen3_like, "_normalized_heads"),  # its layers without RoPE
     (head_norms, "normalized_pair"),

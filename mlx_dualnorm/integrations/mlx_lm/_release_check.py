@@ -98,6 +98,7 @@ PROVEN_CLASS_CODE: dict[str, frozenset[str]] = {
     # in 0.31.3: it always slices to the offset).
     "mlx_lm.models.cache.KVCache": frozenset({"21a99a6d3e767c79"}),
     "mlx_lm.models.cache.BatchKVCache": frozenset({"374ba03b3be1b625"}),
+    "mlx_lm.models.cache.RotatingKVCache": frozenset({"e1698913a17d3f95"}),
 }
 
 UNPROVEN_REASON = (

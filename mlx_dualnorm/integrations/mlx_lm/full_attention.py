@@ -287,50 +287,102 @@ def rotated_at_cache_offset(norm_rope, queries, keys, query_weight, key_weight, 
     )
 
 
-# mlx-lm's KVCache and BatchKVCache, looked up once (None: not yet looked
-# up; () where mlx-lm has neither).
-_written_cache_classes: Optional[tuple] = None
+# The cache classes whose decode-step update the one call performs, by
+# mlx-lm's name, and the kind of bookkeeping each keeps.
+_PLAIN, _BATCHED, _ROTATING = "plain", "batched", "rotating"
+_WRITTEN_CACHE_KINDS = {
+    "KVCache": _PLAIN, "BatchKVCache": _BATCHED, "RotatingKVCache": _ROTATING,
+}
+
+# Those classes as mlx-lm has them, each mapped to its kind, looked up once
+# (None: not yet looked up; empty where mlx-lm has none of them).
+_written_cache_kinds: Optional[dict] = None
 
 
-def _cache_classes() -> tuple:
-    global _written_cache_classes
-    if _written_cache_classes is None:
+def _cache_kinds() -> dict:
+    global _written_cache_kinds
+    if _written_cache_kinds is None:
         # Imported here: _release_check imports this module.
         from mlx_dualnorm.integrations.mlx_lm import _release_check
 
         try:
             from mlx_lm.models import cache as cache_module
         except ImportError:
-            _written_cache_classes = ()
+            _written_cache_kinds = {}
         else:
             # Only a class whose update_and_fetch is the tested code: the
             # call below performs that update itself.
-            _written_cache_classes = tuple(
-                getattr(cache_module, name)
-                for name in ("KVCache", "BatchKVCache")
+            _written_cache_kinds = {
+                getattr(cache_module, name): kind
+                for name, kind in _WRITTEN_CACHE_KINDS.items()
                 if hasattr(cache_module, name)
                 and _release_check.code_is_tested(getattr(cache_module, name))
-            )
-    return _written_cache_classes
+            }
+    return _written_cache_kinds
+
+
+class _CacheStep(NamedTuple):
+    """Where a step's rows go in a cache's buffers (axis 2) and what the
+    class's update returns once they are written: the whole buffers, or
+    rows ``[0, row + L)``."""
+
+    row: int
+    returns_whole_buffers: bool
+
+
+def _cache_step(kind: str, cache, length: int) -> Optional[_CacheStep]:
+    """The step the class's ``update_and_fetch`` would take for ``length``
+    new rows, where it writes them into its buffers as they are; None where
+    it would grow, trim, concatenate or reorder them (the class then runs
+    its own update)."""
+    buffer = cache.keys
+    if buffer is None:
+        return None
+    capacity = buffer.shape[2]
+    if kind == _ROTATING:
+        # RotatingKVCache._update_in_place (one row) without growing or
+        # trimming: the row goes at _idx, at `keep` once _idx reaches
+        # max_size; keys_and_values then gives rows [0, offset) while the
+        # buffer is not yet full (no rotation has happened), else all.
+        grows = cache.offset >= capacity and capacity < cache.max_size
+        if length != 1 or grows or capacity > cache.max_size:
+            return None
+        row = cache.keep if cache._idx == cache.max_size else cache._idx
+        end = cache.offset + length
+        if row + length > capacity or (end < capacity and row + length != end):
+            return None
+        return _CacheStep(row, returns_whole_buffers=end >= capacity)
+    row = cache._idx if kind == _BATCHED else cache.offset
+    if row + length > capacity:
+        return None
+    # KVCache.keys_and_values: the whole buffer once the rows reach its end.
+    return _CacheStep(row, returns_whole_buffers=kind == _PLAIN and row + length >= capacity)
+
+
+def _advance(kind: str, cache, step: _CacheStep, length: int) -> None:
+    """The class's bookkeeping after its update wrote ``step``'s rows."""
+    end = step.row + length
+    if kind == _PLAIN:
+        cache.offset = end
+        return
+    cache.offset = cache.offset + length  # per-row offsets for BatchKVCache
+    cache._idx = end
 
 
 def _written_in_one_call(norm_rope, prework: LayerPrework, queries, keys, values, cache):
-    """What ``update_and_fetch`` of a ``KVCache`` or ``BatchKVCache`` (exact
-    types) returns, with the norm + RoPE and both buffer writes in ONE call
-    (:meth:`CompiledDualHeadNormRope.apply_with_cache`), the cache left as
-    the class leaves it: ``(rotated queries, keys, values)``. None where
-    the call does not apply (another cache, a step that grows the buffer);
-    the caller then takes the two-step path, whose ``update_and_fetch``
-    grows the buffer as the class does."""
-    cache_type = type(cache)
-    classes = _cache_classes()
-    batched = len(classes) > 1 and cache_type is classes[1]
-    if not batched and (not classes or cache_type is not classes[0]):
+    """What ``update_and_fetch`` of a ``KVCache``, ``BatchKVCache`` or
+    ``RotatingKVCache`` (exact types) returns, with the norm + RoPE and both
+    buffer writes in ONE call (:meth:`CompiledDualHeadNormRope.apply_with_cache`),
+    the cache left as the class leaves it: ``(rotated queries, keys,
+    values)``. None where the call does not apply (another cache, a step
+    that grows, trims or reorders the buffers); the caller then takes the
+    two-step path, whose ``update_and_fetch`` does that as the class does."""
+    kind = _cache_kinds().get(type(cache))
+    if kind is None:
         return None
-    buffer = cache.keys
-    row = cache._idx if batched else cache.offset
     length = keys.shape[1]
-    if buffer is None or row + length > buffer.shape[2]:
+    step = _cache_step(kind, cache, length)
+    if step is None:
         return None
     try:
         table = {}
@@ -339,8 +391,8 @@ def _written_in_one_call(norm_rope, prework: LayerPrework, queries, keys, values
         rotated_queries, written_keys, written_values, fetched_keys, fetched_values = (
             norm_rope.apply_with_cache(
                 queries, keys, values, prework.query_weight, prework.key_weight,
-                key_cache=buffer, value_cache=cache.values, offset=cache.offset,
-                write_offset=row, fetch=True, **table,
+                key_cache=cache.keys, value_cache=cache.values, offset=cache.offset,
+                write_offset=step.row, fetch=True, **table,
             )
         )
     except Exception as error:  # the cache is untouched: the two-step path runs instead
@@ -348,18 +400,12 @@ def _written_in_one_call(norm_rope, prework: LayerPrework, queries, keys, values
         return None
     # The class's own bookkeeping. Replacing the buffers drops the cache's
     # references to the old ones, so MLX writes into their memory.
-    del buffer
     cache.keys, cache.values = written_keys, written_values
-    end = row + length
-    if batched:
-        cache.offset = cache.offset + length
-        cache._idx = end
-    else:
-        cache.offset = end
-        if end >= written_keys.shape[2]:  # KVCache.keys_and_values: the whole buffer
-            return rotated_queries, written_keys, written_values
-    # Rows [0, end) of both buffers, as the class slices them (made by the
-    # same call: no indexing left to do here).
+    _advance(kind, cache, step, length)
+    if step.returns_whole_buffers:
+        return rotated_queries, written_keys, written_values
+    # Rows [0, row + L) of both buffers, as the class slices them (made by
+    # the same call: no indexing left to do here).
     return rotated_queries, fetched_keys, fetched_values
 
 
@@ -370,8 +416,8 @@ def prework_and_cache_update(prework: LayerPrework, queries, keys, values, cache
     values)`` ready for attention, ``(B, H, L', D)``, or None where the
     layer's norms or RoPE are not what the package computes (the caller
     then runs the class's own __call__). One call of the package for a
-    ``KVCache`` / ``BatchKVCache`` step within the buffer; otherwise the
-    norm + RoPE call, then ``cache.update_and_fetch``. For any family whose
+    ``KVCache``, ``BatchKVCache`` or ``RotatingKVCache`` step within the
+    buffers; otherwise the norm + RoPE call, then ``cache.update_and_fetch``. For any family whose
     attention is ``rms_norm`` + RoPE of q and k before the cache: the
     norms of ``(B, L, H, D)`` heads and of their ``(B, H, L, D)``
     transposes are the same rows, normalized alike."""

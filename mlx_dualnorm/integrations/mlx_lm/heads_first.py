@@ -12,8 +12,9 @@ mlx-lm calls it: whatever RoPE class the layer has (scaled ones included),
 the ops are mlx-lm's. In ``openelm``, ``bailing_moe``, ``bailing_moe_linear``
 (full attention), ``gemma3_text`` and ``plamo3`` a one-token call (decode)
 whose RoPE the norm + RoPE call covers makes the norms, the transpose, the
-RoPE and (for mlx-lm's ``KVCache`` / ``BatchKVCache``) the cache write ONE
-call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope` instead. A layer
+RoPE and (for the caches :func:`.full_attention.prework_and_cache_update`
+writes) the cache write ONE call of
+:class:`~mlx_dualnorm.CompiledDualHeadNormRope` instead. A layer
 whose norms are off (a flag such as ``use_qk_norm`` unset) or not a known
 norm class runs the class's own ``__call__``.
 """

@@ -5,8 +5,9 @@
 ``H * D`` width, right after the projections, and only then split them into
 heads, transpose and rotate per head. Where the layer's RoPE is one the
 norm + RoPE call computes, the replacements make the norms, the split, the
-transpose, the RoPE and (for mlx-lm's ``KVCache`` / ``BatchKVCache``) the
-cache write ONE call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope`,
+transpose, the RoPE and (for the caches
+:func:`.full_attention.prework_and_cache_update` writes) the cache write
+ONE call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope`,
 whose weights of ``H * D`` elements normalize each token's heads together;
 elsewhere (no RoPE, another RoPE class) the two norm calls are one
 :func:`~.head_norms.normalized_pair` call at that width, and the reshapes,
