@@ -1,10 +1,11 @@
 """The mlx-lm patch with the KV-cache write in the package's call: for
-mlx-lm's ``KVCache``, ``BatchKVCache`` and ``RotatingKVCache``, the tokens,
-the logits of every step and every element of the cache buffers are
-bit-identical patched and unpatched, across a step that grows the buffer,
-a trimmed cache, a prompt cache saved and loaded back, batched generation
-of prompts of different lengths and a rotating cache that wraps around;
-the decode steps within a buffer go through the one-call path."""
+mlx-lm's ``KVCache``, ``BatchKVCache``, ``RotatingKVCache`` and
+``BatchRotatingKVCache``, the tokens, the logits of every step and every
+element of the cache buffers are bit-identical patched and unpatched,
+across a step that grows the buffer, a trimmed cache, a prompt cache saved
+and loaded back, batched generation of prompts of different lengths and
+rotating caches that wrap around, alone and batched; the decode steps
+within a buffer go through the one-call path."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def one_call_writes(monkeypatch):
     counts = {"one_call": 0}
     count_applied_calls(monkeypatch, full_attention, "_written_in_one_call", counts, "one_call")
     return counts
+
+
+class BatchTokenizer:
+    """What batch_generate reads of a tokenizer: no end-of-sequence token,
+    so every sequence runs to max_tokens."""
+
+    eos_token_ids: set = set()
+
+    def decode(self, tokens):
+        return " ".join(map(str, tokens))
 
 
 def prompt_tokens(length, start=11):
@@ -238,19 +249,13 @@ def test_batch_generate_with_prompts_of_different_lengths_is_bit_identical(one_c
 
     model = build_model("qwen3")
 
-    class Tokenizer:  # what batch_generate reads of a tokenizer
-        eos_token_ids: set = set()
-
-        def decode(self, tokens):
-            return " ".join(map(str, tokens))
-
     prompts = [
         [int(t) for t in prompt_tokens(length, start)]
         for length, start in ((5, 1), (17, 2), (250, 3))
     ]
 
     def run():
-        return batch_generate(model, Tokenizer(), prompts, max_tokens=10,
+        return batch_generate(model, BatchTokenizer(), prompts, max_tokens=10,
                               return_prompt_caches=True, return_token_ids=True,
                               return_logprobs=True)
 
@@ -260,6 +265,50 @@ def test_batch_generate_with_prompts_of_different_lengths_is_bit_identical(one_c
     for actual_caches, expected_caches in zip(patched.caches, reference.caches):
         assert_caches_identical(actual_caches, expected_caches)
     assert one_call_writes["one_call"] > 0
+
+
+@pytest.fixture
+def written_cache_kinds(monkeypatch):
+    """The cache kinds whose steps the one call wrote, with their counts."""
+    counts: dict = {}
+    cache_step = full_attention._cache_step
+
+    def counting(kind, cache, length):
+        step = cache_step(kind, cache, length)
+        if step is not None:
+            counts[kind] = counts.get(kind, 0) + 1
+        return step
+
+    monkeypatch.setattr(full_attention, "_cache_step", counting)
+    return counts
+
+
+def test_batch_generate_over_sliding_windows_is_bit_identical(written_cache_kinds):
+    """gemma3_text's sliding-window layers under batch_generate: a
+    BatchRotatingKVCache of 8 rows per window, prompts of different lengths
+    (left padding), 24 tokens each, so that the ring wraps around: tokens,
+    log-probabilities and every cache the same bits, its steps written in
+    the package's call."""
+    from mlx_lm.generate import batch_generate
+
+    model = build_synthetic_model("gemma3_text")
+
+    prompts = [
+        [int(t) for t in prompt_tokens(length, start)] for length, start in ((3, 1), (6, 2), (11, 3))
+    ]
+
+    def run():
+        return batch_generate(model, BatchTokenizer(), prompts, max_tokens=24,
+                              return_prompt_caches=True, return_token_ids=True,
+                              return_logprobs=True)
+
+    reference, patched = run_both(model, run)
+    assert patched.token_ids == reference.token_ids
+    assert patched.logprobs == reference.logprobs
+    for actual_caches, expected_caches in zip(patched.caches, reference.caches):
+        assert_caches_identical(actual_caches, expected_caches)
+    assert written_cache_kinds.get("batched rotating", 0) > 0
+    assert written_cache_kinds.get("batched", 0) > 0
 
 
 def test_batch_kv_cache_direct_steps_are_bit_identical(one_call_writes):

@@ -242,7 +242,7 @@ class AttentionLayerCounts:
 # a module global its replacement calls read at each call.
 _PREWORKS = (
     (full_attention, "_rotated_queries_and_keys"),
-    # A KVCache / BatchKVCache / RotatingKVCache step's norm + RoPE with the
+    # A (Batch)KVCache / (Batch)RotatingKVCache step's norm + RoPE with the
     # cache write (the prework above then runs only where this one returns
     # None).
     (full_attention, "_written_in_one_call"),

@@ -99,6 +99,7 @@ PROVEN_CLASS_CODE: dict[str, frozenset[str]] = {
     "mlx_lm.models.cache.KVCache": frozenset({"21a99a6d3e767c79"}),
     "mlx_lm.models.cache.BatchKVCache": frozenset({"374ba03b3be1b625"}),
     "mlx_lm.models.cache.RotatingKVCache": frozenset({"e1698913a17d3f95"}),
+    "mlx_lm.models.cache.BatchRotatingKVCache": frozenset({"a1836ffd58ca23e7"}),
 }
 
 UNPROVEN_REASON = (

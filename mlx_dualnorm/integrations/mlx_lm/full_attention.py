@@ -289,9 +289,11 @@ def rotated_at_cache_offset(norm_rope, queries, keys, query_weight, key_weight, 
 
 # The cache classes whose decode-step update the one call performs, by
 # mlx-lm's name, and the kind of bookkeeping each keeps.
-_PLAIN, _BATCHED, _ROTATING = "plain", "batched", "rotating"
+_PLAIN, _BATCHED = "plain", "batched"
+_ROTATING, _BATCHED_ROTATING = "rotating", "batched rotating"
 _WRITTEN_CACHE_KINDS = {
     "KVCache": _PLAIN, "BatchKVCache": _BATCHED, "RotatingKVCache": _ROTATING,
+    "BatchRotatingKVCache": _BATCHED_ROTATING,
 }
 
 # Those classes as mlx-lm has them, each mapped to its kind, looked up once
@@ -339,16 +341,24 @@ def _cache_step(kind: str, cache, length: int) -> Optional[_CacheStep]:
     if buffer is None:
         return None
     capacity = buffer.shape[2]
-    if kind == _ROTATING:
+    if kind in (_ROTATING, _BATCHED_ROTATING):
         # RotatingKVCache._update_in_place (one row) without growing or
         # trimming: the row goes at _idx, at `keep` once _idx reaches
-        # max_size; keys_and_values then gives rows [0, offset) while the
-        # buffer is not yet full (no rotation has happened), else all.
-        grows = cache.offset >= capacity and capacity < cache.max_size
+        # max_size; keys_and_values then gives rows [0, rows written) while
+        # the buffer is not yet full (no rotation has happened), else all.
+        # BatchRotatingKVCache's is the same with `keep` 0 and its written
+        # rows in `_offset` (`offset` holds each sequence's position), once
+        # finalize() has run (`_lengths` None; else the class raises).
+        batched = kind == _BATCHED_ROTATING
+        if batched and cache._lengths is not None:
+            return None
+        written = cache._offset if batched else cache.offset
+        grows = written >= capacity and capacity < cache.max_size
         if length != 1 or grows or capacity > cache.max_size:
             return None
-        row = cache.keep if cache._idx == cache.max_size else cache._idx
-        end = cache.offset + length
+        keep = 0 if batched else cache.keep
+        row = keep if cache._idx == cache.max_size else cache._idx
+        end = written + length
         if row + length > capacity or (end < capacity and row + length != end):
             return None
         return _CacheStep(row, returns_whole_buffers=end >= capacity)
@@ -360,20 +370,31 @@ def _cache_step(kind: str, cache, length: int) -> Optional[_CacheStep]:
 
 
 def _advance(kind: str, cache, step: _CacheStep, length: int) -> None:
-    """The class's bookkeeping after its update wrote ``step``'s rows."""
+    """The class's bookkeeping after its update wrote ``step``'s rows (the
+    buffers already replaced by the written ones)."""
     end = step.row + length
     if kind == _PLAIN:
         cache.offset = end
         return
-    cache.offset = cache.offset + length  # per-row offsets for BatchKVCache
+    if kind == _BATCHED_ROTATING:
+        if cache._idx == cache.max_size:
+            cache.rotated = True
+        if cache.rotated:
+            cache.left_padding -= length
+        cache._offset += length
+    cache.offset = cache.offset + length  # per-sequence offsets in the batched classes
     cache._idx = end
+    if kind == _BATCHED_ROTATING:
+        # As the class does: its padding and offsets evaluated with its keys.
+        cache.keys = mx.depends(cache.keys, (cache.left_padding, cache.offset))
 
 
 def _written_in_one_call(norm_rope, prework: LayerPrework, queries, keys, values, cache):
-    """What ``update_and_fetch`` of a ``KVCache``, ``BatchKVCache`` or
-    ``RotatingKVCache`` (exact types) returns, with the norm + RoPE and both
-    buffer writes in ONE call (:meth:`CompiledDualHeadNormRope.apply_with_cache`),
-    the cache left as the class leaves it: ``(rotated queries, keys,
+    """What ``update_and_fetch`` of a ``KVCache``, ``BatchKVCache``,
+    ``RotatingKVCache`` or ``BatchRotatingKVCache`` (exact types) returns,
+    with the norm + RoPE and both buffer writes in ONE call
+    (:meth:`CompiledDualHeadNormRope.apply_with_cache`), the cache left as
+    the class leaves it: ``(rotated queries, keys,
     values)``. None where the call does not apply (another cache, a step
     that grows, trims or reorders the buffers); the caller then takes the
     two-step path, whose ``update_and_fetch`` does that as the class does."""
@@ -403,7 +424,7 @@ def _written_in_one_call(norm_rope, prework: LayerPrework, queries, keys, values
     cache.keys, cache.values = written_keys, written_values
     _advance(kind, cache, step, length)
     if step.returns_whole_buffers:
-        return rotated_queries, written_keys, written_values
+        return rotated_queries, cache.keys, cache.values
     # Rows [0, row + L) of both buffers, as the class slices them (made by
     # the same call: no indexing left to do here).
     return rotated_queries, fetched_keys, fetched_values
@@ -416,8 +437,8 @@ def prework_and_cache_update(prework: LayerPrework, queries, keys, values, cache
     values)`` ready for attention, ``(B, H, L', D)``, or None where the
     layer's norms or RoPE are not what the package computes (the caller
     then runs the class's own __call__). One call of the package for a
-    ``KVCache``, ``BatchKVCache`` or ``RotatingKVCache`` step within the
-    buffers; otherwise the norm + RoPE call, then ``cache.update_and_fetch``. For any family whose
+    step of one of the caches :func:`_written_in_one_call` writes within
+    its buffers; otherwise the norm + RoPE call, then ``cache.update_and_fetch``. For any family whose
     attention is ``rms_norm`` + RoPE of q and k before the cache: the
     norms of ``(B, L, H, D)`` heads and of their ``(B, H, L, D)``
     transposes are the same rows, normalized alike."""

@@ -19,7 +19,7 @@ offset, the cache update and attention, with other attribute names:
   when ``use_qk_norm``, traditional RoPE where ``use_rope``.
 
 Each replacement runs every other op as mlx-lm writes it, except that
-with mlx-lm's ``KVCache``, ``BatchKVCache`` and ``RotatingKVCache`` a
+with mlx-lm's ``KVCache``, ``RotatingKVCache`` and their batched classes a
 decode step's cache write joins the norm + RoPE call
 (:func:`.full_attention.prework_and_cache_update`). A layer whose
 norms or RoPE are not exactly what the package computes (a RoPE other
