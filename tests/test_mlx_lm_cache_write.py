@@ -242,20 +242,16 @@ def test_to_quantized_after_patched_decode_is_identical():
             assert_bit_identical(actual_part, expected_part)
 
 
-def test_batch_generate_with_prompts_of_different_lengths_is_bit_identical(one_call_writes):
-    """mlx-lm's batch_generate: left-padded prompts in a BatchKVCache, whose
-    RoPE offsets are per row and whose write row is shared."""
+def assert_batch_generate_identical(model, prompt_shapes, max_tokens):
+    """mlx-lm's batch_generate over prompts of the given (length, start)
+    shapes, unpatched then patched: the token ids, the log-probabilities
+    and every returned prompt cache the same bits."""
     from mlx_lm.generate import batch_generate
 
-    model = build_model("qwen3")
-
-    prompts = [
-        [int(t) for t in prompt_tokens(length, start)]
-        for length, start in ((5, 1), (17, 2), (250, 3))
-    ]
+    prompts = [[int(t) for t in prompt_tokens(length, start)] for length, start in prompt_shapes]
 
     def run():
-        return batch_generate(model, BatchTokenizer(), prompts, max_tokens=10,
+        return batch_generate(model, BatchTokenizer(), prompts, max_tokens=max_tokens,
                               return_prompt_caches=True, return_token_ids=True,
                               return_logprobs=True)
 
@@ -264,6 +260,12 @@ def test_batch_generate_with_prompts_of_different_lengths_is_bit_identical(one_c
     assert patched.logprobs == reference.logprobs
     for actual_caches, expected_caches in zip(patched.caches, reference.caches):
         assert_caches_identical(actual_caches, expected_caches)
+
+
+def test_batch_generate_with_prompts_of_different_lengths_is_bit_identical(one_call_writes):
+    """mlx-lm's batch_generate: left-padded prompts in a BatchKVCache, whose
+    RoPE offsets are per row and whose write row is shared."""
+    assert_batch_generate_identical(build_model("qwen3"), ((5, 1), (17, 2), (250, 3)), 10)
     assert one_call_writes["one_call"] > 0
 
 
@@ -289,24 +291,9 @@ def test_batch_generate_over_sliding_windows_is_bit_identical(written_cache_kind
     (left padding), 24 tokens each, so that the ring wraps around: tokens,
     log-probabilities and every cache the same bits, its steps written in
     the package's call."""
-    from mlx_lm.generate import batch_generate
-
-    model = build_synthetic_model("gemma3_text")
-
-    prompts = [
-        [int(t) for t in prompt_tokens(length, start)] for length, start in ((3, 1), (6, 2), (11, 3))
-    ]
-
-    def run():
-        return batch_generate(model, BatchTokenizer(), prompts, max_tokens=24,
-                              return_prompt_caches=True, return_token_ids=True,
-                              return_logprobs=True)
-
-    reference, patched = run_both(model, run)
-    assert patched.token_ids == reference.token_ids
-    assert patched.logprobs == reference.logprobs
-    for actual_caches, expected_caches in zip(patched.caches, reference.caches):
-        assert_caches_identical(actual_caches, expected_caches)
+    assert_batch_generate_identical(
+        build_synthetic_model("gemma3_text"), ((3, 1), (6, 2), (11, 3)), 24
+    )
     assert written_cache_kinds.get("batched rotating", 0) > 0
     assert written_cache_kinds.get("batched", 0) > 0
 
