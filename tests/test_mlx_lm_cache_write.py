@@ -117,12 +117,15 @@ UNPATCHED_ATTEMPTS = 4
 
 
 # Families whose attention writes the cache in the norm + RoPE call: the
-# qwen3 shapes, the qwen3-like shape with partial rotary (glm4_moe), and
-# the shapes that normalize after the transpose, with the weight of each
-# norm class (gemma3_text's 1 + w on its global layers, plamo3's w + offset,
-# bailing_moe's and openelm's w).
+# qwen3 shapes, the qwen3-like shape with partial rotary (glm4_moe), the
+# shapes that normalize after the transpose, with the weight of each norm
+# class (gemma3_text's 1 + w, plamo3's w + offset, bailing_moe's and
+# openelm's w), a whole-projection norm (olmo2), and the per-head shapes
+# whose values pass a v_norm first (gemma3n, gemma4_text, with KV-shared
+# layers that read another layer's cache).
 CACHE_WRITING_FAMILIES = (
     "qwen3", "qwen3_next", "glm4_moe", "gemma3_text", "plamo3", "bailing_moe", "openelm", "olmo2",
+    "gemma3n", "gemma4_text",
 )
 
 

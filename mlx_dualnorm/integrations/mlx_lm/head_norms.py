@@ -185,23 +185,29 @@ def stand_in_norm(eps) -> nn.RMSNorm:
     return nn.RMSNorm(1, eps) if stand_in is None else stand_in
 
 
-def norm_rope_prework(rope, query_norm, key_norm, queries, keys):
+def norm_rope_prework(place: str, rope, query_norm, key_norm, queries, keys):
     """The prework of a layer whose q/k norms of a known class are followed
     by ``rope``, as :func:`~.full_attention.prework_and_cache_update` takes
     it: the RoPE, the norms (stand-ins of their eps where they are not
     ``nn.RMSNorm``) and the weights each norm passes to ``rms_norm``, read
-    now; None where the norms are not a known pair or ``rope`` is not one
-    the norm + RoPE call computes (``nn.RoPE``, the scaled RoPEs)."""
-    if type(rope) is not nn.RoPE and type(rope) not in full_attention.SCALED_ROPE_CLASSES:
+    now; None where the norms are not a known pair, ``rope`` is not one
+    the norm + RoPE call computes (``nn.RoPE``, the scaled RoPEs) or
+    reading them raises (logged once for ``place``, the caller's kind of
+    layer, which then takes its other path)."""
+    try:
+        if type(rope) is not nn.RoPE and type(rope) not in full_attention.SCALED_ROPE_CLASSES:
+            return None
+        kind_and_epsilon = _kind_and_epsilon(query_norm, key_norm)
+        if kind_and_epsilon is None:
+            return None
+        kind, eps = kind_and_epsilon
+        weights = kind.weight(query_norm, queries), kind.weight(key_norm, keys)
+        if kind is not _PLAIN:
+            query_norm = key_norm = stand_in_norm(eps)
+        return full_attention.LayerPrework(rope, query_norm, key_norm, *weights)
+    except Exception as error:  # anything unexpected takes the layer's other path
+        log_fallback_once(place, error, "takes its other path")
         return None
-    kind_and_epsilon = _kind_and_epsilon(query_norm, key_norm)
-    if kind_and_epsilon is None:
-        return None
-    kind, eps = kind_and_epsilon
-    weights = kind.weight(query_norm, queries), kind.weight(key_norm, keys)
-    if kind is not _PLAIN:
-        query_norm = key_norm = stand_in_norm(eps)
-    return full_attention.LayerPrework(rope, query_norm, key_norm, *weights)
 
 
 def normalized_rotated_heads(queries, keys, query_norm, key_norm, rope, offset):

@@ -26,7 +26,6 @@ import sys
 import mlx.core as mx
 
 from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms
-from mlx_dualnorm.integrations.mlx_lm._shared import log_fallback_once
 from mlx_dualnorm.integrations.mlx_lm.full_attention import (
     AttentionFamily,
     _attended,
@@ -56,7 +55,9 @@ def _projected_attention(attention, output_projection, projections, norms, call_
     _, mask, cache = call_arguments
     prepared = prework = None
     if queries.shape[1] == 1:
-        prework = _norm_rope_prework(attention, norms, queries, keys)
+        prework = head_norms.norm_rope_prework(
+            "the heads-first norm + RoPE", attention.rope, *norms, queries, keys
+        )
     if prework is not None:
         prepared = full_attention.prework_and_cache_update(prework, queries, keys, values, cache)
     if prepared is None:
@@ -71,15 +72,6 @@ def _projected_attention(attention, output_projection, projections, norms, call_
     batch, _, length, _ = prepared[0].shape
     output = _attended(attention, *prepared, cache, mask, batch, length)
     return output_projection(output)
-
-
-def _norm_rope_prework(attention, norms, queries, keys):
-    """:func:`~.head_norms.norm_rope_prework` of the layer, or None."""
-    try:
-        return head_norms.norm_rope_prework(attention.rope, *norms, queries, keys)
-    except Exception as error:  # anything unexpected takes the norm pair instead
-        log_fallback_once("the heads-first norm + RoPE", error, "takes the q/k norm pair")
-        return None
 
 
 def _heads(projected, batch, length, heads, head_dim):

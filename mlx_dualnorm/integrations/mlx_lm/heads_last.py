@@ -14,7 +14,10 @@ In gemma3n's and gemma4_text's layers whose RoPE the qwen3 layers cover
 (``nn.RoPE``, the scaled RoPEs of ``rope_utils`` such as gemma4's
 ``ProportionalRoPE``) the q/k norms, the transpose and the RoPE are ONE
 call of the qwen3 layers' :class:`~mlx_dualnorm.CompiledDualHeadNormRope`
-(the same primitives in the same order); elsewhere the replacements make the q/k norm calls one
+(the same primitives in the same order), and with the caches
+:func:`.full_attention.prework_and_cache_update` writes, the cache write
+too: the values, through the layer's own ``v_norm`` first, are written as
+given; elsewhere the replacements make the q/k norm calls one
 :func:`~.head_norms.normalized_pair` call on the same arrays and keep every
 other op, RoPE included, as mlx-lm writes it.
 """
@@ -25,13 +28,54 @@ import sys
 
 import mlx.core as mx
 
-from mlx_dualnorm.integrations.mlx_lm import head_norms
+from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms
 from mlx_dualnorm.integrations.mlx_lm.full_attention import (
     AttentionFamily,
+    _attended,
     _attention_output,
     register_attention_families,
 )
 from mlx_dualnorm.integrations.mlx_lm.heads_first import REFUSAL
+
+
+def _at_cache_offset(offset, cache) -> bool:
+    """Whether rotating at ``offset`` is rotating at the cache's offset (0
+    without a cache), known without evaluating anything."""
+    if cache is None:
+        return type(offset) is int and offset == 0
+    return offset is cache.offset or (
+        type(offset) is int and type(cache.offset) is int and offset == cache.offset
+    )
+
+
+def _prepared_heads(attention, queries, keys, values, cache, offset, at_cache_offset):
+    """Queries, keys and values ready for attention, ``(B, H, L', D)``, from
+    ``(B, L, H, D)`` heads (``values`` already through the layer's
+    ``v_norm``): q and k normalized and rotated at ``offset``, the cache
+    updated. Where ``offset`` is known to be the cache's own, the norms,
+    the RoPE and the cache write are ONE norm + RoPE call, as in qwen3;
+    otherwise, or where that call does not apply, the norm + RoPE of
+    :func:`~.head_norms.normalized_rotated_heads` and the cache's own
+    update. None where neither computes the layer."""
+    if at_cache_offset:
+        prework = head_norms.norm_rope_prework(
+            "the per-head norm + RoPE with the cache write",
+            attention.rope, attention.q_norm, attention.k_norm, queries, keys,
+        )
+        if prework is not None:
+            prepared = full_attention.prework_and_cache_update(prework, queries, keys, values, cache)
+            if prepared is not None:
+                return prepared
+    rotated = head_norms.normalized_rotated_heads(
+        queries, keys, attention.q_norm, attention.k_norm, attention.rope, offset
+    )
+    if rotated is None:
+        return None
+    queries, keys = rotated
+    values = values.transpose(0, 2, 1, 3)
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+    return queries, keys, values
 
 
 def _gemma3n_attention_call(self, x, mask=None, cache=None, offset=0):
@@ -40,16 +84,14 @@ def _gemma3n_attention_call(self, x, mask=None, cache=None, offset=0):
     B, L, _ = x.shape
     queries = self.q_proj(x).reshape(B, L, -1, self.head_dim)
     keys = self.k_proj(x).reshape(B, L, -1, self.head_dim)
-    rotated = head_norms.normalized_rotated_heads(
-        queries, keys, self.q_norm, self.k_norm, self.rope, offset
-    )
-    if rotated is None:
-        return type(self).mlx_dualnorm_original_call(self, x, mask, cache, offset)
-    queries, keys = rotated
     values = self.v_norm(self.v_proj(x).reshape(B, L, -1, self.head_dim))
-    values = values.transpose(0, 2, 1, 3)
-    output = _attention_output(self, queries, keys, values, cache, mask, B, L)
-    return self.o_proj(output)
+    # The model passes the first cache's offset to every layer.
+    prepared = _prepared_heads(
+        self, queries, keys, values, cache, offset, _at_cache_offset(offset, cache)
+    )
+    if prepared is None:
+        return type(self).mlx_dualnorm_original_call(self, x, mask, cache, offset)
+    return self.o_proj(_attended(self, *prepared, cache, mask, B, L))
 
 
 def _gemma4_text_attention_call(self, x, mask=None, cache=None, shared_kv=None, offset=None):
@@ -61,20 +103,16 @@ def _gemma4_text_attention_call(self, x, mask=None, cache=None, shared_kv=None, 
     values = keys
     if not self.use_k_eq_v:
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+    # mlx-lm rotates at mx.array(cache.offset) and returns that array; the
+    # one call rotates at cache.offset itself, the same int32 position.
     rope_offset = mx.array(cache.offset) if cache is not None else 0
-    rotated = head_norms.normalized_rotated_heads(
-        queries, keys, self.q_norm, self.k_norm, self.rope, rope_offset
+    prepared = _prepared_heads(
+        self, queries, keys, self.v_norm(values), cache, rope_offset, at_cache_offset=True
     )
-    if rotated is None:
+    if prepared is None:
         return type(self).mlx_dualnorm_original_call(self, x, mask, cache, shared_kv, offset)
-    queries, keys = rotated
-    values = self.v_norm(values).transpose(0, 2, 1, 3)
-    if cache is not None:
-        keys, values = cache.update_and_fetch(keys, values)
-    attend = sys.modules[type(self).__module__].scaled_dot_product_attention
-    output = attend(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
-    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
-    return self.o_proj(output), (keys, values), rope_offset
+    output = _attended(self, *prepared, cache, mask, B, L)
+    return self.o_proj(output), prepared[1:], rope_offset
 
 
 def _gear_attention_call(self, x, mask=None, cache=None):

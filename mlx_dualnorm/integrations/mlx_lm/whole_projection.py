@@ -19,7 +19,6 @@ class: those layers run the class's own ``__call__``.
 from __future__ import annotations
 
 from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms
-from mlx_dualnorm.integrations.mlx_lm._shared import log_fallback_once
 from mlx_dualnorm.integrations.mlx_lm.full_attention import (
     AttentionFamily,
     _attended,
@@ -49,7 +48,9 @@ def _attend_normalized_projections(
     rope = attention.rope
     prework = None
     if rope is not None:
-        prework = _norm_rope_prework(rope, query_norm, key_norm, queries, keys)
+        prework = head_norms.norm_rope_prework(
+            "the whole-projection norm + RoPE", rope, query_norm, key_norm, queries, keys
+        )
     prepared = None
     if prework is not None:
         prepared = full_attention.prework_and_cache_update(prework, queries, keys, values, cache)
@@ -67,15 +68,6 @@ def _attend_normalized_projections(
         prepared = queries, keys, values
     output = _attended(attention, *prepared, cache, mask, B, L)
     return attention.o_proj(output)
-
-
-def _norm_rope_prework(rope, query_norm, key_norm, queries, keys):
-    """:func:`~.head_norms.norm_rope_prework` of the layer, or None."""
-    try:
-        return head_norms.norm_rope_prework(rope, query_norm, key_norm, queries, keys)
-    except Exception as error:  # anything unexpected takes the norm pair instead
-        log_fallback_once("the whole-projection norm + RoPE", error, "takes the q/k norm pair")
-        return None
 
 
 def _olmo2_attention_call(self, x, mask=None, cache=None):
