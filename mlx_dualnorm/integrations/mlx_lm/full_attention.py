@@ -438,10 +438,11 @@ def prework_and_cache_update(prework: LayerPrework, queries, keys, values, cache
     layer's norms or RoPE are not what the package computes (the caller
     then runs the class's own __call__). One call of the package for a
     step of one of the caches :func:`_written_in_one_call` writes within
-    its buffers; otherwise the norm + RoPE call, then ``cache.update_and_fetch``. For any family whose
-    attention is ``rms_norm`` + RoPE of q and k before the cache: the
-    norms of ``(B, L, H, D)`` heads and of their ``(B, H, L, D)``
-    transposes are the same rows, normalized alike."""
+    its buffers; otherwise the norm + RoPE call, then
+    ``cache.update_and_fetch``. For any family whose attention is
+    ``rms_norm`` + RoPE of q and k before the cache: the norms of ``(B, L,
+    H, D)`` heads and of their ``(B, H, L, D)`` transposes are the same
+    rows, normalized alike."""
     try:
         norm_rope = _norm_rope_for(prework.rope, prework.query_norm, prework.key_norm)
     except Exception as error:  # anything unexpected runs mlx-lm's own code instead
@@ -456,6 +457,14 @@ def prework_and_cache_update(prework: LayerPrework, queries, keys, values, cache
     if rotated is None:
         return None
     rotated_queries, rotated_keys = rotated
+    return with_cache_update(rotated_queries, rotated_keys, values, cache)
+
+
+def with_cache_update(rotated_queries, rotated_keys, values, cache):
+    """``(queries, keys, values)`` ready for attention from rotated ``(B, H,
+    L, D)`` queries and keys and ``(B, L, H, D)`` values: the values
+    transposed, and keys and values through the cache's own
+    ``update_and_fetch`` where there is a cache."""
     values = values.transpose(0, 2, 1, 3)
     if cache is not None:
         rotated_keys, values = cache.update_and_fetch(rotated_keys, values)

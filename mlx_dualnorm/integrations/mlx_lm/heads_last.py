@@ -71,11 +71,7 @@ def _prepared_heads(attention, queries, keys, values, cache, offset, at_cache_of
     )
     if rotated is None:
         return None
-    queries, keys = rotated
-    values = values.transpose(0, 2, 1, 3)
-    if cache is not None:
-        keys, values = cache.update_and_fetch(keys, values)
-    return queries, keys, values
+    return full_attention.with_cache_update(*rotated, values, cache)
 
 
 def _gemma3n_attention_call(self, x, mask=None, cache=None, offset=0):

@@ -218,10 +218,8 @@ def _prework(layout: Layout, attention, queries, keys, values, cache):
     )
     if normalized is None:
         return None
-    values = values.transpose(0, 2, 1, 3)
-    if cache is not None:
-        return (normalized[0], *cache.update_and_fetch(normalized[1], values))
-    return (*normalized, values)
+    normalized_queries, normalized_keys = normalized
+    return full_attention.with_cache_update(normalized_queries, normalized_keys, values, cache)
 
 
 def _engages(layout: Layout, attention) -> bool:

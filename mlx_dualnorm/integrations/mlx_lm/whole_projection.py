@@ -60,12 +60,9 @@ def _attend_normalized_projections(
             return type(attention).mlx_dualnorm_original_call(attention, x, mask, cache)
         queries = normalized[0].reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
         keys = normalized[1].reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
-        values = values.transpose(0, 2, 1, 3)
         if rope is not None or not rope_optional:
             queries, keys = head_norms.rotated_pair(rope, queries, keys, cache)
-        if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)
-        prepared = queries, keys, values
+        prepared = full_attention.with_cache_update(queries, keys, values, cache)
     output = _attended(attention, *prepared, cache, mask, B, L)
     return attention.o_proj(output)
 
