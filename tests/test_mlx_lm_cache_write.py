@@ -20,7 +20,7 @@ from mlx_lm.models import cache as cache_module  # noqa: E402
 from test_mlx_lm_full_attention import build_model  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm import full_attention  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import _release_check, full_attention  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model  # noqa: E402
 
 PROMPT_LENGTH = 250
@@ -227,6 +227,27 @@ def test_a_rotating_cache_wrapping_around_is_bit_identical(prompt_length, one_ca
     # Class updates: growing the short prompt's buffer to the ring's size
     # (one step), trimming the long prompt's to it (one step).
     assert one_call_writes["one_call"] == len(model.layers) * (steps - 1)
+
+
+def test_a_cache_class_of_unrecorded_code_keeps_its_own_update(monkeypatch, one_call_writes):
+    """The call performs a cache class's update itself only where the
+    class's code is the recorded one: with RotatingKVCache's record taken
+    out (as on a release whose class differs), every step runs the class's
+    own update_and_fetch, with the same bits."""
+    monkeypatch.delitem(
+        _release_check.PROVEN_CLASS_CODE, "mlx_lm.models.cache.RotatingKVCache"
+    )
+    monkeypatch.setattr(full_attention, "_written_cache_kinds", None)
+    model = build_model("qwen3")
+
+    def run():
+        cache = cache_module.make_prompt_cache(model, max_kv_size=24)
+        tokens, logits = greedy_decode(model, prompt_tokens(10), 20, cache)
+        return tokens, logits, cache
+
+    reference, patched = run_both(model, run)
+    assert_runs_identical(reference, patched)
+    assert one_call_writes["one_call"] == 0
 
 
 def test_to_quantized_after_patched_decode_is_identical():

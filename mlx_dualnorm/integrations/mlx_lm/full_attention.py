@@ -312,13 +312,14 @@ def _cache_kinds() -> dict:
         except ImportError:
             _written_cache_kinds = {}
         else:
-            # Only a class whose update_and_fetch is the tested code: the
-            # call below performs that update itself.
+            # Only a class whose code is, on any mlx-lm release, the code
+            # recorded from the tested one (its fingerprint): the call below
+            # performs its update and bookkeeping itself, line for line.
             _written_cache_kinds = {
                 getattr(cache_module, name): kind
                 for name, kind in _WRITTEN_CACHE_KINDS.items()
                 if hasattr(cache_module, name)
-                and _release_check.code_is_tested(getattr(cache_module, name))
+                and _release_check.is_proven(getattr(cache_module, name))
             }
     return _written_cache_kinds
 
@@ -359,11 +360,11 @@ def _cache_step(kind: str, cache, length: int) -> Optional[_CacheStep]:
         keep = 0 if batched else cache.keep
         row = keep if cache._idx == cache.max_size else cache._idx
         end = written + length
-        if row + length > capacity or (end < capacity and row + length != end):
+        if row < 0 or row + length > capacity or (end < capacity and row + length != end):
             return None
         return _CacheStep(row, returns_whole_buffers=end >= capacity)
     row = cache._idx if kind == _BATCHED else cache.offset
-    if row + length > capacity:
+    if row < 0 or row + length > capacity:
         return None
     # KVCache.keys_and_values: the whole buffer once the rows reach its end.
     return _CacheStep(row, returns_whole_buffers=kind == _PLAIN and row + length >= capacity)
