@@ -196,9 +196,11 @@ _tested_verdicts: dict[type, bool] = {}
 
 def code_is_tested(mlx_lm_class: type) -> bool:
     """Whether a replacement may reproduce ``mlx_lm_class``'s code (an
-    attention class, or a cache class whose update it performs itself): on
+    attention class, or a part of a layer such as a norm or RoPE class): on
     the tested release line always, on an older mlx-lm only where the
-    class's code is proven. One dict lookup after the first call."""
+    class's code is proven. Cache classes whose update the package performs
+    itself need :func:`is_proven` on every release instead. One dict lookup
+    after the first call."""
     verdict = _tested_verdicts.get(mlx_lm_class)
     if verdict is None:
         verdict = _TESTED_RELEASE_LINE or is_proven(mlx_lm_class)

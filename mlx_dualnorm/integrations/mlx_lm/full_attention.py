@@ -395,10 +395,10 @@ def _written_in_one_call(norm_rope, prework: LayerPrework, queries, keys, values
     ``RotatingKVCache`` or ``BatchRotatingKVCache`` (exact types) returns,
     with the norm + RoPE and both buffer writes in ONE call
     (:meth:`CompiledDualHeadNormRope.apply_with_cache`), the cache left as
-    the class leaves it: ``(rotated queries, keys,
-    values)``. None where the call does not apply (another cache, a step
-    that grows, trims or reorders the buffers); the caller then takes the
-    two-step path, whose ``update_and_fetch`` does that as the class does."""
+    the class leaves it: ``(rotated queries, keys, values)``. None where the
+    call does not apply (another cache, a step that grows, trims or
+    reorders the buffers); the caller then takes the two-step path, whose
+    ``update_and_fetch`` does that as the class does."""
     kind = _cache_kinds().get(type(cache))
     if kind is None:
         return None
