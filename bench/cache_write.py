@@ -22,13 +22,24 @@ With ``--cache-step N`` the caches grow N rows at a time (mlx-lm's
 ``KVCache.step``, 256 by default): large buffers make a copy of them stand
 out in the transient column (a per-layer copy costs a whole buffer there).
 
+On CUDA, MLX keeps every input of the kernels it has recorded into a
+command graph alive until that graph has run, and starts a new graph every
+``MLX_MAX_OPS_PER_BUFFER`` kernels or ``MLX_MAX_MB_PER_BUFFER`` MB of inputs
+(100 and 1000 on an H100/H200). The transient there is the largest set of
+intermediates one graph holds, so it moves with where the graph boundaries
+fall, not only with what a path allocates. With both limits set above one
+decode step (``MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000``)
+a step is one graph and its transient is every byte the step allocates:
+the per-token allocation. ``--memory-only`` skips the timings for such a run.
+
     python3 bench/cache_write.py [--model qwen3-1024] [--rounds 9] [--steps 64] [--vocab N]
-                                 [--cache-step N] [--quick]
+                                 [--cache-step N] [--quick] [--memory-only]
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 
 import mlx.core as mx
@@ -123,6 +134,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="3 rounds of 16 steps")
     parser.add_argument("--cache-step", type=int,
                         help="rows the caches grow by (mlx-lm's KVCache.step)")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="check the tokens, then measure memory only")
     args = parser.parse_args()
     if args.cache_step:
         KVCache.step = args.cache_step
@@ -134,6 +147,18 @@ def main():
         tokens[path] = timed(path, network, prompt, 4)[0]
     if tokens["patched"] != tokens["mlx-lm"] or tokens["patched-no-write"] != tokens["mlx-lm"]:
         raise SystemExit("patched tokens differ from mlx-lm's: not a valid comparison")
+    if not args.memory_only:
+        print_times(args, config, network, prompt, rounds, steps)
+    limits = ", ".join(f"{name}={os.environ.get(name, 'default')}"
+                       for name in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER"))
+    print(f"memory over {steps} unpipelined decode steps of {args.model} (bytes; {limits}):")
+    for path in PATHS:
+        transient, peak = memory_of(path, network, prompt, steps)
+        print(f"  {path:17s} per-step transient {transient:12,.0f}   run peak {peak:14,d}")
+
+
+def print_times(args, config, network, prompt, rounds, steps):
+    """ms per decode token of every path, ``rounds`` rounds of ``steps``."""
     times = round_robin(PATHS, rounds, lambda path: timed(path, network, prompt, steps)[1])
     print(f"{args.model} ({config['num_hidden_layers']} layers, vocabulary "
           f"{config['vocab_size']}, cache step {KVCache.step}): ms per "
@@ -143,10 +168,6 @@ def main():
         ratios = [time / reference for time, reference in zip(times[path], times["mlx-lm"])]
         print(f"  {path:17s} {statistics.median(times[path]):8.3f} ms   vs mlx-lm "
               f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]")
-    print("memory over unpipelined decode steps (bytes):")
-    for path in PATHS:
-        transient, peak = memory_of(path, network, prompt, steps)
-        print(f"  {path:17s} per-step transient {transient:12,.0f}   run peak {peak:14,d}")
 
 
 if __name__ == "__main__":
