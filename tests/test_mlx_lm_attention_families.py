@@ -23,7 +23,11 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 
 from mlx_dualnorm._bits import count_bit_differences  # noqa: E402
-from conftest import assert_bit_identical, count_applied_calls  # noqa: E402
+from conftest import (  # noqa: E402
+    assert_bit_identical,
+    assert_patched_loss_and_gradients_match,
+    count_applied_calls,
+)
 from mlx_dualnorm import CompiledDualHeadNorm, available_modes  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms  # noqa: E402
@@ -304,50 +308,6 @@ def assert_gradients_match(model):
     return assert_patched_loss_and_gradients_match(
         lambda: loss_and_grad(model, batch, lengths), lambda outputs: outputs[0]
     )
-
-
-def assert_patched_loss_and_gradients_match(step, loss_of=lambda outputs: outputs):
-    """``step()`` (a ``value_and_grad`` call: the loss, or outputs that
-    ``loss_of`` reads it from, and the gradients) unpatched, then patched:
-    the loss and every gradient the same bits; returns the unpatched
-    gradients."""
-    outputs, gradients = step()
-    with integration.patch():
-        patched_outputs, patched_gradients = step()
-    assert_bit_identical(loss_of(patched_outputs), loss_of(outputs))
-    flat_gradients = dict(tree_flatten(gradients))
-    flat_patched_gradients = tree_flatten(patched_gradients)
-    assert len(flat_patched_gradients) == len(flat_gradients)
-    differing = [
-        path for path, gradient in flat_patched_gradients
-        if count_bit_differences(gradient, flat_gradients[path])
-    ]
-    unreproducible = set()
-    if differing:
-        # A comparison means something only where mlx-lm's own step is
-        # reproducible: where two unpatched steps already differ (MLX's CUDA
-        # backend, for some MoE models and the embedding's scatter-add), it
-        # cannot tell what the patch did. Those gradients are left out; every
-        # other one is compared, and the test skips only where a norm
-        # weight's gradient, which the package's call computes, is among them.
-        _, repeated = step()
-        repeated_gradients = dict(tree_flatten(repeated))
-        unreproducible = {
-            path for path in differing
-            if count_bit_differences(repeated_gradients[path], flat_gradients[path])
-        }
-        if any(_is_norm_weight(path) for path in unreproducible):
-            pytest.skip("two unpatched steps give this model's norm-weight gradients other bits here")
-    for path, gradient in flat_patched_gradients:
-        if path not in unreproducible:
-            assert_bit_identical(gradient, flat_gradients[path], path)
-    return gradients
-
-
-def _is_norm_weight(path: str) -> bool:
-    """Whether a flattened parameter path names a norm module's weight."""
-    parts = path.split(".")
-    return len(parts) >= 2 and parts[-1] == "weight" and "norm" in parts[-2]
 
 
 @pytest.mark.parametrize(
