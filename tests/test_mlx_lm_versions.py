@@ -281,6 +281,36 @@ def test_the_fingerprint_is_of_the_code_not_its_formatting(monkeypatch, tmp_path
     assert len(set(fingerprints)) == 3
 
 
+def test_the_fingerprint_reads_alike_on_every_python() -> None:
+    """The parsed code is spelled the same whichever Python parses it:
+    fields a Python adds empty (3.12's ``type_params``) or leaves out when
+    empty (3.13) never count, so a record taken on one Python proves the
+    same code on another. The spelling is pinned: a change to it is a
+    change to every recorded fingerprint."""
+    import ast
+
+    from mlx_dualnorm.integrations.mlx_lm._release_check import stable_dump
+
+    tree = ast.parse("def step(x, *, scale=2):\n    return x * scale")
+    assert stable_dump(tree) == (
+        "Module(body=[FunctionDef(name='step', args=arguments(args=[arg(arg='x')], "
+        "kwonlyargs=[arg(arg='scale')], kw_defaults=[Constant(value=2)]), "
+        "body=[Return(value=BinOp(left=Name(id='x', ctx=Load()), op=Mult(), "
+        "right=Name(id='scale', ctx=Load())))])])"
+    )
+    # A Python that adds a field, empty here: the same text.
+    function = tree.body[0]
+    with_type_params = type("FunctionDef", (ast.FunctionDef,), {
+        "_fields": (*ast.FunctionDef._fields, "type_params"),
+    })
+    respelled = with_type_params(**{name: getattr(function, name, None)
+                                    for name in ast.FunctionDef._fields})
+    respelled.type_params = []
+    assert stable_dump(ast.Module(body=[respelled], type_ignores=[])) == stable_dump(tree)
+    respelled.type_params = [ast.Name(id="T", ctx=ast.Load())]
+    assert stable_dump(ast.Module(body=[respelled], type_ignores=[])) != stable_dump(tree)
+
+
 def test_code_is_tested_follows_the_release() -> None:
     """On the tested release line every class's code is the tested code;
     on an older mlx-lm only a proven class's (here: a cache class whose

@@ -46,60 +46,60 @@ _TESTED_RELEASE_LINE = ORIGINAL_NORMALIZE_QK is not None
 # replacement was tested against (mlx-lm 0.32.2). A class no replacement is
 # registered for is never looked up.
 PROVEN_CLASS_CODE: dict[str, frozenset[str]] = {
-    "mlx_lm.models.qwen3.Attention": frozenset({"78bb924612201949"}),
-    "mlx_lm.models.qwen3_moe.Attention": frozenset({"ac6c1f2ad6a84113"}),
-    "mlx_lm.models.qwen3_next.Qwen3NextAttention": frozenset({"b1b80af9143a2bab"}),
+    "mlx_lm.models.qwen3.Attention": frozenset({"34907e2e112ce813"}),
+    "mlx_lm.models.qwen3_moe.Attention": frozenset({"4e16c15e76853be2"}),
+    "mlx_lm.models.qwen3_next.Qwen3NextAttention": frozenset({"a544b2e76685f574"}),
     # The qwen3-like families.
-    "mlx_lm.models.Klear.KlearAttention": frozenset({"6798b63ce05452cc"}),
-    "mlx_lm.models.dots1.Dots1Attention": frozenset({"fda5ed8fcb3d0035"}),
-    "mlx_lm.models.lfm2.Attention": frozenset({"4d7d595fd9c23e35"}),
-    "mlx_lm.models.lfm2_moe.Attention": frozenset({"4d7d595fd9c23e35"}),
-    "mlx_lm.models.mellum.Attention": frozenset({"05ab7d1c55038b9b"}),
-    "mlx_lm.models.exaone4.Attention": frozenset({"5a07626d412baa74"}),
-    "mlx_lm.models.exaone_moe.Attention": frozenset({"0449a0e611ced7d1"}),
-    "mlx_lm.models.apertus.ApertusAttention": frozenset({"f6c1c6726eed7b99"}),
-    "mlx_lm.models.glm4_moe.Attention": frozenset({"a6fc9676ce78e437"}),
-    "mlx_lm.models.laguna.Attention": frozenset({"ddf0102f24c23369"}),
-    "mlx_lm.models.step3p5.Step3p5Attention": frozenset({"1415a6febdd23c11"}),
-    "mlx_lm.models.llama4_text.Attention": frozenset({"cf96cb5f8c53c62d"}),
+    "mlx_lm.models.Klear.KlearAttention": frozenset({"e817604d7989e839"}),
+    "mlx_lm.models.dots1.Dots1Attention": frozenset({"17d977231c921957"}),
+    "mlx_lm.models.lfm2.Attention": frozenset({"7060be74fc8cd313"}),
+    "mlx_lm.models.lfm2_moe.Attention": frozenset({"7060be74fc8cd313"}),
+    "mlx_lm.models.mellum.Attention": frozenset({"92dbde994837d240"}),
+    "mlx_lm.models.exaone4.Attention": frozenset({"37f8cc96b4991df4"}),
+    "mlx_lm.models.exaone_moe.Attention": frozenset({"b828a36360e8400c"}),
+    "mlx_lm.models.apertus.ApertusAttention": frozenset({"efc8e462b2bddb90"}),
+    "mlx_lm.models.glm4_moe.Attention": frozenset({"9d06b9fafdb7e8ec"}),
+    "mlx_lm.models.laguna.Attention": frozenset({"60fb9d38cacbd31d"}),
+    "mlx_lm.models.step3p5.Step3p5Attention": frozenset({"5d0d3263850a18f5"}),
+    "mlx_lm.models.llama4_text.Attention": frozenset({"597f81c27a6c8334"}),
     # The q/k norm shapes of the other attention families.
-    "mlx_lm.models.afmoe.Attention": frozenset({"a60933128c213139"}),
-    "mlx_lm.models.openelm.Attention": frozenset({"f3ae09a1eacaa2ea"}),
-    "mlx_lm.models.bailing_moe.BailingMoeAttention": frozenset({"2442a07471c94cb2"}),
-    "mlx_lm.models.bailing_moe_linear.Attention": frozenset({"38d03964093c302c"}),
-    "mlx_lm.models.bailing_moe_linear.LinearAttention": frozenset({"5b95b4d124147557"}),
-    "mlx_lm.models.bailing_hybrid.LinearAttention": frozenset({"7adaff020ccc70a4"}),
-    "mlx_lm.models.gemma3_text.Attention": frozenset({"c72320d1a9036c27"}),
-    "mlx_lm.models.plamo3.Attention": frozenset({"9f1141bcb8185be9"}),
-    "mlx_lm.models.minimax_m3_vl.Attention": frozenset({"a294616a12e45d2d"}),
-    "mlx_lm.models.gemma3n.Gemma3nAttention": frozenset({"152668c4498bfc4d"}),
-    "mlx_lm.models.gemma4_text.Attention": frozenset({"8d340bbf760779b4"}),
-    "mlx_lm.models.gear.Attention": frozenset({"28af624af9db791f"}),
-    "mlx_lm.models.gear.ConvKVGatedMixer": frozenset({"383f5e7a7c48a8e4"}),
-    "mlx_lm.models.olmo2.Attention": frozenset({"d1ff1a4f82941350"}),
-    "mlx_lm.models.olmoe.Attention": frozenset({"775554d567656f3b"}),
-    "mlx_lm.models.olmo3.Olmo3Attention": frozenset({"7889a4dacac677e4"}),
-    "mlx_lm.models.minimax.MiniMaxAttention": frozenset({"ac6ad7b8b91008f0"}),
-    "mlx_lm.models.olmo_hybrid.Attention": frozenset({"2e49f7b20282e544"}),
+    "mlx_lm.models.afmoe.Attention": frozenset({"efa0ed975ac6b0f0"}),
+    "mlx_lm.models.openelm.Attention": frozenset({"0f30cf7b211c85ff"}),
+    "mlx_lm.models.bailing_moe.BailingMoeAttention": frozenset({"94da0eaaa09d4433"}),
+    "mlx_lm.models.bailing_moe_linear.Attention": frozenset({"ceed7b607872e6a6"}),
+    "mlx_lm.models.bailing_moe_linear.LinearAttention": frozenset({"824159b753b2f394"}),
+    "mlx_lm.models.bailing_hybrid.LinearAttention": frozenset({"ff076f8aa35db42f"}),
+    "mlx_lm.models.gemma3_text.Attention": frozenset({"7249f1cd6947f5b4"}),
+    "mlx_lm.models.plamo3.Attention": frozenset({"6352e4ea09eae318"}),
+    "mlx_lm.models.minimax_m3_vl.Attention": frozenset({"45e37ba9a08f9c3c"}),
+    "mlx_lm.models.gemma3n.Gemma3nAttention": frozenset({"efb8b78dab8b9cc9"}),
+    "mlx_lm.models.gemma4_text.Attention": frozenset({"7fa304164396388e"}),
+    "mlx_lm.models.gear.Attention": frozenset({"6486530eb1372472"}),
+    "mlx_lm.models.gear.ConvKVGatedMixer": frozenset({"c97f2d4dca173e9e"}),
+    "mlx_lm.models.olmo2.Attention": frozenset({"1e2f8b6d9f97bc03"}),
+    "mlx_lm.models.olmoe.Attention": frozenset({"9505918a2f598c82"}),
+    "mlx_lm.models.olmo3.Olmo3Attention": frozenset({"9658e321fb42fbe4"}),
+    "mlx_lm.models.minimax.MiniMaxAttention": frozenset({"df5ad51909f311b3"}),
+    "mlx_lm.models.olmo_hybrid.Attention": frozenset({"b3a396304e5d8c50"}),
     # Classes of a layer's parts that replacements reproduce rather than
     # call (RoPE with frequency tables, the models' own norms): on an older
     # mlx-lm a layer engages only where each of its mlx-lm parts is proven
     # (SuScaledRoPE, Llama3RoPE and YarnRoPE differ in 0.31.3).
-    "mlx_lm.models.rope_utils.SuScaledRoPE": frozenset({"53532a3bddc88b21"}),
-    "mlx_lm.models.rope_utils.Llama3RoPE": frozenset({"761468c522bd0441"}),
-    "mlx_lm.models.rope_utils.YarnRoPE": frozenset({"6c702366d6eecfd3"}),
-    "mlx_lm.models.rope_utils.ProportionalRoPE": frozenset({"60f99b62e002ad75"}),
-    "mlx_lm.models.gemma3_text.RMSNorm": frozenset({"ea327fa60809c18d"}),
-    "mlx_lm.models.minimax_m3_vl.GemmaRMSNorm": frozenset({"b200462f73b2bf62"}),
-    "mlx_lm.models.gear.GearRMSNorm": frozenset({"7d2a8fd94e07eed1"}),
-    "mlx_lm.models.plamo3.RMSNorm": frozenset({"4ca39719bea76b14"}),
-    "mlx_lm.models.step3p5.ZeroCenteredRMSNorm": frozenset({"a556a3b9b6a08366"}),
+    "mlx_lm.models.rope_utils.SuScaledRoPE": frozenset({"e9648aa9b4864bef"}),
+    "mlx_lm.models.rope_utils.Llama3RoPE": frozenset({"731a2d96080ffbd1"}),
+    "mlx_lm.models.rope_utils.YarnRoPE": frozenset({"fb04917870ff4bc1"}),
+    "mlx_lm.models.rope_utils.ProportionalRoPE": frozenset({"bc03866e392b0ba7"}),
+    "mlx_lm.models.gemma3_text.RMSNorm": frozenset({"6c3c574d30c36e7f"}),
+    "mlx_lm.models.minimax_m3_vl.GemmaRMSNorm": frozenset({"adbb22aaa896211e"}),
+    "mlx_lm.models.gear.GearRMSNorm": frozenset({"d99caa3cfb342a50"}),
+    "mlx_lm.models.plamo3.RMSNorm": frozenset({"75e93c0d47fa5631"}),
+    "mlx_lm.models.step3p5.ZeroCenteredRMSNorm": frozenset({"8226f03d8acf1c4b"}),
     # Caches a replacement may write itself (their update_and_fetch differs
     # in 0.31.3: it always slices to the offset).
-    "mlx_lm.models.cache.KVCache": frozenset({"21a99a6d3e767c79"}),
-    "mlx_lm.models.cache.BatchKVCache": frozenset({"374ba03b3be1b625"}),
-    "mlx_lm.models.cache.RotatingKVCache": frozenset({"e1698913a17d3f95"}),
-    "mlx_lm.models.cache.BatchRotatingKVCache": frozenset({"a1836ffd58ca23e7"}),
+    "mlx_lm.models.cache.KVCache": frozenset({"2d21d60f84e45b13"}),
+    "mlx_lm.models.cache.BatchKVCache": frozenset({"2660fd33c5706ca5"}),
+    "mlx_lm.models.cache.RotatingKVCache": frozenset({"6914336fa9de5d7d"}),
+    "mlx_lm.models.cache.BatchRotatingKVCache": frozenset({"a10250b87c3a346f"}),
 }
 
 UNPROVEN_REASON = (
@@ -180,8 +180,30 @@ def _fingerprint_of_source(attention_class: type) -> Optional[str]:
             tree = _without_docstrings(ast.parse(source))
         except (OSError, TypeError, SyntaxError):
             return None
-        digest.update(ast.dump(tree, annotate_fields=True, include_attributes=False).encode())
+        digest.update(stable_dump(tree).encode())
     return digest.hexdigest()[:16]
+
+
+def stable_dump(node: Any) -> str:
+    """A parsed tree as text that every supported Python spells alike.
+
+    ``ast.dump`` does not: Python 3.12 adds ``type_params=[]`` to every
+    class and function, and 3.13 leaves out fields that are None or empty.
+    Here a field that is None or an empty list is always left out (its
+    absence says the same), every other one written as ``name=value``, and
+    positions never: so the same source gives the same text, and the same
+    fingerprint, on each of them."""
+    if isinstance(node, ast.AST):
+        fields = []
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if value is None or (isinstance(value, list) and not value):
+                continue
+            fields.append(f"{name}={stable_dump(value)}")
+        return f"{type(node).__name__}({', '.join(fields)})"
+    if isinstance(node, list):
+        return f"[{', '.join(stable_dump(item) for item in node)}]"
+    return repr(node)
 
 
 def is_proven(attention_class: type) -> bool:
