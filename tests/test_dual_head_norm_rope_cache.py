@@ -199,6 +199,53 @@ def test_a_buffer_nothing_else_holds_is_written_in_place(mode, fetch):
     assert max(peaks[1:]) < buffer_bytes // 4, (peaks, buffer_bytes)
 
 
+@pytest.mark.skipif(not FUSED_AVAILABLE, reason="the fused mode needs MLX's CUDA backend")
+@pytest.mark.parametrize("length", [1, 4])
+@pytest.mark.parametrize("with_cache", [False, True], ids=["norm-rope", "with-cache"])
+def test_a_decode_steps_rotated_rows_take_the_projections_memory(length, with_cache):
+    """At one token, rows stay where they were through the transpose, so the
+    fused kernel writes its rotated rows over the projections it read when
+    nothing else holds them (as MLX's RMS norm and RoPE write over their
+    inputs): the step allocates no more than the projections themselves.
+    With more tokens the rows move and the outputs are fresh. The bits are
+    the composed path's either way."""
+    norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode="fused")
+    queries, keys, values, query_weight, key_weight = layer_inputs(1, length, mx.float32)
+    key_cache, value_cache = buffers(1, mx.float32)
+    mx.eval(queries, keys, values, query_weight, key_weight, key_cache, value_cache)
+    if with_cache:
+        expected = composed_with_cache(norm_rope, queries, keys, values, query_weight,
+                                       key_weight, key_cache, value_cache, 3, 3)
+    else:
+        composed = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode="composed")
+        expected = composed(queries, keys, query_weight, key_weight, offset=3)
+    mx.eval(expected)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    # Projections only the node holds (a product by 1 keeps every bit).
+    projected = (queries * 1, keys * 1)
+    if with_cache:
+        outputs = norm_rope.apply_with_cache(
+            *projected, values, query_weight, key_weight, key_cache=key_cache,
+            value_cache=value_cache, offset=3)
+        key_cache = value_cache = None  # the node's alone: written in place
+    else:
+        outputs = norm_rope(*projected, query_weight, key_weight, offset=3)
+    del projected
+    mx.eval(outputs)
+    allocated = mx.get_peak_memory() - before
+    for output, reference in zip(outputs, expected):
+        assert_bit_identical(output, reference)
+    projection_bytes = queries.nbytes + keys.nbytes
+    if length == 1:
+        # The projections and the offset; a fresh rotated-query output
+        # would add queries.nbytes.
+        assert allocated < projection_bytes + queries.nbytes // 2, allocated
+    else:
+        assert allocated >= projection_bytes + queries.nbytes, allocated
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", ["strided values", "strided key buffer", "one buffer twice"])
 def test_views_and_a_buffer_given_twice_are_written_as_indexing_writes(mode, case):

@@ -247,13 +247,33 @@ std::vector<mx::Shape> node_output_shapes(const std::vector<mx::array>& inputs,
   return shapes;
 }
 
-/* Outputs: rotated queries and rotated keys, fresh row-contiguous
- * (B, H, L, D) buffers (an input buffer cannot be reused: a block writes
- * its row where another block's row was read). With the KV-cache write
- * (`cache`): rotated queries, then the key and value buffers, each its
- * input's memory when MLX could donate it, else a copy made in the same
- * launch, then (with `cache->fetch`) the views of their rows written so
- * far, in the same order. */
+/* Whether the rows of a (B, H, L, D) output lie where those of its
+ * row-contiguous (B, L, H', W) input do: one token (L == 1, a decode
+ * step) or one head. Then a block writes its rows over exactly the input
+ * row it read into shared memory before the barrier that precedes its
+ * writes, and no other block reads them. */
+bool rows_stay_in_place(const mx::array& input, const mx::array& output) {
+  return input.shape(1) == 1 || output.shape(1) == 1;
+}
+
+/* Memory for the rotated rows of `input`: the input's own where the
+ * node may write over it (a decode step's projection that nothing else
+ * holds, as MLX's own RMS norm and RoPE write over theirs), else fresh. */
+void rotated_output_memory(const mx::array& input, mx::array& output, size_t node_outputs,
+                           mx::cu::CommandEncoder& encoder) {
+  if (!(rows_stay_in_place(input, output) && take_input_memory(input, output, node_outputs))) {
+    output.set_data(output_memory(output.nbytes(), encoder));
+  }
+}
+
+/* Outputs: rotated queries and rotated keys, row-contiguous (B, H, L, D):
+ * each its input's memory where the rows stay in place and MLX could
+ * donate it (rotated_output_memory), else fresh (with more than one token
+ * and head, a block writes its row where another block's row was read).
+ * With the KV-cache write (`cache`): rotated queries as above, then the
+ * key and value buffers, each its input's memory when MLX could donate it,
+ * else a copy made in the same launch, then (with `cache->fetch`) the
+ * views of their rows written so far, in the same order. */
 class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
  public:
   FusedDualRmsNormRope(mx::Stream stream, float rms_norm_epsilon, const RopeConstants& rope,
@@ -402,7 +422,10 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     const WeightInputs weights =
         weight_inputs(inputs, first_weight_input(), has_query_weight_, has_key_weight_);
     DualRmsNormRopeParams<Rows> params = rotation_params<Rows>(inputs, weights);
-    prepare_outputs(encoder, inputs, outputs);
+    // Every output of this node holds its own copy of the node's inputs.
+    rotated_output_memory(queries, outputs[0], outputs.size(), encoder);
+    rotated_output_memory(inputs[kKeysInput], outputs[1], outputs.size(), encoder);
+    register_arrays(encoder, inputs, outputs);
     void* query_data = mx::gpu_ptr<void>(queries);
     void* key_data = mx::gpu_ptr<void>(inputs[kKeysInput]);
     void* query_weight = weights.query ? mx::gpu_ptr<void>(*weights.query) : nullptr;
@@ -419,7 +442,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
   }
 
   /* The cache write's outputs given memory and registered with the
-   * encoder: fresh rotated queries; each buffer its input's memory
+   * encoder: rotated queries (rotated_output_memory); each buffer its input's memory
    * (take_buffer_or_allocate) or fresh memory, whose other rows the launch
    * then copies (`params`' key_source / value_source); the fetched views
    * (outputs 3 and 4) sharing the buffers' memory once they have it. */
@@ -429,9 +452,9 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
                              std::vector<mx::array>& outputs, Params& params) const {
     const mx::array& key_cache = inputs[kKeyCacheInput];
     const mx::array& value_cache = inputs[kValueCacheInput];
-    outputs[0].set_data(output_memory(outputs[0].nbytes(), encoder));
     // Every output of this node holds its own copy of the node's inputs.
     const size_t holders = outputs.size();
+    rotated_output_memory(inputs[kQueriesInput], outputs[0], holders, encoder);
     if (!take_buffer_or_allocate(key_cache, outputs[1], holders, encoder)) {
       params.key_source = strided_rows(key_cache);
     }

@@ -168,6 +168,11 @@ void prepare_outputs(mx::cu::CommandEncoder& encoder, const std::vector<mx::arra
   for (auto& output : outputs) {
     output.set_data(output_memory(output.nbytes(), encoder));
   }
+  register_arrays(encoder, inputs, outputs);
+}
+
+void register_arrays(mx::cu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,
+                     const std::vector<mx::array>& outputs) {
   for (const auto& input : inputs) {
     encoder.set_input_array(input);
   }

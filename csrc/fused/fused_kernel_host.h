@@ -169,13 +169,19 @@ std::optional<mlx::core::array> optional_weight(const mlx::core::array* weight);
 
 /* Gives every output fresh memory (output_memory.h; never an input's
  * buffer: each output of a multi-output node holds its own copy of the
- * inputs, MLX's make_arrays, so MLX calls no input donatable; the cache
- * write decides for its buffers with take_buffer_or_allocate) and tells
- * the encoder what the next kernel reads and writes, which orders it after
- * the nodes that produce its inputs. */
+ * inputs, MLX's make_arrays, so MLX calls no input donatable; the norm +
+ * RoPE decides for itself with take_input_memory and take_buffer_or_allocate,
+ * then calls register_arrays), then register_arrays. */
 void prepare_outputs(mlx::core::cu::CommandEncoder& encoder,
                      const std::vector<mlx::core::array>& inputs,
                      std::vector<mlx::core::array>& outputs);
+
+/* Tells the encoder what the next kernel reads and writes (outputs that
+ * already have their memory), which orders it after the nodes that produce
+ * its inputs. */
+void register_arrays(mlx::core::cu::CommandEncoder& encoder,
+                     const std::vector<mlx::core::array>& inputs,
+                     const std::vector<mlx::core::array>& outputs);
 
 /* A tangent for every primal, as a jvp over the composed calls takes
  * them: `tangents[i]` for primal `argnums[i]`, zeros for the others. */

@@ -14,6 +14,8 @@
 #include <cstring>
 #include <memory>
 
+#include "mlx/backend/common/utils.h"
+
 namespace mlx_dualnorm_fused {
 
 namespace {
@@ -181,23 +183,50 @@ bool node_references_readable() {
  * oversized buffer no more often than MLX's SliceUpdate would. */
 constexpr size_t kDonationSlack = 16384;
 
+/* Whether the node being evaluated may write `output` over `input`'s
+ * memory: see take_buffer_or_allocate; the shapes are the caller's to
+ * compare (only the element count is checked here). */
+bool donatable_to(const mx::array& input, const mx::array& output, size_t node_outputs) {
+  const auto& memory = input.data_shared_ptr();
+  return node_references_readable() &&
+         node_references(input) == static_cast<long>(node_outputs) && memory != nullptr &&
+         memory.use_count() == 1 && memory->is_owned() && input.flags().row_contiguous &&
+         input.data_size() == input.size() && input.size() == output.size() &&
+         input.dtype() == output.dtype() &&
+         input.buffer_size() <= output.nbytes() + kDonationSlack;
+}
+
 } // namespace
 
 bool take_buffer_or_allocate(const mx::array& buffer, mx::array& output, size_t node_outputs,
                              mx::cu::CommandEncoder& encoder) {
-  const auto& memory = buffer.data_shared_ptr();
-  const bool donatable = node_references_readable() &&
-                         node_references(buffer) == static_cast<long>(node_outputs) &&
-                         memory != nullptr && memory.use_count() == 1 && memory->is_owned() &&
-                         buffer.flags().row_contiguous && buffer.data_size() == buffer.size() &&
-                         buffer.shape() == output.shape() && buffer.dtype() == output.dtype() &&
-                         buffer.buffer_size() <= output.nbytes() + kDonationSlack;
-  if (donatable) {
+  if (buffer.shape() == output.shape() && donatable_to(buffer, output, node_outputs)) {
     output.copy_shared_buffer(buffer);
     return true;
   }
   output.set_data(output_memory(output.nbytes(), encoder));
   return false;
+}
+
+bool take_input_memory(const mx::array& input, mx::array& output, size_t node_outputs) {
+  if (!donatable_to(input, output, node_outputs)) {
+    return false;
+  }
+  // Row-contiguous strides of the output's own shape, over the same memory.
+  mx::Strides strides(output.ndim());
+  int64_t stride = 1;
+  for (int axis = output.ndim() - 1; axis >= 0; --axis) {
+    strides[axis] = stride;
+    stride *= output.shape(axis);
+  }
+  auto [unbroadcast_size, row_contiguous, col_contiguous] =
+      mx::check_contiguity(output.shape(), strides);
+  mx::array::Flags flags = input.flags();
+  flags.contiguous = unbroadcast_size == output.size();
+  flags.row_contiguous = row_contiguous;
+  flags.col_contiguous = col_contiguous;
+  output.copy_shared_buffer(input, strides, flags, output.size());
+  return true;
 }
 
 mx::allocator::Data output_memory(size_t bytes, mx::cu::CommandEncoder& encoder) {

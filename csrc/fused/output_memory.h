@@ -47,6 +47,17 @@ mlx::core::allocator::Data output_memory(size_t bytes, mlx::core::cu::CommandEnc
 bool take_buffer_or_allocate(const mlx::core::array& buffer, mlx::core::array& output,
                              size_t node_outputs, mlx::core::cu::CommandEncoder& encoder);
 
+/* Gives `output` the memory of `input` (with row-contiguous strides of
+ * its own shape) and returns true where the node being evaluated may write
+ * its output over its input, under the same conditions as
+ * take_buffer_or_allocate except the shape: the caller must know that
+ * `output`'s elements, row-contiguous, lie where `input`'s do (the same
+ * order), and that its kernel reads every element of `input` a block
+ * writes before that block writes it, and none another block writes.
+ * Otherwise returns false and leaves `output` without memory. */
+bool take_input_memory(const mlx::core::array& input, mlx::core::array& output,
+                       size_t node_outputs);
+
 /* Whether outputs come from MLX's stream-ordered device pool (true) or
  * from its public, unified-memory allocator (false). Does the lookup if
  * it has not been done; needs no GPU. */
