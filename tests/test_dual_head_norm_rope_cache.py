@@ -10,7 +10,7 @@ import itertools
 
 import mlx.core as mx
 import pytest
-from conftest import assert_bit_identical
+from conftest import assert_bit_identical, graph_primitives
 
 from mlx_dualnorm import CompiledDualHeadNormRope, DualHeadNormValueError, available_modes
 
@@ -244,6 +244,38 @@ def test_a_decode_steps_rotated_rows_take_the_projections_memory(length, with_ca
         assert allocated < projection_bytes + queries.nbytes // 2, allocated
     else:
         assert allocated >= projection_bytes + queries.nbytes, allocated
+
+
+@pytest.mark.skipif(not FUSED_AVAILABLE, reason="the fused mode needs MLX's CUDA backend")
+@pytest.mark.parametrize("with_cache", [False, True], ids=["norm-rope", "with-cache"])
+def test_under_a_transform_the_fused_mode_builds_the_composed_graph(with_cache):
+    """Traced by grad (or any transform) the fused mode gives MLX's own
+    nodes, in the composed path's order, so a transform sums cotangents as
+    it does over mlx-lm's ops; outside a transform, its one node. The
+    gradients are the composed path's bits."""
+    fused = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode="fused")
+    composed = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode="composed")
+    queries, keys, values, query_weight, key_weight = layer_inputs(1, 1, mx.float32)
+    key_cache, value_cache = buffers(1, mx.float32)
+    graphs = []
+
+    def loss(norm_rope, queries, keys):
+        if with_cache:
+            outputs = norm_rope.apply_with_cache(
+                queries, keys, values, query_weight, key_weight, key_cache=key_cache,
+                value_cache=value_cache, offset=3)
+        else:
+            outputs = norm_rope(queries, keys, query_weight, key_weight, offset=3)
+        graphs.append(graph_primitives(*outputs))
+        return sum((output * output).sum() for output in outputs)
+
+    expected = mx.grad(lambda q, k: loss(composed, q, k), argnums=(0, 1))(queries, keys)
+    actual = mx.grad(lambda q, k: loss(fused, q, k), argnums=(0, 1))(queries, keys)
+    assert "FusedDualRmsNormRope" not in graphs[-1], graphs[-1]
+    for gradient, reference in zip(actual, expected):
+        assert_bit_identical(gradient, reference)
+    loss(fused, queries, keys)
+    assert "FusedDualRmsNormRope" in graphs[-1], graphs[-1]
 
 
 @pytest.mark.parametrize("mode", MODES)

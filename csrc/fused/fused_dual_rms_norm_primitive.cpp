@@ -92,6 +92,20 @@ class FusedDualRmsNorm : public RowKernelPrimitive<FusedDualRmsNorm> {
     return normalizes_as(static_cast<const FusedDualRmsNorm&>(other));
   }
 
+  /* The composed computation over this primitive's inputs (also the
+   * graph the builder returns under a transform). */
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> composed() {
+    return [eps = rms_norm_epsilon_, has_query_weight = has_query_weight_,
+            has_key_weight = has_key_weight_, stream = stream()](
+               const std::vector<mx::array>& inputs) {
+      const WeightInputs weights =
+          weight_inputs(inputs, kFirstWeightInput, has_query_weight, has_key_weight);
+      return std::vector<mx::array>{
+          mx::fast::rms_norm(inputs[kQueriesInput], optional_weight(weights.query), eps, stream),
+          mx::fast::rms_norm(inputs[kKeysInput], optional_weight(weights.key), eps, stream)};
+    };
+  }
+
  private:
   friend class RowKernelPrimitive<FusedDualRmsNorm>;
 
@@ -120,19 +134,6 @@ class FusedDualRmsNorm : public RowKernelPrimitive<FusedDualRmsNorm> {
     const RowLaunch shape = row_launch(params.queries, params.keys);
     encoder.add_kernel_node_raw(kernel, shape.grid, shape.block, dim3(), 0, arguments);
   }
-
-  /* The composed computation over this primitive's inputs. */
-  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> composed() {
-    return [eps = rms_norm_epsilon_, has_query_weight = has_query_weight_,
-            has_key_weight = has_key_weight_, stream = stream()](
-               const std::vector<mx::array>& inputs) {
-      const WeightInputs weights =
-          weight_inputs(inputs, kFirstWeightInput, has_query_weight, has_key_weight);
-      return std::vector<mx::array>{
-          mx::fast::rms_norm(inputs[kQueriesInput], optional_weight(weights.query), eps, stream),
-          mx::fast::rms_norm(inputs[kKeysInput], optional_weight(weights.key), eps, stream)};
-    };
-  }
 };
 
 } // namespace
@@ -141,11 +142,15 @@ std::vector<mx::array> fused_dual_rms_norm(const mx::array& queries, const mx::a
                                            const mx::array* query_weight,
                                            const mx::array* key_weight, float rms_norm_epsilon) {
   const mx::Dtype dtype = queries.dtype();
-  return mx::array::make_arrays(
-      {queries.shape(), keys.shape()}, {dtype, dtype},
+  auto primitive =
       std::make_shared<FusedDualRmsNorm>(mx::default_stream(mx::Device::gpu), rms_norm_epsilon,
-                                         query_weight != nullptr, key_weight != nullptr),
-      inputs_with_weights({queries, keys}, query_weight, key_weight));
+                                         query_weight != nullptr, key_weight != nullptr);
+  std::vector<mx::array> inputs = inputs_with_weights({queries, keys}, query_weight, key_weight);
+  if (any_tracer(inputs)) {  // under a transform: the composed graph (any_tracer says why)
+    return primitive->composed()(inputs);
+  }
+  return mx::array::make_arrays({queries.shape(), keys.shape()}, {dtype, dtype},
+                                std::move(primitive), std::move(inputs));
 }
 
 } // namespace mlx_dualnorm_fused

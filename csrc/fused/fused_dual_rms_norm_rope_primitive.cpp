@@ -325,7 +325,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
   std::pair<std::vector<mx::array>, std::vector<int>> vmap(
       const std::vector<mx::array>& inputs, const std::vector<int>& axes) override {
     auto composed = [this](const std::vector<mx::array>& all_inputs) {
-      return composed_over(all_inputs, true)(differentiable(all_inputs, true));
+      return composed_outputs(all_inputs);
     };
     const std::vector<int> output_axes(output_count(), 0);
     return {mx::vmap(composed, axes, output_axes)(inputs), output_axes};
@@ -333,6 +333,12 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return node_output_shapes(inputs, norm_heads_, cache_);
+  }
+
+  /* The composed calls' outputs over a node's `inputs`, in the node's
+   * output order (also the graph the builder returns under a transform). */
+  std::vector<mx::array> composed_outputs(const std::vector<mx::array>& inputs) {
+    return composed_over(inputs, true)(differentiable(inputs, true));
   }
 
   const char* name() const override {
@@ -696,14 +702,16 @@ std::vector<mx::array> fused_dual_rms_norm_rope(
   std::vector<mx::array> inputs = inputs_with_weights(
       with_int32_offset(std::move(leading), offset, stream), query_weight, key_weight);
   append_freqs(inputs, rope, freqs, kOperation, stream);
+  auto primitive = std::make_shared<FusedDualRmsNormRope>(
+      stream, rms_norm_epsilon, rope, query_weight != nullptr, key_weight != nullptr, norm_heads,
+      outputs);
+  if (any_tracer(inputs)) {  // under a transform: the composed graph (any_tracer says why)
+    return primitive->composed_outputs(inputs);
+  }
   std::vector<mx::Shape> shapes = node_output_shapes(inputs, norm_heads, outputs);
   const std::vector<mx::Dtype> dtypes(shapes.size(), dtype);
-  return mx::array::make_arrays(
-      std::move(shapes), dtypes,
-      std::make_shared<FusedDualRmsNormRope>(stream, rms_norm_epsilon, rope,
-                                             query_weight != nullptr, key_weight != nullptr,
-                                             norm_heads, outputs),
-      std::move(inputs));
+  return mx::array::make_arrays(std::move(shapes), dtypes, std::move(primitive),
+                                std::move(inputs));
 }
 
 } // namespace mlx_dualnorm_fused

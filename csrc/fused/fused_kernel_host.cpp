@@ -159,6 +159,11 @@ std::vector<mx::array> inputs_with_weights(std::vector<mx::array> fixed,
   return fixed;
 }
 
+bool any_tracer(const std::vector<mx::array>& inputs) {
+  return std::any_of(inputs.begin(), inputs.end(),
+                     [](const mx::array& input) { return input.is_tracer(); });
+}
+
 std::optional<mx::array> optional_weight(const mx::array* weight) {
   return weight != nullptr ? std::optional<mx::array>(*weight) : std::nullopt;
 }

@@ -164,6 +164,16 @@ std::vector<mlx::core::array> inputs_with_weights(std::vector<mlx::core::array> 
                                                   const mlx::core::array* query_weight,
                                                   const mlx::core::array* key_weight);
 
+/* Whether any of `inputs` is a tracer: an array of a computation MLX is
+ * transforming (grad, vjp, jvp, vmap, compile). The fused builders then
+ * return the composed calls' own graph instead of one node: a transform
+ * sees mlx's nodes in the order the composed path makes them, so
+ * gradients accumulate in the same order and have the same bits (one node
+ * for both sides is visited with its queries and keys together, which
+ * reorders the sums of cotangents an input shared by several of the
+ * graph's nodes receives). */
+bool any_tracer(const std::vector<mlx::core::array>& inputs);
+
 /* The weight as fast::rms_norm takes it. */
 std::optional<mlx::core::array> optional_weight(const mlx::core::array* weight);
 
