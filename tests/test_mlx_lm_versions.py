@@ -298,17 +298,26 @@ def test_the_fingerprint_reads_alike_on_every_python() -> None:
         "body=[Return(value=BinOp(left=Name(id='x', ctx=Load()), op=Mult(), "
         "right=Name(id='scale', ctx=Load())))])])"
     )
-    # A Python that adds a field, empty here: the same text.
+    # A Python that adds a field (as 3.12 added type_params), empty here:
+    # the same text; filled: another.
     function = tree.body[0]
-    with_type_params = type("FunctionDef", (ast.FunctionDef,), {
-        "_fields": (*ast.FunctionDef._fields, "type_params"),
+    with_new_field = type("FunctionDef", (ast.FunctionDef,), {
+        "_fields": (*ast.FunctionDef._fields, "field_of_a_later_python"),
     })
-    respelled = with_type_params(**{name: getattr(function, name, None)
-                                    for name in ast.FunctionDef._fields})
-    respelled.type_params = []
+    respelled = with_new_field(**{name: getattr(function, name, None)
+                                  for name in ast.FunctionDef._fields})
+    respelled.field_of_a_later_python = []
     assert stable_dump(ast.Module(body=[respelled], type_ignores=[])) == stable_dump(tree)
-    respelled.type_params = [ast.Name(id="T", ctx=ast.Load())]
+    respelled.field_of_a_later_python = [ast.Name(id="T", ctx=ast.Load())]
     assert stable_dump(ast.Module(body=[respelled], type_ignores=[])) != stable_dump(tree)
+    # An f-string with a nested format spec, which 3.12 alone parses with
+    # an empty text piece at its end.
+    nested = ast.parse('f"{x:>{width}}"')
+    format_spec = nested.body[0].value.values[0].format_spec
+    padded = ast.parse('f"{x:>{width}}"')
+    padded.body[0].value.values[0].format_spec.values = [
+        *format_spec.values, ast.Constant(value="")]
+    assert stable_dump(padded) == stable_dump(nested)
 
 
 def test_code_is_tested_follows_the_release() -> None:

@@ -52,33 +52,8 @@ class FusedDualRmsNorm : public RowKernelPrimitive<FusedDualRmsNorm> {
       : RowKernelPrimitive(kOperation, stream, rms_norm_epsilon, has_query_weight,
                            has_key_weight) {}
 
-  /* Gradients and vectorization transform the computation this primitive
-   * reproduces, two fast::rms_norm calls, so they are exactly those of the
-   * composed path. */
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums,
-                             const std::vector<mx::array>&) override {
-    auto input_cotangents = mx::vjp(composed(), primals, cotangents).second;
-    std::vector<mx::array> selected;
-    for (int argument : argnums) {
-      selected.push_back(input_cotangents[argument]);
-    }
-    return selected;
-  }
-
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override {
-    return mx::jvp(composed(), primals,
-                   tangents_for_every_primal(primals, tangents, argnums, stream()))
-        .second;
-  }
-
-  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
-      const std::vector<mx::array>& inputs, const std::vector<int>& axes) override {
-    return {mx::vmap(composed(), axes, {0, 0})(inputs), {0, 0}};
-  }
+  /* No vjp, jvp or vmap: the builder never makes this node over a traced
+   * input (any_tracer), so no transform reaches it; MLX's defaults refuse. */
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape(), inputs[1].shape()};

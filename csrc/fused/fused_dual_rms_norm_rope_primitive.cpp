@@ -287,58 +287,17 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
         log2_base_(std::log2(rope.base)),
         cache_(cache) {}
 
-  /* Gradients and vectorization are those of the composed calls this
-   * primitive reproduces; the integer offset gets a zero cotangent. The
-   * frequency table is an input of the composed calls only when its own
-   * (co)tangent is asked for, so the others are computed exactly as the
-   * composed calls compute them for a constant table (and a cotangent of
-   * the table is what MLX's RoPE gives: on the GPU, its refusal). */
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums,
-                             const std::vector<mx::array>&) override {
-    const bool table_input = differentiates_table(primals, argnums);
-    auto input_cotangents = mx::vjp(composed_over(primals, table_input),
-                                    differentiable(primals, table_input), cotangents)
-                                .second;
-    std::vector<mx::array> selected;
-    for (int argument : argnums) {
-      if (argument == kOffsetInput) {
-        selected.push_back(mx::zeros_like(primals[kOffsetInput], stream()));
-      } else {
-        selected.push_back(input_cotangents[argument < kOffsetInput ? argument : argument - 1]);
-      }
-    }
-    return selected;
-  }
-
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals,
-                             const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override {
-    const bool table_input = differentiates_table(primals, argnums);
-    return mx::jvp(composed_over(primals, table_input), differentiable(primals, table_input),
-                   differentiable(tangents_for_every_primal(primals, tangents, argnums, stream()),
-                                  table_input))
-        .second;
-  }
-
-  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
-      const std::vector<mx::array>& inputs, const std::vector<int>& axes) override {
-    auto composed = [this](const std::vector<mx::array>& all_inputs) {
-      return composed_outputs(all_inputs);
-    };
-    const std::vector<int> output_axes(output_count(), 0);
-    return {mx::vmap(composed, axes, output_axes)(inputs), output_axes};
-  }
+  /* No vjp, jvp or vmap: the builder never makes this node over a traced
+   * input (any_tracer), so no transform reaches it; MLX's defaults refuse. */
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return node_output_shapes(inputs, norm_heads_, cache_);
   }
 
   /* The composed calls' outputs over a node's `inputs`, in the node's
-   * output order (also the graph the builder returns under a transform). */
+   * output order: what the builder returns under a transform. */
   std::vector<mx::array> composed_outputs(const std::vector<mx::array>& inputs) {
-    return composed_over(inputs, true)(differentiable(inputs, true));
+    return composed_over(inputs)(without_offset(inputs));
   }
 
   const char* name() const override {
@@ -528,21 +487,11 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
         row_bytes(params.rope.queries, params.rope.keys, queries.itemsize()), arguments);
   }
 
-  /* Whether `argnums` asks for the frequency table's (co)tangent. */
-  bool differentiates_table(const std::vector<mx::array>& primals,
-                            const std::vector<int>& argnums) const {
-    return rope_.with_freqs && std::find(argnums.begin(), argnums.end(),
-                                         static_cast<int>(primals.size()) - 1) != argnums.end();
-  }
-
-  /* The inputs of the composed calls: every input but the offset, and but
-   * the frequency table unless `table_input` (the values and buffers of the
-   * KV-cache write included). */
-  std::vector<mx::array> differentiable(const std::vector<mx::array>& inputs,
-                                        bool table_input) const {
-    const size_t count = rope_.with_freqs && !table_input ? inputs.size() - 1 : inputs.size();
+  /* Every input but the offset (the values and buffers of the KV-cache
+   * write and the frequency table included). */
+  std::vector<mx::array> without_offset(const std::vector<mx::array>& inputs) const {
     std::vector<mx::array> kept;
-    for (size_t index = 0; index < count; ++index) {
+    for (size_t index = 0; index < inputs.size(); ++index) {
       if (index != kOffsetInput) {
         kept.push_back(inputs[index]);
       }
@@ -550,26 +499,22 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     return kept;
   }
 
-  /* The composed calls over differentiable(primals, table_input): queries,
-   * keys, (values, key and value buffers,) weights... (and the table last
-   * when `table_input`), the offset (and otherwise the table) fixed from
-   * `primals`. The same ops as the C builder (dual_head_norm_rope.c). */
+  /* The composed calls over without_offset(node_inputs): queries, keys,
+   * (values, key and value buffers,) weights... (and the table last), the
+   * offset fixed from `node_inputs`. The same ops as the C builder
+   * (dual_head_norm_rope.c). */
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> composed_over(
-      const std::vector<mx::array>& primals, bool table_input) {
-    std::optional<mx::array> fixed_table;
-    if (rope_.with_freqs && !table_input) {
-      fixed_table = primals.back();
-    }
+      const std::vector<mx::array>& node_inputs) {
     return [eps = rms_norm_epsilon_, rope = rope_, has_query_weight = has_query_weight_,
-            has_key_weight = has_key_weight_, stream = stream(), offset = primals[kOffsetInput],
-            fixed_table, table_input, first_weight = first_weight_input(),
+            has_key_weight = has_key_weight_, stream = stream(),
+            offset = node_inputs[kOffsetInput], first_weight = first_weight_input(),
             norm_heads = norm_heads_, cache = cache_](const std::vector<mx::array>& inputs) {
       // The offset is not among these inputs: every later input comes one
       // earlier.
       const WeightInputs weights =
           weight_inputs(inputs, first_weight - 1, has_query_weight, has_key_weight);
-      std::optional<mx::array> freqs = fixed_table;
-      if (rope.with_freqs && table_input) {
+      std::optional<mx::array> freqs;
+      if (rope.with_freqs) {
         freqs = inputs.back();
       }
       std::optional<float> base;

@@ -186,18 +186,4 @@ void register_arrays(mx::cu::CommandEncoder& encoder, const std::vector<mx::arra
   }
 }
 
-std::vector<mx::array> tangents_for_every_primal(const std::vector<mx::array>& primals,
-                                                 const std::vector<mx::array>& tangents,
-                                                 const std::vector<int>& argnums,
-                                                 mx::Stream stream) {
-  std::vector<mx::array> every;
-  for (const auto& primal : primals) {
-    every.push_back(mx::zeros_like(primal, stream));
-  }
-  for (size_t i = 0; i < argnums.size(); ++i) {
-    every[argnums[i]] = tangents[i];
-  }
-  return every;
-}
-
 } // namespace mlx_dualnorm_fused

@@ -193,12 +193,6 @@ void register_arrays(mlx::core::cu::CommandEncoder& encoder,
                      const std::vector<mlx::core::array>& inputs,
                      const std::vector<mlx::core::array>& outputs);
 
-/* A tangent for every primal, as a jvp over the composed calls takes
- * them: `tangents[i]` for primal `argnums[i]`, zeros for the others. */
-std::vector<mlx::core::array> tangents_for_every_primal(
-    const std::vector<mlx::core::array>& primals, const std::vector<mlx::core::array>& tangents,
-    const std::vector<int>& argnums, mlx::core::Stream stream);
-
 } // namespace mlx_dualnorm_fused
 
 #endif

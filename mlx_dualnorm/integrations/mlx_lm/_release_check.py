@@ -191,12 +191,17 @@ def stable_dump(node: Any) -> str:
     class and function, and 3.13 leaves out fields that are None or empty.
     Here a field that is None or an empty list is always left out (its
     absence says the same), every other one written as ``name=value``, and
-    positions never: so the same source gives the same text, and the same
+    positions never; an f-string's empty text pieces are left out too (3.12
+    parses ``f"{x:>{w}}"``'s format spec with a trailing ``''``, 3.11 and
+    3.13 without). So the same source gives the same text, and the same
     fingerprint, on each of them."""
     if isinstance(node, ast.AST):
         fields = []
         for name in node._fields:
             value = getattr(node, name, None)
+            if isinstance(node, ast.JoinedStr) and name == "values":
+                value = [piece for piece in value
+                         if not (isinstance(piece, ast.Constant) and piece.value == "")]
             if value is None or (isinstance(value, list) and not value):
                 continue
             fields.append(f"{name}={stable_dump(value)}")
