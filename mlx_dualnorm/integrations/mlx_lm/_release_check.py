@@ -199,7 +199,7 @@ def stable_dump(node: Any) -> str:
         fields = []
         for name in node._fields:
             value = getattr(node, name, None)
-            if isinstance(node, ast.JoinedStr) and name == "values":
+            if isinstance(node, ast.JoinedStr) and name == "values" and value:
                 value = [piece for piece in value
                          if not (isinstance(piece, ast.Constant) and piece.value == "")]
             if value is None or (isinstance(value, list) and not value):
