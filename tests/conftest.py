@@ -91,8 +91,8 @@ def assert_patched_loss_and_gradients_match(step, loss_of=lambda outputs: output
     gradient the patched step gave other bits is left out only where one of
     up to :data:`GRADIENT_REPEATS` more unpatched steps differs from the
     first too; every other gradient is compared, and the test skips where
-    a norm weight's gradient, which the package's call computes, is left
-    out."""
+    one the package's call computes or feeds (a norm's, a query or key
+    projection's) is left out."""
     from mlx.utils import tree_flatten
 
     from mlx_dualnorm.integrations import mlx_lm as integration
@@ -117,18 +117,28 @@ def assert_patched_loss_and_gradients_match(step, loss_of=lambda outputs: output
         }
         if unreproducible == differing:
             break
-    if any(is_norm_weight(path) for path in unreproducible):
-        pytest.skip("unpatched steps give this model's norm-weight gradients other bits here")
+    if any(carries_the_prework_cotangent(path) for path in unreproducible):
+        pytest.skip("unpatched steps give this model's q/k norm or projection gradients "
+                    "other bits here")
     for path, gradient in flat_patched_gradients.items():
         if path not in unreproducible:
             assert_bit_identical(gradient, flat_gradients[path], path)
     return gradients
 
 
-def is_norm_weight(path: str) -> bool:
-    """Whether a flattened parameter path names a norm module's weight."""
+# The projections whose weight gradients are made from the cotangents the
+# package's call gives its queries and keys.
+_QUERY_KEY_PROJECTIONS = ("q_proj", "k_proj", "qkv_proj")
+
+
+def carries_the_prework_cotangent(path: str) -> bool:
+    """Whether a flattened parameter path names a weight whose gradient the
+    package's call computes or feeds: a norm module's, or a query or key
+    projection's."""
     parts = path.split(".")
-    return len(parts) >= 2 and parts[-1] == "weight" and "norm" in parts[-2]
+    return len(parts) >= 2 and parts[-1] == "weight" and (
+        "norm" in parts[-2] or parts[-2] in _QUERY_KEY_PROJECTIONS
+    )
 
 
 def assert_transforms_agree(transform: str, actual, expected, primals, vmap_arguments) -> None:
