@@ -177,11 +177,11 @@ bool any_tracer(const std::vector<mlx::core::array>& inputs);
 /* The weight as fast::rms_norm takes it. */
 std::optional<mlx::core::array> optional_weight(const mlx::core::array* weight);
 
-/* Gives every output fresh memory (output_memory.h; never an input's
- * buffer: each output of a multi-output node holds its own copy of the
- * inputs, MLX's make_arrays, so MLX calls no input donatable; the norm +
- * RoPE decides for itself with take_input_memory and take_buffer_or_allocate,
- * then calls register_arrays), then register_arrays. */
+/* Gives every output fresh memory (output_memory.h), then
+ * register_arrays. Never an input's buffer: each output of a multi-output
+ * node holds its own copy of the inputs (MLX's make_arrays), so MLX calls
+ * no input donatable; the norm + RoPE decides for itself
+ * (take_input_memory, take_buffer_or_allocate). */
 void prepare_outputs(mlx::core::cu::CommandEncoder& encoder,
                      const std::vector<mlx::core::array>& inputs,
                      std::vector<mlx::core::array>& outputs);

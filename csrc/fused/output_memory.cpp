@@ -213,12 +213,7 @@ bool take_input_memory(const mx::array& input, mx::array& output, size_t node_ou
     return false;
   }
   // Row-contiguous strides of the output's own shape, over the same memory.
-  mx::Strides strides(output.ndim());
-  int64_t stride = 1;
-  for (int axis = output.ndim() - 1; axis >= 0; --axis) {
-    strides[axis] = stride;
-    stride *= output.shape(axis);
-  }
+  const mx::Strides strides = mx::make_contiguous_strides(output.shape());
   auto [unbroadcast_size, row_contiguous, col_contiguous] =
       mx::check_contiguity(output.shape(), strides);
   mx::array::Flags flags = input.flags();
