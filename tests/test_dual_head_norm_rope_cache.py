@@ -202,13 +202,15 @@ def test_a_buffer_nothing_else_holds_is_written_in_place(mode, fetch):
 @pytest.mark.skipif(not FUSED_AVAILABLE, reason="the fused mode needs MLX's CUDA backend")
 @pytest.mark.parametrize("length", [1, 4])
 @pytest.mark.parametrize("with_cache", [False, True], ids=["norm-rope", "with-cache"])
-def test_a_decode_steps_rotated_rows_take_the_projections_memory(length, with_cache):
-    """At one token, rows stay where they were through the transpose, so the
-    fused kernel writes its rotated rows over the projections it read when
-    nothing else holds them (as MLX's RMS norm and RoPE write over their
-    inputs): the step allocates no more than the projections themselves.
-    With more tokens the rows move and the outputs are fresh. The bits are
-    the composed path's either way."""
+def test_rotated_rows_take_the_projections_memory_in_mlx_s_layout(length, with_cache):
+    """The fused kernel lays its rotated rows out as MLX's RoPE leaves
+    mlx-lm's transposed queries and keys (in the projection's token-major
+    order), so it writes them over the projections it read when nothing
+    else holds them, as MLX's RMS norm and RoPE write over their inputs: a
+    step, one token or a prefill, allocates no more than the projections
+    themselves. And attention's output, which follows the queries' layout,
+    goes back to (B, L, H * D) without a copy. The bits are the composed
+    path's."""
     norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode="fused")
     queries, keys, values, query_weight, key_weight = layer_inputs(1, length, mx.float32)
     key_cache, value_cache = buffers(1, mx.float32)
@@ -238,13 +240,19 @@ def test_a_decode_steps_rotated_rows_take_the_projections_memory(length, with_ca
     allocated = mx.get_peak_memory() - before
     for output, reference in zip(outputs, expected):
         assert_bit_identical(output, reference)
+    # The projections and the offset; a fresh rotated output would add at
+    # least the smaller side's bytes.
     projection_bytes = queries.nbytes + keys.nbytes
-    if length == 1:
-        # The projections and the offset; a fresh rotated output would add
-        # at least the smaller side's bytes.
-        assert allocated < projection_bytes + min(queries.nbytes, keys.nbytes) // 2, allocated
-    else:
-        assert allocated >= projection_bytes + queries.nbytes, allocated
+    assert allocated < projection_bytes + min(queries.nbytes, keys.nbytes) // 2, allocated
+    # Back to (B, L, Hq * D) as attention's output goes: a view, no copy
+    # (a head-major layout would copy every row).
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    flattened = outputs[0].transpose(0, 2, 1, 3).reshape(1, length, -1)
+    mx.eval(flattened)
+    assert mx.get_peak_memory() - before < outputs[0].nbytes // 2
+    assert_bit_identical(flattened, expected[0].transpose(0, 2, 1, 3).reshape(1, length, -1))
 
 
 @pytest.mark.skipif(not FUSED_AVAILABLE, reason="the fused mode needs MLX's CUDA backend")

@@ -18,9 +18,12 @@
  *        x1 * cosf(theta) - x2 * sinf(theta),  x1 * sinf(theta) + x2 * cosf(theta)
  *      each rounded to T; pairs (2i, 2i+1) when traditional, else
  *      (i, i + dims/2); elements from `dims` on are copied;
- *   3. writes the row where transpose(0, 2, 1, 3) puts it: input row
- *      (b, l, h) of (B, L, H, D) becomes output row (b, h, l) of the
- *      row-contiguous (B, H, L, D).
+ *   3. writes the row of the (B, H, L, D) output that transpose(0, 2, 1, 3)
+ *      makes of input row (b, l, h) of (B, L, H, D), in the memory order
+ *      MLX's RoPE leaves it (`token_major`): row (b * L + l) * H + h, the
+ *      input's own order, as MLX's RoPE writes over (or beside) its
+ *      transposed input keeping that input's strides. Else (the keys of
+ *      the KV-cache write) row (b, h, l) of a row-contiguous (B, H, C, D).
  * A side normalized over all its heads at once (`row_heads` = H, OLMo-2's
  * norm over each token's whole projection) comes as (B, L, 1, H * D): its
  * block normalizes the token's H * D elements as one row (MLX's RMSNorm
@@ -70,6 +73,7 @@
     int sequence;                                         \
     long long offset_stride;                              \
     int signed_position;                                  \
+    int token_major;                                      \
     int output_sequence;                                  \
     int output_first_row;                                 \
   };                                                      \
@@ -218,8 +222,10 @@ __device__ __forceinline__ void normalize_and_rotate_row(
   const int head_width = layout.width / static_cast<int>(row_heads);
   for (unsigned int k = 0; k < row_heads; ++k) {
     const long long output_row =
-        (static_cast<long long>(batch) * heads + first_head + k) * rope.output_sequence +
-        rope.output_first_row + token;
+        rope.token_major
+            ? (static_cast<long long>(batch) * sequence + token) * heads + first_head + k
+            : (static_cast<long long>(batch) * heads + first_head + k) * rope.output_sequence +
+                  rope.output_first_row + token;
     rotate_row<Storage>(normalized + k * head_width, output + output_row * head_width,
                         head_width, position, own_pair, params);
   }

@@ -119,8 +119,10 @@ RopeSide rope_side(const mx::array& input, int norm_heads, const mx::array& offs
   side.sequence = input.shape(1);
   side.offset_stride = offset.ndim() > 0 ? offset.strides()[0] : 0;
   side.signed_position = input.shape(0) == 1 && input.shape(1) == 1 ? 1 : 0;
-  // A fresh (B, H, L, D) output; the KV-cache write points the keys at
-  // their rows of the key buffer instead.
+  // A (B, H, L, D) output laid out token-major (token_major_strides); the
+  // KV-cache write points the keys at their rows of the row-contiguous key
+  // buffer instead.
+  side.token_major = 1;
   side.output_sequence = side.sequence;
   side.output_first_row = 0;
   return side;
@@ -247,29 +249,36 @@ std::vector<mx::Shape> node_output_shapes(const std::vector<mx::array>& inputs,
   return shapes;
 }
 
-/* Whether the rows of a (B, H, L, D) output lie where those of its
- * row-contiguous (B, L, H', W) input do: one token (L == 1, a decode
- * step) or one head. Then a block writes its rows over exactly the input
- * row it read into shared memory before the barrier that precedes its
- * writes, and no other block reads them. */
-bool rows_stay_in_place(const mx::array& input, const mx::array& output) {
-  return input.shape(1) == 1 || output.shape(1) == 1;
+/* The strides of a rotated (B, H, L, D) output in the memory order MLX's
+ * RoPE leaves mlx-lm's transposed queries and keys in: that of the
+ * (B, L, H, D) rows before the transpose (MLX's CUDA RoPE writes over its
+ * input, or into memory laid out like it, keeping the input's strides).
+ * So the rows of a row-contiguous input lie exactly where the kernel
+ * writes its output rows (`token_major`), and attention's output, which
+ * follows the queries' layout, needs no copy to become (B, L, H * D). */
+mx::Strides token_major_strides(const mx::array& output) {
+  const int64_t heads = output.shape(1);
+  const int64_t sequence = output.shape(2);
+  const int64_t width = output.shape(3);
+  return {sequence * heads * width, width, heads * width, 1};
 }
 
-/* Memory for the rotated rows of `input`: the input's own where the
- * node may write over it (a decode step's projection that nothing else
- * holds, as MLX's own RMS norm and RoPE write over theirs), else fresh. */
+/* Memory for the rotated rows of `input`, laid out token-major: the
+ * input's own where the node may write over it (a projection nothing else
+ * holds, as MLX's own RMS norm and RoPE write over theirs; a block writes
+ * exactly the input row it read into shared memory before the barrier
+ * that precedes its writes, and no other block reads it), else fresh. */
 void rotated_output_memory(const mx::array& input, mx::array& output, size_t node_outputs,
                            mx::cu::CommandEncoder& encoder) {
-  if (!(rows_stay_in_place(input, output) && take_input_memory(input, output, node_outputs))) {
-    output.set_data(output_memory(output.nbytes(), encoder));
+  const mx::Strides strides = token_major_strides(output);
+  if (!take_input_memory(input, output, strides, node_outputs)) {
+    give_output_memory(output, strides, encoder);
   }
 }
 
-/* Outputs: rotated queries and rotated keys, row-contiguous (B, H, L, D):
- * each its input's memory where the rows stay in place and MLX could
- * donate it (rotated_output_memory), else fresh (with more than one token
- * and head, a block writes its row where another block's row was read).
+/* Outputs: rotated queries and rotated keys, (B, H, L, D) laid out
+ * token-major (token_major_strides): each its input's memory where MLX
+ * could donate it (rotated_output_memory), else fresh.
  * With the KV-cache write (`cache`): rotated queries as above, then the
  * key and value buffers, each its input's memory when MLX could donate it,
  * else a copy made in the same launch, then (with `cache->fetch`) the
@@ -455,6 +464,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
         weight_inputs(inputs, first_weight_input(), has_query_weight_, has_key_weight_);
     DualRmsNormRopeCacheParams<Rows> params{};
     params.rope = rotation_params<Rows>(inputs, weights);
+    params.rope.key_rope.token_major = 0;
     params.rope.key_rope.output_sequence = key_cache.shape(kCacheRowAxis);
     params.rope.key_rope.output_first_row = cache_->first_row;
     params.values = strided_rows(values);
