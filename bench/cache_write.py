@@ -16,7 +16,8 @@ round-robin within each round:
 Ratios are per round against mlx-lm, median [min-max]. Then per path, over
 unpipelined decode steps: the bytes MLX allocates beyond what is live when
 a step's evaluation starts (median step: its transient peak, where a copy
-of the cache buffers would show) and the peak memory of the whole run.
+of the cache buffers would show), the peak memory while the prompt is
+processed, and the peak memory of the whole run.
 
 With ``--cache-step N`` the caches grow N rows at a time (mlx-lm's
 ``KVCache.step``, 256 by default): large buffers make a copy of them stand
@@ -104,8 +105,9 @@ def timed(path, network, prompt, steps):
 
 
 def memory_of(path, network, prompt, steps):
-    """(median transient bytes of a step's evaluation, peak bytes of the run)
-    over ``steps`` unpipelined greedy steps after the prompt."""
+    """(median transient bytes of a step's evaluation, peak bytes while the
+    prompt is processed, peak bytes of the run) over the prompt and then
+    ``steps`` unpipelined greedy steps."""
     with attention_of(path):
         mx.synchronize()
         mx.clear_cache()
@@ -114,7 +116,7 @@ def memory_of(path, network, prompt, steps):
         token = mx.argmax(network(prompt[None], cache=cache)[:, -1], axis=-1)
         mx.eval(token)
         transients = []
-        run_peak = mx.get_peak_memory()
+        prompt_peak = run_peak = mx.get_peak_memory()
         for _ in range(steps):
             token = mx.argmax(network(token[:, None], cache=cache)[:, -1], axis=-1)
             mx.synchronize()
@@ -124,7 +126,7 @@ def memory_of(path, network, prompt, steps):
             mx.eval(token)
             transients.append(mx.get_peak_memory() - live)
         run_peak = max(run_peak, mx.get_peak_memory())
-    return statistics.median(transients), run_peak
+    return statistics.median(transients), prompt_peak, run_peak
 
 
 def main():
@@ -153,8 +155,9 @@ def main():
                        for name in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER"))
     print(f"memory over {steps} unpipelined decode steps of {args.model} (bytes; {limits}):")
     for path in PATHS:
-        transient, peak = memory_of(path, network, prompt, steps)
-        print(f"  {path:17s} per-step transient {transient:12,.0f}   run peak {peak:14,d}")
+        transient, prompt_peak, peak = memory_of(path, network, prompt, steps)
+        print(f"  {path:17s} per-step transient {transient:12,.0f}   "
+              f"prompt peak {prompt_peak:14,d}   run peak {peak:14,d}")
 
 
 def print_times(args, config, network, prompt, rounds, steps):

@@ -48,8 +48,8 @@
  * samples on that load).
  *
  * With the KV-cache write (the _cache entry points), the key rows go to
- * rows [w, w + L) of the key buffer (B, Hk, C, D) instead of a fresh
- * (B, Hk, L, D), further blocks copy each value row (b, l, h) to row
+ * rows [w, w + L) of the key buffer (B, Hk, C, D) instead of a
+ * token-major output, further blocks copy each value row (b, l, h) to row
  * (b, h, w + l) of the value buffer, and, for a buffer the host could not
  * let the launch write in place, further blocks copy the buffer's other
  * rows into the fresh output: the bits of MLX's SliceUpdate, which copies
