@@ -172,6 +172,45 @@ def test_fused_outputs_come_from_mlxs_device_pool_where_the_mode_is_built():
     assert in_device_pool == ("fused" in available_modes())
 
 
+@pytest.mark.skipif("fused" not in available_modes(), reason="the fused mode needs MLX's CUDA backend")
+@pytest.mark.parametrize("length", [1, 4])
+def test_the_fused_norm_writes_over_inputs_nothing_else_holds(length):
+    """As MLX's RMS norm writes over an input nothing else holds, the fused
+    kernel writes its normalized rows over the projections it read: a call
+    allocates no more than the projections themselves (a fresh output would
+    add at least the smaller side's bytes). An input still held elsewhere
+    keeps its values. The bits are the composed path's either way."""
+    norm = CompiledDualHeadNorm(EPS, mode="fused")
+    keys_ = mx.random.split(mx.random.key(5), 4)
+    queries = random_heads(keys_[0], (1, length, 4, 128), mx.float32)
+    keys = random_heads(keys_[1], (1, length, 2, 128), mx.float32)
+    query_weight = mx.random.uniform(0.5, 1.5, (128,), key=keys_[2])
+    key_weight = mx.random.uniform(0.5, 1.5, (128,), key=keys_[3])
+    expected = composed_dual_head_norm(queries, keys, query_weight, key_weight, EPS)
+    mx.eval(queries, keys, query_weight, key_weight, expected)
+    kept = (np.array(queries), np.array(keys))
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    # Inputs only the node holds (a product by 1 keeps every bit).
+    projected = (queries * 1, keys * 1)
+    outputs = norm(*projected, query_weight, key_weight)
+    del projected
+    assert "FusedDualRmsNorm" in graph_primitives(*outputs)
+    mx.eval(outputs)
+    allocated = mx.get_peak_memory() - before
+    assert allocated < queries.nbytes + keys.nbytes + keys.nbytes // 2, allocated
+    for output, reference in zip(outputs, expected):
+        assert_bit_identical(output, reference)
+    # Inputs held by the caller: written to fresh memory, left as they were.
+    held = norm(queries, keys, query_weight, key_weight)
+    mx.eval(held)
+    for output, reference in zip(held, expected):
+        assert_bit_identical(output, reference)
+    np.testing.assert_array_equal(np.array(queries), kept[0])
+    np.testing.assert_array_equal(np.array(keys), kept[1])
+
+
 def test_outputs_are_lazy_mx_arrays_usable_in_further_ops(rng_key):
     norm = CompiledDualHeadNorm(EPS)
     queries = random_heads(rng_key, (1, 1, 16, 128), mx.bfloat16)

@@ -10,6 +10,7 @@
  */
 #include "fused/fused_dual_rms_norm_primitive.h"
 
+#include "mlx/backend/common/utils.h"
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
 #include "mlx/fast.h"
@@ -18,6 +19,7 @@
 #include "mlx/transforms.h"
 
 #include "fused/fused_kernel_host.h"
+#include "fused/output_memory.h"
 
 namespace mlx_dualnorm_fused {
 
@@ -44,7 +46,11 @@ void set_kernel_cubin(std::string cubin) {
 
 namespace {
 
-/* Outputs: normalized queries, normalized keys. */
+/* Outputs: normalized queries, normalized keys, row-contiguous: each its
+ * input's memory where MLX could donate it, as MLX's own RMS norm writes
+ * over its input (in place, each thread writes only the elements it read
+ * itself, after the block's reduction, which follows every thread's first
+ * reading of the row), else fresh. */
 class FusedDualRmsNorm : public RowKernelPrimitive<FusedDualRmsNorm> {
  public:
   FusedDualRmsNorm(mx::Stream stream, float rms_norm_epsilon, bool has_query_weight,
@@ -97,7 +103,13 @@ class FusedDualRmsNorm : public RowKernelPrimitive<FusedDualRmsNorm> {
     params.queries = rows_of<Rows>(inputs[kQueriesInput], weights.query);
     params.keys = rows_of<Rows>(inputs[kKeysInput], weights.key);
     params.eps = rms_norm_epsilon_;
-    prepare_outputs(encoder, inputs, outputs);
+    // Every output of this node holds its own copy of the node's inputs.
+    for (size_t side : {kQueriesInput, kKeysInput}) {
+      take_input_memory_or_allocate(inputs[side], outputs[side],
+                                    mx::make_contiguous_strides(outputs[side].shape()),
+                                    outputs.size(), encoder);
+    }
+    register_arrays(encoder, inputs, outputs);
     void* queries = mx::gpu_ptr<void>(inputs[kQueriesInput]);
     void* keys = mx::gpu_ptr<void>(inputs[kKeysInput]);
     void* query_weight = weights.query ? mx::gpu_ptr<void>(*weights.query) : nullptr;

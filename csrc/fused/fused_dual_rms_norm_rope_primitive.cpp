@@ -270,10 +270,8 @@ mx::Strides token_major_strides(const mx::array& output) {
  * that precedes its writes, and no other block reads it), else fresh. */
 void rotated_output_memory(const mx::array& input, mx::array& output, size_t node_outputs,
                            mx::cu::CommandEncoder& encoder) {
-  const mx::Strides strides = token_major_strides(output);
-  if (!take_input_memory(input, output, strides, node_outputs)) {
-    give_output_memory(output, strides, encoder);
-  }
+  take_input_memory_or_allocate(input, output, token_major_strides(output), node_outputs,
+                                encoder);
 }
 
 /* Outputs: rotated queries and rotated keys, (B, H, L, D) laid out

@@ -9,8 +9,6 @@
 #include "mlx/backend/cuda/device.h"
 #include "mlx/ops.h"
 
-#include "fused/output_memory.h"
-
 namespace mlx_dualnorm_fused {
 
 namespace {
@@ -166,14 +164,6 @@ bool any_tracer(const std::vector<mx::array>& inputs) {
 
 std::optional<mx::array> optional_weight(const mx::array* weight) {
   return weight != nullptr ? std::optional<mx::array>(*weight) : std::nullopt;
-}
-
-void prepare_outputs(mx::cu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,
-                     std::vector<mx::array>& outputs) {
-  for (auto& output : outputs) {
-    output.set_data(output_memory(output.nbytes(), encoder));
-  }
-  register_arrays(encoder, inputs, outputs);
 }
 
 void register_arrays(mx::cu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,

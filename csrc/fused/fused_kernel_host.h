@@ -177,15 +177,6 @@ bool any_tracer(const std::vector<mlx::core::array>& inputs);
 /* The weight as fast::rms_norm takes it. */
 std::optional<mlx::core::array> optional_weight(const mlx::core::array* weight);
 
-/* Gives every output fresh memory (output_memory.h), then
- * register_arrays. Never an input's buffer: each output of a multi-output
- * node holds its own copy of the inputs (MLX's make_arrays), so MLX calls
- * no input donatable; the norm + RoPE decides for itself
- * (take_input_memory, take_buffer_or_allocate). */
-void prepare_outputs(mlx::core::cu::CommandEncoder& encoder,
-                     const std::vector<mlx::core::array>& inputs,
-                     std::vector<mlx::core::array>& outputs);
-
 /* Tells the encoder what the next kernel reads and writes (outputs that
  * already have their memory), which orders it after the nodes that produce
  * its inputs. */

@@ -208,29 +208,21 @@ bool take_buffer_or_allocate(const mx::array& buffer, mx::array& output, size_t 
   return false;
 }
 
-mx::array::Flags dense_flags(const mx::array& output, const mx::Strides& strides) {
+bool take_input_memory_or_allocate(const mx::array& input, mx::array& output,
+                                   const mx::Strides& strides, size_t node_outputs,
+                                   mx::cu::CommandEncoder& encoder) {
   auto [unbroadcast_size, row_contiguous, col_contiguous] =
       mx::check_contiguity(output.shape(), strides);
   mx::array::Flags flags{};
   flags.contiguous = unbroadcast_size == output.size();
   flags.row_contiguous = row_contiguous;
   flags.col_contiguous = col_contiguous;
-  return flags;
-}
-
-bool take_input_memory(const mx::array& input, mx::array& output, const mx::Strides& strides,
-                       size_t node_outputs) {
-  if (!donatable_to(input, output, node_outputs)) {
-    return false;
+  if (donatable_to(input, output, node_outputs)) {
+    output.copy_shared_buffer(input, strides, flags, output.size());
+    return true;
   }
-  output.copy_shared_buffer(input, strides, dense_flags(output, strides), output.size());
-  return true;
-}
-
-void give_output_memory(mx::array& output, const mx::Strides& strides,
-                        mx::cu::CommandEncoder& encoder) {
-  output.set_data(output_memory(output.nbytes(), encoder), output.size(), strides,
-                  dense_flags(output, strides));
+  output.set_data(output_memory(output.nbytes(), encoder), output.size(), strides, flags);
+  return false;
 }
 
 mx::allocator::Data output_memory(size_t bytes, mx::cu::CommandEncoder& encoder) {

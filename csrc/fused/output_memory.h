@@ -47,27 +47,18 @@ mlx::core::allocator::Data output_memory(size_t bytes, mlx::core::cu::CommandEnc
 bool take_buffer_or_allocate(const mlx::core::array& buffer, mlx::core::array& output,
                              size_t node_outputs, mlx::core::cu::CommandEncoder& encoder);
 
-/* The flags MLX gives `output` laid out with `strides` over memory that
- * holds exactly its elements (every element once, no gaps): contiguous,
- * and row- or column-contiguous as the strides say. */
-mlx::core::array::Flags dense_flags(const mlx::core::array& output,
-                                    const mlx::core::Strides& strides);
-
-/* Gives `output` the memory of `input`, laid out with `strides` (holding
- * exactly its elements), and returns true where the node being evaluated
- * may write its output over its input, under the same conditions as
- * take_buffer_or_allocate except the shape: the caller must know that
+/* Gives `output` the memory of `input`, laid out with `strides` (which
+ * must hold exactly its elements), and returns true where the node being
+ * evaluated may write its output over its input: the conditions of
+ * take_buffer_or_allocate but the shape, and the caller must know that
  * `output`'s elements, so laid out, lie where `input`'s do, and that its
- * kernel reads every element of `input` a block writes before that block
- * writes it, and none another block writes. Otherwise returns false and
- * leaves `output` without memory. */
-bool take_input_memory(const mlx::core::array& input, mlx::core::array& output,
-                       const mlx::core::Strides& strides, size_t node_outputs);
-
-/* Gives `output` fresh memory (output_memory) laid out with `strides`,
- * which must hold exactly its elements. */
-void give_output_memory(mlx::core::array& output, const mlx::core::Strides& strides,
-                        mlx::core::cu::CommandEncoder& encoder);
+ * kernel reads every element of `input` a thread writes before that
+ * thread writes it, and none another thread writes. Otherwise gives
+ * `output` fresh memory (output_memory), laid out the same, and returns
+ * false. */
+bool take_input_memory_or_allocate(const mlx::core::array& input, mlx::core::array& output,
+                                   const mlx::core::Strides& strides, size_t node_outputs,
+                                   mlx::core::cu::CommandEncoder& encoder);
 
 /* Whether outputs come from MLX's stream-ordered device pool (true) or
  * from its public, unified-memory allocator (false). Does the lookup if
