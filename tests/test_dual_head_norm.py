@@ -173,8 +173,16 @@ def test_fused_outputs_come_from_mlxs_device_pool_where_the_mode_is_built():
 
 
 @pytest.mark.skipif("fused" not in available_modes(), reason="the fused mode needs MLX's CUDA backend")
-@pytest.mark.parametrize("length", [1, 4])
-def test_the_fused_norm_writes_over_inputs_nothing_else_holds(length):
+@pytest.mark.parametrize(
+    "batch,length,width,dtype",
+    [
+        (1, 1, 128, mx.float32),
+        (1, 4, 128, mx.float32),
+        (2, 4, 128, mx.bfloat16),
+        (1, 4, 1024, mx.float32),  # two chunks a thread: the second read again
+    ],
+)
+def test_the_fused_norm_writes_over_inputs_nothing_else_holds(batch, length, width, dtype):
     """As MLX's RMS norm writes over an input nothing else holds, the fused
     kernel writes its normalized rows over the projections it read: a call
     allocates no more than the projections themselves (a fresh output would
@@ -182,13 +190,14 @@ def test_the_fused_norm_writes_over_inputs_nothing_else_holds(length):
     keeps its values. The bits are the composed path's either way."""
     norm = CompiledDualHeadNorm(EPS, mode="fused")
     keys_ = mx.random.split(mx.random.key(5), 4)
-    queries = random_heads(keys_[0], (1, length, 4, 128), mx.float32)
-    keys = random_heads(keys_[1], (1, length, 2, 128), mx.float32)
-    query_weight = mx.random.uniform(0.5, 1.5, (128,), key=keys_[2])
-    key_weight = mx.random.uniform(0.5, 1.5, (128,), key=keys_[3])
+    queries = random_heads(keys_[0], (batch, length, 4, width), dtype)
+    keys = random_heads(keys_[1], (batch, length, 2, width), dtype)
+    query_weight = mx.random.uniform(0.5, 1.5, (width,), key=keys_[2]).astype(dtype)
+    key_weight = mx.random.uniform(0.5, 1.5, (width,), key=keys_[3]).astype(dtype)
     expected = composed_dual_head_norm(queries, keys, query_weight, key_weight, EPS)
     mx.eval(queries, keys, query_weight, key_weight, expected)
-    kept = (np.array(queries), np.array(keys))
+    kept = (queries * 1, keys * 1)  # copies, to compare the inputs with after the calls
+    mx.eval(kept)
     mx.synchronize()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
@@ -207,8 +216,8 @@ def test_the_fused_norm_writes_over_inputs_nothing_else_holds(length):
     mx.eval(held)
     for output, reference in zip(held, expected):
         assert_bit_identical(output, reference)
-    np.testing.assert_array_equal(np.array(queries), kept[0])
-    np.testing.assert_array_equal(np.array(keys), kept[1])
+    assert_bit_identical(queries, kept[0])
+    assert_bit_identical(keys, kept[1])
 
 
 def test_outputs_are_lazy_mx_arrays_usable_in_further_ops(rng_key):

@@ -199,10 +199,19 @@ def test_a_buffer_nothing_else_holds_is_written_in_place(mode, fetch):
     assert max(peaks[1:]) < buffer_bytes // 4, (peaks, buffer_bytes)
 
 
+# (batch, length, dtype, norm over the whole projection)
+IN_PLACE_CASES = {
+    "decode": (1, 1, mx.float32, False),
+    "prompt": (1, 4, mx.float32, False),
+    "batch2-bfloat16": (2, 4, mx.bfloat16, False),
+    "whole-projection": (1, 4, mx.float32, True),
+}
+
+
 @pytest.mark.skipif(not FUSED_AVAILABLE, reason="the fused mode needs MLX's CUDA backend")
-@pytest.mark.parametrize("length", [1, 4])
+@pytest.mark.parametrize("case", list(IN_PLACE_CASES))
 @pytest.mark.parametrize("with_cache", [False, True], ids=["norm-rope", "with-cache"])
-def test_rotated_rows_take_the_projections_memory_in_mlx_s_layout(length, with_cache):
+def test_rotated_rows_take_the_projections_memory_in_mlx_s_layout(case, with_cache):
     """The fused kernel lays its rotated rows out as MLX's RoPE leaves
     mlx-lm's transposed queries and keys (in the projection's token-major
     order), so it writes them over the projections it read when nothing
@@ -211,9 +220,13 @@ def test_rotated_rows_take_the_projections_memory_in_mlx_s_layout(length, with_c
     themselves. And attention's output, which follows the queries' layout,
     goes back to (B, L, H * D) without a copy. The bits are the composed
     path's."""
+    batch, length, dtype, whole_projection = IN_PLACE_CASES[case]
     norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode="fused")
-    queries, keys, values, query_weight, key_weight = layer_inputs(1, length, mx.float32)
-    key_cache, value_cache = buffers(1, mx.float32)
+    queries, keys, values, query_weight, key_weight = layer_inputs(batch, length, dtype)
+    if whole_projection:  # OLMo-2's norms over each token's H * D features
+        query_weight = random((HEADS_Q * WIDTH,), dtype, 20)
+        key_weight = random((HEADS_K * WIDTH,), dtype, 21)
+    key_cache, value_cache = buffers(batch, dtype)
     mx.eval(queries, keys, values, query_weight, key_weight, key_cache, value_cache)
     if with_cache:
         expected = composed_with_cache(norm_rope, queries, keys, values, query_weight,
@@ -249,10 +262,11 @@ def test_rotated_rows_take_the_projections_memory_in_mlx_s_layout(length, with_c
     mx.synchronize()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
-    flattened = outputs[0].transpose(0, 2, 1, 3).reshape(1, length, -1)
+    flattened = outputs[0].transpose(0, 2, 1, 3).reshape(batch, length, -1)
     mx.eval(flattened)
     assert mx.get_peak_memory() - before < outputs[0].nbytes // 2
-    assert_bit_identical(flattened, expected[0].transpose(0, 2, 1, 3).reshape(1, length, -1))
+    assert_bit_identical(flattened,
+                         expected[0].transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 
 @pytest.mark.skipif(not FUSED_AVAILABLE, reason="the fused mode needs MLX's CUDA backend")

@@ -230,6 +230,9 @@ __device__ __forceinline__ Chunk<Storage> load_chunk(
 
 /* Writes the normalized row `row_index` of `input` to `out` (`width`
  * elements, contiguous: an output row, or shared memory for the RoPE).
+ * `out` may be the input row itself (the node writing over its input):
+ * each thread reads and writes only its own elements, each read before
+ * it is written.
  * Inlined (as is dual_rms_norm) so that `layout` stays a reference into
  * the kernel's parameter space rather than a per-thread copy in local
  * memory. Kept whole, at about 75 lines: the sum pass and the write pass

@@ -48,9 +48,8 @@ namespace {
 
 /* Outputs: normalized queries, normalized keys, row-contiguous: each its
  * input's memory where MLX could donate it, as MLX's own RMS norm writes
- * over its input (in place, each thread writes only the elements it read
- * itself, after the block's reduction, which follows every thread's first
- * reading of the row), else fresh. */
+ * over its input (normalize_row reads and writes only each thread's own
+ * elements), else fresh. */
 class FusedDualRmsNorm : public RowKernelPrimitive<FusedDualRmsNorm> {
  public:
   FusedDualRmsNorm(mx::Stream stream, float rms_norm_epsilon, bool has_query_weight,

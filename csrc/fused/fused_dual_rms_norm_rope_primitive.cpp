@@ -252,7 +252,9 @@ std::vector<mx::Shape> node_output_shapes(const std::vector<mx::array>& inputs,
 /* The strides of a rotated (B, H, L, D) output in the memory order MLX's
  * RoPE leaves mlx-lm's transposed queries and keys in: that of the
  * (B, L, H, D) rows before the transpose (MLX's CUDA RoPE writes over its
- * input, or into memory laid out like it, keeping the input's strides).
+ * input, or into memory laid out like it, keeping the input's strides;
+ * only a partial rotation of an input it cannot write over is copied
+ * head-major first, and there the layouts differ, never the values).
  * So the rows of a row-contiguous input lie exactly where the kernel
  * writes its output rows (`token_major`), and attention's output, which
  * follows the queries' layout, needs no copy to become (B, L, H * D). */
