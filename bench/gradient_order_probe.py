@@ -16,29 +16,18 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_dualnorm import available_modes
 from mlx_dualnorm._bits import count_bit_differences
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model
+from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model, one_token_step_loss
 
 EMBEDDING = "model.embed_tokens.weight"
-PROMPTS = mx.array([[(7 * column + 3 + row) % 512 for column in range(8)] for row in range(2)])
-STEPS, TARGETS = mx.array([[5], [9]]), mx.array([[17], [3]])
-
-
-def step_loss(model, with_cache: bool):
-    cache = None
-    if with_cache:
-        cache = make_prompt_cache(model)
-        model(PROMPTS, cache=cache)
-    logits = model(STEPS, cache=cache)
-    return nn.losses.cross_entropy(logits.astype(mx.float32), TARGETS).mean()
 
 
 def loss_and_gradients(model, with_cache: bool):
-    loss, gradients = nn.value_and_grad(model, lambda m: step_loss(m, with_cache))(model)
+    loss, gradients = nn.value_and_grad(
+        model, lambda m: one_token_step_loss(m, with_cache))(model)
     gradients = dict(tree_flatten(gradients))
     mx.eval(loss, gradients)
     return loss, gradients

@@ -14,7 +14,6 @@ two readings agree on the GPU).
 from __future__ import annotations
 
 import argparse
-import sys
 
 import mlx.core as mx
 from mlx_lm.models import qwen3

@@ -19,7 +19,6 @@ from mlx.utils import tree_flatten, tree_unflatten
 pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 
 from mlx_dualnorm._bits import count_bit_differences  # noqa: E402
@@ -37,6 +36,7 @@ from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # n
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     build_model,
     build_synthetic_model,
+    one_token_step_loss,
     prompt_token_ids,
     synthetic_model_config,
 )
@@ -335,18 +335,7 @@ def test_one_token_step_gradients_are_bit_identical(model_type, with_cache, pair
     mlx-lm's bits, through the norm + RoPE call that normalizes before the
     transpose."""
     model = build_synthetic_model(model_type)
-    prompts = mx.array([[(7 * column + 3 + row) % 512 for column in range(8)] for row in range(2)])
-    steps, targets = mx.array([[5], [9]]), mx.array([[17], [3]])
-
-    def step_loss(model):
-        cache = None
-        if with_cache:
-            cache = make_prompt_cache(model)
-            model(prompts, cache=cache)
-        logits = model(steps, cache=cache)
-        return nn.losses.cross_entropy(logits.astype(mx.float32), targets).mean()
-
-    loss_and_grad = nn.value_and_grad(model, step_loss)
+    loss_and_grad = nn.value_and_grad(model, lambda m: one_token_step_loss(m, with_cache))
     gradients = assert_patched_loss_and_gradients_match(lambda: loss_and_grad(model))
     assert pair_calls["package"] > 0 and pair_calls["original"] == 0
     assert len(full_attention._norm_ropes) > 0

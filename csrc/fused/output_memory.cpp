@@ -208,7 +208,7 @@ bool take_buffer_or_allocate(const mx::array& buffer, mx::array& output, size_t 
   return false;
 }
 
-bool take_input_memory_or_allocate(const mx::array& input, mx::array& output,
+void take_input_memory_or_allocate(const mx::array& input, mx::array& output,
                                    const mx::Strides& strides, size_t node_outputs,
                                    mx::cu::CommandEncoder& encoder) {
   auto [unbroadcast_size, row_contiguous, col_contiguous] =
@@ -219,10 +219,9 @@ bool take_input_memory_or_allocate(const mx::array& input, mx::array& output,
   flags.col_contiguous = col_contiguous;
   if (donatable_to(input, output, node_outputs)) {
     output.copy_shared_buffer(input, strides, flags, output.size());
-    return true;
+  } else {
+    output.set_data(output_memory(output.nbytes(), encoder), output.size(), strides, flags);
   }
-  output.set_data(output_memory(output.nbytes(), encoder), output.size(), strides, flags);
-  return false;
 }
 
 mx::allocator::Data output_memory(size_t bytes, mx::cu::CommandEncoder& encoder) {

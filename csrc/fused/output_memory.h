@@ -48,16 +48,15 @@ bool take_buffer_or_allocate(const mlx::core::array& buffer, mlx::core::array& o
                              size_t node_outputs, mlx::core::cu::CommandEncoder& encoder);
 
 /* Gives `output` the memory of `input`, laid out with `strides` (which
- * must hold exactly its elements), and returns true where the node being
- * evaluated may write its output over its input: the conditions of
+ * must hold exactly its elements), where the node being evaluated may
+ * write its output over its input: the conditions of
  * take_buffer_or_allocate but the shape, and the caller must know that
  * `output`'s elements, so laid out, lie where `input`'s do, and that its
  * kernel reads each element of `input` before it is written over (in the
  * same thread, or across a barrier of the block that writes it) and that
  * no other block reads it. Otherwise gives `output` fresh memory
- * (output_memory), laid out the same, and returns false: whether the
- * input was taken is for the caller's information only. */
-bool take_input_memory_or_allocate(const mlx::core::array& input, mlx::core::array& output,
+ * (output_memory), laid out the same. */
+void take_input_memory_or_allocate(const mlx::core::array& input, mlx::core::array& output,
                                    const mlx::core::Strides& strides, size_t node_outputs,
                                    mlx::core::cu::CommandEncoder& encoder);
 

@@ -358,3 +358,19 @@ def prompt_token_ids(vocab_size: int, length: int = 12) -> mx.array:
     if length < 1 or vocab_size < 2:
         raise ValueError("a prompt needs length >= 1 and a vocabulary of >= 2 tokens")
     return mx.array([(37 * position + 11) % vocab_size for position in range(length)])
+
+
+def one_token_step_loss(model: nn.Module, with_cache: bool) -> mx.array:
+    """The loss of a one-token step of two sequences (tokens 5 and 9,
+    targets 17 and 3), alone or, ``with_cache``, after an 8-token prefill of
+    each into mlx-lm's caches: the step whose gradients the one-token-step
+    parity tests compare, and ``bench/gradient_order_probe.py`` with them."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = None
+    if with_cache:
+        cache = make_prompt_cache(model)
+        model(mx.array([[(7 * column + 3 + row) % 512 for column in range(8)]
+                        for row in range(2)]), cache=cache)
+    logits = model(mx.array([[5], [9]]), cache=cache)
+    return nn.losses.cross_entropy(logits.astype(mx.float32), mx.array([[17], [3]])).mean()
