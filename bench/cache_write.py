@@ -48,7 +48,7 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm import full_attention
+from mlx_dualnorm.integrations.mlx_lm import cache_update
 from mlx_dualnorm.tools.mlx_lm_bench import DECODE_DTYPE_OF_WEIGHTS, _timed_greedy_decode
 from mlx_dualnorm.tools.mlx_lm_synthetic import decode_model_config
 
@@ -78,7 +78,7 @@ def attention_ceiling(self, x, mask=None, cache=None):
     values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
     if cache is not None:
         keys, values = unwritten_rows(cache, keys, values)
-    output = full_attention._attended(self, queries, keys, values, cache, mask, batch, length)
+    output = cache_update.attended(self, queries, keys, values, cache, mask, batch, length)
     return self.o_proj(output)
 
 
@@ -86,17 +86,17 @@ def attention_ceiling(self, x, mask=None, cache=None):
 def attention_of(path):
     """qwen3's attention as ``path`` runs it, restored afterwards."""
     original_call = qwen3.Attention.__call__
-    original_write = full_attention._written_in_one_call
+    original_write = cache_update._written_in_one_call
     with integration.patch() if path.startswith("patched") else integration.unpatch():
         if path == "ceiling":
             qwen3.Attention.__call__ = attention_ceiling
         if path == "patched-no-write":
-            full_attention._written_in_one_call = lambda *arguments: None
+            cache_update._written_in_one_call = lambda *arguments: None
         try:
             yield
         finally:
             qwen3.Attention.__call__ = original_call
-            full_attention._written_in_one_call = original_write
+            cache_update._written_in_one_call = original_write
 
 
 def timed(path, network, prompt, steps):

@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlx_lm.models import qwen3
 
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm import full_attention
+from mlx_dualnorm.integrations.mlx_lm import cache_update
 from mlx_dualnorm.tools.mlx_lm_bench import _timed_greedy_decode
 from mlx_dualnorm.tools.mlx_lm_synthetic import decode_model_config
 
@@ -44,7 +44,7 @@ def attention_without_prework(self, x, mask=None, cache=None):
     queries = self.q_proj(x).reshape(batch, length, self.n_heads, -1).transpose(0, 2, 1, 3)
     keys = self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
     values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    output = full_attention._attention_output(self, queries, keys, values, cache, mask, batch, length)
+    output = cache_update.attention_output(self, queries, keys, values, cache, mask, batch, length)
     return self.o_proj(output)
 
 

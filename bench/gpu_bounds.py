@@ -201,7 +201,7 @@ def _mlx_lm_layer_calls(queries, keys, mode):
     from mlx_lm.models import qwen3
 
     from mlx_dualnorm.integrations import mlx_lm as integration
-    from mlx_dualnorm.integrations.mlx_lm import full_attention
+    from mlx_dualnorm.integrations.mlx_lm import norm_rope
 
     arguments = qwen3.ModelArgs(
         model_type="qwen3", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
@@ -227,7 +227,7 @@ def _mlx_lm_layer_calls(queries, keys, mode):
 
     return {
         "mlx-lm layer prework, its own code": mlx_lm_prework,
-        "patched layer prework (glue + call)": lambda: full_attention._rotated_queries_and_keys(
+        "patched layer prework (glue + call)": lambda: norm_rope.rotated_queries_and_keys(
             attention, queries, keys, Position
         ),
     }

@@ -20,7 +20,7 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from mlx_dualnorm.integrations.mlx_lm import full_attention
+from mlx_dualnorm.integrations.mlx_lm import cache_update, norm_rope
 from mlx_dualnorm.tools.mlx_lm_synthetic import decode_model_config
 
 from cache_write import attention_of
@@ -51,8 +51,8 @@ def patched_prework(attention, x, cache):
     queries = attention.q_proj(x).reshape(batch, length, attention.n_heads, -1)
     keys = attention.k_proj(x).reshape(batch, length, attention.n_kv_heads, -1)
     values = attention.v_proj(x).reshape(batch, length, attention.n_kv_heads, -1)
-    prework = full_attention._layer_prework(attention)
-    return full_attention.prework_and_cache_update(prework, queries, keys, values, cache)
+    prework = norm_rope.layer_prework(attention)
+    return cache_update.prework_and_cache_update(prework, queries, keys, values, cache)
 
 
 def staged(path, stage, attention, x, cache):

@@ -24,13 +24,18 @@ import mlx_dualnorm._interop as _interop
 from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
 from mlx_dualnorm._native import ffi, lib
 
-__all__ = ["apply_compiled_dual_head_norm", "bind_bridges", "call_native", "ffi", "lib"]
+__all__ = [
+    "apply_compiled_dual_head_norm", "assign_array", "bind_bridges", "call_native", "ffi", "lib",
+]
 
 lib.mlx_dualnorm_install_error_handler()
 lib.mlx_dualnorm_set_fused_backend(lib.mlx_dualnorm_fused_backend_table())
 lib.mlx_dualnorm_set_fused_rope_backend(lib.mlx_dualnorm_fused_rope_backend_table())
 
 apply_compiled_dual_head_norm = _interop.apply
+# assign_array(target, source): the object ``target`` holds ``source``'s
+# array from now on, as ``target[...] = value`` makes it hold the update.
+assign_array = _interop.assign
 
 # How long the exit hook waits for threads that used the package to finish
 # exiting: they have already returned to the OS, so this is their C++
@@ -55,14 +60,15 @@ atexit.register(_let_exiting_threads_finish)
 
 
 def bind_bridges(
-    convert_array: Callable[[object, str], Any],
-    convert_rope_array: Callable[[object, str], Any],
-    convert_offset: Callable[[object], Any],
+    convert_array: Callable[[object, str, str], Any],
+    convert_rope_array: Callable[[object, str, str], Any],
+    convert_offset: Callable[[object, str], Any],
 ) -> None:
     """Binds the bridge to both composites' apply functions, once, at
-    import. Each ``convert_*_array(value, argument_name)`` turns an
-    argument of its composite that is not an ``mx.array`` into one, or
-    raises TypeError; ``convert_offset(value)`` does that for a RoPE offset
+    import. Each ``convert_*_array(value, argument_name, operation)`` turns
+    an argument of its composite that is not an ``mx.array`` into one, or
+    raises TypeError labelled ``operation`` (the call's: the bridge passes
+    it); ``convert_offset(value, operation)`` does that for a RoPE offset
     that is neither an ``mx.array`` nor an int within int32."""
     _interop.bind(
         _function_address("mlx_dualnorm_compiled_dual_head_norm_apply"),

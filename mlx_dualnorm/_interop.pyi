@@ -7,7 +7,7 @@ import mlx.core as mx
 def bind(
     apply_function_address: int,
     free_vector_function_address: int,
-    convert_array: Callable[[object, str], mx.array],
+    convert_array: Callable[[object, str, str], mx.array],
     value_error_type: type,
     mlx_error_type: type,
 ) -> None: ...
@@ -20,8 +20,8 @@ def apply(
 ) -> tuple[mx.array, ...]: ...
 def bind_rope(
     apply_function_address: int,
-    convert_array: Callable[[object, str], mx.array],
-    convert_offset: Callable[[object], mx.array],
+    convert_array: Callable[[object, str, str], mx.array],
+    convert_offset: Callable[[object, str], mx.array],
 ) -> None: ...
 def apply_rope(
     norm_rope_address: int,
@@ -32,6 +32,7 @@ def apply_rope(
     offset: object,
     freqs: object = None,
 ) -> tuple[mx.array, ...]: ...
+def assign(target: mx.array, source: mx.array) -> None: ...
 def bind_rope_cache(apply_with_cache_function_address: int) -> None: ...
 def apply_rope_with_cache(
     norm_rope_address: int, queries: object, keys: object, values: object,

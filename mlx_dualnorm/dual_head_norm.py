@@ -140,7 +140,8 @@ class CompiledDualHeadNorm(_NativeComposite):
         return f"eps={_composite._float32_repr(self.eps)}, mode={self.mode!r}"
 
 
-def _as_array(value: object, argument_name: str) -> mx.array:
+def _as_array(value: object, argument_name: str, operation: str) -> mx.array:
     """The bridge's converter for this composite's arguments that are not
-    ``mx.array``."""
-    return _composite._as_mx_array(value, argument_name, DUAL_HEAD_NORM_OPERATION)
+    ``mx.array``; ``operation`` labels its errors (the bridge passes the
+    call's)."""
+    return _composite._as_mx_array(value, argument_name, operation)

@@ -381,7 +381,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
         # The local keeps the C object alive for the whole call.
         native, address = self._handle
         if not address:
-            raise self._uninitialized_error()
+            raise self._uninitialized_error(operation)
         graph_outputs = _interop.apply_rope_with_cache(
             address, queries, keys, values, query_weight, key_weight, offset, freqs, key_cache,
             value_cache, row, fetch,
@@ -459,38 +459,39 @@ def _as_float32_argument(value: object, name: str) -> float:
         ) from None
 
 
-def _as_offset_array(offset: object) -> mx.array:
+def _as_offset_array(offset: object, operation: str) -> mx.array:
     """The bridge's converter for offsets that are neither an ``mx.array``
     nor an int within int32 (which the bridge makes into an int32 scalar
     itself): what ``mx.fast.rope`` makes an array of (an int beyond int32,
     a numpy integer or array, a bool or a float, whose dtype the C checks
-    then refuse as rope does); anything else is a TypeError."""
+    then refuse as rope does); anything else is a TypeError. ``operation``
+    labels its errors (the bridge passes the call's)."""
     if isinstance(offset, (np.ndarray, np.generic)):
-        return _composite._as_mx_array(np.asarray(offset), "offset", DUAL_HEAD_NORM_ROPE_OPERATION)
+        return _composite._as_mx_array(np.asarray(offset), "offset", operation)
     if not isinstance(offset, (int, float, complex)):  # bool is an int
         raise TypeError(
-            f"[{DUAL_HEAD_NORM_ROPE_OPERATION}] offset must be an int or an mlx.core.array "
+            f"[{operation}] offset must be an int or an mlx.core.array "
             f"(what mx.fast.rope takes), not {type(offset).__name__}"
         )
     if isinstance(offset, (float, complex)):
         raise DualHeadNormValueError(
-            DUAL_HEAD_NORM_ROPE_OPERATION, f"offset must be an integer, not {offset!r}"
+            operation, f"offset must be an integer, not {offset!r}"
         )
     try:
         return mx.array(offset)
     except (TypeError, ValueError, OverflowError, RuntimeError) as error:  # MLX: bad_cast
         raise DualHeadNormValueError(
-            DUAL_HEAD_NORM_ROPE_OPERATION, f"offset {offset!r} is not an MLX array value: {error}"
+            operation, f"offset {offset!r} is not an MLX array value: {error}"
         ) from None
 
 
-def _as_array(value: object, argument_name: str) -> mx.array:
+def _as_array(value: object, argument_name: str, operation: str) -> mx.array:
     """The bridge's converter for this composite's arguments that are not
     ``mx.array``; ``freqs`` must be one already, as ``mx.fast.rope``
-    requires."""
+    requires. ``operation`` labels its errors."""
     if argument_name == "freqs":
         raise TypeError(
-            f"[{DUAL_HEAD_NORM_ROPE_OPERATION}] freqs must be an mlx.core.array or None "
+            f"[{operation}] freqs must be an mlx.core.array or None "
             f"(what mx.fast.rope takes), not {type(value).__name__}"
         )
-    return _composite._as_mx_array(value, argument_name, DUAL_HEAD_NORM_ROPE_OPERATION)
+    return _composite._as_mx_array(value, argument_name, operation)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import io
 import os
+import pathlib
 import re
 
 import mlx.core as mx
@@ -11,6 +13,55 @@ import pytest
 from hypothesis import settings
 
 from mlx_dualnorm._bits import count_bit_differences
+
+# ---- The default selection: long suites left out ---------------------------------
+#
+# Tests marked `slow` (the mx.distributed runs, the soak, the full training
+# matrix, the longest property and stress runs) are left out of a run of the
+# test folder, so the README's `pytest -q tests` takes minutes, not the
+# quarter-hour and more that everything takes on two cores. Any `-m` on the
+# command line decides instead: `-m ""` runs everything (CI does), `-m slow`
+# only those. A test file named on the command line runs whole.
+
+
+def _marker_expression_given(config: pytest.Config) -> bool:
+    if config.option.markexpr:
+        return True
+    return any(
+        argument.startswith("-m") and not argument.startswith("--")
+        for argument in config.invocation_params.args
+    )
+
+
+def _files_named(config: pytest.Config) -> set[pathlib.Path]:
+    named = set()
+    for argument in config.args:
+        path = pathlib.Path(config.invocation_params.dir, argument.split("::", 1)[0])
+        if path.is_file():
+            named.add(path.resolve())
+    return named
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _marker_expression_given(config):
+        return
+    named = _files_named(config)
+    kept, left_out = [], []
+    for item in items:
+        if item.get_closest_marker("slow") and pathlib.Path(item.path).resolve() not in named:
+            left_out.append(item)
+        else:
+            kept.append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if _marker_expression_given(config):
+        return None
+    return "tests marked slow are left out unless their file is named (-m \"\" runs everything)"
+
 
 # ---- Hypothesis profiles ---------------------------------------------------------
 #
@@ -179,6 +230,56 @@ def unpatched_mlx_lm():
     integration.unpatch()
     yield
     integration.unpatch()
+
+
+# ---- Counting calls of classes whose code the patch must prove -------------------
+#
+# The patch engages a layer only where its norms' and RoPE's __call__ are the
+# recorded code, so a test that wraps those to count calls must also record
+# the wrapper, or every layer is (rightly) left to mlx-lm. The wrapper is a
+# module function here (a nested one has no fingerprint) that counts per
+# module and calls the class's own __call__.
+_COUNTED_CALLS: collections.Counter = collections.Counter()
+_UNCOUNTED_CALLS: dict = {}
+
+
+def counted_call(self, *arguments, **keywords):
+    _COUNTED_CALLS[id(self)] += 1
+    own_call = next(_UNCOUNTED_CALLS[cls] for cls in type(self).__mro__ if cls in _UNCOUNTED_CALLS)
+    return own_call(self, *arguments, **keywords)
+
+
+def forget_proofs() -> None:
+    """Drops the integration's cached proofs (a test changed recorded code
+    or a piece): each piece is fingerprinted again at its next use."""
+    from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, registry
+
+    registry.forget_verdicts()
+    cache_update._cache_entries.clear()
+    engine._part_class_set = None
+
+
+def count_module_calls(monkeypatch, classes) -> collections.Counter:
+    """Counts, per module (by id), calls of each class's own ``__call__``
+    for the rest of the test, with the counting wrapper recorded as proven
+    code of each class (what the patch's own path does not call stays 0)."""
+    from mlx_dualnorm.integrations.mlx_lm import registry
+    from mlx_dualnorm.integrations.mlx_lm.fingerprints import function_fingerprint
+
+    fingerprint = function_fingerprint(counted_call)
+    assert fingerprint is not None
+    _COUNTED_CALLS.clear()
+    for counted_class in classes:
+        if vars(counted_class).get("__call__") is counted_call:
+            continue
+        _UNCOUNTED_CALLS[counted_class] = counted_class.__call__
+        monkeypatch.setattr(counted_class, "__call__", counted_call)
+        piece = registry.piece_name(counted_class, "__call__")
+        monkeypatch.setitem(
+            registry.RECORDED_CODE, piece, registry.RECORDED_CODE.get(piece, frozenset()) | {fingerprint}
+        )
+    forget_proofs()
+    return _COUNTED_CALLS
 
 
 def count_applied_calls(monkeypatch, module, name: str, counts: dict, key: str) -> None:

@@ -22,14 +22,14 @@ RUN_WITHOUT_NORMALIZE_QK = """
     import sys
     import mlx_lm.models.gated_delta as gated_delta
     del gated_delta.normalize_qk  # what mlx-lm 0.31.x lacks
-    from mlx_dualnorm.integrations.mlx_lm import _release_check
+    from mlx_dualnorm.integrations.mlx_lm import registry
     {release}
     from mlx_dualnorm.tools.cli import main
     sys.exit(main({arguments!r}))
 """
 # An mlx-lm none of whose attention code is the tested code either: the
 # patch has nothing it can prove, so it refuses.
-NOTHING_PROVEN = "_release_check.PROVEN_CLASS_CODE.clear()"
+NOTHING_PROVEN = "registry.RECORDED_CODE.clear()"
 
 
 def run_without_normalize_qk(arguments, release=""):

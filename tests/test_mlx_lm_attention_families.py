@@ -26,10 +26,14 @@ from conftest import (  # noqa: E402
     assert_bit_identical,
     assert_patched_loss_and_gradients_match,
     count_applied_calls,
+    count_module_calls,
+    forget_proofs,
 )
 from mlx_dualnorm import CompiledDualHeadNorm, available_modes  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, head_norms  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import norm_rope  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_attention_families import randomize_norm_weights  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
@@ -91,7 +95,7 @@ def pair_calls(monkeypatch):
             return result
 
         monkeypatch.setattr(head_norms, name, counting)
-    count_applied_calls(monkeypatch, full_attention, "prework_and_cache_update", counts, "package")
+    count_applied_calls(monkeypatch, cache_update, "prework_and_cache_update", counts, "package")
     return counts
 
 
@@ -99,26 +103,15 @@ def pair_calls(monkeypatch):
 def norm_module_calls(monkeypatch):
     """Counts, per norm module, the calls of the norm classes' own
     __call__: mlx-lm's code calls them, the patched layers do not."""
-    counts: collections.Counter = collections.Counter()
-    for norm_class in head_norms.norm_kinds():
-        original = norm_class.__call__
-
-        def counting(self, x, original=original):
-            counts[id(self)] += 1
-            return original(self, x)
-
-        monkeypatch.setattr(norm_class, "__call__", counting)
-    return counts
+    yield count_module_calls(monkeypatch, head_norms.norm_kinds())
+    forget_proofs()
 
 
 def decided_layers(model):
     """How many covered layers the patch has engaged and left alone."""
-    outcomes = [
-        type(module).__dict__["mlx_dualnorm_engaged"]
-        for _, module in model.named_modules()
-        if "mlx_dualnorm_engaged" in type(module).__dict__
-    ]
-    return outcomes.count(True), outcomes.count(False)
+    outcomes = [engine.decision_of(module) for _, module in model.named_modules()]
+    engaged = [decision[0] for decision in outcomes if decision is not None]
+    return engaged.count(True), engaged.count(False)
 
 
 def q_k_norms(model):
@@ -150,11 +143,11 @@ def test_greedy_generation_is_bit_identical(model_type, pair_calls, norm_module_
         engaged, left_alone = decided_layers(model)
         engaged_layers = [
             (layer, q_norm, k_norm) for layer, q_norm, k_norm in q_k_norms(model)
-            if type(layer).__dict__.get("mlx_dualnorm_engaged") is True
+            if is_engaged_layer(layer)
         ]
-        package_objects = [*head_norms._dual_norms.values(), *full_attention._norm_ropes.values()]
+        package_objects = [*head_norms._dual_norms.values(), *norm_rope._norm_ropes.values()]
         modes = {package_object.mode for package_object in package_objects}
-        norm_ropes = len(full_attention._norm_ropes)
+        norm_ropes = len(norm_rope._norm_ropes)
 
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
     assert len(patched.step_logits) == GENERATED_TOKENS + 1
@@ -192,9 +185,8 @@ def test_gear_attention_without_a_softcap(pair_calls):
 
 
 def test_kv_shared_layers_run_mlx_lms_code():
-    """gemma4_text's KV-shared layers are decided once: their class's
-    __call__ is mlx-lm's function itself; unpatching gives every layer its
-    mlx-lm class back."""
+    """gemma4_text's KV-shared layers are decided once: the function they
+    run is mlx-lm's own; no layer changes class."""
     model = build_synthetic_model("gemma4_text")
     attention_class = type(model.layers[0].self_attn)
     mlx_lm_call = attention_class.__call__
@@ -203,10 +195,12 @@ def test_kv_shared_layers_run_mlx_lms_code():
         for layer in model.layers:
             attention = layer.self_attn
             assert isinstance(attention, attention_class)
-            assert type(attention) is not attention_class
-            assert type(attention).mlx_dualnorm_engaged is attention.has_kv
+            assert type(attention) is attention_class  # no class made per layer
+            assert is_engaged_layer(attention) is attention.has_kv
             if not attention.has_kv:
-                assert type(attention).__call__ is mlx_lm_call
+                engaged, reason = engine.decision_of(attention)
+                assert not engaged and reason, reason
+                assert engine._decisions[id(attention)][1] is mlx_lm_call  # mlx-lm's function
     assert all(type(layer.self_attn) is attention_class for layer in model.layers)
 
 
@@ -338,7 +332,7 @@ def test_one_token_step_gradients_are_bit_identical(model_type, with_cache, pair
     loss_and_grad = nn.value_and_grad(model, lambda m: one_token_step_loss(m, with_cache))
     gradients = assert_patched_loss_and_gradients_match(lambda: loss_and_grad(model))
     assert pair_calls["package"] > 0 and pair_calls["original"] == 0
-    assert len(full_attention._norm_ropes) > 0
+    assert len(norm_rope._norm_ropes) > 0
     assert any(path.endswith("norm.weight") for path, _ in tree_flatten(gradients))
 
 

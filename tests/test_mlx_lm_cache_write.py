@@ -15,12 +15,12 @@ import pytest
 pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
-from conftest import assert_bit_identical, count_applied_calls  # noqa: E402
+from conftest import assert_bit_identical, count_applied_calls, forget_proofs  # noqa: E402
 from mlx_lm.models import cache as cache_module  # noqa: E402
 from test_mlx_lm_full_attention import build_model  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm import _release_check, full_attention  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import cache_update, registry  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model  # noqa: E402
 
 PROMPT_LENGTH = 250
@@ -32,7 +32,7 @@ def one_call_writes(monkeypatch):
     """Counts the layer calls whose cache write went through the package's
     one call."""
     counts = {"one_call": 0}
-    count_applied_calls(monkeypatch, full_attention, "_written_in_one_call", counts, "one_call")
+    count_applied_calls(monkeypatch, cache_update, "_written_in_one_call", counts, "one_call")
     return counts
 
 
@@ -235,9 +235,9 @@ def test_a_cache_class_of_unrecorded_code_keeps_its_own_update(monkeypatch, one_
     out (as on a release whose class differs), every step runs the class's
     own update_and_fetch, with the same bits."""
     monkeypatch.delitem(
-        _release_check.PROVEN_CLASS_CODE, "mlx_lm.models.cache.RotatingKVCache"
+        registry.RECORDED_CODE, "mlx_lm.models.cache.RotatingKVCache._update_in_place"
     )
-    monkeypatch.setattr(full_attention, "_written_cache_kinds", None)
+    forget_proofs()
     model = build_model("qwen3")
 
     def run():
@@ -245,7 +245,11 @@ def test_a_cache_class_of_unrecorded_code_keeps_its_own_update(monkeypatch, one_
         tokens, logits = greedy_decode(model, prompt_tokens(10), 20, cache)
         return tokens, logits, cache
 
-    reference, patched = run_both(model, run)
+    try:
+        reference, patched = run_both(model, run)
+    finally:
+        monkeypatch.undo()
+        forget_proofs()
     assert_runs_identical(reference, patched)
     assert one_call_writes["one_call"] == 0
 
@@ -297,7 +301,7 @@ def test_batch_generate_with_prompts_of_different_lengths_is_bit_identical(one_c
 def written_cache_kinds(monkeypatch):
     """The cache kinds whose steps the one call wrote, with their counts."""
     counts: dict = {}
-    cache_step = full_attention._cache_step
+    cache_step = cache_update._cache_step
 
     def counting(kind, cache, length):
         step = cache_step(kind, cache, length)
@@ -305,7 +309,7 @@ def written_cache_kinds(monkeypatch):
             counts[kind] = counts.get(kind, 0) + 1
         return step
 
-    monkeypatch.setattr(full_attention, "_cache_step", counting)
+    monkeypatch.setattr(cache_update, "_cache_step", counting)
     return counts
 
 

@@ -14,7 +14,7 @@ pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm import full_attention  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import qwen3  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_bench  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     DECODE_MODELS,
@@ -48,7 +48,7 @@ def patch_states_per_run(monkeypatch):
 def corrupt_full_attention_prework(monkeypatch):
     """Patched full-attention layers attend with zeroed queries: a patch
     that computes the wrong prework."""
-    prework_and_cache_update = full_attention._prework_and_cache_update
+    prework_and_cache_update = qwen3._prework_and_cache_update
 
     def zeroed_queries(attention, queries, keys, values, cache):
         attended = prework_and_cache_update(attention, queries, keys, values, cache)
@@ -57,7 +57,7 @@ def corrupt_full_attention_prework(monkeypatch):
         rotated_queries, cached_keys, cached_values = attended
         return mx.zeros_like(rotated_queries), cached_keys, cached_values
 
-    monkeypatch.setattr(full_attention, "_prework_and_cache_update", zeroed_queries)
+    monkeypatch.setattr(qwen3, "_prework_and_cache_update", zeroed_queries)
 
 
 @pytest.mark.parametrize("model", list(DECODE_MODELS))

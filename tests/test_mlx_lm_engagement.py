@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm import _release_check, engagement  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import engagement, registry  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import (  # noqa: E402
     greedy_generate,
@@ -42,7 +42,7 @@ PROMPT = mx.array([3, 1, 4, 1, 5, 9, 2, 6])
 
 def registered_layers(model: nn.Module) -> int:
     """Layers of a registered attention class, counted by isinstance."""
-    classes = tuple(_release_check.registered_classes())
+    classes = tuple(registry.families_by_class())
     return sum(isinstance(module, classes) for _, module in model.named_modules())
 
 
@@ -74,7 +74,7 @@ def test_check_says_what_it_engaged_on_every_synthetic_model(name, capsys):
     assert attention_layers + left_count(output) == registered_layers(build_synthetic_model(name))
     # Every engaged layer's prework was measured (which package call ran in it).
     assert f"{engagement.UNNAMED_PREWORK} layers" not in output
-    if attention_layers or counts["gated-delta calls folded"]:
+    if attention_layers or counts.get("gated-delta calls folded"):
         assert "changes nothing" not in output
     else:  # what it left, and why, is said
         assert "changes nothing" in output
@@ -96,9 +96,9 @@ def test_check_of_a_model_folder_names_the_engaged_class(tmp_path, capsys):
     assert mlx_lm_check.main(["--model", str(tmp_path), "--tokens", "4", "--rounds", "1"]) == 0
     output = capsys.readouterr().out
     assert "RESULT: identical" in output
-    assert engaged_line(output) == {
-        "gated-delta calls folded": 0, "norm-only layers": 0, "norm + RoPE layers": 3,
-    }
+    # No gated-delta layer, so no gated-delta count either.
+    assert engaged_line(output) == {"norm-only layers": 0, "norm + RoPE layers": 3}
+    assert "gated-delta" not in output and "normalize_qk:" not in output
     assert f"    3 norm + RoPE: {QWEN3_ATTENTION}\n" in output
     assert "  left to mlx-lm: attention layers 0\n" in output
     assert "attention layers engaged 3, left to mlx-lm's code 0" in output

@@ -16,11 +16,17 @@ import pytest
 pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
-from conftest import assert_bit_identical, assert_patched_loss_and_gradients_match  # noqa: E402
+from conftest import (  # noqa: E402
+    assert_bit_identical,
+    assert_patched_loss_and_gradients_match,
+    count_module_calls,
+    forget_proofs,
+)
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm import head_norms, qwen3_like  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import engine, head_norms, qwen3_like  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     DEFAULT_DTYPES,
@@ -103,28 +109,17 @@ def call_counts(monkeypatch):
     monkeypatch.setattr(qwen3_like, "_prework", counting_prework)
 
     def count_ropes(model):
-        owners = {
-            id(attention.rope): id(attention)
-            for attention in attention_layers(model).values()
+        ropes = [
+            attention.rope for attention in attention_layers(model).values()
             if getattr(attention, "rope", None) is not None
-        }
-        for attention in attention_layers(model).values():
-            rope_class = type(getattr(attention, "rope", None))
-            if rope_class is type(None) or getattr(rope_class.__call__, "counting", False):
-                continue
-            assert "__call__" in vars(rope_class)  # counted once per call
-            rope_call = rope_class.__call__
+        ]
+        rope_classes = {type(rope) for rope in ropes}
+        assert all("__call__" in vars(rope_class) for rope_class in rope_classes)  # once a call
+        calls = count_module_calls(monkeypatch, rope_classes)
+        rope_calls["of_layer"] = lambda layer: calls[id(getattr(layer, "rope", None))]
 
-            def counting_rope(self, *args, _rope_call=rope_call, **kwargs):
-                owner = owners.get(id(self))
-                if owner is not None:
-                    rope_calls[owner] = rope_calls.get(owner, 0) + 1
-                return _rope_call(self, *args, **kwargs)
-
-            counting_rope.counting = True
-            monkeypatch.setattr(rope_class, "__call__", counting_rope)
-
-    return prework_calls, rope_calls, count_ropes
+    yield prework_calls, rope_calls, count_ropes
+    forget_proofs()
 
 
 def check_family(model, engaged, left_alone, call_counts):
@@ -137,9 +132,9 @@ def check_family(model, engaged, left_alone, call_counts):
     count_ropes(model)
     with integration.patch():
         patched = greedy_generate(model, prompt, GENERATED_TOKENS)
-        decided = {index: type(layer).mlx_dualnorm_engaged for index, layer in layers.items()}
-        for index in left_alone:  # mlx-lm's function itself, nothing of ours per call
-            assert type(layers[index]).__call__ is mlx_lm_calls[index]
+        decided = {index: is_engaged_layer(layer) for index, layer in layers.items()}
+        for index in left_alone:  # mlx-lm's function itself, nothing of ours inside
+            assert engine._decisions[id(layers[index])][1] is mlx_lm_calls[index]
 
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
     comparison = compare_traces(reference, patched)
@@ -154,14 +149,15 @@ def check_family(model, engaged, left_alone, call_counts):
         index: MODEL_CALLS if index in engaged else 0 for index in layers
     }
     # Queries and keys: two RoPE calls per model call in mlx-lm's code.
-    assert {index: rope_calls.get(id(layers[index]), 0) for index in layers} == {
+    assert {index: rope_calls["of_layer"](layers[index]) for index in layers} == {
         index: 2 * MODEL_CALLS if index in left_alone and getattr(layers[index], "rope", None)
         is not None else 0
         for index in layers
     }
-    # Unpatched again: every layer has its mlx-lm class back.
+    # Unpatched again: the classes run mlx-lm's functions, no layer is decided.
     assert {index: type(layer) for index, layer in layers.items()} == classes
-    assert not any(hasattr(type(layer), "mlx_dualnorm_engaged") for layer in layers.values())
+    assert {index: type(layer).__call__ for index, layer in layers.items()} == mlx_lm_calls
+    assert not any(engine.decision_of(layer) for layer in layers.values())
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
@@ -227,8 +223,7 @@ def test_gradients_are_bit_identical(name):
         outputs = value_and_grad()
         mx.eval(outputs)
         engaged.append(any(
-            getattr(type(layer), "mlx_dualnorm_engaged", False)
-            for layer in attention_layers(model).values()
+            is_engaged_layer(layer) for layer in attention_layers(model).values()
         ))
         return outputs
 

@@ -20,7 +20,8 @@ from mlx_lm.models import rope_utils  # noqa: E402
 
 from mlx_dualnorm import available_modes  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm import full_attention  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import engine, norm_rope, qwen3  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model  # noqa: E402
 
@@ -80,14 +81,14 @@ def prework_calls(monkeypatch):
     """Counts the full-attention calls that went through one norm + RoPE
     call, and those that ran mlx-lm's own __call__."""
     counts = {"fused": 0, "original": 0}
-    prework = full_attention._prework_and_cache_update
+    prework = qwen3._prework_and_cache_update
 
     def counting(attention, queries, keys, values, cache):
         result = prework(attention, queries, keys, values, cache)
         counts["fused" if result is not None else "original"] += 1
         return result
 
-    monkeypatch.setattr(full_attention, "_prework_and_cache_update", counting)
+    monkeypatch.setattr(qwen3, "_prework_and_cache_update", counting)
     return counts
 
 
@@ -102,7 +103,7 @@ def test_greedy_generation_is_bit_identical(model_type, prework_calls):
     assert prework_calls == {"fused": 0, "original": 0}
     with integration.patch():  # mode "auto": the fused kernel on a CUDA GPU
         patched = greedy_generate(model, prompt, GENERATED_TOKENS)
-        prework_modes = {norm_rope.mode for norm_rope in full_attention._norm_ropes.values()}
+        prework_modes = {built.mode for built in norm_rope._norm_ropes.values()}
 
     assert prework_modes == {"fused" if "fused" in available_modes() else "compiled"}
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
@@ -151,7 +152,7 @@ def test_scaled_ropes_engage_and_are_bit_identical(rope_type, prework_calls):
     reference = greedy_generate(model, prompt, GENERATED_TOKENS)
     with integration.patch():
         patched = greedy_generate(model, prompt, GENERATED_TOKENS)
-        assert all(type(layer).mlx_dualnorm_engaged for layer in layers)
+        assert all(is_engaged_layer(layer) for layer in layers)
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
     comparison = compare_traces(reference, patched)
     assert comparison.tokens_identical and comparison.logits_bit_identical, comparison
@@ -184,10 +185,10 @@ def test_a_replaced_frequency_table_is_followed():
 def test_layers_with_other_ropes_run_their_own_code(prework_calls):
     """A layer whose RoPE the patch does not cover (DynamicNTKScalingRoPE:
     its base depends on the position) keeps mlx-lm's own __call__, decided
-    once at its first call: from then on its class's __call__ is mlx-lm's
-    function itself, with nothing of the patch's per call. The other layer
-    still goes through the patch, and unpatching gives both their mlx-lm
-    class back."""
+    once at its first call: from then on it runs mlx-lm's function itself,
+    with nothing of the patch's inside it. The other layer still goes
+    through the patch; neither changes class, and unpatching drops both
+    decisions."""
     model = build_model("qwen3")
     first, second = attention_layers(model)
     second.rope = rope_utils.DynamicNTKScalingRoPE(
@@ -199,12 +200,21 @@ def test_layers_with_other_ropes_run_their_own_code(prework_calls):
     mlx_lm_call = attention_class.__call__
     with integration.patch():
         patched = greedy_generate(model, prompt, 8)
-        assert type(second).__call__ is mlx_lm_call
-        assert type(second).__name__ == attention_class.__name__
-        assert isinstance(second, attention_class) and type(first) is not attention_class
+        assert engine._decisions[id(second)][1] is mlx_lm_call
+        assert engine.decision_of(second) == (False, qwen3_family_refusal())
+        assert is_engaged_layer(first) and type(first) is type(second) is attention_class
     assert compare_traces(reference, patched).identical
     assert prework_calls == {"fused": 10, "original": 0}
     assert type(first) is type(second) is attention_class
+    assert engine.decision_of(first) is engine.decision_of(second) is None
+    assert attention_class.__call__ is mlx_lm_call
+
+
+def qwen3_family_refusal() -> str:
+    return next(
+        family.refusal for family in integration.attention_families()
+        if family.name == "mlx_lm.models.qwen3.Attention"
+    )
 
 
 def test_a_raising_prework_runs_the_original(monkeypatch):
@@ -215,7 +225,7 @@ def test_a_raising_prework_runs_the_original(monkeypatch):
     def broken(rope, query_norm, key_norm):
         raise RuntimeError("broken")
 
-    monkeypatch.setattr(full_attention, "_norm_rope_for", broken)
+    monkeypatch.setattr(norm_rope, "norm_rope_for", broken)
     with integration.patch():
         patched = greedy_generate(model, prompt, 4)
     assert compare_traces(reference, patched).identical
@@ -250,7 +260,7 @@ def test_modes_reach_the_norm_rope(prework_calls):
     with integration.patch(mode="composed"):
         patched = greedy_generate(model, prompt, 3)
     assert compare_traces(reference, patched).identical
-    modes = {norm_rope.mode for norm_rope in full_attention._norm_ropes.values()}
+    modes = {built.mode for built in norm_rope._norm_ropes.values()}
     assert modes == {"composed"}
     integration.clear_cache()
 
@@ -280,7 +290,7 @@ def test_keyword_arguments_reach_the_decided_call(prework_calls):
     expected = [first(x, mask="causal"), second(x, None, None)]
     with integration.patch():
         actual = [first(x, mask="causal", cache=None), second(x=x)]
-        assert type(first).mlx_dualnorm_engaged and type(second).mlx_dualnorm_engaged
+        assert is_engaged_layer(first) and is_engaged_layer(second)
     for result, reference in zip(actual, expected):
         assert_bit_identical(result, reference)
     assert prework_calls == {"fused": 2, "original": 0}

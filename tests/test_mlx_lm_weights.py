@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 from conftest import assert_bit_identical  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm import _release_check  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import registry  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import layer_engagement  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import count_normalize_qk_calls, greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
@@ -75,7 +75,7 @@ PROMPT = mx.array([(37 * position + 11) % 256 for position in range(7)])
 
 
 def registered_classes() -> tuple:
-    return tuple(_release_check.registered_classes())
+    return tuple(registry.families_by_class())
 
 
 def build(name: str) -> nn.Module:

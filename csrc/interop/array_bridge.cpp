@@ -47,7 +47,7 @@ const char APPLY_NORM_ROPE_CACHE_OPERATION[] = "dual_head_norm_rope_with_cache";
 struct BoundFunctions {
   decltype(&mlx_dualnorm_compiled_dual_head_norm_apply) apply = nullptr;
   decltype(&mlx_vector_array_free) free_vector = nullptr;
-  nb::handle convert_array;    // (value, argument_name) -> mx.array, or raises
+  nb::handle convert_array;    // (value, argument_name, operation) -> mx.array, or raises
   nb::handle value_error_type; // bad input or a closed object
   nb::handle mlx_error_type;   // MLX failed
   PyTypeObject* array_type = nullptr; // mlx.core.array, for the exact-type check
@@ -59,8 +59,8 @@ BoundFunctions bound;
  * the life of the process, as `bound`. */
 struct BoundRopeFunctions {
   decltype(&mlx_dualnorm_dual_head_norm_rope_apply_with_freqs) apply = nullptr;
-  nb::handle convert_array;  // (value, argument_name) -> mx.array, or raises
-  nb::handle convert_offset; // value -> mx.array, or raises
+  nb::handle convert_array;  // (value, argument_name, operation) -> mx.array, or raises
+  nb::handle convert_offset; // (value, operation) -> mx.array, or raises
   /* The norm + RoPE with the cache write (bind_rope_cache), or null. */
   decltype(&mlx_dualnorm_dual_head_norm_rope_apply_with_cache) apply_with_cache = nullptr;
 };
@@ -100,7 +100,7 @@ mlx_array borrow_array(nb::handle object, const char* argument_name, bool option
   }
   if (!is_mx_array(object)) {
     nb::handle converter = convert_array.is_valid() ? convert_array : bound.convert_array;
-    converted = converter(object, argument_name);
+    converted = converter(object, argument_name, operation);
     object = converted;
     if (!is_mx_array(object)) {
       raise_type_error(
@@ -135,7 +135,7 @@ LastOffsetScalar last_offset_scalar;
  * makes of such an int, without a Python object on the decode path.
  * Anything else is what mx.fast.rope turns into an array: an mx.array as
  * is, other values through the facade's offset converter. */
-mlx_array borrow_offset(nb::handle object, nb::object& converted) {
+mlx_array borrow_offset(nb::handle object, nb::object& converted, const char* operation) {
   if (PyLong_CheckExact(object.ptr())) {
     int overflow = 0;
     long long value = PyLong_AsLongLongAndOverflow(object.ptr(), &overflow);
@@ -150,11 +150,10 @@ mlx_array borrow_offset(nb::handle object, nb::object& converted) {
     }
   }
   if (!is_mx_array(object)) {
-    converted = bound_rope.convert_offset(object);
+    converted = bound_rope.convert_offset(object, operation);
     object = converted;
   }
-  return borrow_array(object, "offset", false, converted, APPLY_NORM_ROPE_OPERATION,
-                      bound_rope.convert_array);
+  return borrow_array(object, "offset", false, converted, operation, bound_rope.convert_array);
 }
 
 [[noreturn]] void raise_dual_head_norm_error(const mlx_dualnorm_error& error) {
@@ -234,7 +233,7 @@ struct BorrowedNormRope {
                                 operation, convert);
     key_weight =
         borrow_array(key_weight_object, "key_weight", true, converted[3], operation, convert);
-    offset = borrow_offset(offset_object, converted[4]);
+    offset = borrow_offset(offset_object, converted[4], operation);
     freqs = borrow_array(freqs_object, "freqs", true, converted[5], operation, convert);
   }
 };
@@ -327,6 +326,16 @@ void bind_rope_cache(std::uintptr_t apply_with_cache_function_address) {
       reinterpret_cast<decltype(bound_rope.apply_with_cache)>(apply_with_cache_function_address);
 }
 
+/* Makes the Python mx.array object `target` hold `source`'s array, as MLX's
+ * item assignment (`target[...] = value`) does with the slice update it
+ * builds: the object keeps its identity, so every holder of it (a cache, a
+ * state snapshot, a copy of the cache sharing its arrays) sees the new
+ * contents, and the old array stays alive only as long as a graph node
+ * still reads it. Both arguments are BORROWED; nothing is evaluated. */
+void assign(mx::array& target, const mx::array& source) {
+  target.overwrite_descriptor(source);
+}
+
 } // namespace
 
 NB_MODULE(_interop, module) {
@@ -349,6 +358,8 @@ NB_MODULE(_interop, module) {
       nb::arg("freqs").none() = nb::none(),
       "Applies the compiled dual head norm rope: a tuple of its outputs, or the error "
       "raised.");
+  module.def("assign", &assign, nb::arg("target"), nb::arg("source"),
+      "Makes the array object target hold source's array, as item assignment does.");
   module.def("bind_rope_cache", &bind_rope_cache, nb::arg("apply_with_cache_function_address"),
       "Binds the dual head norm rope's apply_with_cache (exported by the cffi module); "
       "bind() and bind_rope() must be called too.");

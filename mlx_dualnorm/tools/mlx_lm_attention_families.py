@@ -1,7 +1,7 @@
 """Tiny mlx-lm models of the attention families outside the qwen3 shape.
 
 One config.json-style dict per mlx-lm model file whose q/k norms the patch
-makes one call (``heads_first``, ``heads_last`` and ``whole_projection`` in
+makes one call (``norm_after_transpose``, ``norm_before_transpose`` and ``whole_projection`` in
 :mod:`mlx_dualnorm.integrations.mlx_lm`), each as small as the file allows
 while keeping every kind of layer it has: sliding-window and global layers,
 KV-shared layers, linear-attention, conv-mixer and sparse-attention layers,

@@ -267,16 +267,16 @@ def layer_kinds(model) -> dict:
     many are full-attention layers of a class whose q/k norm + RoPE the
     patch makes one call, and how many are attention layers of the other
     shapes whose q/k norm pair, as they are now, it makes one call."""
-    from mlx_dualnorm.integrations import mlx_lm as integration
-    from mlx_dualnorm.integrations.mlx_lm import heads_first, heads_last, whole_projection
+    from mlx_dualnorm.integrations.mlx_lm import (
+        norm_after_transpose, norm_before_transpose, registry, whole_projection,
+    )
 
     # The modules whose replacements call the q/k norm pair (CompiledDualHeadNorm).
-    norm_pair_modules = {module.__name__ for module in (heads_first, heads_last, whole_projection)}
-    families: dict = {}
-    for family in integration.attention_families():
-        attention_class = family.attention_class()
-        if attention_class is not None:
-            families.setdefault(attention_class, family)
+    norm_pair_modules = {
+        module.__name__
+        for module in (norm_after_transpose, norm_before_transpose, whole_projection)
+    }
+    families = registry.families_by_class()
     gated_delta = full_attention = norm_pair = 0
     for layer in model.layers:
         if layer is None:  # another pipeline rank's layer

@@ -8,7 +8,8 @@
 * Full-attention layers (qwen3, qwen3_moe, qwen3_next's attention): the
   ``rms_norm`` by ``q_norm`` / ``k_norm``, the transpose and ``nn.RoPE``
   become ONE call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope` with
-  the layer's own weights and constants (:mod:`.full_attention`); so do
+  the layer's own weights and constants (:mod:`.qwen3`, :mod:`.norm_rope`),
+  with a decode step's KV-cache write in it (:mod:`.cache_update`); so do
   the other families whose attention has that prework under other names
   (Klear, dots1, lfm2, mellum, exaone4, apertus, glm4_moe, laguna,
   step3p5, llama4_text, ...: :mod:`.qwen3_like`).
@@ -17,20 +18,29 @@
   olmo3, olmoe, olmo_hybrid, plamo3): the two q/k norm calls become ONE call
   of :class:`~mlx_dualnorm.CompiledDualHeadNorm` on the same arrays, with
   the weight each norm class passes (:mod:`.head_norms`; the shapes in
-  :mod:`.heads_first`, :mod:`.heads_last`, :mod:`.whole_projection`).
+  :mod:`.norm_after_transpose`, :mod:`.norm_before_transpose`,
+  :mod:`.whole_projection`).
 
-Anything the package does not compute exactly (other dtypes, a RoPE it
-does not cover, other norms, a call that raises) runs mlx-lm's own code, never an
-approximation; each such reason is logged once, at debug level, to the
-``mlx_dualnorm.integrations.mlx_lm`` logger.
+The patch replaces only code it has proven: every function a replacement
+restates (the class's ``__call__``, its norms' and RoPE's, the cache's
+update, ``normalize_qk``) must be, as the program resolves it now, the
+code the package was tested against (:mod:`.registry`). A newer mlx-lm or
+a change of the program's own runs its own code, bit for bit, and
+:func:`patch` warns once what it left. Anything else the package does not
+compute exactly (other dtypes, a RoPE it does not cover, other norms, a
+call that raises) runs mlx-lm's own code, never an approximation; each
+such reason is logged once, at debug level, to the
+``mlx_dualnorm.integrations.mlx_lm`` logger. :func:`report` says what the
+patch engaged.
 
     >>> from mlx_dualnorm.integrations import mlx_lm as dualnorm_mlx_lm
     >>> dualnorm_mlx_lm.patch()            # for the rest of the process
     >>> with dualnorm_mlx_lm.patch(): ...  # or for one block
 
 Importing this package imports mlx-lm; ``import mlx_dualnorm`` does not.
-Each layer shape has a module of its own here; :mod:`._patching` installs
-and restores them all.
+Each layer shape has a module of its own here; :mod:`.registry` lists what
+they cover, :mod:`.engine` installs and decides, :mod:`._patching` holds
+the public switch.
 """
 
 from __future__ import annotations
@@ -56,14 +66,16 @@ from mlx_dualnorm.integrations.mlx_lm._patching import (  # noqa: E402
     clear_cache,
     is_patched,
     patch,
+    report,
     unpatch,
 )
+from mlx_dualnorm.integrations.mlx_lm.engine import ClassReport, PatchReport  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm._shared import (  # noqa: E402
     MAX_CACHED_FOLDS,
     PLAIN_SCALAR_TYPES,
     REPLACEMENT_MARKER,
 )
-from mlx_dualnorm.integrations.mlx_lm.full_attention import (  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.registry import (  # noqa: E402
     AttentionFamily,
     attention_families,
     register_attention_families,
@@ -79,11 +91,14 @@ from mlx_dualnorm.integrations.mlx_lm.gated_delta import (  # noqa: E402
 )
 
 __all__ = [
+    "ClassReport",
     "MlxLmPatch",
+    "PatchReport",
     "ORIGINAL_NORMALIZE_QK",
     "clear_cache",
     "is_patched",
     "normalize_qk",
     "patch",
+    "report",
     "unpatch",
 ]

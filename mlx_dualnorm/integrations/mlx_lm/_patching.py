@@ -1,8 +1,9 @@
 """Installing and restoring the patch: which function mlx-lm's modules
-hold, which ``__call__`` the covered attention classes run, and the state
+hold, which attention classes run the engine's dispatcher, and the state
 that :func:`patch` and :func:`unpatch` save and bring back. Each layer
-shape (one module here per shape) provides what is installed; this module
-only points mlx-lm at it."""
+shape (one module here per shape) registers what is installed, the
+registry says what must be proven first, and :mod:`.engine` installs it;
+this module only points mlx-lm at it."""
 
 from __future__ import annotations
 
@@ -11,58 +12,73 @@ import threading
 from typing import Optional
 
 from mlx_dualnorm._composite import Mode
-from mlx_dualnorm.integrations.mlx_lm import (
-    _release_check,
-    full_attention,
-    gated_delta,
-    qwen3_like,
-)
+from mlx_dualnorm.integrations.mlx_lm import engine, gated_delta, registry
+
 # Each shape module registers its attention families when imported.
-from mlx_dualnorm.integrations.mlx_lm import head_norms, heads_first, heads_last  # noqa: F401
+from mlx_dualnorm.integrations.mlx_lm import qwen3, qwen3_like  # noqa: F401  (isort: skip)
+from mlx_dualnorm.integrations.mlx_lm import norm_after_transpose  # noqa: F401
+from mlx_dualnorm.integrations.mlx_lm import norm_before_transpose  # noqa: F401
 from mlx_dualnorm.integrations.mlx_lm import whole_projection  # noqa: F401
+from mlx_dualnorm.integrations.mlx_lm import head_norms, norm_rope
 from mlx_dualnorm.integrations.mlx_lm._shared import (
     REPLACEMENT_MARKER,
     SUPPORTED_MLX_LM,
     log_fallback_once,
 )
+from mlx_dualnorm.integrations.mlx_lm.engine import PATCH_OPERATION
 from mlx_dualnorm.integrations.mlx_lm.gated_delta import (
     GATED_DELTA_MODULE,
     ORIGINAL_NORMALIZE_QK,
     gated_delta_module,
 )
 
-PATCH_OPERATION = "mlx_lm.patch"
-
 MLX_LM_PACKAGE = "mlx_lm"
 PATCHED_ATTRIBUTE = "normalize_qk"
 
-if ORIGINAL_NORMALIZE_QK is None:
-    # An mlx-lm older than the replacements' release line: only attention
-    # classes whose code is proven to be what a replacement reproduces are
-    # ever patched (see _release_check); the others are never touched.
-    _release_check.install_release_filter()
+
+def _normalize_qk_is_proven() -> bool:
+    return ORIGINAL_NORMALIZE_QK is not None and registry.is_proven_function(
+        registry.NORMALIZE_QK_PIECE, ORIGINAL_NORMALIZE_QK
+    )
 
 
-def _check_mlx_lm_supported() -> None:
-    """On an mlx-lm without ``gated_delta.normalize_qk`` (0.31.x): warns
-    once what the patch leaves there, or raises RuntimeError where it could
-    change nothing at all (no attention class whose code it reproduces):
-    saying so beats a silent no-op."""
-    if ORIGINAL_NORMALIZE_QK is not None:
-        return
-    installed = _release_check.installed_mlx_lm(MLX_LM_PACKAGE)
-    missing = f"{GATED_DELTA_MODULE}.{PATCHED_ATTRIBUTE}"
-    engaged = [
-        _release_check.class_name(attention_class)
-        for attention_class in _release_check.registered_classes()
-    ]
-    if not engaged:
+def _unproven_pieces() -> dict[str, str]:
+    """Class (or function) name -> what of it is not the recorded code, for
+    everything the registry names: what the warning lists. Read after the
+    engine's install."""
+    unproven = {
+        registry.class_name(cls): ", ".join(pieces)
+        for cls, pieces in engine.unproven_classes.items()
+    }
+    for part_class in registry.reproduced_part_classes():
+        pieces = registry.unproven_attributes(part_class, ("__call__",))
+        if pieces:
+            unproven[registry.class_name(part_class)] = ", ".join(pieces)
+    for cache_class, (_, methods) in registry.written_cache_classes().items():
+        pieces = registry.unproven_attributes(cache_class, methods)
+        if pieces:
+            unproven[registry.class_name(cache_class)] = ", ".join(pieces)
+    if ORIGINAL_NORMALIZE_QK is None:
+        if gated_delta_module is not None:
+            unproven[registry.NORMALIZE_QK_PIECE] = (
+                "absent: gated-delta layers run mlx-lm's code (no fold)"
+            )
+    elif not _normalize_qk_is_proven():
+        unproven[registry.NORMALIZE_QK_PIECE] = "its code: gated-delta layers run it (no fold)"
+    return unproven
+
+
+def _say_what_is_left() -> None:
+    """After an install: raises RuntimeError where the patch could change
+    nothing at all (no class and no normalize_qk proven), else warns once
+    per process what runs its own code."""
+    if not engine.patched_classes() and not _normalize_qk_is_proven():
         raise RuntimeError(
-            f"[{PATCH_OPERATION}] {installed} has no {missing}, the function this integration "
-            "replaces, and none of its attention classes has the code the patch reproduces; "
-            f"it supports {SUPPORTED_MLX_LM}: pip install 'mlx-lm==0.32.2'"
+            f"[{PATCH_OPERATION}] {engine.installed_mlx_lm()} has none of the code the patch "
+            f"was proven on: nothing would change; it supports {SUPPORTED_MLX_LM}: "
+            "pip install 'mlx-lm==0.32.2'"
         )
-    _release_check.say_what_is_left_once(PATCH_OPERATION, installed, missing, engaged)
+    engine.warn_unproven_once(_unproven_pieces())
 
 
 def _is_ours_or_original(function) -> bool:
@@ -77,12 +93,14 @@ def _is_ours_or_original(function) -> bool:
 
 def _point_mlx_lm_at(function) -> None:
     """Sets ``normalize_qk`` in gated_delta and in every loaded mlx-lm module
-    that holds the original or one of our replacements. Modules imported
-    later copy gated_delta's attribute, whichever it is then."""
-    gated_delta_module.normalize_qk = function
+    that holds the original or one of our replacements (a function the
+    user put there stays). Modules imported later copy gated_delta's
+    attribute, whichever it is then."""
     for module_name, module in list(sys.modules.items()):
         if module is None or not (
-            module_name == MLX_LM_PACKAGE or module_name.startswith(MLX_LM_PACKAGE + ".")
+            module is gated_delta_module
+            or module_name == MLX_LM_PACKAGE
+            or module_name.startswith(MLX_LM_PACKAGE + ".")
         ):
             continue
         try:
@@ -102,16 +120,16 @@ def _install(mode) -> None:
     """Installs ``mode``'s replacements, or the originals for ``_UNPATCHED``;
     the caller holds ``_patch_state_lock``."""
     global _installed_mode
-    # Without normalize_qk (an mlx-lm before 0.32.0) there is nothing to fold.
-    has_normalize_qk = ORIGINAL_NORMALIZE_QK is not None
+    # Without normalize_qk (an mlx-lm before 0.32.0) there is nothing to
+    # fold; where its code is not the recorded one, it is left as it is.
     if mode is _UNPATCHED:
-        if has_normalize_qk:
+        if ORIGINAL_NORMALIZE_QK is not None:
             _point_mlx_lm_at(ORIGINAL_NORMALIZE_QK)
-        full_attention._restore_full_attention_calls()
+        engine.restore()
     else:
-        if has_normalize_qk:
+        if _normalize_qk_is_proven():
             _point_mlx_lm_at(gated_delta._replacement_for(mode))
-        full_attention._install_full_attention_calls(mode)
+        engine.install(mode)
     _installed_mode = mode
 
 
@@ -144,7 +162,8 @@ class MlxLmPatch:
 
 
 def patch(mode: Optional[Mode] = None) -> MlxLmPatch:
-    """Routes mlx-lm's ``normalize_qk`` through mlx_dualnorm, now.
+    """Routes mlx-lm's q/k prework through mlx_dualnorm, now, wherever its
+    code is the code the patch was proven on.
 
     Args:
         mode: passed to :class:`~mlx_dualnorm.CompiledDualHeadNorm`; None
@@ -158,18 +177,23 @@ def patch(mode: Optional[Mode] = None) -> MlxLmPatch:
 
     Raises:
         ValueError: ``mode`` cannot run here.
-        RuntimeError: the installed mlx-lm has no ``gated_delta.normalize_qk``
-            (releases before 0.32.0) and no attention class whose code the
-            patch reproduces; the message names the supported releases. Where
-            some classes are proven (mlx-lm 0.31.x), it patches those and
-            warns once (RuntimeWarning) what it leaves.
+        RuntimeError: nothing the patch covers has the code it was proven
+            on (no attention class, no ``normalize_qk``); the message names
+            the supported releases. Where some of it differs (a newer or
+            older mlx-lm, a class changed by the program), the rest is
+            patched, what differs runs its own code, and one RuntimeWarning
+            per process names it.
     """
-    _check_mlx_lm_supported()
     if mode is not None:
         _check_mode(mode)
     with _patch_state_lock:
         handle = MlxLmPatch(True, mode, _installed_mode)
         _install(mode)
+        try:
+            _say_what_is_left()
+        except RuntimeError:
+            _install(handle._previous_state)
+            raise
     return handle
 
 
@@ -191,9 +215,19 @@ def unpatch() -> MlxLmPatch:
 
 
 def is_patched() -> bool:
-    """Whether mlx-lm's gated-delta and full-attention layers now run
-    through mlx_dualnorm."""
+    """Whether the patch is on (what it engaged: :func:`report`)."""
     return _installed_mode is not _UNPATCHED
+
+
+def report() -> engine.PatchReport:
+    """What the patch engaged in this process: per registered attention
+    class, whether it is patched or left unproven (and which pieces
+    differ), its layers engaged and left (and why) among those alive, and
+    its calls through the package; the gated-delta folds built.
+    ``report().summary()`` says it in one line."""
+    return engine.PatchReport(
+        engine.installed_mlx_lm(), is_patched(), engine.class_reports(), gated_delta.fold_count()
+    )
 
 
 def clear_cache() -> None:
@@ -201,5 +235,5 @@ def clear_cache() -> None:
     full-attention norm (+ RoPE) object and every q/k norm pair object; the
     next call of each key builds and probes it again."""
     gated_delta.clear_folds()
-    full_attention.clear_norm_ropes()
+    norm_rope.clear_norm_ropes()
     head_norms.clear_dual_norms()

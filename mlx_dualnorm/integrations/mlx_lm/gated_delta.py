@@ -287,6 +287,13 @@ def normalize_qk(
     return _normalize_qk(q, k, inv_scale, eps, None)
 
 
+def fold_count() -> int:
+    """Folds built in this process (one per dtype, width, eps, scale and
+    mode the model's calls had), not counting the keys that run mlx-lm's
+    function."""
+    return sum(folded is not _UNFOLDABLE for folded in list(_folded_norms.values()))
+
+
 def clear_folds() -> None:
     """Drops every cached fold (weights and compiled objects)."""
     with _folded_norms_lock:

@@ -41,7 +41,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
-from mlx_dualnorm.integrations.mlx_lm import full_attention
+from mlx_dualnorm.integrations.mlx_lm import engine, norm_rope
 from mlx_dualnorm.integrations.mlx_lm._shared import (
     PLAIN_SCALAR_TYPES,
     cached_or_built,
@@ -140,7 +140,7 @@ def dual_norm_for(eps) -> Optional[CompiledDualHeadNorm]:
     """The CompiledDualHeadNorm of epsilon ``eps`` (and of the mode the
     integration runs in), built once and shared by every layer whose q/k
     norm pair it computes; None once the cache is full."""
-    mode = full_attention._full_attention_mode
+    mode = engine.mode
     return cached_or_built(
         _dual_norms, _dual_norms_lock, (mode, eps, type(eps)),
         lambda: CompiledDualHeadNorm(eps, **({} if mode is None else {"mode": mode})),
@@ -187,7 +187,7 @@ def stand_in_norm(eps) -> nn.RMSNorm:
 
 def norm_rope_prework(place: str, rope, query_norm, key_norm, queries, keys):
     """The prework of a layer whose q/k norms of a known class are followed
-    by ``rope``, as :func:`~.full_attention.prework_and_cache_update` takes
+    by ``rope``, as :func:`~.cache_update.prework_and_cache_update` takes
     it: the RoPE, the norms (stand-ins of their eps where they are not
     ``nn.RMSNorm``) and the weights each norm passes to ``rms_norm``, read
     now; None where the norms are not a known pair, ``rope`` is not one
@@ -195,7 +195,7 @@ def norm_rope_prework(place: str, rope, query_norm, key_norm, queries, keys):
     reading them raises (logged once for ``place``, the caller's kind of
     layer, which then takes its other path)."""
     try:
-        if type(rope) is not nn.RoPE and type(rope) not in full_attention.SCALED_ROPE_CLASSES:
+        if type(rope) is not nn.RoPE and type(rope) not in norm_rope.SCALED_ROPE_CLASSES:
             return None
         kind_and_epsilon = _kind_and_epsilon(query_norm, key_norm)
         if kind_and_epsilon is None:
@@ -204,7 +204,7 @@ def norm_rope_prework(place: str, rope, query_norm, key_norm, queries, keys):
         weights = kind.weight(query_norm, queries), kind.weight(key_norm, keys)
         if kind is not _PLAIN:
             query_norm = key_norm = stand_in_norm(eps)
-        return full_attention.LayerPrework(rope, query_norm, key_norm, *weights)
+        return norm_rope.LayerPrework(rope, query_norm, key_norm, *weights)
     except Exception as error:  # anything unexpected takes the layer's other path
         log_fallback_once(place, error, "takes its other path")
         return None
@@ -220,8 +220,8 @@ def normalized_rotated_heads(queries, keys, query_norm, key_norm, rope, offset):
     in one call, then the layer's own RoPE. None where neither computes the
     layer exactly."""
     try:
-        if type(rope) is nn.RoPE or type(rope) in full_attention.SCALED_ROPE_CLASSES:
-            norm_rope = full_attention._norm_rope_for(rope, query_norm, key_norm)
+        if type(rope) is nn.RoPE or type(rope) in norm_rope.SCALED_ROPE_CLASSES:
+            norm_rope = norm_rope.norm_rope_for(rope, query_norm, key_norm)
             if norm_rope is not None:
                 return norm_rope(
                     queries, keys, query_norm["weight"], key_norm["weight"], offset=offset

@@ -21,12 +21,12 @@ offset, the cache update and attention, with other attribute names:
 Each replacement runs every other op as mlx-lm writes it, except that
 with mlx-lm's ``KVCache``, ``RotatingKVCache`` and their batched classes a
 decode step's cache write joins the norm + RoPE call
-(:func:`.full_attention.prework_and_cache_update`). A layer whose
+(:func:`.cache_update.prework_and_cache_update`). A layer whose
 norms or RoPE are not exactly what the package computes (a RoPE other
 than ``nn.RoPE`` and the frequency-table RoPEs of ``rope_utils``, other
 norms, norms of two epsilons)
 runs its class's own ``__call__``, decided at its first call
-(:mod:`.full_attention`).
+(:mod:`.norm_rope`, :mod:`.cache_update`).
 """
 
 from __future__ import annotations
@@ -39,13 +39,18 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
-from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms
+from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms, norm_rope
 from mlx_dualnorm.integrations.mlx_lm._shared import PLAIN_SCALAR_TYPES, log_fallback_once
-from mlx_dualnorm.integrations.mlx_lm.full_attention import (
+from mlx_dualnorm.integrations.mlx_lm.cache_update import (
+    attended,
+)
+from mlx_dualnorm.integrations.mlx_lm.norm_rope import (
+    is_plain_norm_rope,
+    module_item,
+)
+from mlx_dualnorm.integrations.mlx_lm.engine import original_call
+from mlx_dualnorm.integrations.mlx_lm.registry import (
     AttentionFamily,
-    _attended,
-    _is_plain_norm_rope,
-    _module_item,
     register_attention_families,
 )
 
@@ -57,8 +62,8 @@ NormsRead = Optional[tuple]
 
 def _item(module, name: str):
     """``module.name``, read as a dict item where it is one (the quick way,
-    see full_attention._module_item); raises AttributeError where absent."""
-    value = _module_item(module, name)
+    see norm_rope.module_item); raises AttributeError where absent."""
+    value = module_item(module, name)
     return getattr(module, name) if value is None else value
 
 
@@ -209,17 +214,17 @@ def _prework(layout: Layout, attention, queries, keys, values, cache):
         return None
     query_norm, key_norm, query_weight, key_weight = norms
     if rope is not None:
-        prework = full_attention.LayerPrework(
+        prework = norm_rope.LayerPrework(
             rope, query_norm, key_norm, query_weight, key_weight
         )
-        return full_attention.prework_and_cache_update(prework, queries, keys, values, cache)
+        return cache_update.prework_and_cache_update(prework, queries, keys, values, cache)
     normalized = _normalized_heads(
         query_norm, key_norm, query_weight, key_weight, queries, keys
     )
     if normalized is None:
         return None
     normalized_queries, normalized_keys = normalized
-    return full_attention.with_cache_update(normalized_queries, normalized_keys, values, cache)
+    return cache_update.with_cache_update(normalized_queries, normalized_keys, values, cache)
 
 
 def _engages(layout: Layout, attention) -> bool:
@@ -230,7 +235,7 @@ def _engages(layout: Layout, attention) -> bool:
     rope = layout.rope(attention)
     if rope is None:
         return _is_plain_norm(norms[0], norms[1])
-    return _is_plain_norm_rope(rope, norms[0], norms[1])
+    return is_plain_norm_rope(rope, norms[0], norms[1])
 
 
 def _attention_call(layout: Layout):
@@ -244,18 +249,21 @@ def _attention_call(layout: Layout):
         head_values = self.v_proj(x).reshape(batch, length, kv_heads, -1)
         prepared = _prework(layout, self, head_queries, head_keys, head_values, cache)
         if prepared is None:
-            return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
-        output = _attended(self, *prepared, cache, mask, batch, length)
+            return original_call(self, x, mask, cache)
+        output = attended(self, *prepared, cache, mask, batch, length)
         return layout.finish(self, x, output, batch, length)
 
     return call
 
 
-def _family(module: str, class_name: str, layout: Layout, *refusal: str) -> AttentionFamily:
-    return AttentionFamily(
+def _family(
+    module: str, class_name: str, layout: Layout, refusal: Optional[str] = None
+) -> AttentionFamily:
+    family = AttentionFamily(
         f"mlx_lm.models.{module}", class_name, _attention_call(layout),
-        lambda attention: _engages(layout, attention), *refusal,
+        lambda attention: _engages(layout, attention),
     )
+    return family if refusal is None else dataclasses.replace(family, refusal=refusal)
 
 
 _N_HEADS = Layout("n_heads", "n_kv_heads")

@@ -6,7 +6,7 @@
 heads, transpose and rotate per head. Where the layer's RoPE is one the
 norm + RoPE call computes, the replacements make the norms, the split, the
 transpose, the RoPE and (for the caches
-:func:`.full_attention.prework_and_cache_update` writes) the cache write
+:func:`.cache_update.prework_and_cache_update` writes) the cache write
 ONE call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope`,
 whose weights of ``H * D`` elements normalize each token's heads together;
 elsewhere (no RoPE, another RoPE class) the two norm calls are one
@@ -18,13 +18,16 @@ class: those layers run the class's own ``__call__``.
 
 from __future__ import annotations
 
-from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms
-from mlx_dualnorm.integrations.mlx_lm.full_attention import (
+from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms, norm_rope
+from mlx_dualnorm.integrations.mlx_lm.cache_update import (
+    attended,
+)
+from mlx_dualnorm.integrations.mlx_lm.engine import original_call
+from mlx_dualnorm.integrations.mlx_lm.registry import (
     AttentionFamily,
-    _attended,
     register_attention_families,
 )
-from mlx_dualnorm.integrations.mlx_lm.heads_first import REFUSAL
+from mlx_dualnorm.integrations.mlx_lm.norm_after_transpose import REFUSAL
 
 
 def _attend_normalized_projections(
@@ -53,17 +56,17 @@ def _attend_normalized_projections(
         )
     prepared = None
     if prework is not None:
-        prepared = full_attention.prework_and_cache_update(prework, queries, keys, values, cache)
+        prepared = cache_update.prework_and_cache_update(prework, queries, keys, values, cache)
     if prepared is None:
         normalized = head_norms.normalized_pair(*projections[:2], query_norm, key_norm)
         if normalized is None:
-            return type(attention).mlx_dualnorm_original_call(attention, x, mask, cache)
+            return original_call(attention, x, mask, cache)
         queries = normalized[0].reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
         keys = normalized[1].reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
         if rope is not None or not rope_optional:
             queries, keys = head_norms.rotated_pair(rope, queries, keys, cache)
-        prepared = full_attention.with_cache_update(queries, keys, values, cache)
-    output = _attended(attention, *prepared, cache, mask, B, L)
+        prepared = cache_update.with_cache_update(queries, keys, values, cache)
+    output = attended(attention, *prepared, cache, mask, B, L)
     return attention.o_proj(output)
 
 

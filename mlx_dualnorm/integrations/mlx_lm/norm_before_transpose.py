@@ -15,7 +15,7 @@ In gemma3n's and gemma4_text's layers whose RoPE the qwen3 layers cover
 ``ProportionalRoPE``) the q/k norms, the transpose and the RoPE are ONE
 call of the qwen3 layers' :class:`~mlx_dualnorm.CompiledDualHeadNormRope`
 (the same primitives in the same order), and with the caches
-:func:`.full_attention.prework_and_cache_update` writes, the cache write
+:func:`.cache_update.prework_and_cache_update` writes, the cache write
 too: the values, through the layer's own ``v_norm`` first, are written as
 given; elsewhere the replacements make the q/k norm calls one
 :func:`~.head_norms.normalized_pair` call on the same arrays and keep every
@@ -28,14 +28,17 @@ import sys
 
 import mlx.core as mx
 
-from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms
-from mlx_dualnorm.integrations.mlx_lm.full_attention import (
+from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms, norm_rope
+from mlx_dualnorm.integrations.mlx_lm.cache_update import (
+    attended,
+    attention_output,
+)
+from mlx_dualnorm.integrations.mlx_lm.engine import original_call
+from mlx_dualnorm.integrations.mlx_lm.registry import (
     AttentionFamily,
-    _attended,
-    _attention_output,
     register_attention_families,
 )
-from mlx_dualnorm.integrations.mlx_lm.heads_first import REFUSAL
+from mlx_dualnorm.integrations.mlx_lm.norm_after_transpose import REFUSAL
 
 
 def _at_cache_offset(offset, cache) -> bool:
@@ -63,7 +66,7 @@ def _prepared_heads(attention, queries, keys, values, cache, offset, at_cache_of
             attention.rope, attention.q_norm, attention.k_norm, queries, keys,
         )
         if prework is not None:
-            prepared = full_attention.prework_and_cache_update(prework, queries, keys, values, cache)
+            prepared = cache_update.prework_and_cache_update(prework, queries, keys, values, cache)
             if prepared is not None:
                 return prepared
     rotated = head_norms.normalized_rotated_heads(
@@ -71,12 +74,12 @@ def _prepared_heads(attention, queries, keys, values, cache, offset, at_cache_of
     )
     if rotated is None:
         return None
-    return full_attention.with_cache_update(*rotated, values, cache)
+    return cache_update.with_cache_update(*rotated, values, cache)
 
 
 def _gemma3n_attention_call(self, x, mask=None, cache=None, offset=0):
     if self.is_kv_shared_layer and cache is not None:  # keys and values from another layer
-        return type(self).mlx_dualnorm_original_call(self, x, mask, cache, offset)
+        return original_call(self, x, mask, cache, offset)
     B, L, _ = x.shape
     queries = self.q_proj(x).reshape(B, L, -1, self.head_dim)
     keys = self.k_proj(x).reshape(B, L, -1, self.head_dim)
@@ -86,13 +89,13 @@ def _gemma3n_attention_call(self, x, mask=None, cache=None, offset=0):
         self, queries, keys, values, cache, offset, _at_cache_offset(offset, cache)
     )
     if prepared is None:
-        return type(self).mlx_dualnorm_original_call(self, x, mask, cache, offset)
-    return self.o_proj(_attended(self, *prepared, cache, mask, B, L))
+        return original_call(self, x, mask, cache, offset)
+    return self.o_proj(attended(self, *prepared, cache, mask, B, L))
 
 
 def _gemma4_text_attention_call(self, x, mask=None, cache=None, shared_kv=None, offset=None):
     if shared_kv is not None or not self.has_kv:  # keys and values from another layer
-        return type(self).mlx_dualnorm_original_call(self, x, mask, cache, shared_kv, offset)
+        return original_call(self, x, mask, cache, shared_kv, offset)
     B, L, _ = x.shape
     queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
     keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
@@ -106,8 +109,8 @@ def _gemma4_text_attention_call(self, x, mask=None, cache=None, shared_kv=None, 
         self, queries, keys, self.v_norm(values), cache, rope_offset, at_cache_offset=True
     )
     if prepared is None:
-        return type(self).mlx_dualnorm_original_call(self, x, mask, cache, shared_kv, offset)
-    output = _attended(self, *prepared, cache, mask, B, L)
+        return original_call(self, x, mask, cache, shared_kv, offset)
+    output = attended(self, *prepared, cache, mask, B, L)
     return self.o_proj(output), prepared[1:], rope_offset
 
 
@@ -117,12 +120,12 @@ def _gear_attention_call(self, x, mask=None, cache=None):
     keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
     normalized = head_norms.normalized_pair(queries, keys, self.q_norm, self.k_norm)
     if normalized is None:
-        return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
+        return original_call(self, x, mask, cache)
     queries, keys = (normed.transpose(0, 2, 1, 3) for normed in normalized)
     values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
     queries, keys = head_norms.rotated_pair(self.rope, queries, keys, cache)
     if not self.attn_logit_softcapping:
-        output = _attention_output(self, queries, keys, values, cache, mask, B, L)
+        output = attention_output(self, queries, keys, values, cache, mask, B, L)
         return self.o_proj(output)
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
@@ -140,7 +143,7 @@ def _gear_conv_mixer_call(self, x, mask=None, cache=None):
     key = self.k_proj(masked).reshape(B, L, self.n_kv_heads, self.head_dim)
     normalized = head_norms.normalized_pair(query, key, self.q_norm, self.k_norm)
     if normalized is None:  # before the caches change
-        return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
+        return original_call(self, x, mask, cache)
     query, key = (normed.reshape(B, L, -1) for normed in normalized)
     key = self._conv(key, self.key_conv, cache, cache_idx=0)
     value = self._conv(self.v_proj(masked), self.value_conv, cache, cache_idx=1)

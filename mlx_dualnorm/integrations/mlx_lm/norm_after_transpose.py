@@ -12,7 +12,7 @@ mlx-lm calls it: whatever RoPE class the layer has (scaled ones included),
 the ops are mlx-lm's. In ``openelm``, ``bailing_moe``, ``bailing_moe_linear``
 (full attention), ``gemma3_text`` and ``plamo3`` a one-token call (decode)
 whose RoPE the norm + RoPE call covers makes the norms, the transpose, the
-RoPE and (for the caches :func:`.full_attention.prework_and_cache_update`
+RoPE and (for the caches :func:`.cache_update.prework_and_cache_update`
 writes) the cache write ONE call of
 :class:`~mlx_dualnorm.CompiledDualHeadNormRope` instead. A layer
 whose norms are off (a flag such as ``use_qk_norm`` unset) or not a known
@@ -25,11 +25,14 @@ import sys
 
 import mlx.core as mx
 
-from mlx_dualnorm.integrations.mlx_lm import full_attention, head_norms
-from mlx_dualnorm.integrations.mlx_lm.full_attention import (
+from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms, norm_rope
+from mlx_dualnorm.integrations.mlx_lm.cache_update import (
+    attended,
+    attention_output,
+)
+from mlx_dualnorm.integrations.mlx_lm.engine import original_call
+from mlx_dualnorm.integrations.mlx_lm.registry import (
     AttentionFamily,
-    _attended,
-    _attention_output,
     register_attention_families,
 )
 
@@ -59,18 +62,18 @@ def _projected_attention(attention, output_projection, projections, norms, call_
             "the heads-first norm + RoPE", attention.rope, *norms, queries, keys
         )
     if prework is not None:
-        prepared = full_attention.prework_and_cache_update(prework, queries, keys, values, cache)
+        prepared = cache_update.prework_and_cache_update(prework, queries, keys, values, cache)
     if prepared is None:
         queries, keys, values = (_heads_first(heads) for heads in projections)
         normalized = head_norms.normalized_pair(queries, keys, *norms)
         if normalized is None:
-            return type(attention).mlx_dualnorm_original_call(attention, *call_arguments)
+            return original_call(attention, *call_arguments)
         queries, keys = head_norms.rotated_pair(attention.rope, *normalized, cache)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
         prepared = queries, keys, values
     batch, _, length, _ = prepared[0].shape
-    output = _attended(attention, *prepared, cache, mask, batch, length)
+    output = attended(attention, *prepared, cache, mask, batch, length)
     return output_projection(output)
 
 
@@ -122,11 +125,11 @@ def _afmoe_attention_call(self, x, mask=None, cache=None):
         self, x, self.n_heads, self.n_kv_heads, self.head_dim
     )
     if projections is None:
-        return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
+        return original_call(self, x, mask, cache)
     queries, keys, values = projections
     if self.is_local_attention and self.rope is not None:
         queries, keys = head_norms.rotated_pair(self.rope, queries, keys, cache)
-    output = _attention_output(self, queries, keys, values, cache, mask, B, L)
+    output = attention_output(self, queries, keys, values, cache, mask, B, L)
     gate = mx.sigmoid(self.gate_proj(x))
     return self.o_proj(output * gate)
 
@@ -167,7 +170,7 @@ def _lightning_attention(self, x, mask, cache, offset, hybrid):
         queries, keys, self.query_layernorm, self.key_layernorm
     )
     if normalized is None:
-        return type(self).mlx_dualnorm_original_call(self, x, mask, cache, offset)
+        return original_call(self, x, mask, cache, offset)
     queries, keys = normalized
     queries = self.rope(queries, offset=offset)
     keys = self.rope(keys, offset=offset)
@@ -225,7 +228,7 @@ def _minimax_m3_attention_call(self, x, mask=None, cache=None):
         self, x, self.num_attention_heads, self.num_key_value_heads, self.head_dim
     )
     if projections is None:
-        return type(self).mlx_dualnorm_original_call(self, x, mask, cache)
+        return original_call(self, x, mask, cache)
     q, k, v = projections
     q = self.rope(q, offset=offset)
     k = self.rope(k, offset=offset)

@@ -1,0 +1,401 @@
+"""The engine: which attention classes are patched, one decision per layer,
+and what the patch did.
+
+``install(mode)`` patches each registered attention class whose pieces are
+all proven (:mod:`.registry`) by setting its ``__call__`` to a DISPATCHER;
+a class with any piece unproven is left exactly as it is, and one warning
+per process names it. The dispatcher decides once per layer, at its first
+call, whether the layer engages (its family's ``engages``, and a proven
+``__call__`` for each part the replacement computes itself), records that
+in a table keyed by the layer's id (with a weak reference, so a new object
+at a reused id is decided afresh), and from then on runs the decided
+function: the replacement, or the class's own ``__call__``.
+
+Nothing is stored on the layers and no class is generated, so a model
+patched, deep-copied or pickled is the same object graph as unpatched:
+a copy is decided at its own first call (or runs mlx-lm's code once
+unpatched), and a pickle names mlx-lm's classes. ``restore()`` puts each
+class's own ``__call__`` back, unless the user has replaced the
+dispatcher since: then the user's stays.
+
+``report()`` says what the patch engaged, per class: layers engaged,
+layers left and why, calls through the package and calls that ran the
+class's own code.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import sys
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Optional
+
+from mlx_dualnorm._composite import Mode
+from mlx_dualnorm.integrations.mlx_lm import registry
+from mlx_dualnorm.integrations.mlx_lm._shared import REPLACEMENT_MARKER, log_fallback_once
+from mlx_dualnorm.integrations.mlx_lm.fingerprints import live_function
+
+PATCH_OPERATION = "mlx_lm.patch"
+
+SUBCLASS = "a subclass of mlx-lm's class, which keeps its own code"
+PART_UNPROVEN = "its {attribute} ({part}) runs code the patch was not proven on"
+
+# The mode the installed replacements build their objects with (None: each
+# object's default).
+mode: Optional[Mode] = None
+
+
+@dataclasses.dataclass
+class _Tally:
+    """Calls of one patched class since it was installed: through the
+    package, and those of engaged layers that ran the class's own code."""
+
+    calls: int = 0
+    fallbacks: int = 0
+
+
+@dataclasses.dataclass
+class _Installed:
+    family: registry.AttentionFamily
+    original: Callable  # the class's own __call__, as it resolved before the patch
+    inherited: bool  # the class had no __call__ of its own: restoring deletes ours
+    dispatcher: Callable
+    tally: _Tally
+
+
+class _Decision(tuple):
+    """(weak reference to the layer, the function it runs, engaged, reason
+    left or None, its class's tally): one per decided layer."""
+
+    __slots__ = ()
+
+
+_state_lock = threading.RLock()
+_installed: dict[type, _Installed] = {}
+# class -> its own __call__, kept after restore() so a replacement still
+# running (another thread) can reach it.
+_originals: dict[type, Callable] = {}
+# Registered classes this mlx-lm has whose pieces are not all proven:
+# class -> the pieces that differ, at the last install.
+unproven_classes: dict[type, list[str]] = {}
+
+# id(layer) -> _Decision. Modules are dicts (unhashable), hence ids. No
+# weakref callbacks (one could run inside the lock); dead entries are
+# pruned whenever the table has doubled since the last pruning.
+_decisions: dict[int, _Decision] = {}
+_decisions_lock = threading.Lock()
+_decisions_pruned_size = 64
+
+
+def unpatched_function(owner: type, attribute: str) -> object:
+    """What ``owner`` resolves ``attribute`` to, with the patch's own
+    dispatchers replaced by the functions they stand for."""
+    function = live_function(owner, attribute)
+    if attribute == "__call__" and getattr(function, REPLACEMENT_MARKER, False) is True:
+        for cls in owner.__mro__:
+            installed = _installed.get(cls)
+            if installed is not None and installed.dispatcher is function:
+                return installed.original
+        # A dispatcher of an earlier install that the program put back
+        # (saved, then restored): the function it stands for.
+        return getattr(function, "__wrapped__", function)
+    return function
+
+
+def original_call(layer: Any, *args: Any, **kwargs: Any) -> Any:
+    """The class's own ``__call__`` for an engaged layer whose call cannot
+    take the package's path (counted in the report)."""
+    layer_class = type(layer)
+    installed = _installed.get(layer_class)
+    if installed is not None:
+        installed.tally.fallbacks += 1
+    return _originals[layer_class](layer, *args, **kwargs)
+
+
+def _dispatcher(attention_class: type, installed_original: Callable):
+    decisions = _decisions
+
+    def dispatch(self, *args, **kwargs):
+        decision = decisions.get(id(self))
+        if decision is None or decision[0]() is not self:
+            decision = _decide(self, attention_class)
+        if decision[2]:
+            decision[4].calls += 1
+        return decision[1](self, *args, **kwargs)
+
+    setattr(dispatch, REPLACEMENT_MARKER, True)
+    dispatch.__wrapped__ = installed_original  # type: ignore[attr-defined]
+    dispatch.__qualname__ = f"{attention_class.__qualname__}.__call__"
+    dispatch.__module__ = __name__
+    return dispatch
+
+
+def _decide(layer: Any, attention_class: type) -> _Decision:
+    with _state_lock:
+        installed = _installed.get(attention_class)
+        original = _originals[attention_class]
+        if installed is None:  # restored meanwhile: the class's own code
+            return _Decision((weakref.ref(layer), original, False, None, _Tally()))
+        family = installed.family
+        reason: Optional[str] = None
+        if type(layer) is not attention_class:
+            reason = SUBCLASS
+        else:
+            reason = _unproven_part(layer)
+            if reason is None and not _family_engages(family, layer):
+                reason = family.refusal
+        if reason is not None:
+            log_fallback_once(family.name, reason)
+        engaged = reason is None
+        decision = _Decision((
+            weakref.ref(layer), family.call if engaged else original, engaged, reason,
+            installed.tally,
+        ))
+    if type(layer) is attention_class:
+        with _decisions_lock:
+            _decisions[id(layer)] = decision
+            _prune_decisions()
+    return decision
+
+
+def _family_engages(family: registry.AttentionFamily, layer: Any) -> bool:
+    """``family.engages(layer)``; a predicate that raises leaves the layer
+    to mlx-lm's code."""
+    try:
+        return family.engages(layer) is True
+    except Exception as error:  # anything unexpected runs mlx-lm's own code instead
+        log_fallback_once(family.name, error)
+        return False
+
+
+def _unproven_part(layer: Any) -> Optional[str]:
+    """Why a part the replacement computes itself (a norm or RoPE of
+    :data:`.registry.REPRODUCED_PART_CLASSES`) keeps the layer from
+    engaging, or None."""
+    part_classes = _part_classes()
+    items = layer.items() if isinstance(layer, dict) else ()
+    for attribute, part in items:
+        part_class = type(part)
+        if part_class in part_classes and registry.unproven_attributes(part_class, ("__call__",)):
+            return PART_UNPROVEN.format(attribute=attribute, part=registry.class_name(part_class))
+    return None
+
+
+_part_class_set: Optional[frozenset] = None
+
+
+def _part_classes() -> frozenset:
+    global _part_class_set
+    if _part_class_set is None:
+        _part_class_set = frozenset(registry.reproduced_part_classes())
+    return _part_class_set
+
+
+def _prune_decisions() -> None:
+    """Drops the entries of collected layers once the table has doubled;
+    the caller holds _decisions_lock."""
+    global _decisions_pruned_size
+    if len(_decisions) < 2 * _decisions_pruned_size:
+        return
+    for layer_id, decision in list(_decisions.items()):
+        if decision[0]() is None:
+            del _decisions[layer_id]
+    _decisions_pruned_size = max(64, len(_decisions))
+
+
+def decision_of(layer: Any) -> Optional[tuple[bool, Optional[str]]]:
+    """(engaged, reason left) for a layer the patch has decided, else None."""
+    decision = _decisions.get(id(layer))
+    if decision is None or decision[0]() is not layer:
+        return None
+    return decision[2], decision[3]
+
+
+def is_installed(attention_class: type) -> bool:
+    """Whether ``attention_class`` runs the patch's dispatcher now."""
+    installed = _installed.get(attention_class)
+    return installed is not None and attention_class.__dict__.get("__call__") is installed.dispatcher
+
+
+def install(new_mode: Optional[Mode]) -> None:
+    """Patches every registered class whose pieces are proven; the caller
+    holds the patch's state lock."""
+    global mode
+    with _state_lock:
+        mode = new_mode
+        unproven_classes.clear()
+        for attention_class, family in registry.families_by_class().items():
+            installed = _installed.get(attention_class)
+            if installed is not None and not is_installed(attention_class):
+                del _installed[attention_class]  # the user replaced our dispatcher
+                installed = None
+            unproven = registry.unproven_attributes(
+                attention_class, family.pieces, unpatched_function
+            )
+            if unproven:
+                unproven_classes[attention_class] = unproven
+                if installed is not None:
+                    _uninstall(attention_class, installed)
+                continue
+            if installed is not None:
+                continue  # already patched: layers keep their decisions
+            original = unpatched_function(attention_class, "__call__")
+            inherited = "__call__" not in attention_class.__dict__
+            dispatcher = _dispatcher(attention_class, original)  # type: ignore[arg-type]
+            _installed[attention_class] = _Installed(
+                family, original, inherited, dispatcher, _Tally()  # type: ignore[arg-type]
+            )
+            _originals[attention_class] = original  # type: ignore[assignment]
+            attention_class.__call__ = dispatcher  # type: ignore[method-assign]
+
+
+def _uninstall(attention_class: type, installed: _Installed) -> None:
+    if attention_class.__dict__.get("__call__") is installed.dispatcher:
+        if installed.inherited:
+            del attention_class.__call__  # type: ignore[method-assign]
+        else:
+            attention_class.__call__ = installed.original  # type: ignore[method-assign]
+    del _installed[attention_class]
+
+
+def restore() -> None:
+    """Every patched class back to its own ``__call__`` (a class whose
+    dispatcher the user has replaced keeps the user's), every decision
+    dropped: layers decide again at their next patched call."""
+    with _state_lock:
+        for attention_class, installed in list(_installed.items()):
+            _uninstall(attention_class, installed)
+        with _decisions_lock:
+            _decisions.clear()
+
+
+def patched_classes() -> list[type]:
+    """The classes that run the dispatcher now."""
+    with _state_lock:
+        return [cls for cls in _installed if is_installed(cls)]
+
+
+# ---- What the patch did --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassReport:
+    """One registered attention class: ``patched`` (its pieces proven and
+    the dispatcher installed), or ``unproven`` naming the pieces whose code
+    differs; among its live decided layers, ``engaged_layers`` and
+    ``left_layers`` (reason -> layers); ``calls`` through the package and
+    ``fallbacks`` (calls of engaged layers that ran the class's own code)
+    since it was patched."""
+
+    name: str
+    patched: bool
+    unproven: tuple[str, ...]
+    engaged_layers: int
+    left_layers: dict[str, int]
+    calls: int
+    fallbacks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchReport:
+    """What :func:`report` returns: the mlx-lm release, whether the patch is
+    on, one :class:`ClassReport` per class it patched or left unproven, and
+    the gated-delta folds built."""
+
+    mlx_lm: str
+    patched: bool
+    classes: tuple[ClassReport, ...]
+    folds: int
+
+    @property
+    def engaged_layers(self) -> int:
+        return sum(entry.engaged_layers for entry in self.classes)
+
+    @property
+    def left_layers(self) -> int:
+        return sum(sum(entry.left_layers.values()) for entry in self.classes)
+
+    @property
+    def calls(self) -> int:
+        return sum(entry.calls - entry.fallbacks for entry in self.classes)
+
+    def summary(self) -> str:
+        """One line: layers engaged and left, by class, package calls, and
+        the classes left unproven."""
+        if not self.patched:
+            return f"mlx_dualnorm: not patched ({self.mlx_lm})"
+        engaged: collections.Counter = collections.Counter()
+        for entry in self.classes:
+            if entry.engaged_layers:
+                engaged[entry.name.rsplit(".", 2)[-2] + "." + entry.name.rsplit(".", 1)[-1]] += (
+                    entry.engaged_layers
+                )
+        parts = [
+            f"mlx_dualnorm: {self.engaged_layers} attention layers engaged"
+            + (f" ({', '.join(f'{name} {count}' for name, count in sorted(engaged.items()))})"
+               if engaged else ""),
+            f"{self.left_layers} left to mlx-lm",
+            f"{self.calls} package calls",
+        ]
+        fallbacks = sum(entry.fallbacks for entry in self.classes)
+        if fallbacks:
+            parts.append(f"{fallbacks} calls ran mlx-lm's code")
+        if self.folds:
+            parts.append(f"{self.folds} gated-delta folds")
+        unproven = [entry.name for entry in self.classes if entry.unproven]
+        if unproven:
+            parts.append(f"{len(unproven)} classes left unproven on {self.mlx_lm}")
+        return "; ".join(parts)
+
+
+def class_reports() -> tuple[ClassReport, ...]:
+    """One :class:`ClassReport` per patched or unproven class."""
+    with _state_lock:
+        layers: dict[type, list] = collections.defaultdict(list)
+        with _decisions_lock:
+            decisions = list(_decisions.values())
+        for decision in decisions:
+            layer = decision[0]()
+            if layer is not None:
+                layers[type(layer)].append(decision)
+        entries = []
+        for attention_class, installed in _installed.items():
+            decided = layers.get(attention_class, [])
+            left = collections.Counter(d[3] for d in decided if not d[2])
+            entries.append(ClassReport(
+                registry.class_name(attention_class), is_installed(attention_class), (),
+                sum(1 for d in decided if d[2]), dict(left),
+                installed.tally.calls, installed.tally.fallbacks,
+            ))
+        for attention_class, pieces in unproven_classes.items():
+            entries.append(ClassReport(
+                registry.class_name(attention_class), False, tuple(pieces), 0, {}, 0, 0,
+            ))
+        return tuple(sorted(entries, key=lambda entry: entry.name))
+
+
+def installed_mlx_lm() -> str:
+    version = getattr(sys.modules.get("mlx_lm"), "__version__", None)
+    return f"mlx-lm {version}" if isinstance(version, str) else "the installed mlx-lm"
+
+
+_warned_unproven = False
+
+
+def warn_unproven_once(unproven: dict[str, str]) -> None:
+    """One RuntimeWarning per process: the release, and one short line per
+    class (or function) left to its own code, saying what differs."""
+    global _warned_unproven
+    if _warned_unproven or not unproven:
+        return
+    _warned_unproven = True
+    lines = [
+        f"[{PATCH_OPERATION}] {installed_mlx_lm()}: {len(unproven)} of the classes and "
+        "functions the patch covers run their own code, which is not the code it was proven "
+        "on; the rest is patched (every one is proven on mlx-lm 0.32.2):"
+    ]
+    lines += [f"  {name}: {what}" for name, what in sorted(unproven.items())]
+    warnings.warn("\n".join(lines), RuntimeWarning, stacklevel=4)  # the caller of patch()

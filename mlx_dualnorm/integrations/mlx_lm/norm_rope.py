@@ -1,0 +1,233 @@
+"""The norm + RoPE of a full-attention layer as one package call.
+
+mlx-lm's full-attention layers (qwen3's shape and the families that share
+it) normalize queries and keys with ``q_norm`` / ``k_norm``
+(``nn.RMSNorm``), transpose them to ``(B, H, L, D)`` and rotate them with
+the layer's RoPE. :func:`norm_rope_for` gives the
+:class:`~mlx_dualnorm.CompiledDualHeadNormRope` that computes all of that
+in one call, with the layer's own epsilon and RoPE constants: the same
+primitives in the same order, so the same bits. Besides ``nn.RoPE``, the
+scaled RoPEs of ``rope_utils`` that rotate with a frequency table
+(``Llama3RoPE``, ``YarnRoPE``, ``SuScaledRoPE``, ``ProportionalRoPE``) are
+covered: the table is an input of each call, their input scale a
+constant. Any other RoPE (such as ``DynamicNTKScalingRoPE``, whose base
+depends on the position), or norms that are not exactly ``nn.RMSNorm``
+with one epsilon, get None: the caller runs the class's own code. On MLX's
+CUDA backend the call is one kernel launch (the fused mode).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+from typing import NamedTuple, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
+from mlx_dualnorm.integrations.mlx_lm import engine
+from mlx_dualnorm.integrations.mlx_lm._shared import (
+    PLAIN_SCALAR_TYPES,
+    cached_or_built,
+    log_fallback_once,
+)
+
+# Built objects by the constants they depend on (see norm_rope_for).
+_norm_ropes: dict = {}
+_norm_ropes_lock = threading.Lock()
+
+# mlx.nn.Module is a dict of its submodules and arrays: reading them as
+# items skips Module.__getattr__, Python code that costs about 0.5 µs a
+# lookup on a 2-core CPU, several per layer and decode token.
+module_item = dict.get
+
+
+def norm_rope_for(rope, query_norm, key_norm):
+    """The cached CompiledDualHeadNormRope for a layer's constants, or None
+    where the layer's norms or RoPE are not exactly what it computes. For
+    the scaled RoPEs of ``rope_utils`` (:data:`SCALED_ROPE_CLASSES`), the
+    object bound to the layer's frequency table, read at this call: a
+    callable taking the same arguments.
+
+    Runs for every layer of every decode step, so a known layer costs one
+    dict lookup: the key holds everything the result depends on, read
+    afresh each call (a module swapped or a constant changed in place gets
+    a new key), with the types that change what MLX makes of a value (an
+    int 1 is not the bool ``traditional``). A frequency table is no part
+    of the key: it is an input of each call, so a replaced table is used
+    as it is, never a stale copy."""
+    rope_type = type(rope)
+    if rope_type is not nn.RoPE and rope_type in SCALED_ROPE_CLASSES:  # nn.RoPE: one test
+        return _scaled_norm_rope_for(rope, query_norm, key_norm)
+    key = (
+        engine.mode, type(rope), type(query_norm), type(key_norm),
+        query_norm.eps, key_norm.eps, rope.dims, type(rope.dims),
+        rope.traditional, type(rope.traditional), rope.base, rope.scale,
+    )
+    norm_rope = _norm_ropes.get(key)
+    if norm_rope is not None or not is_plain_norm_rope(rope, query_norm, key_norm):
+        return norm_rope
+    mode = engine.mode
+    return cached_or_built(
+        _norm_ropes, _norm_ropes_lock, key,
+        lambda: CompiledDualHeadNormRope(
+            query_norm.eps, rope.dims, base=rope.base, traditional=rope.traditional,
+            scale=rope.scale, **({} if mode is None else {"mode": mode}),
+        ),
+        None,
+    )
+
+
+def is_plain_norm_rope(rope, query_norm, key_norm) -> bool:
+    """Whether the layer computes what CompiledDualHeadNormRope does: plain
+    nn.RMSNorm on both sides with one plain eps, then plain nn.RoPE with
+    plain constants, or one of the scaled RoPEs of :data:`SCALED_ROPE_CLASSES`
+    (exact types) with plain constants and an ``mx.array`` table."""
+    if not (type(query_norm) is type(key_norm) is nn.RMSNorm):
+        return False
+    eps = query_norm.eps
+    if type(eps) not in PLAIN_SCALAR_TYPES or type(key_norm.eps) is not type(eps):
+        return False
+    if key_norm.eps != eps:
+        return False
+    if type(rope) in SCALED_ROPE_CLASSES:
+        constants = _scaled_rope_constants(rope)
+        return constants is not None and type(_rope_table(rope)) is mx.array
+    if type(rope) is not nn.RoPE or type(rope.dims) is not int:
+        return False
+    if type(rope.traditional) is not bool:
+        return False
+    return type(rope.base) in PLAIN_SCALAR_TYPES and type(rope.scale) in PLAIN_SCALAR_TYPES
+
+
+def _scaled_rope_classes() -> tuple:
+    """rope_utils' RoPE classes whose call is ``mx.fast.rope(x', dims,
+    traditional=, base=None, scale=1.0, offset=, freqs=self._freqs)`` with
+    ``x'`` the input, or the input with its first ``dims`` features
+    multiplied by a Python float: Llama3RoPE, YarnRoPE (``mscale``, when not
+    1), SuScaledRoPE (``_scale``, always), ProportionalRoPE. Empty without
+    mlx-lm (or with one whose rope_utils lacks a class: those present)."""
+    try:
+        rope_utils = importlib.import_module("mlx_lm.models.rope_utils")
+    except ImportError:
+        return ()
+    names = ("Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE")
+    return tuple(getattr(rope_utils, name) for name in names if hasattr(rope_utils, name))
+
+
+SCALED_ROPE_CLASSES = _scaled_rope_classes()
+
+
+def _rope_table(rope):
+    """The module's frequency table, read as an item (see module_item)."""
+    table = module_item(rope, "_freqs")
+    return table if table is not None else getattr(rope, "_freqs", None)
+
+
+def _scaled_rope_constants(rope):
+    """(dims, traditional, input_scale) as the class's __call__ uses them
+    (input_scale None where it multiplies nothing), or None where one is not
+    a plain value: dims an int, traditional a bool, a scale a float."""
+    name = type(rope).__name__
+    try:
+        if name == "SuScaledRoPE":
+            dims, traditional, input_scale = rope.dim, False, rope._scale
+        else:
+            dims, traditional, input_scale = rope.dims, rope.traditional, None
+            if name == "YarnRoPE":
+                input_scale = rope.mscale
+                if type(input_scale) is not float:
+                    return None
+                if input_scale == 1.0:  # YarnRoPE skips the multiply then
+                    input_scale = None
+    except AttributeError:  # a module missing what its class sets
+        return None
+    if type(dims) is not int or type(traditional) is not bool:
+        return None
+    if input_scale is not None and type(input_scale) is not float:
+        return None
+    return dims, traditional, input_scale
+
+
+def _scaled_norm_rope_for(rope, query_norm, key_norm):
+    """_norm_rope_for for a scaled RoPE: the cached object for the
+    constants, bound to the table read now."""
+    constants = _scaled_rope_constants(rope)
+    key = (
+        engine.mode, type(rope), type(query_norm), type(key_norm),
+        query_norm.eps, key_norm.eps, constants,
+    )
+    norm_rope = _norm_ropes.get(key)
+    if norm_rope is None:
+        if not is_plain_norm_rope(rope, query_norm, key_norm):
+            return None
+        dims, traditional, input_scale = constants
+        mode = engine.mode
+        norm_rope = cached_or_built(
+            _norm_ropes, _norm_ropes_lock, key,
+            lambda: CompiledDualHeadNormRope(
+                query_norm.eps, dims, base=None, traditional=traditional,
+                input_scale=input_scale, **({} if mode is None else {"mode": mode}),
+            ),
+            None,
+        )
+        if norm_rope is None:
+            return None
+    return functools.partial(norm_rope, freqs=_rope_table(rope))
+
+
+class LayerPrework(NamedTuple):
+    """What a layer's q/k prework is made of, read at each call: its RoPE
+    module, its two norms as ``nn.RMSNorm`` modules (or stand-ins of the
+    same eps for norm classes that compute ``rms_norm`` with another
+    weight: only their type and eps are read) and the weights those norms
+    pass to ``rms_norm`` (None for none)."""
+
+    rope: object
+    query_norm: object
+    key_norm: object
+    query_weight: Optional[mx.array]
+    key_weight: Optional[mx.array]
+
+
+def layer_prework(attention) -> LayerPrework:
+    """The prework of a qwen3-shaped layer (``rope``, ``q_norm``,
+    ``k_norm``), read as items where the module keeps them so."""
+    item = module_item
+    rope, query_norm = item(attention, "rope"), item(attention, "q_norm")
+    key_norm = item(attention, "k_norm")
+    if rope is None or query_norm is None or key_norm is None:  # not kept as items
+        rope, query_norm, key_norm = attention.rope, attention.q_norm, attention.k_norm
+    query_weight, key_weight = item(query_norm, "weight"), item(key_norm, "weight")
+    if query_weight is None or key_weight is None:
+        query_weight, key_weight = query_norm.weight, key_norm.weight
+    return LayerPrework(rope, query_norm, key_norm, query_weight, key_weight)
+
+
+def rotated_queries_and_keys(norm_rope, prework: LayerPrework, queries, keys, cache):
+    """(B, H, L, D) queries and keys, normalized and rotated in one call, or
+    None (the caller then runs the class's own __call__)."""
+    try:
+        return rotated_at_cache_offset(
+            norm_rope, queries, keys, prework.query_weight, prework.key_weight, cache
+        )
+    except Exception as error:  # anything unexpected runs mlx-lm's own code instead
+        log_fallback_once("the full-attention norm + RoPE", error)
+        return None
+
+
+def rotated_at_cache_offset(norm_rope, queries, keys, query_weight, key_weight, cache):
+    """``norm_rope``'s call at the cache's offset, as mlx-lm's layers rotate
+    (position 0 without a cache)."""
+    return norm_rope(
+        queries, keys, query_weight, key_weight, offset=0 if cache is None else cache.offset
+    )
+
+
+def clear_norm_ropes() -> None:
+    """Drops every cached norm + RoPE object."""
+    with _norm_ropes_lock:
+        _norm_ropes.clear()
+
