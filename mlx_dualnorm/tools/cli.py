@@ -34,13 +34,15 @@ from mlx_dualnorm.tools.command import (
     EXIT_USAGE,
     PROGRAM,
     DefaultShownOnceFormatter,
+    ToolParser,
     add_device_argument,
+    error_line,
     run_tool,
     select_device,
 )
 from mlx_dualnorm.tools.paths import PATH_REGISTRY, REFERENCE_PATH, unavailable_paths
 
-__all__ = ["SUBCOMMANDS", "SubCommand", "main"]
+__all__ = ["SUBCOMMANDS", "SubCommand", "main", "subcommand_parser"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +94,9 @@ MAIN_JOB_DESCRIPTION = (
 
 
 def _main_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ToolParser(
         prog=PROGRAM,
+        operation="mlx_dualnorm",
         usage=f"{PROGRAM} [-h] [--device {{default,cpu,gpu}}] [SUB-COMMAND [OPTIONS]]",
         description=MAIN_JOB_DESCRIPTION,
         epilog=f"'{PROGRAM} SUB-COMMAND --help' shows a sub-command's options; "
@@ -111,6 +114,13 @@ def _main_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def subcommand_parser(name: str) -> argparse.ArgumentParser:
+    """The parser sub-command ``name`` runs (its module's
+    ``build_parser()``): its options and their choices, as the command
+    line reads them."""
+    return importlib.import_module(_BY_NAME[name].module).build_parser()
+
+
 def _run_subcommand(subcommand: SubCommand, argv: Sequence[str]) -> int:
     try:
         module = importlib.import_module(subcommand.module)
@@ -118,8 +128,7 @@ def _run_subcommand(subcommand: SubCommand, argv: Sequence[str]) -> int:
         if not (missing.name or "").startswith("mlx_lm"):
             raise
         print(
-            f"{PROGRAM} {subcommand.name}: needs mlx-lm "
-            "(pip install 'mlx_dualnorm[mlx-lm]')",
+            error_line(subcommand.name, "needs mlx-lm (pip install 'mlx_dualnorm[mlx-lm]')"),
             file=sys.stderr,
         )
         return EXIT_USAGE

@@ -3,9 +3,12 @@ argument types, its exit statuses, its progress lines.
 
 :func:`tool_parser` gives each sub-command its usage line
 (``python -m mlx_dualnorm NAME ...``) and shows every option's default
-once; :func:`run_tool` turns argparse's exits, a path or package that cannot
+once, and reports a bad argument in one line, ``[NAME] message``;
+:func:`run_tool` turns argparse's exits, a path or package that cannot
 run here, and Ctrl-C into exit statuses, so each tool's ``main(argv)``
-returns an int whether it runs from the shell or from a test.
+returns an int whether it runs from the shell or from a test. The
+argument types here (counts, seeds, output paths) check each value where
+argparse reads it, the same way for every command, before any work.
 
 Exit statuses, the same for every command: 0 ok, 1 a mismatch (outputs,
 tokens or bits differ), 2 bad usage or something that cannot run here (a
@@ -20,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import pathlib
 import statistics
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import mlx.core as mx
 
@@ -37,14 +42,21 @@ __all__ = [
     "EXIT_USAGE",
     "InterruptedWithPartialResult",
     "PROGRAM",
+    "SEED_MAX",
     "StepProgress",
+    "ToolParser",
     "Unavailable",
     "add_device_argument",
+    "error_line",
     "non_negative_float",
+    "output_file",
+    "output_folder",
     "positive_int",
+    "positive_int_at_most",
     "positive_int_list",
     "ratio_of_medians",
     "run_tool",
+    "seed",
     "select_device",
     "spread",
     "tool_parser",
@@ -81,13 +93,36 @@ class DefaultShownOnceFormatter(argparse.HelpFormatter):
         return f"{help_text} (default: %(default)s)"
 
 
-def tool_parser(subcommand_name: str, description: str) -> argparse.ArgumentParser:
+def error_line(operation: str, message: str) -> str:
+    """The one line a command prints on stderr when it refuses to run:
+    ``[operation] message``."""
+    return f"[{operation}] {message}"
+
+
+class ToolParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr,
+    ``[operation] message`` and where ``--help`` is (argparse's own prints
+    the whole usage first), exit status 2. ``operation`` is the
+    sub-command's name (default: ``prog``)."""
+
+    def __init__(self, *arguments: Any, operation: Optional[str] = None, **options: Any) -> None:
+        super().__init__(*arguments, **options)
+        self.operation = operation or self.prog
+
+    def error(self, message: str) -> NoReturn:
+        line = error_line(self.operation, f"{message} ({self.prog} --help lists the options)")
+        self.exit(EXIT_USAGE, line + "\n")
+
+
+def tool_parser(subcommand_name: str, description: str) -> ToolParser:
     """The parser of one sub-command: its usage line names the command as
-    typed, and every option's help shows its default once."""
-    return argparse.ArgumentParser(
+    typed, every option's help shows its default once, and a bad argument
+    is one line on stderr, ``[subcommand] message``."""
+    return ToolParser(
         prog=f"{PROGRAM} {subcommand_name}",
         description=description,
         formatter_class=DefaultShownOnceFormatter,
+        operation=subcommand_name,
     )
 
 
@@ -111,6 +146,77 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def positive_int_at_most(maximum: int) -> Callable[[str], int]:
+    """argparse ``type`` of a count from 1 to ``maximum``."""
+
+    def bounded_count(text: str) -> int:
+        value = positive_int(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
+        return value
+
+    return bounded_count
+
+
+# Every tool's seed is an integer in numpy's seed range: MLX keys take 64
+# bits, but parity's case keys use the seed's low 32 bits, so a wider seed
+# would repeat another's values.
+SEED_MAX = 2**32 - 1
+
+
+def seed(text: str) -> int:
+    """argparse ``type`` of ``--seed``, the same for every command: an
+    integer from 0 to ``SEED_MAX`` (2**32 - 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be from 0 to {SEED_MAX}, got {value}")
+    return value
+
+
+def _writable(folder: pathlib.Path) -> bool:
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
+def output_folder(text: str) -> pathlib.Path:
+    """argparse ``type`` of a folder a command writes files into: an
+    existing writable folder, or one it can create (its nearest existing
+    parent is a writable folder). Checked when the arguments are read, so
+    a bad path stops the command before it measures anything."""
+    path = pathlib.Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+        if not _writable(path):
+            raise argparse.ArgumentTypeError(f"folder {text} is not writable")
+        return path
+    existing = path.absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot create {text}: {existing} is not a folder")
+    if not _writable(existing):
+        raise argparse.ArgumentTypeError(f"cannot create {text}: {existing} is not writable")
+    return path
+
+
+def output_file(text: str) -> pathlib.Path:
+    """argparse ``type`` of a file a command writes: not a folder, in an
+    existing writable folder (none is created), itself writable if it
+    exists. Checked when the arguments are read, before any work."""
+    path = pathlib.Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give the path of a file")
+    folder = path.absolute().parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"no folder {folder} to write {path.name} into")
+    if not _writable(folder) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text} is not writable")
+    return path
 
 
 def non_negative_float(text: str) -> float:
@@ -171,11 +277,15 @@ def run_tool(
         code = exit_request.code
         return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
     except (Unavailable, PathUnavailable) as cannot_run:
-        print(f"{parser.prog}: {cannot_run}", file=sys.stderr)
+        print(error_line(_operation(parser), str(cannot_run)), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        print(error_line(_operation(parser), "interrupted"), file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _operation(parser: argparse.ArgumentParser) -> str:
+    return getattr(parser, "operation", parser.prog)
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
