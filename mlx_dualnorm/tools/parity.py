@@ -89,6 +89,7 @@ __all__ = [
     "Weighting",
     "build_case_inputs",
     "build_full_parity_matrix",
+    "build_parser",
     "build_quick_parity_matrix",
     "check_path_parity",
     "check_paths",
@@ -205,10 +206,13 @@ def _parity_parser(selection: PathSelection) -> argparse.ArgumentParser:
     )
     selection.add_path_argument(parser, "check")
     parser.add_argument(
-        "--quick", action="store_true", help="run the quick matrix (about 60 small cases)"
+        "--quick", action="store_true",
+        help=f"run the quick matrix ({len(build_quick_parity_matrix())} dual norm cases and "
+        f"{len(rope_parity.build_rope_parity_matrix(quick=True))} norm + RoPE cases)",
     )
     parser.add_argument(
-        "--seed", type=int, default=DEFAULT_PARITY_SEED, help="seed of the matrix and its values"
+        "--seed", type=command.seed, default=DEFAULT_PARITY_SEED,
+        help=f"seed of the matrix and its values, 0 to {command.SEED_MAX}",
     )
     parser.add_argument(
         "--family",
@@ -303,6 +307,22 @@ def check_paths(
     return list(reports.values())
 
 
+def _path_selection(
+    path_factories: Optional[Mapping[str, DualNormPathFactory]]
+) -> PathSelection:
+    return PathSelection.of(
+        path_factories,
+        PATH_FACTORIES,
+        extra_names=list(rope_parity.ROPE_PATH_DESCRIPTIONS),
+        extra_default_names=rope_parity.available_rope_paths(),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser, over the registered paths."""
+    return _parity_parser(_path_selection(None))
+
+
 def main(
     argv: Optional[Sequence[str]] = None,
     *,
@@ -312,12 +332,7 @@ def main(
     verdict line; exits 1 when any path mismatches anywhere, 2 when a path
     named cannot run here. ``path_factories`` replaces the registered paths
     (a test's deliberately broken path, say), the norm + RoPE left out."""
-    selection = PathSelection.of(
-        path_factories,
-        PATH_FACTORIES,
-        extra_names=list(rope_parity.ROPE_PATH_DESCRIPTIONS),
-        extra_default_names=rope_parity.available_rope_paths(),
-    )
+    selection = _path_selection(path_factories)
 
     def run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         command.select_device(arguments.device, parser)

@@ -59,6 +59,7 @@ __all__ = [
     "ReplayComparison",
     "ReplayModelConfig",
     "ReplayReport",
+    "build_parser",
     "build_replay_model",
     "compare_decode_traces",
     "format_replay_report",
@@ -596,13 +597,19 @@ def _replay_parser(selection: PathSelection) -> argparse.ArgumentParser:
         help="greedy tokens to decode",
     )
     parser.add_argument(
-        "--seed", type=int, default=ReplayModelConfig.seed, help="seed of the weights and prompt"
+        "--seed", type=command.seed, default=ReplayModelConfig.seed,
+        help=f"seed of the weights and prompt, 0 to {command.SEED_MAX}",
     )
     parser.add_argument(
         "--dtype", choices=sorted(_DTYPES_BY_NAME), default="bfloat16", help="model dtype"
     )
     command.add_device_argument(parser)
     return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser, over the registered paths."""
+    return _replay_parser(PathSelection.of(None, PATH_FACTORIES))
 
 
 def main(
