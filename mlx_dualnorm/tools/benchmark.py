@@ -76,7 +76,9 @@ from mlx_dualnorm.tools.paths import (
     PATH_REGISTRY,
     PathUnavailable,
     package_mode_factory,
+    refuse_unavailable,
     register_path,
+    unavailable_paths,
 )
 
 __all__ = [
@@ -94,6 +96,7 @@ __all__ = [
     "PathUnavailable",
     "REPORT_SCHEMA",
     "Scenario",
+    "build_parser",
     "format_report_table",
     "interleaved_samples",
     "main",
@@ -121,8 +124,9 @@ def _benchmark_parser() -> argparse.ArgumentParser:
         "per call, us per decode token, prefill time and peak memory. Every ratio is "
         "time(path) / time(composed): lower is better.",
     )
-    parser.add_argument("--output-dir", type=pathlib.Path, default=None,
-                        help=f"write {JSON_FILE_NAME} and {CHART_FILE_NAME} into this folder")
+    parser.add_argument("--output-dir", type=command.output_folder, default=None,
+                        help=f"write {JSON_FILE_NAME} and {CHART_FILE_NAME} into this folder "
+                             "(created if missing; checked before the run)")
     parser.add_argument("--quick", action="store_true",
                         help="a few-second smoke run (fewer repeats and samples)")
     parser.add_argument("--repeats", type=command.positive_int, default=None,
@@ -154,6 +158,10 @@ def _config_from_arguments(
         config.selected_paths()
     except ValueError as bad_paths:
         parser.error(str(bad_paths))
+    if config.paths is not None:
+        # A path asked for by name that cannot run here is refused (exit 2),
+        # as parity and replay refuse it; left to the default, it is skipped.
+        refuse_unavailable(unavailable_paths(config.paths, config.eps))
     return config
 
 
@@ -179,11 +187,23 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if isinstance(partial, BenchmarkReport) and partial.config.repeats:
             print(format_report_table(partial, all_metrics=arguments.all_metrics))
         raise
-    if arguments.output_dir is not None:
-        _write_files(report, arguments.output_dir, plot=not arguments.no_plot)
     progress_to_stderr(f"benchmark took {report.elapsed_s:.1f} s")
-    print(format_report_table(report, all_metrics=arguments.all_metrics))
+    # The table first: a write that fails after the check (a full disk, a
+    # folder removed meanwhile) loses nothing that was measured.
+    print(format_report_table(report, all_metrics=arguments.all_metrics), flush=True)
+    if arguments.output_dir is not None:
+        try:
+            _write_files(report, arguments.output_dir, plot=not arguments.no_plot)
+        except OSError as failed:
+            raise command.Unavailable(
+                f"could not write into {arguments.output_dir}: {failed.strerror or failed}"
+            ) from failed
     return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser."""
+    return _benchmark_parser()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -88,6 +88,7 @@ from mlx_dualnorm.tools.mlx_lm_synthetic import (
 __all__ = [
     "DecodeMeasurement",
     "PairedTiming",
+    "build_parser",
     "main",
     "run_decode",
     "run_generation",
@@ -432,7 +433,10 @@ def _bench_parser() -> argparse.ArgumentParser:
         help="the full run even on a CPU: the larger defaults and decode models at their "
         "released sizes (over an hour on 2 CPU cores; the default on a GPU)",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    parser.add_argument(
+        "--json", metavar="PATH", type=command.output_file,
+        help="also write the report as JSON to PATH (its folder must exist; checked before the run)",
+    )
     parser.add_argument(
         "--ranks", type=int, default=None,
         help="instead: the decode models with Model.shard, tensor-parallel over this many ranks "
@@ -625,9 +629,25 @@ def _print_report(arguments: argparse.Namespace, results: _Results, seconds: flo
             "timings": [timing.summary() for timing in timings],
             "decode": [measurement.summary() for measurement in decode_measurements],
         }
-        Path(arguments.json).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {arguments.json}", file=sys.stderr)
+        write_json_report(arguments.json, report)
     return 1 if _report_mismatches(decode_measurements) else 0
+
+
+def write_json_report(path: Path, report: object) -> None:
+    """Writes ``--json`` after the tables are printed; a write that fails
+    anyway (the path was checked when the arguments were read) is one line
+    and exit 2, the measurements already on stdout."""
+    sys.stdout.flush()
+    try:
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as failed:
+        raise command.Unavailable(f"could not write {path}: {failed.strerror or failed}") from failed
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser."""
+    return _bench_parser()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -339,7 +339,8 @@ def run_ranks_command(arguments, decode_models: Sequence[str], quick_vocabulary:
         print(format_bench_report(report), flush=True)
         reports.append(report)
     if arguments.json:
-        Path(arguments.json).write_text(json.dumps({"ranks": reports}, indent=2) + "\n")
-        print(f"wrote {arguments.json}", file=sys.stderr)
+        from mlx_dualnorm.tools.mlx_lm_bench import write_json_report
+
+        write_json_report(arguments.json, {"ranks": reports})
     failed = any(report["token_mismatches"] or not report["ok"] for report in reports)
     return 1 if failed else 0
