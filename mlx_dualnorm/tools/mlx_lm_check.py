@@ -41,7 +41,8 @@ from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm, Mode
 from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm import full_attention, gated_delta, head_norms, qwen3_like
+from mlx_dualnorm.integrations.mlx_lm import cache_update, gated_delta, head_norms, norm_rope
+from mlx_dualnorm.integrations.mlx_lm import qwen3_like
 from mlx_dualnorm.integrations.mlx_lm.engagement import (
     NORM_ONLY,
     NORM_ROPE,
@@ -75,6 +76,18 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 FALLBACK_VOCABULARY = 1000  # prompt ids stay below this when the config has none
 WARM_UP_TOKENS = 2
 DEFAULT_TIMING_ROUNDS = 3
+# The longest prompt taken (--prompt-tokens, or --prompt once encoded): two
+# of mlx-lm's 2048-token prefill chunks. Each run processes the prompt
+# again, and on a CPU a 4096-token prompt takes minutes a run.
+MAX_PROMPT_TOKENS = 4096
+# From this prompt length on, each generation run is a progress line on
+# stderr with the time left.
+LONG_PROMPT_TOKENS = 256
+# The files of a Hugging Face tokenizer, one of which --prompt needs.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+    "spiece.model",
+)
 
 
 # ---- Greedy generation through mlx-lm -------------------------------------
@@ -241,11 +254,11 @@ class AttentionLayerCounts:
 # The integration's full-attention preworks: (module, function name), each
 # a module global its replacement calls read at each call.
 _PREWORKS = (
-    (full_attention, "_rotated_queries_and_keys"),
+    (norm_rope, "rotated_queries_and_keys"),
     # A (Batch)KVCache / (Batch)RotatingKVCache step's norm + RoPE with the
     # cache write (the prework above then runs only where this one returns
     # None).
-    (full_attention, "_written_in_one_call"),
+    (cache_update, "_written_in_one_call"),
     (qwen3_like, "_normalized_heads"),  # its layers without RoPE
     (head_norms, "normalized_pair"),
     (head_norms, "normalized_rotated_heads"),
@@ -369,22 +382,29 @@ def run_check(
     max_tokens: int,
     mode: Optional[Mode] = None,
     timing_rounds: int = DEFAULT_TIMING_ROUNDS,
+    progress: Optional[Callable[[str], None]] = None,
 ) -> CheckResult:
     """Unpatched, then patched (``mode``), greedy generation; compared. A
     short run each way first warms both up (compiles, folds, allocator), so
     the first-token times compare like with like. The compared runs are the
     first of ``timing_rounds`` timing rounds; the others run both ways again,
-    the order alternating, for the spread of the time ratio."""
+    the order alternating, for the spread of the time ratio. ``progress``
+    is called after each generation run with what it was."""
+    run_done = progress or (lambda detail: None)
     with integration.unpatch():
         greedy_generate(model, prompt, WARM_UP_TOKENS)
+    run_done("unpatched warm-up")
     with integration.patch(mode), recording_prework_kinds() as kinds:
         greedy_generate(model, prompt, WARM_UP_TOKENS)
+    run_done("patched warm-up")
     with integration.unpatch():
         reference = greedy_generate(model, prompt, max_tokens)
+    run_done("unpatched, compared")
     with integration.patch(mode), count_normalize_qk_calls() as counts, \
             count_norm_rope_calls() as attention:
         patched = greedy_generate(model, prompt, max_tokens)
         engagement = layer_engagement(model, kinds.prework_of)
+    run_done("patched, compared")
     result = CheckResult(
         reference, patched, compare_traces(reference, patched), counts, attention,
         engagement,
@@ -392,6 +412,7 @@ def run_check(
     if not result.comparison.identical:
         with integration.unpatch():
             repeat = greedy_generate(model, prompt, max_tokens)
+        run_done("unpatched rerun")
         result.reference_repeat = compare_traces(reference, repeat)
     result.unpatched_round_ms.append(reference.median_decode_ms)
     result.patched_round_ms.append(patched.median_decode_ms)
@@ -400,6 +421,7 @@ def run_check(
         for patched_round in order:
             with integration.patch(mode) if patched_round else integration.unpatch():
                 milliseconds = greedy_generate(model, prompt, max_tokens).median_decode_ms
+            run_done(f"timing round {round_index + 1}, {'patched' if patched_round else 'unpatched'}")
             rounds = result.patched_round_ms if patched_round else result.unpatched_round_ms
             rounds.append(milliseconds)
     return result
@@ -426,8 +448,14 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
             else f"DIFFER from step {comparison.first_logits_divergence} "
             f"(max |difference| {comparison.max_abs_logit_difference:.6g})"
         ),
-        f"  normalize_qk:   {result.counts.calls / model_steps:.1f} calls per step, "
-        f"{result.counts.folded} folded, {result.counts.original} ran mlx-lm's function",
+        *(
+            [
+                f"  normalize_qk:   {result.counts.calls / model_steps:.1f} calls per step, "
+                f"{result.counts.folded} folded, {result.counts.original} ran mlx-lm's function"
+            ]
+            if _has_gated_delta_layers(result)
+            else []
+        ),
         *_engagement_lines(result, model_steps),
         f"  ms per token:   unpatched {_median_text(result.unpatched_round_ms)}, "
         f"patched {_median_text(result.patched_round_ms)} (median over rounds of the "
@@ -453,9 +481,17 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
     return "\n".join(lines)
 
 
+def _has_gated_delta_layers(result: CheckResult) -> bool:
+    """Whether the model has gated-delta layers: their every step calls
+    mlx-lm's ``normalize_qk``, which the patched run counted (folded or
+    not); a model without them gets no gated-delta lines."""
+    return result.counts.calls > 0
+
+
 def _engagement_lines(result: CheckResult, model_steps: int) -> list[str]:
-    """What the patch engaged, by count: gated-delta calls folded, attention layers
-    by prework and class, and those left to mlx-lm's code with the reason."""
+    """What the patch engaged, by count: gated-delta calls folded (for a
+    model with gated-delta layers), attention layers by prework and class,
+    and those left to mlx-lm's code with the reason."""
     engagement = result.engagement
     by_prework = engagement.engaged_by_prework()
     others = "".join(
@@ -463,9 +499,14 @@ def _engagement_lines(result: CheckResult, model_steps: int) -> list[str]:
         for prework, layers in by_prework.items()
         if prework not in (NORM_ONLY, NORM_ROPE)
     )
-    lines = [
-        f"  engaged:        gated-delta calls folded {result.counts.folded} "
+    gated_delta_part = (
+        f"gated-delta calls folded {result.counts.folded} "
         f"({result.counts.folded / model_steps:.1f} per step); "
+        if _has_gated_delta_layers(result)
+        else ""
+    )
+    lines = [
+        f"  engaged:        {gated_delta_part}"
         f"norm-only layers {by_prework.get(NORM_ONLY, 0)}; "
         f"norm + RoPE layers {by_prework.get(NORM_ROPE, 0)}{others}",
     ]
@@ -488,15 +529,25 @@ def _median_text(milliseconds: list[float]) -> str:
 
 def _ratio_text(result: CheckResult) -> str:
     """patched / unpatched: the ratio of the medians printed beside it,
-    then the per-round ratios' range and the number of rounds."""
+    then the per-round ratios' range and the number of rounds, and, where
+    that range spans 1.0 (some rounds faster, some slower), that the ratio
+    measures no speed-up or slow-down. One round has no range: it says so."""
     ratio = command.ratio_of_medians(result.patched_round_ms, result.unpatched_round_ms)
     ratios = result.round_time_ratios
     if ratio is None or not ratios:
         return "patched / unpatched n/a"
-    return (
+    text = (
         f"patched / unpatched {ratio:.2f}x (per round {min(ratios):.2f}..{max(ratios):.2f}, "
         f"{len(ratios)} round{'s' if len(ratios) != 1 else ''}), lower is better"
     )
+    if len(ratios) == 1:
+        return text + "; one round has no spread, so this ratio may be noise (--rounds 3 or more)"
+    if min(ratios) <= 1.0 <= max(ratios):
+        return text + (
+            "; NOISE: the per-round range spans 1.0 (patched was faster in some rounds, "
+            "slower in others), so this ratio is not a measured speed-up or slow-down"
+        )
+    return text
 
 
 def _load_local_model(path_text: str) -> tuple[nn.Module, dict, Path]:
@@ -523,6 +574,30 @@ class _UsageError(Exception):
     pass
 
 
+def _encoded_prompt(folder: Path, text: str) -> mx.array:
+    """``--prompt``: the token ids of ``text`` from the folder's own
+    tokenizer; a folder without one, a tokenizer mlx-lm cannot load, or a
+    prompt of no tokens or too many is a usage error."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise _UsageError(
+            f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), so --prompt "
+            "cannot be encoded; leave --prompt out to use a fixed prompt of token ids"
+        )
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        token_ids = list(load_tokenizer(folder).encode(text))
+    except Exception as error:  # whatever transformers raises for a broken tokenizer
+        raise _UsageError(f"mlx-lm could not load the tokenizer of {folder}: {error}") from error
+    if not token_ids:
+        raise _UsageError(f"the tokenizer of {folder} encodes the prompt {text!r} to no tokens")
+    if len(token_ids) > MAX_PROMPT_TOKENS:
+        raise _UsageError(
+            f"the prompt encodes to {len(token_ids)} tokens; at most {MAX_PROMPT_TOKENS}"
+        )
+    return mx.array(token_ids)
+
+
 def _vocabulary_size(config: dict) -> int:
     for source in (config, config.get("text_config") or {}):
         vocabulary = source.get("vocab_size")
@@ -547,18 +622,21 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--synthetic",
         choices=SYNTHETIC_MODEL_TYPES,
-        help="a small random model with real gated-delta head widths",
+        metavar="NAME",
+        help="a small random model of the mlx-lm family NAME, built here: "
+        f"{', '.join(SYNTHETIC_MODEL_TYPES)}",
     )
     parser.add_argument(
         "--tokens", type=command.positive_int, default=64, help="greedy tokens to generate"
     )
     parser.add_argument(
         "--prompt",
-        help="prompt text, encoded with the model folder's tokenizer (--model only); "
-        "default: a fixed prompt of token ids",
+        help="prompt text, encoded with the model folder's tokenizer (--model only; at most "
+        f"{MAX_PROMPT_TOKENS} tokens); default: a fixed prompt of token ids",
     )
     parser.add_argument(
-        "--prompt-tokens", type=command.positive_int, default=12, help="length of the fixed prompt"
+        "--prompt-tokens", type=command.positive_int_at_most(MAX_PROMPT_TOKENS), default=12,
+        help=f"length of the fixed prompt, at most {MAX_PROMPT_TOKENS}",
     )
     parser.add_argument(
         "--rounds",
@@ -573,7 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=tuple(DTYPES), help="--synthetic only: weight dtype (default per model)"
     )
     parser.add_argument(
-        "--seed", type=int, default=DEFAULT_SEED, help="--synthetic only: weight seed"
+        "--seed", type=command.seed, default=DEFAULT_SEED,
+        help=f"--synthetic only: weight seed, 0 to {command.SEED_MAX}",
     )
     command.add_device_argument(parser)
     return parser
@@ -592,7 +671,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         with integration.patch(args.mode):
             pass
     except (RuntimeError, ValueError) as error:
-        print(f"{PROGRAM}: {error}", file=sys.stderr)
+        print(command.error_line("mlx-lm-check", str(error)), file=sys.stderr)
         return EXIT_USAGE
     try:
         if args.synthetic is not None:
@@ -613,16 +692,20 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             model, config, path = _load_local_model(args.model)
             model_name = str(path)
             if args.prompt is not None:
-                from mlx_lm.utils import load_tokenizer
-
-                prompt = mx.array(load_tokenizer(path).encode(args.prompt))
+                prompt = _encoded_prompt(path, args.prompt)
             else:
                 prompt = prompt_token_ids(_vocabulary_size(config), args.prompt_tokens)
     except (_UsageError, ValueError) as error:
-        print(f"{PROGRAM}: {error}", file=sys.stderr)
+        print(command.error_line("mlx-lm-check", str(error)), file=sys.stderr)
         return EXIT_USAGE
 
-    result = run_check(model, prompt, args.tokens, args.mode, timing_rounds=args.rounds)
+    progress = None
+    if prompt.size >= LONG_PROMPT_TOKENS:
+        runs = 2 + 2 * args.rounds  # two warm-ups, then each way once per round
+        progress = command.StepProgress(f"mlx-lm-check, {prompt.size}-token prompt, runs", runs).step
+    result = run_check(
+        model, prompt, args.tokens, args.mode, timing_rounds=args.rounds, progress=progress
+    )
     print(format_result(result, model_name, int(prompt.size)))
     return EXIT_IDENTICAL if result.comparison.identical else EXIT_DIVERGED
 

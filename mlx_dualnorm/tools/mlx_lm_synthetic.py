@@ -1,14 +1,19 @@
-"""Small random mlx-lm models with real gated-delta head shapes.
+"""Small random mlx-lm models with the head shapes of released models.
 
 Built from mlx-lm's own model classes (``mlx_lm.models.qwen3_next``,
-``mlx_lm.models.qwen3_5``) and a config dict like a checkpoint's
-config.json, with random weights from a fixed seed: nothing is downloaded.
-The model is tiny (hidden size 64, vocabulary 512, four layers: three
-gated-delta and one full-attention), but its gated-delta layers have the
+``mlx_lm.models.qwen3_5``, ``qwen3``, ``qwen3_moe``, ...) and a config
+dict like a checkpoint's config.json, with random weights from a fixed
+seed: nothing is downloaded. The gated-delta models are tiny (hidden size
+64, vocabulary 512, four layers: three gated-delta and one
+full-attention), but their gated-delta layers have the
 real head layout of Qwen3-Next: 16 key heads of width 128 and 32 value
 heads of width 128, so each token normalizes q and k of shape
-``(1, 1, 16, 128)``, as the 80B model does; its full-attention layer has
+``(1, 1, 16, 128)``, as the 80B model does; their full-attention layer has
 the real head_dim 256 with 16 query and 2 key/value heads.
+
+``qwen3`` and ``qwen3_moe`` (mlx-lm's dense and mixture-of-experts Qwen3)
+have two full-attention layers with Qwen3's head layout: 16 query and 8
+key/value heads of width 128; ``qwen3`` is bfloat16, ``qwen3_moe`` float32.
 
 ``qwen3_next`` has a mixture-of-experts MLP and is built in float32 by
 default (MLX 0.32's CPU gather_mm, which the experts use, takes float32
@@ -131,6 +136,30 @@ _CONFIGS: dict[str, dict[str, object]] = {
 DEFAULT_DTYPES = {"qwen3_next": mx.float32, "qwen3_5": mx.bfloat16}
 # The models with gated-delta layers (mlx-lm-bench's default).
 GATED_DELTA_MODEL_TYPES = tuple(_CONFIGS)
+
+# mlx-lm's qwen3 (dense) and qwen3_moe: full attention only, two layers
+# with the head layout of Qwen3-0.6B and -1.7B (16 query heads and 8
+# key/value heads of width 128), so each layer's norm + RoPE runs at the
+# released shapes.
+_QWEN3 = {
+    **{key: value for key, value in SMALL_DECODER.items() if key != "full_attention_interval"},
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 1_000_000.0,
+}
+_CONFIGS["qwen3"] = {"model_type": "qwen3", **_QWEN3}
+_CONFIGS["qwen3_moe"] = {
+    "model_type": "qwen3_moe",
+    **_QWEN3,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 32,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+}
+DEFAULT_DTYPES.update({"qwen3": mx.bfloat16, "qwen3_moe": mx.float32})
 
 # The families with qwen3's q/k prework in other attention classes.
 _CONFIGS.update(QWEN3_LIKE_CONFIGS)
