@@ -9,6 +9,12 @@ compares that record with the installed MLX before any extension module,
 ``mlx.core`` included, is loaded, and raises an ImportError that says both
 and how to fix it.
 
+The command line (``python -m mlx_dualnorm``) gets the same message as
+one line on stderr and exit status 2, "cannot run here", in place of the
+ImportError's traceback: Python imports the package before it runs its
+``__main__``, so the guard itself tells that start-up apart (by runpy's
+frame on the stack); every other import gets the ImportError.
+
 This module reads package metadata only (no MLX import), so ``build_ffi.py``
 loads it by path to describe the MLX it builds against in the same terms.
 """
@@ -19,6 +25,8 @@ import ast
 import importlib.metadata
 import importlib.util
 import pathlib
+import sys
+from types import FrameType
 from typing import NamedTuple, Optional
 
 CHECK_OPERATION = "import mlx_dualnorm"
@@ -133,9 +141,41 @@ REBUILD_HINT = (
 )
 
 
+COMMAND_LINE_PACKAGE = "mlx_dualnorm"
+EXIT_CANNOT_RUN_HERE = 2  # the command line's status for "cannot run here"
+
+
+def _imported_to_run_the_command_line() -> bool:
+    """Whether this import is ``python -m mlx_dualnorm`` (or ``-m`` of one
+    of its modules) loading the package to run it: runpy's
+    ``_run_module_as_main`` for that module is on the stack."""
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None:
+        if (
+            frame.f_code.co_name == "_run_module_as_main"
+            and frame.f_globals.get("__name__") == "runpy"
+        ):
+            module = str(frame.f_locals.get("mod_name", ""))
+            return module == COMMAND_LINE_PACKAGE or module.startswith(COMMAND_LINE_PACKAGE + ".")
+        frame = frame.f_back
+    return False
+
+
 def check_installed_mlx() -> None:
     """Raises ImportError unless the installed MLX is the one the extension
-    modules were compiled against (same release, same backend)."""
+    modules were compiled against (same release, same backend); under
+    ``python -m mlx_dualnorm``, prints its message as one line on stderr
+    and exits 2 instead."""
+    try:
+        _check_installed_mlx()
+    except ImportError as refusal:
+        if not _imported_to_run_the_command_line():
+            raise
+        print(refusal, file=sys.stderr)
+        raise SystemExit(EXIT_CANNOT_RUN_HERE) from None
+
+
+def _check_installed_mlx() -> None:
     recorded = _recorded_build()
     installed = installed_mlx()
     if recorded is None:
