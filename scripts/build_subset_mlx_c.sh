@@ -12,8 +12,11 @@
 #                              libmlx.so it was built against
 #
 # Environment: PYTHON (the interpreter whose `mlx` is built against,
-# default python3), CXX (default g++), CXXFLAGS (default -O2), JOBS
-# (parallel compiles, default 2: the build machines are small).
+# default the python3 on PATH: give a virtual environment's, e.g.
+# PYTHON=.venv/bin/python, when MLX is installed there), CXX (default g++),
+# CXXFLAGS (default -O2), JOBS (parallel compiles, default 2: the build
+# machines are small). The script says which Python it uses, and stops
+# with one line when that Python has no MLX.
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -28,8 +31,20 @@ CXXFLAGS="${CXXFLAGS:--O2}"
 JOBS="${JOBS:-2}"
 SUBSET="$REPO/csrc/mlxc"
 
+PYTHON_PATH="$(command -v "$PYTHON" || true)"
+if [[ -z "$PYTHON_PATH" ]]; then
+  echo "mlx-c subset: no Python '$PYTHON' found; set PYTHON= to the interpreter that has MLX installed (e.g. PYTHON=.venv/bin/python)" >&2
+  exit 2
+fi
+echo "mlx-c subset: using Python $PYTHON_PATH (set PYTHON= to use another)"
+# From /, so the caller's folder cannot add a stray `mlx` portion.
+if ! (cd / && "$PYTHON_PATH" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("mlx.core") is None)') 2>/dev/null; then
+  echo "mlx-c subset: $PYTHON_PATH has no MLX (import mlx.core fails); set PYTHON= to the interpreter that has it (e.g. PYTHON=.venv/bin/python), or install it there: pip install 'mlx[cpu]'" >&2
+  exit 2
+fi
+
 source "$REPO/scripts/mlx_wheel.sh"
-MLX_DIR="$(mlx_wheel_dir "$PYTHON")"
+MLX_DIR="$(mlx_wheel_dir "$PYTHON_PATH")"
 echo "mlx-c subset: building $SUBSET against $MLX_DIR"
 
 OBJECTS="$(mktemp -d "${TMPDIR:-/tmp}/build_subset_mlx_c.XXXXXX")"
