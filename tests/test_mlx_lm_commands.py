@@ -193,6 +193,28 @@ def test_the_dispatch_is_mlx_lms(arguments, work_folder):
         assert theirs[-1] in patched.stderr.splitlines(), describe(patched)
 
 
+def test_the_console_script_is_this_command(work_folder):
+    """pyproject.toml's script runs :func:`mlx_dualnorm.mlx_lm.main` the way
+    an installed console script does: ``sys.exit(main())``."""
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+    scripts = tomllib.loads(pyproject.read_text())["project"]["scripts"]
+    assert scripts["mlx-lm-dualnorm"] == "mlx_dualnorm.mlx_lm:main"
+    code = (
+        "import sys\n"
+        "from importlib.metadata import EntryPoint\n"
+        f"main = EntryPoint('mlx-lm-dualnorm', {scripts['mlx-lm-dualnorm']!r}, "
+        "'console_scripts').load()\n"
+        "sys.argv[0] = 'mlx-lm-dualnorm'\n"
+        "sys.exit(main())\n"
+    )
+    script = run_command((sys.executable, "-c", code, "--version"), cwd=work_folder)
+    unpatched = run_command(UNPATCHED, "--version", cwd=work_folder)
+    assert script.returncode == unpatched.returncode == 0, describe(script)
+    assert script.stdout == unpatched.stdout
+    engagement_line(script)
+
+
 # ---- generate, benchmark, lora --------------------------------------------------------
 
 TIMING_LINE = re.compile(r"^(Prompt|Generation): \d+ tokens, [\d.]+ tokens-per-sec$|^Peak memory: ")
