@@ -139,7 +139,9 @@ def test_a_newer_release_runs_what_changed_as_shipped_and_patches_the_rest(tmp_p
         path.write_text(text.replace(old, new))
     process = run_python(
         NEWER_RELEASE,
-        env_overrides={"PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(copied.parent)])},
+        env_overrides={"PYTHONPATH": os.pathsep.join(
+            [str(TESTS_DIR), str(copied.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )},
         timeout_s=600,
     )
     assert process.returncode == 0, describe(process)
