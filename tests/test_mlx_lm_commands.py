@@ -95,10 +95,14 @@ def engagement(summary: str) -> dict:
 
 
 def assert_engaged(summary: str, *, at_least_calls: int) -> None:
-    """The patch ran: at least ``at_least_calls`` calls through the
-    package, no layer left to mlx-lm's code, in steps of one call per layer."""
+    """The patch ran: every layer of the model (or models) the command
+    loaded engaged, none left to mlx-lm's code, and at least
+    ``at_least_calls`` calls through the package, in steps of one call per
+    layer."""
     counts = engagement(summary)
     assert counts["left"] == 0, summary
+    assert counts["engaged"] >= LAYERS and counts["engaged"] % LAYERS == 0, summary
+    assert counts["by class"] == f"qwen3.Attention {counts['engaged']}", summary
     assert counts["calls"] >= at_least_calls and counts["calls"] % LAYERS == 0, summary
 
 
@@ -510,7 +514,7 @@ def test_the_server_answers_with_mlx_lms_tokens_and_text(model_folder, tmp_path)
     # Each layer runs at least once per generated token.
     generated = sum(len(_generated_tokens(answer)) for answer in logprob_answers)
     assert_engaged(summary, at_least_calls=LAYERS * generated)
-    # The server's model is alive at the end: its layers are counted, by class.
+    # One model: its layers, by class.
     counts = engagement(summary)
     assert (counts["engaged"], counts["by class"]) == (LAYERS, f"qwen3.Attention {LAYERS}"), summary
 

@@ -50,9 +50,13 @@ mode: Optional[Mode] = None
 
 @dataclasses.dataclass
 class _Tally:
-    """Calls of one patched class since it was installed: through the
-    package, and those of engaged layers that ran the class's own code."""
+    """One patched class since it was installed: its layers decided (alive
+    or not: a command's model may be gone by the time it reports), and the
+    calls of engaged layers, through the package and those that ran the
+    class's own code."""
 
+    engaged_layers: int = 0
+    left_layers: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     calls: int = 0
     fallbacks: int = 0
 
@@ -154,10 +158,13 @@ def _decide(layer: Any, attention_class: type) -> _Decision:
             weakref.ref(layer), family.call if engaged else original, engaged, reason,
             installed.tally,
         ))
-    if type(layer) is attention_class:
-        with _decisions_lock:
-            _decisions[id(layer)] = decision
-            _prune_decisions()
+        if engaged:
+            installed.tally.engaged_layers += 1
+        else:
+            installed.tally.left_layers[reason] += 1
+    with _decisions_lock:
+        _decisions[id(layer)] = decision
+        _prune_decisions()
     return decision
 
 
@@ -207,7 +214,8 @@ def _prune_decisions() -> None:
 
 
 def decision_of(layer: Any) -> Optional[tuple[bool, Optional[str]]]:
-    """(engaged, reason left) for a layer the patch has decided, else None."""
+    """(engaged, reason left) for a layer the patch has decided (a subclass
+    of a patched class included), else None."""
     decision = _decisions.get(id(layer))
     if decision is None or decision[0]() is not layer:
         return None
@@ -285,10 +293,10 @@ def patched_classes() -> list[type]:
 class ClassReport:
     """One registered attention class: ``patched`` (its pieces proven and
     the dispatcher installed), or ``unproven`` naming the pieces whose code
-    differs; among its live decided layers, ``engaged_layers`` and
-    ``left_layers`` (reason -> layers); ``calls`` through the package and
-    ``fallbacks`` (calls of engaged layers that ran the class's own code)
-    since it was patched."""
+    differs; since it was patched, the layers decided (``engaged_layers``,
+    and ``left_layers``: reason -> layers; subclasses of it count as left),
+    ``calls`` through the package and ``fallbacks`` (calls of engaged
+    layers that ran the class's own code)."""
 
     name: str
     patched: bool
@@ -323,16 +331,14 @@ class PatchReport:
         return sum(entry.calls - entry.fallbacks for entry in self.classes)
 
     def summary(self) -> str:
-        """One line: layers engaged and left, by class, package calls, and
-        the classes left unproven."""
+        """One line: layers engaged (by class) and left since the patch,
+        package calls, and the classes left unproven."""
         if not self.patched:
             return f"mlx_dualnorm: not patched ({self.mlx_lm})"
         engaged: collections.Counter = collections.Counter()
         for entry in self.classes:
             if entry.engaged_layers:
-                engaged[entry.name.rsplit(".", 2)[-2] + "." + entry.name.rsplit(".", 1)[-1]] += (
-                    entry.engaged_layers
-                )
+                engaged[entry.name.removeprefix("mlx_lm.models.")] += entry.engaged_layers
         parts = [
             f"mlx_dualnorm: {self.engaged_layers} attention layers engaged"
             + (f" ({', '.join(f'{name} {count}' for name, count in sorted(engaged.items()))})"
@@ -354,21 +360,12 @@ class PatchReport:
 def class_reports() -> tuple[ClassReport, ...]:
     """One :class:`ClassReport` per patched or unproven class."""
     with _state_lock:
-        layers: dict[type, list] = collections.defaultdict(list)
-        with _decisions_lock:
-            decisions = list(_decisions.values())
-        for decision in decisions:
-            layer = decision[0]()
-            if layer is not None:
-                layers[type(layer)].append(decision)
         entries = []
         for attention_class, installed in _installed.items():
-            decided = layers.get(attention_class, [])
-            left = collections.Counter(d[3] for d in decided if not d[2])
+            tally = installed.tally
             entries.append(ClassReport(
                 registry.class_name(attention_class), is_installed(attention_class), (),
-                sum(1 for d in decided if d[2]), dict(left),
-                installed.tally.calls, installed.tally.fallbacks,
+                tally.engaged_layers, dict(tally.left_layers), tally.calls, tally.fallbacks,
             ))
         for attention_class, pieces in unproven_classes.items():
             entries.append(ClassReport(
@@ -392,10 +389,12 @@ def warn_unproven_once(unproven: dict[str, str]) -> None:
     if _warned_unproven or not unproven:
         return
     _warned_unproven = True
+    count = len(unproven)
     lines = [
-        f"[{PATCH_OPERATION}] {installed_mlx_lm()}: {len(unproven)} of the classes and "
-        "functions the patch covers run their own code, which is not the code it was proven "
-        "on; the rest is patched (every one is proven on mlx-lm 0.32.2):"
+        f"[{PATCH_OPERATION}] {installed_mlx_lm()}: {count} of the classes and functions the "
+        f"patch covers {'runs its' if count == 1 else 'run their'} own code, which is not the "
+        "code the patch was proven on; the rest is patched (all of it is proven on mlx-lm "
+        "0.32.2):"
     ]
     lines += [f"  {name}: {what}" for name, what in sorted(unproven.items())]
     warnings.warn("\n".join(lines), RuntimeWarning, stacklevel=4)  # the caller of patch()
