@@ -36,6 +36,8 @@ if [[ -z "$PYTHON_PATH" ]]; then
   echo "mlx-c subset: no Python '$PYTHON' found; set PYTHON= to the interpreter that has MLX installed (e.g. PYTHON=.venv/bin/python)" >&2
   exit 2
 fi
+# Absolute (it runs from / below), symlinks kept: a venv's python is one.
+PYTHON_PATH="$(realpath -s "$PYTHON_PATH")"
 echo "mlx-c subset: using Python $PYTHON_PATH (set PYTHON= to use another)"
 # From /, so the caller's folder cannot add a stray `mlx` portion.
 if ! (cd / && "$PYTHON_PATH" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("mlx.core") is None)') 2>/dev/null; then

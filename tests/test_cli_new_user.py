@@ -323,12 +323,14 @@ def test_the_build_script_names_its_python_and_refuses_one_without_mlx(tmp_path)
     bare_python = tmp_path / "bare-python"
     bare_python.write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "$@"\n')
     bare_python.chmod(0o755)
+    # Named relative to the folder it is run from, as PYTHON=.venv/bin/python is.
     process = subprocess.run(
-        ["bash", str(BUILD_SCRIPT), str(tmp_path / "prefix")],
-        env={**os.environ, "PYTHON": str(bare_python)}, capture_output=True, text=True,
+        ["bash", str(BUILD_SCRIPT), str(tmp_path / "prefix")], cwd=str(tmp_path),
+        env={**os.environ, "PYTHON": "./bare-python"}, capture_output=True, text=True,
         timeout=120,
     )
     assert process.returncode == 2, describe(process)
+    bare_python = bare_python.resolve()
     named = f"mlx-c subset: using Python {bare_python} (set PYTHON= to use another)"
     assert named in process.stdout, describe(process)
     assert process.stderr.count("\n") == 1 and "Traceback" not in process.stderr, describe(process)
