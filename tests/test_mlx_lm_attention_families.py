@@ -148,6 +148,8 @@ def test_greedy_generation_is_bit_identical(model_type, pair_calls, norm_module_
         package_objects = [*head_norms._dual_norms.values(), *norm_rope._norm_ropes.values()]
         modes = {package_object.mode for package_object in package_objects}
         norm_ropes = len(norm_rope._norm_ropes)
+        fallbacks = {entry.name: entry.fallbacks for entry in integration.report().classes
+                     if entry.fallbacks}
 
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
     assert len(patched.step_logits) == GENERATED_TOKENS + 1
@@ -157,6 +159,8 @@ def test_greedy_generation_is_bit_identical(model_type, pair_calls, norm_module_
     # Norms and RoPE (plain or scaled, such as gemma4's proportional one on
     # its global layers) in one call where the layer's RoPE is covered.
     assert (norm_ropes > 0) is (model_type in NORM_ROPE_MODELS)
+    # No engaged layer's call ran mlx-lm's code instead (a silent fallback).
+    assert fallbacks == {}, fallbacks
     # Every engaged layer at the prompt and every generated step, through
     # the package, its norm modules not called; the others as before.
     assert pair_calls == {"package": engaged * (GENERATED_TOKENS + 2), "original": 0}
@@ -373,3 +377,23 @@ def test_mlx_lm_check_reports_the_engaged_layers(capsys):
     output = capsys.readouterr().out
     assert status == mlx_lm_check.EXIT_IDENTICAL, output
     assert "attention layers engaged 2, left to mlx-lm's code 2" in output
+
+
+def test_the_per_head_norm_and_rope_at_another_offset_is_one_call():
+    """gemma3n's and gemma4_text's path where the offset is not the cache's:
+    plain norms and nn.RoPE are ONE norm + RoPE call (not the norm pair and
+    the layer's RoPE, and never mlx-lm's code), with mlx-lm's bits."""
+    integration.clear_cache()
+    query_norm, key_norm = nn.RMSNorm(16, eps=1e-6), nn.RMSNorm(16, eps=1e-6)
+    rope = nn.RoPE(16, base=10_000.0)
+    queries = mx.random.normal((1, 3, 4, 16), key=mx.random.key(1)).astype(mx.bfloat16)
+    keys = mx.random.normal((1, 3, 2, 16), key=mx.random.key(2)).astype(mx.bfloat16)
+    expected = [
+        rope(norm(x).transpose(0, 2, 1, 3), offset=7)
+        for norm, x in ((query_norm, queries), (key_norm, keys))
+    ]
+    with integration.patch():
+        rotated = head_norms.normalized_rotated_heads(queries, keys, query_norm, key_norm, rope, 7)
+    assert rotated is not None and len(norm_rope._norm_ropes) == 1
+    for actual, reference in zip(rotated, expected):
+        assert_bit_identical(actual, reference)

@@ -20,10 +20,8 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import engagement, registry  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_check import (  # noqa: E402
-    greedy_generate,
-    recording_prework_kinds,
-)
+from mlx_dualnorm.integrations.mlx_lm.engine import recording_prework  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_check import greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     SYNTHETIC_MODEL_TYPES,
     build_model,
@@ -114,7 +112,7 @@ def test_the_record_has_each_layer_once_with_its_reason():
     first, second, third = (layer.self_attn for layer in model.layers)
     second.rope = OtherRoPE(32, base=10000.0)
     assert engagement.layer_engagement(model).left == {(QWEN3_ATTENTION, engagement.NOT_PATCHED): 3}
-    with integration.patch(), recording_prework_kinds() as kinds:
+    with integration.patch(), recording_prework() as kinds:
         record = engagement.layer_engagement(model)
         assert record.left == {(QWEN3_ATTENTION, engagement.NOT_CALLED): 3}
         first(mx.zeros((1, 2, 64)))
@@ -141,7 +139,7 @@ def test_a_subclass_of_a_registered_class_is_left_with_its_reason():
     subclass = type("CustomAttention", (attention_class,), {"__module__": __name__})
     layer = model.layers[0].self_attn
     object.__setattr__(layer, "__class__", subclass)
-    with integration.patch(), recording_prework_kinds() as kinds:
+    with integration.patch(), recording_prework() as kinds:
         greedy_generate(model, PROMPT, 2)
         record = engagement.layer_engagement(model, kinds.prework_of)
     assert record.left == {(f"{__name__}.CustomAttention", engagement.SUBCLASS): 1}
@@ -159,14 +157,19 @@ def test_a_layer_without_rope_is_measured_as_norm_only(capsys):
     assert "    1 norm + RoPE: mlx_lm.models.llama4_text.Attention\n" in output
 
 
-def test_recording_restores_the_composites():
-    from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
-    from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
+def test_recording_is_off_outside_its_block():
+    """Recording changes nothing of the package or mlx-lm, and records
+    nothing once its block has ended."""
+    from mlx_dualnorm.integrations.mlx_lm import engine
 
-    before = (CompiledDualHeadNorm.__call__, CompiledDualHeadNormRope.__call__)
-    with recording_prework_kinds():
-        assert CompiledDualHeadNormRope.__call__ is not before[1]
-    assert (CompiledDualHeadNorm.__call__, CompiledDualHeadNormRope.__call__) == before
+    model = build_model(QWEN3, dtype=mx.float32)
+    with integration.patch():
+        with recording_prework() as kinds:
+            greedy_generate(model, PROMPT, 1)
+        recorded = dict(kinds.by_layer)
+        greedy_generate(model, PROMPT, 1)
+    assert engine._prework_log is None
+    assert kinds.by_layer == recorded and len(recorded) == 3
 
 
 def test_fold_count_counts_the_folds_built():

@@ -133,6 +133,8 @@ def check_family(model, engaged, left_alone, call_counts):
     with integration.patch():
         patched = greedy_generate(model, prompt, GENERATED_TOKENS)
         decided = {index: is_engaged_layer(layer) for index, layer in layers.items()}
+        fallbacks = {entry.name: entry.fallbacks for entry in integration.report().classes
+                     if entry.fallbacks}
         for index in left_alone:  # mlx-lm's function itself, nothing of ours inside
             assert engine._decisions[id(layers[index])][1] is mlx_lm_calls[index]
 
@@ -143,6 +145,7 @@ def check_family(model, engaged, left_alone, call_counts):
     for actual, expected in zip(patched.step_logits, reference.step_logits):
         assert_bit_identical(actual, expected)
 
+    assert fallbacks == {}, fallbacks  # no engaged call ran mlx-lm's code instead
     assert sorted(index for index, on in decided.items() if on) == engaged
     assert sorted(index for index, on in decided.items() if not on) == left_alone
     assert {index: prework_calls.get(id(layers[index]), 0) for index in layers} == {

@@ -68,11 +68,8 @@ from mlx_dualnorm.tools.mlx_lm_bench_results import (
     format_decode_table,
     format_table,
 )
-from mlx_dualnorm.tools.mlx_lm_check import (
-    count_normalize_qk_calls,
-    greedy_generate,
-    recording_prework_kinds,
-)
+from mlx_dualnorm.integrations.mlx_lm.engine import recording_prework
+from mlx_dualnorm.tools.mlx_lm_check import count_normalize_qk_calls, greedy_generate
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DECODE_MODELS,
     DEFAULT_DTYPES,
@@ -307,7 +304,7 @@ def run_decode(
     def warm_up_recording_engagement() -> None:
         """The patched warm-up, with what the patch engaged in it."""
         with integration.patch(mode), count_normalize_qk_calls() as calls, \
-                recording_prework_kinds() as kinds:
+                recording_prework() as kinds:
             _timed_greedy_decode(
                 network, prompt, WARM_UP_DECODE_STEPS, progress, f"warm-up {PATCHED}"
             )

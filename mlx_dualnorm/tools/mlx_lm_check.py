@@ -30,26 +30,22 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dualnorm._bits import same_bits
-from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm, Mode
-from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
+from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm import cache_update, gated_delta, head_norms, norm_rope
-from mlx_dualnorm.integrations.mlx_lm import qwen3_like
 from mlx_dualnorm.integrations.mlx_lm.engagement import (
     NORM_ONLY,
     NORM_ROPE,
     LayerEngagement,
-    is_engaged_layer,
     layer_engagement,
 )
+from mlx_dualnorm.integrations.mlx_lm.engine import recording_prework
 from mlx_dualnorm.tools.mlx_lm_synthetic import (
     DEFAULT_SEED,
     SYNTHETIC_MODEL_TYPES,
@@ -219,28 +215,17 @@ class NormalizeQkCallCounts:
 
 @contextlib.contextmanager
 def count_normalize_qk_calls() -> Iterator[NormalizeQkCallCounts]:
-    """Counts patched ``normalize_qk`` calls while the block runs, by
-    wrapping the integration's entry point and its fallback (module
-    globals, read at each call). Not thread-safe: for this check only."""
+    """Counts the patched ``normalize_qk``'s calls while the block runs,
+    from the patch's own report (what it counted when the block ended,
+    less what it had counted before)."""
     counts = NormalizeQkCallCounts()
-    entry_point: Callable = gated_delta._normalize_qk
-    fall_back: Callable = gated_delta._fall_back
-
-    def counting_entry_point(*arguments):
-        counts.calls += 1
-        return entry_point(*arguments)
-
-    def counting_fall_back(*arguments):
-        counts.original += 1
-        return fall_back(*arguments)
-
-    gated_delta._normalize_qk = counting_entry_point
-    gated_delta._fall_back = counting_fall_back
+    before = integration.report()
     try:
         yield counts
     finally:
-        gated_delta._normalize_qk = entry_point
-        gated_delta._fall_back = fall_back
+        after = integration.report()
+        counts.calls = after.normalize_qk_calls - before.normalize_qk_calls
+        counts.original = after.normalize_qk_original - before.normalize_qk_original
 
 
 @dataclasses.dataclass
@@ -248,105 +233,19 @@ class AttentionLayerCounts:
     """The calls of engaged attention layers that ran the package's q/k
     prework (norm + RoPE, or the q/k norm pair)."""
 
-    norm_rope_calls: int = 0
-
-
-# The integration's full-attention preworks: (module, function name), each
-# a module global its replacement calls read at each call.
-_PREWORKS = (
-    (norm_rope, "rotated_queries_and_keys"),
-    # A (Batch)KVCache / (Batch)RotatingKVCache step's norm + RoPE with the
-    # cache write (the prework above then runs only where this one returns
-    # None).
-    (cache_update, "_written_in_one_call"),
-    (qwen3_like, "_normalized_heads"),  # its layers without RoPE
-    (head_norms, "normalized_pair"),
-    (head_norms, "normalized_rotated_heads"),
-)
+    package_calls: int = 0
 
 
 @contextlib.contextmanager
-def count_norm_rope_calls() -> Iterator[AttentionLayerCounts]:
-    """Counts engaged full-attention calls that ran one norm (+ RoPE) call
-    of the package, by wrapping the integration's preworks. Not
-    thread-safe: for this check only."""
+def count_package_calls() -> Iterator[AttentionLayerCounts]:
+    """Counts engaged attention layers' calls that went through the package
+    while the block runs, from the patch's own report."""
     counts = AttentionLayerCounts()
-    originals = [(module, name, getattr(module, name)) for module, name in _PREWORKS]
-
-    def counting(prework: Callable) -> Callable:
-        def counting_prework(*arguments):
-            prepared = prework(*arguments)
-            counts.norm_rope_calls += prepared is not None
-            return prepared
-
-        return counting_prework
-
-    for module, name, prework in originals:
-        setattr(module, name, counting(prework))
+    before = integration.report().calls
     try:
         yield counts
     finally:
-        for module, name, prework in originals:
-            setattr(module, name, prework)
-
-
-# The package calls an engaged attention layer's prework can be, by kind.
-PREWORK_CALLS = ((CompiledDualHeadNormRope, NORM_ROPE), (CompiledDualHeadNorm, NORM_ONLY))
-
-
-@dataclasses.dataclass
-class PreworkKinds:
-    """id(layer) -> the kinds of package call that ran inside that engaged
-    attention layer while recording (the layers are kept alive by the
-    model; read ``prework_of`` before it is freed)."""
-
-    by_layer: dict = dataclasses.field(default_factory=dict)
-
-    def prework_of(self, layer: object) -> Optional[str]:
-        kinds = self.by_layer.get(id(layer))
-        return " and ".join(sorted(kinds)) if kinds else None
-
-
-def _calling_engaged_layer() -> Optional[object]:
-    """The nearest engaged attention layer (a ``self``) on the call stack."""
-    frame: Optional[FrameType] = sys._getframe(2)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if candidate is not None and is_engaged_layer(candidate):
-            return candidate
-        frame = frame.f_back
-    return None
-
-
-@contextlib.contextmanager
-def recording_prework_kinds() -> Iterator[PreworkKinds]:
-    """Records, per engaged attention layer, which package call its
-    prework ran (norm + RoPE, or the q/k norm pair alone), by wrapping the
-    calls of both composites and finding the layer on the call stack. Slow
-    (a stack walk per call): for a warm-up run, not a timed one. Not
-    thread-safe: for this check only."""
-    kinds = PreworkKinds()
-    originals = []
-
-    def recording(method: Callable, kind: str) -> Callable:
-        def recording_method(self, *arguments, **keywords):
-            layer = _calling_engaged_layer()
-            if layer is not None:
-                kinds.by_layer.setdefault(id(layer), set()).add(kind)
-            return method(self, *arguments, **keywords)
-
-        return recording_method
-
-    for composite, kind in PREWORK_CALLS:
-        for name, method in list(vars(composite).items()):
-            if callable(method) and (name == "__call__" or name.startswith("apply")):
-                originals.append((composite, name, method))
-                setattr(composite, name, recording(method, kind))
-    try:
-        yield kinds
-    finally:
-        for composite, name, method in originals:
-            setattr(composite, name, method)
+        counts.package_calls = integration.report().calls - before
 
 
 # ---- The check ---------------------------------------------------------------
@@ -394,14 +293,14 @@ def run_check(
     with integration.unpatch():
         greedy_generate(model, prompt, WARM_UP_TOKENS)
     run_done("unpatched warm-up")
-    with integration.patch(mode), recording_prework_kinds() as kinds:
+    with integration.patch(mode), recording_prework() as kinds:
         greedy_generate(model, prompt, WARM_UP_TOKENS)
     run_done("patched warm-up")
     with integration.unpatch():
         reference = greedy_generate(model, prompt, max_tokens)
     run_done("unpatched, compared")
     with integration.patch(mode), count_normalize_qk_calls() as counts, \
-            count_norm_rope_calls() as attention:
+            count_package_calls() as attention:
         patched = greedy_generate(model, prompt, max_tokens)
         engagement = layer_engagement(model, kinds.prework_of)
     run_done("patched, compared")
@@ -518,7 +417,7 @@ def _engagement_lines(result: CheckResult, model_steps: int) -> list[str]:
     lines.append(
         f"  attention:      attention layers engaged {engagement.engaged_layers}, "
         f"left to mlx-lm's code {engagement.left_layers}; "
-        f"{result.attention.norm_rope_calls / model_steps:.1f} q/k prework calls per step"
+        f"{result.attention.package_calls / model_steps:.1f} q/k prework calls per step"
     )
     return lines
 

@@ -27,7 +27,6 @@ from mlx_dualnorm.integrations.mlx_lm._shared import (
 )
 from mlx_dualnorm.integrations.mlx_lm.engine import PATCH_OPERATION
 from mlx_dualnorm.integrations.mlx_lm.gated_delta import (
-    GATED_DELTA_MODULE,
     ORIGINAL_NORMALIZE_QK,
     gated_delta_module,
 )
@@ -223,10 +222,13 @@ def report() -> engine.PatchReport:
     """What the patch engaged in this process: per registered attention
     class, whether it is patched or left unproven (and which pieces
     differ), its layers engaged and left (and why) among those alive, and
-    its calls through the package; the gated-delta folds built.
+    its calls through the package; the gated-delta folds built and the
+    patched ``normalize_qk``'s calls.
     ``report().summary()`` says it in one line."""
+    calls = gated_delta.call_counts
     return engine.PatchReport(
-        engine.installed_mlx_lm(), is_patched(), engine.class_reports(), gated_delta.fold_count()
+        engine.installed_mlx_lm(), is_patched(), engine.class_reports(), gated_delta.fold_count(),
+        calls["calls"], calls["original"],
     )
 
 

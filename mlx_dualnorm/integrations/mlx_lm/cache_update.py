@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_dualnorm._binding import assign_array
 # norm_rope's functions are read as its attributes at each call, so a
 # wrapper set there (a tool counting calls) sees every call.
-from mlx_dualnorm.integrations.mlx_lm import norm_rope, registry
+from mlx_dualnorm.integrations.mlx_lm import engine, norm_rope, registry
 from mlx_dualnorm.integrations.mlx_lm.norm_rope import LayerPrework
 from mlx_dualnorm.integrations.mlx_lm._shared import log_fallback_once
 
@@ -206,10 +206,12 @@ def prework_and_cache_update(prework: LayerPrework, queries, keys, values, cache
         return None
     written = _written_in_one_call(layer_call, prework, queries, keys, values, cache)
     if written is not None:
+        engine.note_prework(engine.NORM_ROPE)
         return written
     rotated = norm_rope.rotated_queries_and_keys(layer_call, prework, queries, keys, cache)
     if rotated is None:
         return None
+    engine.note_prework(engine.NORM_ROPE)
     rotated_queries, rotated_keys = rotated
     return with_cache_update(rotated_queries, rotated_keys, values, cache)
 

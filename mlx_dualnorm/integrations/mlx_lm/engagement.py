@@ -10,8 +10,8 @@ whole process, with call counts.) Each layer of a registered attention
 class is in exactly one place:
 
 * engaged, by the prework it runs: ``prework_of(layer)`` where the caller
-  measured it (``"norm + RoPE"`` or ``"norm"``, the q/k norm pair alone),
-  else ``"q/k prework"``;
+  recorded it (``"norm + RoPE"`` or ``"norm"``, the q/k norm pair alone:
+  :func:`~.engine.recording_prework`), else ``"q/k prework"``;
 * left to mlx-lm's code, with the reason: decided against (its family's
   ``refusal``, or a part whose code is not proven; the layer's own norm
   and RoPE types are named), its class's code not proven on this mlx-lm
@@ -35,8 +35,8 @@ __all__ = [
     "is_engaged_layer", "layer_engagement",
 ]
 
-NORM_ROPE = "norm + RoPE"
-NORM_ONLY = "norm"
+NORM_ROPE = engine.NORM_ROPE
+NORM_ONLY = engine.NORM_ONLY
 UNNAMED_PREWORK = "q/k prework"
 
 NOT_CALLED = "not called yet while patched (the patch decides at a layer's first call)"

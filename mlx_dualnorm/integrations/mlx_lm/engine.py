@@ -26,12 +26,13 @@ class's own code.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from mlx_dualnorm._composite import Mode
 from mlx_dualnorm.integrations.mlx_lm import registry
@@ -41,6 +42,9 @@ from mlx_dualnorm.integrations.mlx_lm.fingerprints import live_function
 PATCH_OPERATION = "mlx_lm.patch"
 
 SUBCLASS = "a subclass of mlx-lm's class, which keeps its own code"
+# What an engaged layer's package call computed (note_prework).
+NORM_ROPE = "norm + RoPE"
+NORM_ONLY = "norm"
 PART_UNPROVEN = "its {attribute} ({part}) runs code the patch was not proven on"
 
 # The mode the installed replacements build their objects with (None: each
@@ -128,6 +132,8 @@ def _dispatcher(attention_class: type, installed_original: Callable):
             decision = _decide(self, attention_class)
         if decision[2]:
             decision[4].calls += 1
+            if _prework_log is not None:
+                return _recorded_call(self, decision[1], args, kwargs)
         return decision[1](self, *args, **kwargs)
 
     setattr(dispatch, REPLACEMENT_MARKER, True)
@@ -135,6 +141,59 @@ def _dispatcher(attention_class: type, installed_original: Callable):
     dispatch.__qualname__ = f"{attention_class.__qualname__}.__call__"
     dispatch.__module__ = __name__
     return dispatch
+
+
+# ---- What the package computed in each layer, while recording ---------------------
+#
+# Off (None) but while a tool records: then id(layer) -> the kinds of
+# package call (NORM_ROPE, NORM_ONLY) its engaged calls made. The replacements'
+# call sites say what they computed (note_prework), the dispatcher which
+# layer is calling. For tools, not for concurrent use.
+_prework_log: Optional[dict[int, set[str]]] = None
+_calling_layer: Optional[int] = None
+
+
+def note_prework(kind: str) -> None:
+    """Called where a replacement's package call succeeded: ``kind`` is
+    what it computed. One test of a global when not recording."""
+    if _prework_log is not None and _calling_layer is not None:
+        _prework_log.setdefault(_calling_layer, set()).add(kind)
+
+
+def _recorded_call(layer: Any, function: Callable, args: tuple, kwargs: dict) -> Any:
+    global _calling_layer
+    outer, _calling_layer = _calling_layer, id(layer)
+    try:
+        return function(layer, *args, **kwargs)
+    finally:
+        _calling_layer = outer
+
+
+@dataclasses.dataclass
+class PreworkRecord:
+    """What :func:`recording_prework` yields: ``prework_of(layer)`` names
+    the package calls an engaged layer made while recording (``"norm +
+    RoPE"``, ``"norm"``, or both joined by ``and``), None for a layer that
+    made none. Read it while the layers are alive (it keys on their ids)."""
+
+    by_layer: dict[int, set[str]] = dataclasses.field(default_factory=dict)
+
+    def prework_of(self, layer: object) -> Optional[str]:
+        kinds = self.by_layer.get(id(layer))
+        return " and ".join(sorted(kinds)) if kinds else None
+
+
+@contextlib.contextmanager
+def recording_prework() -> Iterator[PreworkRecord]:
+    """Records, per engaged layer, which package call its prework made, for
+    the block (one thread at a time). For tools that say what ran where."""
+    global _prework_log
+    record = PreworkRecord()
+    outer, _prework_log = _prework_log, record.by_layer
+    try:
+        yield record
+    finally:
+        _prework_log = outer
 
 
 def _decide(layer: Any, attention_class: type) -> _Decision:
@@ -310,13 +369,17 @@ class ClassReport:
 @dataclasses.dataclass(frozen=True)
 class PatchReport:
     """What :func:`report` returns: the mlx-lm release, whether the patch is
-    on, one :class:`ClassReport` per class it patched or left unproven, and
-    the gated-delta folds built."""
+    on, one :class:`ClassReport` per class it patched or left unproven, the
+    gated-delta folds built, and the patched ``normalize_qk``'s calls in
+    this process (``normalize_qk_calls``, of which ``normalize_qk_original``
+    ran mlx-lm's function)."""
 
     mlx_lm: str
     patched: bool
     classes: tuple[ClassReport, ...]
     folds: int
+    normalize_qk_calls: int = 0
+    normalize_qk_original: int = 0
 
     @property
     def engaged_layers(self) -> int:

@@ -260,7 +260,13 @@ def _fall_back(queries, keys, inv_scale, eps):
     return ORIGINAL_NORMALIZE_QK(queries, keys, inv_scale=inv_scale, eps=eps)
 
 
+# Calls of the patched normalize_qk in this process: all of them, and those
+# that ran mlx-lm's function (read by the patch's report).
+call_counts = {"calls": 0, "original": 0}
+
+
 def _normalize_qk(queries, keys, inv_scale, eps, mode):
+    call_counts["calls"] += 1
     try:
         fold_key = _fold_key(queries, keys, inv_scale, eps, mode)
         if fold_key is not None:
@@ -269,6 +275,7 @@ def _normalize_qk(queries, keys, inv_scale, eps, mode):
                 return folded(queries, keys)
     except Exception as error:  # any failure runs the original, never a guess
         log_fallback_once("normalize_qk", error)
+    call_counts["original"] += 1
     return _fall_back(queries, keys, inv_scale, eps)
 
 

@@ -153,10 +153,13 @@ def normalized_pair(queries, keys, query_norm, key_norm):
     the pair is not what this computes (the caller then runs mlx-lm's own
     ``__call__``). Runs for every engaged layer of every decode step."""
     try:
-        return _normalized_pair(queries, keys, query_norm, key_norm)
+        normalized = _normalized_pair(queries, keys, query_norm, key_norm)
     except Exception as error:  # anything unexpected runs mlx-lm's own code instead
         log_fallback_once("the q/k norm pair", error)
         return None
+    if normalized is not None:
+        engine.note_prework(engine.NORM_ONLY)
+    return normalized
 
 
 def _normalized_pair(queries, keys, query_norm, key_norm):
@@ -221,14 +224,17 @@ def normalized_rotated_heads(queries, keys, query_norm, key_norm, rope, offset):
     layer exactly."""
     try:
         if type(rope) is nn.RoPE or type(rope) in norm_rope.SCALED_ROPE_CLASSES:
-            norm_rope = norm_rope.norm_rope_for(rope, query_norm, key_norm)
-            if norm_rope is not None:
-                return norm_rope(
+            layer_call = norm_rope.norm_rope_for(rope, query_norm, key_norm)
+            if layer_call is not None:
+                rotated = layer_call(
                     queries, keys, query_norm["weight"], key_norm["weight"], offset=offset
                 )
+                engine.note_prework(engine.NORM_ROPE)
+                return rotated
         normalized = _normalized_pair(queries, keys, query_norm, key_norm)
         if normalized is None:
             return None
+        engine.note_prework(engine.NORM_ONLY)
         normalized_queries, normalized_keys = normalized
         return (
             rope(normalized_queries.transpose(0, 2, 1, 3), offset=offset),

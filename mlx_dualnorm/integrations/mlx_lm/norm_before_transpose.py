@@ -28,7 +28,7 @@ import sys
 
 import mlx.core as mx
 
-from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms, norm_rope
+from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms
 from mlx_dualnorm.integrations.mlx_lm.cache_update import (
     attended,
     attention_output,

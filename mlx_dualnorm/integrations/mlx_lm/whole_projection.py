@@ -18,7 +18,7 @@ class: those layers run the class's own ``__call__``.
 
 from __future__ import annotations
 
-from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms, norm_rope
+from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms
 from mlx_dualnorm.integrations.mlx_lm.cache_update import (
     attended,
 )
