@@ -33,7 +33,6 @@ number) is not normalized here: the caller then runs mlx-lm's own code.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import threading
 from typing import Callable, Optional
 
@@ -41,7 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
-from mlx_dualnorm.integrations.mlx_lm import engine, norm_rope
+from mlx_dualnorm.integrations.mlx_lm import engine, norm_rope, registry
 from mlx_dualnorm.integrations.mlx_lm._shared import (
     PLAIN_SCALAR_TYPES,
     cached_or_built,
@@ -104,12 +103,8 @@ def norm_kinds() -> dict:
             if not _norm_kinds:
                 kinds: dict = {nn.RMSNorm: _PLAIN}
                 for module_name, class_name, kind in MODEL_NORM_KINDS:
-                    try:
-                        module = importlib.import_module(module_name)
-                    except ImportError:
-                        continue
-                    norm_class = getattr(module, class_name, None)
-                    if isinstance(norm_class, type):
+                    norm_class = registry.class_of(module_name, class_name)
+                    if norm_class is not None:
                         kinds[norm_class] = kind
                 _norm_kinds.update(kinds)
     return _norm_kinds

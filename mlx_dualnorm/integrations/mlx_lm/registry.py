@@ -217,12 +217,7 @@ class AttentionFamily:
 
     def attention_class(self) -> Optional[type]:
         """The class in the installed mlx-lm, or None where it has none."""
-        try:
-            module = importlib.import_module(self.module)
-        except ImportError:
-            return None
-        attention_class = getattr(module, self.class_name, None)
-        return attention_class if isinstance(attention_class, type) else None
+        return class_of(self.module, self.class_name)
 
 
 # Every family, in registration order; a class registered twice keeps its
@@ -255,17 +250,20 @@ def families_by_class() -> dict[type, AttentionFamily]:
     return found
 
 
+def class_of(module_name: str, name: str) -> Optional[type]:
+    """The class ``module_name.name`` of this install, or None where the
+    module does not import or has no such class."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    cls = getattr(module, name, None)
+    return cls if isinstance(cls, type) else None
+
+
 def _classes_of(names: Iterable[tuple[str, str]]) -> list[type]:
-    classes = []
-    for module_name, name in names:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        cls = getattr(module, name, None)
-        if isinstance(cls, type):
-            classes.append(cls)
-    return classes
+    found = (class_of(module_name, name) for module_name, name in names)
+    return [cls for cls in found if cls is not None]
 
 
 def reproduced_part_classes() -> list[type]:
