@@ -13,6 +13,9 @@
 # cffi, numpy, pytest and hypothesis; nanobind 3.0.x is installed into the
 # throwaway folder when that interpreter lacks it. KEEP=1 keeps the folder.
 #
+# Every test runs, the ones marked slow included (-m ""; a -m among the
+# PYTEST ARGUMENTS, which come later, decides instead).
+#
 # Exit status: pytest's (0 when every test passes), 1 when the build fails.
 set -euo pipefail
 
@@ -77,4 +80,4 @@ fi
 
 echo "test_against_mlx_c: running the test suite on that build"
 cd "$TREE"
-PYTHONPATH="$PYTHON_PATH" "$PYTHON" -m pytest -p no:cacheprovider tests "$@"
+PYTHONPATH="$PYTHON_PATH" "$PYTHON" -m pytest -p no:cacheprovider -m "" tests "$@"

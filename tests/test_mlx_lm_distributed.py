@@ -26,7 +26,7 @@ import mlx.core as mx
 import pytest
 
 pytest.importorskip("mlx_lm")
-pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
+pytestmark = [pytest.mark.usefixtures("unpatched_mlx_lm"), pytest.mark.slow]
 
 from conftest import assert_bit_identical  # noqa: E402
 

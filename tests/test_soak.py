@@ -17,6 +17,7 @@ import sys
 import mlx.core as mx
 import pytest
 
+pytestmark = pytest.mark.slow  # the soak: left out of a plain run of tests/ (conftest.py)
 SOAK_PATH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "soak.py"
 _spec = importlib.util.spec_from_file_location("mlx_dualnorm_bench_soak", SOAK_PATH)
 soak = importlib.util.module_from_spec(_spec)
