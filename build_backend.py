@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
+import re
 
 from setuptools import build_meta as _setuptools_backend
 from setuptools.build_meta import *  # noqa: F401,F403  (the hooks not redefined here)
 
+# Where the project lives; pyproject.toml's [project.urls] names the same.
+PROJECT_URL = "https://github.com/mlx-dualnorm/mlx_dualnorm"
 MLX_VERSION = "0.32.4"
 BACKEND_SETTING = "MLX_DUALNORM_BACKEND"
 DEFAULT_BACKEND = "cpu"
@@ -88,3 +92,40 @@ def get_requires_for_build_sdist(config_settings=None):
 def build_sdist(sdist_directory, config_settings=None):
     with _cpu_backend_for_sdist():
         return _setuptools_backend.build_sdist(sdist_directory, config_settings)
+
+
+# A Markdown link's target: `](target)` or `](target "title")`.
+_LINK_TARGET = re.compile(r"\]\((?P<target>[^)\s]+)(?P<rest>[^)]*)\)")
+_ABSOLUTE = re.compile(r"^(?:[a-zA-Z][a-zA-Z0-9+.-]*:|//)")
+
+
+def absolute_link(target: str) -> str:
+    """A README link target as it must read away from the repository: a
+    path (file or folder, anchor kept) becomes its page under PROJECT_URL,
+    an anchor alone the README's own page's anchor; a URL stays."""
+    if _ABSOLUTE.match(target):
+        return target
+    if target.startswith("#"):
+        return f"{PROJECT_URL}/blob/main/README.md{target}"
+    path, _, anchor = target.partition("#")
+    path = path.removeprefix("./")
+    kind = "tree" if path.endswith("/") else "blob"
+    return f"{PROJECT_URL}/{kind}/main/{path}" + (f"#{anchor}" if anchor else "")
+
+
+def long_description(readme: "str | os.PathLike[str]") -> str:
+    """The package's long description: README.md with its relative links
+    made absolute (a package index shows the text without the repository's
+    files beside it). Code blocks are left as they are; the file on disk
+    keeps its relative links."""
+    lines = []
+    in_code = False
+    for line in pathlib.Path(readme).read_text(encoding="utf-8").splitlines(keepends=True):
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        elif not in_code:
+            line = _LINK_TARGET.sub(
+                lambda match: f"]({absolute_link(match['target'])}{match['rest']})", line
+            )
+        lines.append(line)
+    return "".join(lines)

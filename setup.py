@@ -12,6 +12,7 @@ from setuptools.command.build_ext import build_ext
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import build_ffi  # noqa: E402
+from build_backend import long_description  # noqa: E402
 
 
 class BuildExtWithLanguageFlags(build_ext):
@@ -36,6 +37,10 @@ class BuildExtWithLanguageFlags(build_ext):
 build_ffi.record_mlx_build()
 
 setup(
+    # pyproject.toml declares the readme dynamic: it is README.md with
+    # absolute links, for a package index.
+    long_description=long_description(pathlib.Path(__file__).resolve().parent / "README.md"),
+    long_description_content_type="text/markdown",
     cffi_modules=["build_ffi.py:ffibuilder"],
     ext_modules=[build_ffi.make_interop_extension()],
     cmdclass={"build_ext": BuildExtWithLanguageFlags},

@@ -139,3 +139,69 @@ def test_shell_block_runs(block: CodeBlock, tmp_path: pathlib.Path) -> None:
         words = shlex.split(line, comments=True)
         assert words[:2] == ["python", "-m"], f"a README command of an unknown form: {line}"
         _run([sys.executable, *words[1:]], tmp_path)
+
+
+def _build_backend():
+    """build_backend.py, the module that makes the package's long
+    description (it imports setuptools' backend)."""
+    import importlib.util
+
+    pytest.importorskip("setuptools", reason="build_backend.py imports setuptools' backend")
+    spec = importlib.util.spec_from_file_location("mlx_dualnorm_build_backend", ROOT / "build_backend.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LINK_TARGET = re.compile(r"\]\(([^)\s]+)")
+
+
+def _targets_outside_code(text: str) -> list[str]:
+    targets, in_code = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        elif not in_code:
+            targets.extend(LINK_TARGET.findall(line))
+    return targets
+
+
+def test_the_readme_links_resolve_here() -> None:
+    targets = [target for target in _targets_outside_code(README.read_text()) if "://" not in target]
+    assert targets
+    headings = {
+        re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for line in README.read_text().splitlines()
+        if line.startswith("#")
+    }
+    for target in targets:
+        path, _, anchor = target.partition("#")
+        if path:
+            assert (ROOT / path).exists(), f"README.md links to {target}, which is not in the repository"
+        else:
+            assert anchor in headings, f"README.md links to {target}, which names no heading"
+
+
+def test_the_long_description_is_the_readme_with_absolute_links() -> None:
+    backend = _build_backend()
+    description = backend.long_description(README)
+    readme_targets = _targets_outside_code(README.read_text())
+    targets = _targets_outside_code(description)
+    assert len(targets) == len(readme_targets) > 0
+    base = backend.PROJECT_URL
+    for relative, absolute in zip(readme_targets, targets):
+        if "://" in relative:
+            assert absolute == relative
+            continue
+        assert absolute.startswith(f"{base}/blob/main/") or absolute.startswith(f"{base}/tree/main/"), absolute
+        path = relative.partition("#")[0] or "README.md"
+        assert absolute.split("/main/", 1)[1].partition("#")[0] == path
+    # Code blocks are the README's own, character for character.
+    assert [line for line in description.splitlines() if "](" not in line] == [
+        line for line in README.read_text().splitlines() if "](" not in line
+    ]
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["urls"]["Homepage"] == base
+    assert "readme" in project["dynamic"]
