@@ -57,6 +57,8 @@ def _unproven_pieces() -> dict[str, str]:
         pieces = registry.unproven_attributes(cache_class, methods)
         if pieces:
             unproven[registry.class_name(cache_class)] = ", ".join(pieces)
+    for name in engine.replaced_mlx_functions():
+        unproven[name] = "not MLX's own function: no attention layer engages"
     if ORIGINAL_NORMALIZE_QK is None:
         if gated_delta_module is not None:
             unproven[registry.NORMALIZE_QK_PIECE] = (
@@ -81,13 +83,19 @@ def _say_what_is_left() -> None:
 
 
 def _is_ours_or_original(function) -> bool:
-    if function is ORIGINAL_NORMALIZE_QK:
+    """mlx-lm's normalize_qk or one of this package's replacements (by
+    identity: a user's wrapper made with functools.wraps copies the marker
+    too, and stays where the user put it)."""
+    if function is ORIGINAL_NORMALIZE_QK or gated_delta.is_replacement(function):
         return True
     try:
-        return getattr(function, REPLACEMENT_MARKER, False) is True
+        marked = getattr(function, REPLACEMENT_MARKER, False) is True
     except Exception as error:  # an object whose attribute lookup raises: not ours
         log_fallback_once("patch", error, "leaves a module's normalize_qk as it is")
         return False
+    # A replacement of another copy of this package (reloaded): marked, and
+    # not a wrapper of one.
+    return marked and getattr(function, "__wrapped__", None) is ORIGINAL_NORMALIZE_QK
 
 
 def _point_mlx_lm_at(function) -> None:
@@ -221,9 +229,10 @@ def is_patched() -> bool:
 def report() -> engine.PatchReport:
     """What the patch engaged in this process: per registered attention
     class, whether it is patched or left unproven (and which pieces
-    differ), its layers engaged and left (and why) among those alive, and
-    its calls through the package; the gated-delta folds built and the
-    patched ``normalize_qk``'s calls.
+    differ), its layers engaged and left (and why), and
+    its calls through the package (layers counted as they are decided,
+    alive or not); the gated-delta folds built and the patched
+    ``normalize_qk``'s calls.
     ``report().summary()`` says it in one line."""
     calls = gated_delta.call_counts
     return engine.PatchReport(

@@ -32,8 +32,9 @@ _PLAIN, _BATCHED = registry.PLAIN_CACHE, registry.BATCHED_CACHE
 _ROTATING, _BATCHED_ROTATING = registry.ROTATING_CACHE, registry.BATCHED_ROTATING_CACHE
 
 # class -> (its kind where every method the step restates was proven, else
-# None; those methods as they were when proven). Filled once per class, and
-# again where a method is no longer the object proven (a monkeypatch).
+# None; those methods as they were when proven, with their code objects).
+# Filled once per class, and again where a method is no longer the object
+# proven (a monkeypatch) or has other code (a reload).
 _cache_entries: dict = {}
 _cache_entries_lock = threading.Lock()
 
@@ -41,17 +42,25 @@ _cache_entries_lock = threading.Lock()
 def _cache_kind(cache) -> Optional[str]:
     """The bookkeeping kind of ``cache`` where the one call may write it
     (its class in :data:`.registry.WRITTEN_CACHES` with every method listed
-    there proven), else None. One identity test per method and call."""
+    there proven, and none of them set on the object itself), else None. Two
+    identity tests and a dict lookup per method and call."""
     cache_class = type(cache)
     entry = _cache_entries.get(cache_class)
     if entry is not None:
-        for name, function in entry[1]:
-            if getattr(cache_class, name, None) is not function:
+        for name, function, code in entry[1]:
+            live = getattr(cache_class, name, None)
+            if live is not function or live.__code__ is not code:
                 entry = None
                 break
     if entry is None:
         entry = _prove_cache_class(cache_class)
-    return entry[0]
+    kind, methods = entry
+    if kind is not None:
+        own_attributes = getattr(cache, "__dict__", {})
+        for name, _, _ in methods:
+            if name in own_attributes:  # the object's own method runs for it
+                return None
+    return kind
 
 
 _written_classes: Optional[dict] = None
@@ -67,7 +76,10 @@ def _prove_cache_class(cache_class: type) -> tuple:
             entry: tuple = (None, ())
         else:
             kind, methods = written
-            live = tuple((name, getattr(cache_class, name, None)) for name in methods)
+            live = tuple(
+                (name, function, getattr(function, "__code__", None))
+                for name, function in ((name, getattr(cache_class, name, None)) for name in methods)
+            )
             proven = not registry.unproven_attributes(cache_class, methods)
             entry = (kind if proven else None, live)
         _cache_entries[cache_class] = entry
@@ -89,8 +101,8 @@ def _cache_step(kind: str, cache, length: int) -> Optional[_CacheStep]:
     it would grow, trim, concatenate or reorder them (the class then runs
     its own update)."""
     buffer = cache.keys
-    if buffer is None:
-        return None
+    if type(buffer) is not mx.array or type(cache.values) is not mx.array:
+        return None  # not yet allocated, or buffers the class's own update must handle
     capacity = buffer.shape[2]
     if kind in (_ROTATING, _BATCHED_ROTATING):
         # RotatingKVCache._update_in_place (one row) without growing or

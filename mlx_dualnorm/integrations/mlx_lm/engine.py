@@ -34,6 +34,8 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
+import mlx.core as mx
+
 from mlx_dualnorm._composite import Mode
 from mlx_dualnorm.integrations.mlx_lm import registry
 from mlx_dualnorm.integrations.mlx_lm._shared import REPLACEMENT_MARKER, log_fallback_once
@@ -42,6 +44,7 @@ from mlx_dualnorm.integrations.mlx_lm.fingerprints import live_function
 PATCH_OPERATION = "mlx_lm.patch"
 
 SUBCLASS = "a subclass of mlx-lm's class, which keeps its own code"
+MLX_FUNCTION_REPLACED = "mlx.core.fast.{name} is not MLX's own function"
 # What an engaged layer's package call computed (note_prework).
 NORM_ROPE = "norm + RoPE"
 NORM_ONLY = "norm"
@@ -76,9 +79,46 @@ class _Installed:
 
 class _Decision(tuple):
     """(weak reference to the layer, the function it runs, engaged, reason
-    left or None, its class's tally): one per decided layer."""
+    left or None, its class's tally, the checks that keep it proven): one
+    per decided layer. The checks are ``(owner, attribute, function,
+    code)``: what ``owner.attribute`` resolved to when the layer was
+    decided, and its code object (None for MLX's own functions)."""
 
     __slots__ = ()
+
+
+# MLX's functions the package computes itself instead of calling them: a
+# program that replaces one (a profiler's wrapper, say) changes what
+# mlx-lm's norms and RoPEs compute, so no layer engages then.
+MLX_FAST_FUNCTIONS = ("rms_norm", "rope")
+
+
+def _mlx_function(name: str) -> object:
+    """``mx.fast.NAME`` where it is MLX's own (a nanobind function of that
+    name in ``mlx.core.fast``), else None."""
+    function = getattr(mx.fast, name, None)
+    is_mlx_s = (
+        type(function).__name__ == "nb_func"
+        and getattr(function, "__module__", None) == "mlx.core.fast"
+        and getattr(function, "__name__", None) == name
+    )
+    return function if is_mlx_s else None
+
+
+def replaced_mlx_functions() -> list[str]:
+    """The names of :data:`MLX_FAST_FUNCTIONS` the program has replaced."""
+    return [f"mlx.core.fast.{name}" for name in MLX_FAST_FUNCTIONS if _mlx_function(name) is None]
+
+
+def _still_proven(checks: tuple) -> bool:
+    """Whether everything a decision relied on still resolves as it did:
+    a few attribute lookups per engaged call, so a norm, RoPE or MLX
+    function changed after the layer's first call is seen at its next."""
+    for owner, attribute, function, code in checks:
+        live = getattr(owner, attribute, None)
+        if live is not function or (code is not None and live.__code__ is not code):
+            return False
+    return True
 
 
 _state_lock = threading.RLock()
@@ -116,11 +156,14 @@ def unpatched_function(owner: type, attribute: str) -> object:
 def original_call(layer: Any, *args: Any, **kwargs: Any) -> Any:
     """The class's own ``__call__`` for an engaged layer whose call cannot
     take the package's path (counted in the report)."""
-    layer_class = type(layer)
-    installed = _installed.get(layer_class)
-    if installed is not None:
-        installed.tally.fallbacks += 1
-    return _originals[layer_class](layer, *args, **kwargs)
+    for cls in type(layer).__mro__:
+        original = _originals.get(cls)
+        if original is not None:
+            installed = _installed.get(cls)
+            if installed is not None:
+                installed.tally.fallbacks += 1
+            return original(layer, *args, **kwargs)
+    return type(layer).__call__(layer, *args, **kwargs)  # never patched: its own
 
 
 def _dispatcher(attention_class: type, installed_original: Callable):
@@ -128,7 +171,9 @@ def _dispatcher(attention_class: type, installed_original: Callable):
 
     def dispatch(self, *args, **kwargs):
         decision = decisions.get(id(self))
-        if decision is None or decision[0]() is not self:
+        if decision is None or decision[0]() is not self or not _still_proven(decision[5]):
+            if attention_class not in _installed:  # put back after an unpatch: its function
+                return installed_original(self, *args, **kwargs)
             decision = _decide(self, attention_class)
         if decision[2]:
             decision[4].calls += 1
@@ -197,17 +242,25 @@ def recording_prework() -> Iterator[PreworkRecord]:
 
 
 def _decide(layer: Any, attention_class: type) -> _Decision:
+    """Decides for ``layer`` (again, where something its decision relied on
+    has changed since) and records the outcome."""
     with _state_lock:
         installed = _installed.get(attention_class)
         original = _originals[attention_class]
         if installed is None:  # restored meanwhile: the class's own code
-            return _Decision((weakref.ref(layer), original, False, None, _Tally()))
+            return _Decision((weakref.ref(layer), original, False, None, _Tally(), ()))
+        previous = _decisions.get(id(layer))
+        if previous is not None and previous[0]() is layer:
+            if _still_proven(previous[5]):
+                return previous  # another thread decided it first
+            _uncount(previous)
         family = installed.family
+        checks: tuple = ()
         reason: Optional[str] = None
         if type(layer) is not attention_class:
             reason = SUBCLASS
         else:
-            reason = _unproven_part(layer)
+            reason, checks = _proven_parts(layer)
             if reason is None and not _family_engages(family, layer):
                 reason = family.refusal
         if reason is not None:
@@ -215,16 +268,27 @@ def _decide(layer: Any, attention_class: type) -> _Decision:
         engaged = reason is None
         decision = _Decision((
             weakref.ref(layer), family.call if engaged else original, engaged, reason,
-            installed.tally,
+            installed.tally, checks if engaged else (),
         ))
         if engaged:
             installed.tally.engaged_layers += 1
         else:
             installed.tally.left_layers[reason] += 1
-    with _decisions_lock:
-        _decisions[id(layer)] = decision
-        _prune_decisions()
-    return decision
+        with _decisions_lock:
+            _decisions[id(layer)] = decision
+            _prune_decisions()
+        return decision
+
+
+def _uncount(decision: _Decision) -> None:
+    """Takes a decision that is being replaced out of its class's tally."""
+    tally = decision[4]
+    if decision[2]:
+        tally.engaged_layers -= 1
+    else:
+        tally.left_layers[decision[3]] -= 1
+        if tally.left_layers[decision[3]] <= 0:
+            del tally.left_layers[decision[3]]
 
 
 def _family_engages(family: registry.AttentionFamily, layer: Any) -> bool:
@@ -237,17 +301,28 @@ def _family_engages(family: registry.AttentionFamily, layer: Any) -> bool:
         return False
 
 
-def _unproven_part(layer: Any) -> Optional[str]:
-    """Why a part the replacement computes itself (a norm or RoPE of
-    :data:`.registry.REPRODUCED_PART_CLASSES`) keeps the layer from
-    engaging, or None."""
+def _proven_parts(layer: Any) -> tuple[Optional[str], tuple]:
+    """(why the layer may not engage, or None; the checks that keep it
+    proven): every part the replacement computes itself (a norm or RoPE of
+    :data:`.registry.REPRODUCED_PART_CLASSES`) must have a proven
+    ``__call__``, and MLX's fast functions must be MLX's own."""
+    checks: list[tuple[object, str, object, object]] = []
+    for name in MLX_FAST_FUNCTIONS:
+        function = _mlx_function(name)
+        if function is None:
+            return MLX_FUNCTION_REPLACED.format(name=name), ()
+        checks.append((mx.fast, name, function, None))
     part_classes = _part_classes()
     items = layer.items() if isinstance(layer, dict) else ()
     for attribute, part in items:
         part_class = type(part)
-        if part_class in part_classes and registry.unproven_attributes(part_class, ("__call__",)):
-            return PART_UNPROVEN.format(attribute=attribute, part=registry.class_name(part_class))
-    return None
+        if part_class not in part_classes:
+            continue
+        function = live_function(part_class, "__call__")
+        if registry.unproven_attributes(part_class, ("__call__",)):
+            return PART_UNPROVEN.format(attribute=attribute, part=registry.class_name(part_class)), ()
+        checks.append((part_class, "__call__", function, getattr(function, "__code__", None)))
+    return None, tuple(dict.fromkeys(checks))
 
 
 _part_class_set: Optional[frozenset] = None

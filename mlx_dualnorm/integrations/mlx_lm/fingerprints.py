@@ -15,6 +15,9 @@ proof is taken from the live function object, never from a class's file:
   function made by ``exec`` with another body, proves nothing;
 * its globals must be the namespace of the module it names, so a copy of
   the text living elsewhere (with other names in scope) proves nothing;
+* its default values must be the literals its source writes (a default
+  assigned since, or one that is not a literal, proves nothing), and it
+  may close over nothing but its class (``super()``'s ``__class__``);
 * the fingerprint is 16 hex digits of the SHA-256 of its parsed source
   with docstrings dropped and positions left out (comments, blank lines
   and formatting do not count; every name, call, argument and constant
@@ -86,6 +89,8 @@ def function_fingerprint(function: object) -> Optional[str]:
         or not isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef))
         or tree.body[0].name != code.co_name
         or not _compiles_to(source, function)
+        or not _defaults_are_the_source_s(tree.body[0], function)
+        or not _closes_over_its_class_only(function)
     ):
         return None
     digest = hashlib.sha256(stable_dump(_without_docstrings(tree)).encode())
@@ -119,6 +124,50 @@ def _compiles_to(source: str, function: types.FunctionType) -> bool:
 
 
 _imported_by_module: dict[str, Optional[tuple[str, ...]]] = {}
+
+
+def _defaults_are_the_source_s(definition: ast.AST, function: types.FunctionType) -> bool:
+    """Whether ``function.__defaults__`` and ``__kwdefaults__`` are the
+    literal values its ``def`` writes, of the same types."""
+    arguments = definition.args  # type: ignore[attr-defined]
+    try:
+        written = tuple(ast.literal_eval(node) for node in arguments.defaults)
+        written_keywords = {
+            argument.arg: ast.literal_eval(node)
+            for argument, node in zip(arguments.kwonlyargs, arguments.kw_defaults)
+            if node is not None
+        }
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False  # a default that is not a literal: its value is not in the source
+    live = function.__defaults__ or ()
+    live_keywords = function.__kwdefaults__ or {}
+    return _same_values(written, live) and (
+        written_keywords.keys() == live_keywords.keys()
+        and _same_values(tuple(written_keywords.values()),
+                         tuple(live_keywords[name] for name in written_keywords))
+    )
+
+
+def _same_values(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(
+        type(x) is type(y) and repr(x) == repr(y) for x, y in zip(a, b)
+    )
+
+
+def _closes_over_its_class_only(function: types.FunctionType) -> bool:
+    """No closure, or only the ``__class__`` cell of a method that calls
+    ``super()``, holding a class of the method's own class name."""
+    cells = function.__closure__ or ()
+    names = function.__code__.co_freevars
+    if not cells:
+        return True
+    if names != ("__class__",):
+        return False
+    try:
+        owner = cells[0].cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return isinstance(owner, type) and function.__qualname__.split(".")[0] == owner.__qualname__
 
 
 def _imported_names(module_name: str) -> Optional[tuple[str, ...]]:

@@ -319,6 +319,12 @@ _replacements: dict[Optional[Mode], Callable[..., tuple[mx.array, mx.array]]] = 
 }
 
 
+def is_replacement(function: object) -> bool:
+    """Whether ``function`` is one of this module's replacements (by
+    identity, not by its marker)."""
+    return any(function is replacement for replacement in list(_replacements.values()))
+
+
 def _replacement_for(mode: Optional[Mode]):
     """One replacement function per mode, so patching twice installs the
     same object."""

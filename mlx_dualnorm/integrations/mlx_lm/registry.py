@@ -151,19 +151,25 @@ def piece_name(owner: type, attribute: str) -> str:
     return f"{class_name(owner)}.{attribute}"
 
 
-# (piece, function) -> proven: a function object's code does not change, and
-# a monkeypatch brings another object, so each pair is fingerprinted once.
-_verdicts: dict[tuple[str, object], bool] = {}
+# (piece, function, its code, its defaults) -> proven: a monkeypatch brings
+# another function, a reload (autoreload swaps __code__) another code object,
+# an assignment other defaults, so each such state is fingerprinted once.
+_verdicts: dict[tuple, bool] = {}
 _verdicts_lock = threading.Lock()
 
 
 def is_proven_function(piece: str, function: object) -> bool:
     """Whether ``function`` is recorded code for ``piece``."""
-    key = (piece, function)
+    key = (
+        piece, function, getattr(function, "__code__", None),
+        getattr(function, "__defaults__", None),
+        repr(getattr(function, "__kwdefaults__", None)),
+    )
     try:
         verdict = _verdicts.get(key)
-    except TypeError:  # an unhashable stand-in: not a function
-        return False
+    except TypeError:  # an unhashable stand-in or default: fingerprinted each time
+        fingerprint = function_fingerprint(function)
+        return fingerprint is not None and fingerprint in RECORDED_CODE.get(piece, ())
     if verdict is None:
         fingerprint = function_fingerprint(function)
         verdict = fingerprint is not None and fingerprint in RECORDED_CODE.get(piece, ())
