@@ -339,7 +339,7 @@ def forget_proofs() -> None:
     from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, registry
 
     registry.forget_verdicts()
-    cache_update._cache_entries.clear()
+    cache_update.forget_cache_proofs()
     engine._part_class_set = None
 
 

@@ -168,7 +168,7 @@ def test_recording_is_off_outside_its_block():
             greedy_generate(model, PROMPT, 1)
         recorded = dict(kinds.by_layer)
         greedy_generate(model, PROMPT, 1)
-    assert engine._prework_log is None
+    assert engine.prework_log is None
     assert kinds.by_layer == recorded and len(recorded) == 3
 
 

@@ -19,7 +19,7 @@ from mlx_dualnorm.integrations.mlx_lm import qwen3, qwen3_like  # noqa: F401  (i
 from mlx_dualnorm.integrations.mlx_lm import norm_after_transpose  # noqa: F401
 from mlx_dualnorm.integrations.mlx_lm import norm_before_transpose  # noqa: F401
 from mlx_dualnorm.integrations.mlx_lm import whole_projection  # noqa: F401
-from mlx_dualnorm.integrations.mlx_lm import head_norms, norm_rope
+from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms, norm_rope
 from mlx_dualnorm.integrations.mlx_lm._shared import (
     REPLACEMENT_MARKER,
     SUPPORTED_MLX_LM,
@@ -136,6 +136,7 @@ def _install(mode) -> None:
     else:
         if _normalize_qk_is_proven():
             _point_mlx_lm_at(gated_delta._replacement_for(mode))
+        cache_update.forget_cache_proofs()
         engine.install(mode)
     _installed_mode = mode
 

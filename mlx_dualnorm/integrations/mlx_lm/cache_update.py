@@ -28,13 +28,15 @@ from mlx_dualnorm.integrations.mlx_lm.norm_rope import LayerPrework
 from mlx_dualnorm.integrations.mlx_lm._shared import log_fallback_once
 
 
+_ARRAY = mx.array
 _PLAIN, _BATCHED = registry.PLAIN_CACHE, registry.BATCHED_CACHE
 _ROTATING, _BATCHED_ROTATING = registry.ROTATING_CACHE, registry.BATCHED_ROTATING_CACHE
 
 # class -> (its kind where every method the step restates was proven, else
-# None; those methods as they were when proven, with their code objects).
-# Filled once per class, and again where a method is no longer the object
-# proven (a monkeypatch) or has other code (a reload).
+# None; its update_and_fetch as proven; the names of the methods, which an
+# object of the class must not hold itself). Filled once per class and
+# patch(), and again where update_and_fetch is no longer the function
+# proven (a monkeypatch).
 _cache_entries: dict = {}
 _cache_entries_lock = threading.Lock()
 
@@ -42,25 +44,23 @@ _cache_entries_lock = threading.Lock()
 def _cache_kind(cache) -> Optional[str]:
     """The bookkeeping kind of ``cache`` where the one call may write it
     (its class in :data:`.registry.WRITTEN_CACHES` with every method listed
-    there proven, and none of them set on the object itself), else None. Two
-    identity tests and a dict lookup per method and call."""
+    there proven, and none of them set on the object itself), else None.
+    An identity test and a set test per call."""
     cache_class = type(cache)
     entry = _cache_entries.get(cache_class)
-    if entry is not None:
-        for name, function, code in entry[1]:
-            live = getattr(cache_class, name, None)
-            if live is not function or live.__code__ is not code:
-                entry = None
-                break
-    if entry is None:
+    if entry is None or getattr(cache_class, "update_and_fetch", None) is not entry[1]:
         entry = _prove_cache_class(cache_class)
-    kind, methods = entry
-    if kind is not None:
-        own_attributes = getattr(cache, "__dict__", {})
-        for name, _, _ in methods:
-            if name in own_attributes:  # the object's own method runs for it
-                return None
+    kind = entry[0]
+    if kind is not None and not entry[2].isdisjoint(getattr(cache, "__dict__", ())):
+        return None  # the object's own method runs for it
     return kind
+
+
+def forget_cache_proofs() -> None:
+    """Drops every cache class's proof: each is proven again at its next
+    use (``patch()`` does this, so a method changed since is seen)."""
+    with _cache_entries_lock:
+        _cache_entries.clear()
 
 
 _written_classes: Optional[dict] = None
@@ -72,16 +72,13 @@ def _prove_cache_class(cache_class: type) -> tuple:
         if _written_classes is None:
             _written_classes = registry.written_cache_classes()
         written = _written_classes.get(cache_class)
+        update = getattr(cache_class, "update_and_fetch", None)
         if written is None:
-            entry: tuple = (None, ())
+            entry: tuple = (None, update, frozenset())
         else:
             kind, methods = written
-            live = tuple(
-                (name, function, getattr(function, "__code__", None))
-                for name, function in ((name, getattr(cache_class, name, None)) for name in methods)
-            )
             proven = not registry.unproven_attributes(cache_class, methods)
-            entry = (kind if proven else None, live)
+            entry = (kind if proven else None, update, frozenset(methods))
         _cache_entries[cache_class] = entry
         return entry
 
@@ -101,7 +98,7 @@ def _cache_step(kind: str, cache, length: int) -> Optional[_CacheStep]:
     it would grow, trim, concatenate or reorder them (the class then runs
     its own update)."""
     buffer = cache.keys
-    if type(buffer) is not mx.array or type(cache.values) is not mx.array:
+    if buffer.__class__ is not _ARRAY or cache.values.__class__ is not _ARRAY:
         return None  # not yet allocated, or buffers the class's own update must handle
     capacity = buffer.shape[2]
     if kind in (_ROTATING, _BATCHED_ROTATING):
@@ -218,12 +215,14 @@ def prework_and_cache_update(prework: LayerPrework, queries, keys, values, cache
         return None
     written = _written_in_one_call(layer_call, prework, queries, keys, values, cache)
     if written is not None:
-        engine.note_prework(engine.NORM_ROPE)
+        if engine.prework_log is not None:  # a tool is recording
+            engine.note_prework(engine.NORM_ROPE)
         return written
     rotated = norm_rope.rotated_queries_and_keys(layer_call, prework, queries, keys, cache)
     if rotated is None:
         return None
-    engine.note_prework(engine.NORM_ROPE)
+    if engine.prework_log is not None:  # a tool is recording
+        engine.note_prework(engine.NORM_ROPE)
     rotated_queries, rotated_keys = rotated
     return with_cache_update(rotated_queries, rotated_keys, values, cache)
 

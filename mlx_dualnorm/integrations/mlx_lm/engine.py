@@ -111,9 +111,9 @@ def replaced_mlx_functions() -> list[str]:
 
 
 def _still_proven(checks: tuple) -> bool:
-    """Whether everything a decision relied on still resolves as it did:
-    a few attribute lookups per engaged call, so a norm, RoPE or MLX
-    function changed after the layer's first call is seen at its next."""
+    """Whether everything a decision relied on still resolves as it did
+    (read at each ``patch()``, so a norm, RoPE or MLX function changed
+    after a layer's first call is followed from the next ``patch()``)."""
     for owner, attribute, function, code in checks:
         live = getattr(owner, attribute, None)
         if live is not function or (code is not None and live.__code__ is not code):
@@ -170,14 +170,15 @@ def _dispatcher(attention_class: type, installed_original: Callable):
     decisions = _decisions
 
     def dispatch(self, *args, **kwargs):
+        # The decode path: one dict lookup and a weak reference per call.
         decision = decisions.get(id(self))
-        if decision is None or decision[0]() is not self or not _still_proven(decision[5]):
+        if decision is None or decision[0]() is not self:
             if attention_class not in _installed:  # put back after an unpatch: its function
                 return installed_original(self, *args, **kwargs)
             decision = _decide(self, attention_class)
         if decision[2]:
             decision[4].calls += 1
-            if _prework_log is not None:
+            if prework_log is not None:
                 return _recorded_call(self, decision[1], args, kwargs)
         return decision[1](self, *args, **kwargs)
 
@@ -194,15 +195,16 @@ def _dispatcher(attention_class: type, installed_original: Callable):
 # package call (NORM_ROPE, NORM_ONLY) its engaged calls made. The replacements'
 # call sites say what they computed (note_prework), the dispatcher which
 # layer is calling. For tools, not for concurrent use.
-_prework_log: Optional[dict[int, set[str]]] = None
+prework_log: Optional[dict[int, set[str]]] = None
 _calling_layer: Optional[int] = None
 
 
 def note_prework(kind: str) -> None:
-    """Called where a replacement's package call succeeded: ``kind`` is
-    what it computed. One test of a global when not recording."""
-    if _prework_log is not None and _calling_layer is not None:
-        _prework_log.setdefault(_calling_layer, set()).add(kind)
+    """Called where a replacement's package call succeeded, while
+    :data:`prework_log` is set (the call sites test it first, so nothing
+    is called when no tool records): ``kind`` is what it computed."""
+    if prework_log is not None and _calling_layer is not None:
+        prework_log.setdefault(_calling_layer, set()).add(kind)
 
 
 def _recorded_call(layer: Any, function: Callable, args: tuple, kwargs: dict) -> Any:
@@ -232,13 +234,13 @@ class PreworkRecord:
 def recording_prework() -> Iterator[PreworkRecord]:
     """Records, per engaged layer, which package call its prework made, for
     the block (one thread at a time). For tools that say what ran where."""
-    global _prework_log
+    global prework_log
     record = PreworkRecord()
-    outer, _prework_log = _prework_log, record.by_layer
+    outer, prework_log = prework_log, record.by_layer
     try:
         yield record
     finally:
-        _prework_log = outer
+        prework_log = outer
 
 
 def _decide(layer: Any, attention_class: type) -> _Decision:
@@ -251,9 +253,7 @@ def _decide(layer: Any, attention_class: type) -> _Decision:
             return _Decision((weakref.ref(layer), original, False, None, _Tally(), ()))
         previous = _decisions.get(id(layer))
         if previous is not None and previous[0]() is layer:
-            if _still_proven(previous[5]):
-                return previous  # another thread decided it first
-            _uncount(previous)
+            return previous  # another thread decided it first
         family = installed.family
         checks: tuple = ()
         reason: Optional[str] = None
@@ -383,7 +383,8 @@ def install(new_mode: Optional[Mode]) -> None:
                     _uninstall(attention_class, installed)
                 continue
             if installed is not None:
-                continue  # already patched: layers keep their decisions
+                _forget_changed_decisions()  # the rest keep theirs
+                continue
             original = unpatched_function(attention_class, "__call__")
             inherited = "__call__" not in attention_class.__dict__
             dispatcher = _dispatcher(attention_class, original)  # type: ignore[arg-type]
@@ -392,6 +393,18 @@ def install(new_mode: Optional[Mode]) -> None:
             )
             _originals[attention_class] = original  # type: ignore[assignment]
             attention_class.__call__ = dispatcher  # type: ignore[method-assign]
+
+
+def _forget_changed_decisions() -> None:
+    """Drops the decisions whose norms, RoPEs or MLX functions no longer
+    resolve as they did (the layers decide again at their next call)."""
+    with _decisions_lock:
+        changed = [
+            layer_id for layer_id, decision in _decisions.items()
+            if decision[2] and not _still_proven(decision[5])
+        ]
+        for layer_id in changed:
+            _uncount(_decisions.pop(layer_id))
 
 
 def _uninstall(attention_class: type, installed: _Installed) -> None:

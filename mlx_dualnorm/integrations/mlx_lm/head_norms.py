@@ -153,7 +153,8 @@ def normalized_pair(queries, keys, query_norm, key_norm):
         log_fallback_once("the q/k norm pair", error)
         return None
     if normalized is not None:
-        engine.note_prework(engine.NORM_ONLY)
+        if engine.prework_log is not None:  # a tool is recording
+            engine.note_prework(engine.NORM_ONLY)
     return normalized
 
 
@@ -224,12 +225,14 @@ def normalized_rotated_heads(queries, keys, query_norm, key_norm, rope, offset):
                 rotated = layer_call(
                     queries, keys, query_norm["weight"], key_norm["weight"], offset=offset
                 )
-                engine.note_prework(engine.NORM_ROPE)
+                if engine.prework_log is not None:  # a tool is recording
+                    engine.note_prework(engine.NORM_ROPE)
                 return rotated
         normalized = _normalized_pair(queries, keys, query_norm, key_norm)
         if normalized is None:
             return None
-        engine.note_prework(engine.NORM_ONLY)
+        if engine.prework_log is not None:  # a tool is recording
+            engine.note_prework(engine.NORM_ONLY)
         normalized_queries, normalized_keys = normalized
         return (
             rope(normalized_queries.transpose(0, 2, 1, 3), offset=offset),

@@ -193,7 +193,8 @@ def _normalized_heads(query_norm, key_norm, query_weight, key_weight, queries, k
         if head_norm is None:
             return None
         queries, keys = head_norm(queries, keys, query_weight, key_weight)
-        engine.note_prework(engine.NORM_ONLY)
+        if engine.prework_log is not None:  # a tool is recording
+            engine.note_prework(engine.NORM_ONLY)
         return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
     except Exception as error:  # anything unexpected runs mlx-lm's own code instead
         log_fallback_once("the full-attention norm", error)
