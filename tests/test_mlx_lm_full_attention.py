@@ -23,37 +23,19 @@ from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import engine, norm_rope, qwen3  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
+    build_synthetic_model,
+    synthetic_model_config,
+)
 
 GENERATED_TOKENS = 64
 SEED = 20261130
 
-SMALL_QWEN3 = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "intermediate_size": 128,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": 512,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "rope_theta": 1_000_000.0,
-}
-CONFIGS = {
-    "qwen3": {"model_type": "qwen3", **SMALL_QWEN3},
-    "qwen3_moe": {
-        "model_type": "qwen3_moe",
-        **SMALL_QWEN3,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "decoder_sparse_step": 1,
-        "moe_intermediate_size": 32,
-        "mlp_only_layers": [],
-        "norm_topk_prob": True,
-    },
-}
+# mlx-lm's qwen3 and qwen3_moe as the package's synthetic models build them
+# (two layers at Qwen3's head layout); SMALL_QWEN3 is the dense one's
+# config without its model type, for tests that vary it.
+CONFIGS = {name: synthetic_model_config(name) for name in ("qwen3", "qwen3_moe")}
+SMALL_QWEN3 = {key: value for key, value in CONFIGS["qwen3"].items() if key != "model_type"}
 # MLX 0.32's CPU gather_mm (the experts) takes float32 only.
 DTYPES = {"qwen3": mx.bfloat16, "qwen3_moe": mx.float32, "qwen3_next": mx.float32}
 
