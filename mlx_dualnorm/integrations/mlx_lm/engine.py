@@ -9,7 +9,10 @@ call, whether the layer engages (its family's ``engages``, and a proven
 ``__call__`` for each part the replacement computes itself), records that
 in a table keyed by the layer's id (with a weak reference, so a new object
 at a reused id is decided afresh), and from then on runs the decided
-function: the replacement, or the class's own ``__call__``.
+function: the replacement, or the class's own ``__call__``. Each
+``install()`` (each ``patch()``) re-checks what the engaged decisions
+relied on (the parts' code, MLX's fast functions) and drops those that
+changed, so those layers decide again.
 
 Nothing is stored on the layers and no class is generated, so a model
 patched, deep-copied or pickled is the same object graph as unpatched:

@@ -15,12 +15,14 @@ taken). Nothing engages on a piece that is not proven:
   ``patch()``);
 * a layer engages only where each part of it whose class is in
   :data:`REPRODUCED_PART_CLASSES` (its norms and RoPE) has a proven
-  ``__call__`` (checked at the layer's first call, once per class and
-  function);
+  ``__call__`` and MLX's ``mx.fast.rms_norm`` and ``mx.fast.rope`` are
+  MLX's own (checked at the layer's first call, and again for every
+  decided layer at each ``patch()``);
 * a cache is written by the one call only where its class is in
-  :data:`WRITTEN_CACHES` and every method listed there is proven (one
-  identity test per method and call, so a monkeypatch made at any time is
-  seen);
+  :data:`WRITTEN_CACHES`, every method listed there is proven (at first
+  use and at each ``patch()``), its ``update_and_fetch`` is still the
+  function proven and the object holds none of those methods itself (an
+  identity test and a set test per call);
 * the gated-delta fold only where ``normalize_qk`` is proven.
 
 So a newer mlx-lm, or a user's change to any of these, runs its own code
