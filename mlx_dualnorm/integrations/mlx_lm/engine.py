@@ -322,7 +322,7 @@ def _proven_parts(layer: Any) -> tuple[Optional[str], tuple]:
         if part_class not in part_classes:
             continue
         function = live_function(part_class, "__call__")
-        if registry.unproven_attributes(part_class, ("__call__",)):
+        if not registry.is_proven_function(registry.piece_name(part_class, "__call__"), function):
             return PART_UNPROVEN.format(attribute=attribute, part=registry.class_name(part_class)), ()
         checks.append((part_class, "__call__", function, getattr(function, "__code__", None)))
     return None, tuple(dict.fromkeys(checks))
@@ -386,8 +386,7 @@ def install(new_mode: Optional[Mode]) -> None:
                     _uninstall(attention_class, installed)
                 continue
             if installed is not None:
-                _forget_changed_decisions()  # the rest keep theirs
-                continue
+                continue  # already patched: its layers keep their decisions (but see below)
             original = unpatched_function(attention_class, "__call__")
             inherited = "__call__" not in attention_class.__dict__
             dispatcher = _dispatcher(attention_class, original)  # type: ignore[arg-type]
@@ -396,6 +395,7 @@ def install(new_mode: Optional[Mode]) -> None:
             )
             _originals[attention_class] = original  # type: ignore[assignment]
             attention_class.__call__ = dispatcher  # type: ignore[method-assign]
+        _forget_changed_decisions()
 
 
 def _forget_changed_decisions() -> None:
