@@ -71,3 +71,11 @@ int dualnorm_fail_in_mlx(mlx_dualnorm_error* error, const char* operation) {
   return dualnorm_fail_with(error, MLX_DUALNORM_MLX_FAILURE, operation, "%s",
                    mlx_message.held ? mlx_message.text : "MLX failed without a message");
 }
+
+int dualnorm_free_vector_after(int status, mlx_vector_array vector, const char* operation,
+                               mlx_dualnorm_error* error) {
+  if (mlx_vector_array_free(vector) != 0 && status == MLX_DUALNORM_OK) {
+    return dualnorm_fail_in_mlx(error, operation);
+  }
+  return status;
+}

@@ -17,24 +17,22 @@
  * The graph is traced once per input shape (and dtype), not shapeless: a
  * shapeless trace cannot fold rms_norm's element count into a constant, so
  * it keeps two NumberOfElements primitives per call that a shaped trace
- * drops (10 primitives against 8), and on MLX's CPU backend each one is a
- * dispatch to the stream's worker thread (measured: 0.67x composed per
- * decode token shapeless, 0.62x shaped, the same as Python's shaped
- * mx.compile; docs/performance.md). Only calls of at most
+ * drops, and on MLX's CPU backend each one is a dispatch to the stream's
+ * worker thread: the shaped trace is the faster, as fast as Python's
+ * shaped mx.compile (docs/performance.md). Only calls of at most
  * COMPILED_GRAPH_MAX_ELEMENTS elements take the compiled graph, so the shapes
  * traced stay few (decode batch sizes), each traced once per thread; the
- * fused kernels MLX compiles for them are keyed by layout, not by shape.
+ * fused kernels MLX compiles for them are keyed by memory layout, not by
+ * shape.
  *
  * The compiled graph pays off at decode sizes only: on CPU, MLX fuses the
- * fallback rms_norm ops into one generic kernel that is 1.6-2x slower than
- * the composed ops beyond a few dozen rows (measured at (1,512,16,128):
- * docs/performance.md). That kernel loses per element while the graph saves
- * a fixed number of dispatches, so the bound counts elements: calls with
- * more than COMPILED_GRAPH_MAX_ELEMENTS in all take the uncompiled builder,
- * which is the composed graph. Measured, build and eval, compiled against
- * composed, bf16, 2-core CPU: 0.97-1.07x at 48 rows of 128 (6144 elements),
- * 1.12x at 64 rows of 128, 1.16x at 48 rows of 256, 0.99x at 2 rows of
- * 2048 (OLMo 2's whole-projection norms), 1.10x at 4 of them.
+ * fallback rms_norm ops into one generic kernel that is slower than the
+ * composed ops beyond a few dozen rows. That kernel loses per element
+ * while the graph saves a fixed number of dispatches, so the bound counts
+ * elements: calls with more than COMPILED_GRAPH_MAX_ELEMENTS in all take
+ * the uncompiled builder, which is the composed graph. The bound is where
+ * the compiled graph stops being faster (docs/performance.md, "The
+ * compiled graphs' bounds", has the measurements).
  *
  * Rows of width 0 or 1 take the uncompiled builder too: there is nothing
  * to gain for them, and MLX 0.32.4's compile mishandles them (shapeless,
@@ -53,7 +51,7 @@
 #include "private/call_errors.h"
 #include "private/compile_erasure.h"
 #include "private/head_norm_input.h"
-#include "private/layout_graphs.h"
+#include "private/weight_set_graphs.h"
 #include "private/mode_choice.h"
 
 #include <math.h>
@@ -127,7 +125,7 @@ static int normalize_side(mlx_array* normalized, const graph_side side,
 }
 
 /* Inputs: queries, keys, then the query weight and the key weight where the
- * layout has them. Output order is the caller's ABI: normalized queries
+ * weight set has them. Output order is the caller's ABI: normalized queries
  * first, keys second, published once at the end (multi-output tracing reads
  * the result vector only after the builder returns). Every handle made here
  * is freed on every path; the input vector belongs to the closure. */
@@ -169,44 +167,44 @@ static int build_dual_head_norm_graph(mlx_vector_array* output_vector,
   return status;
 }
 
-/* The builder of one weight layout. A plain function pointer captures
- * nothing (see the file comment), so each layout has a function of its
- * own, with the layout's weights fixed in it: one definition for the four. */
-#define DEFINE_LAYOUT_GRAPH_BUILDER(name, layout)                                         \
+/* The builder of one weight set. A plain function pointer captures
+ * nothing (see the file comment), so each weight set has a function of its
+ * own, with the set's weights fixed in it: one definition for the four. */
+#define DEFINE_WEIGHT_SET_GRAPH_BUILDER(name, weight_set)                                \
   static int name(mlx_vector_array* output_vector, const mlx_vector_array input_vector) { \
     return build_dual_head_norm_graph(output_vector, input_vector,                        \
-                                      ((layout) & QUERY_WEIGHTED_LAYOUT) != 0,            \
-                                      ((layout) & KEY_WEIGHTED_LAYOUT) != 0);             \
+                                      ((weight_set) & WEIGHT_SET_QUERY) != 0,             \
+                                      ((weight_set) & WEIGHT_SET_KEY) != 0);              \
   }
-DEFINE_LAYOUT_GRAPH_BUILDER(build_weightless_graph, WEIGHTLESS_LAYOUT)
-DEFINE_LAYOUT_GRAPH_BUILDER(build_query_weighted_graph, QUERY_WEIGHTED_LAYOUT)
-DEFINE_LAYOUT_GRAPH_BUILDER(build_key_weighted_graph, KEY_WEIGHTED_LAYOUT)
-DEFINE_LAYOUT_GRAPH_BUILDER(build_weighted_graph, WEIGHTED_LAYOUT)
-#undef DEFINE_LAYOUT_GRAPH_BUILDER
+DEFINE_WEIGHT_SET_GRAPH_BUILDER(build_weightless_graph, WEIGHT_SET_NONE)
+DEFINE_WEIGHT_SET_GRAPH_BUILDER(build_query_weighted_graph, WEIGHT_SET_QUERY)
+DEFINE_WEIGHT_SET_GRAPH_BUILDER(build_key_weighted_graph, WEIGHT_SET_KEY)
+DEFINE_WEIGHT_SET_GRAPH_BUILDER(build_weighted_graph, WEIGHT_SET_BOTH)
+#undef DEFINE_WEIGHT_SET_GRAPH_BUILDER
 
-static int (*const graph_builders[WEIGHT_LAYOUT_COUNT])(mlx_vector_array*,
-                                                         const mlx_vector_array) = {
-    [WEIGHTLESS_LAYOUT] = build_weightless_graph,
-    [QUERY_WEIGHTED_LAYOUT] = build_query_weighted_graph,
-    [KEY_WEIGHTED_LAYOUT] = build_key_weighted_graph,
-    [WEIGHTED_LAYOUT] = build_weighted_graph,
+static int (*const graph_builders[WEIGHT_SET_COUNT])(mlx_vector_array*,
+                                                      const mlx_vector_array) = {
+    [WEIGHT_SET_NONE] = build_weightless_graph,
+    [WEIGHT_SET_QUERY] = build_query_weighted_graph,
+    [WEIGHT_SET_KEY] = build_key_weighted_graph,
+    [WEIGHT_SET_BOTH] = build_weighted_graph,
 };
 
-/* The plain builder of one layout: a plain function, which reads the
+/* The plain builder of one weight set: a plain function, which reads the
  * epsilon from the slot (the owner is not needed). */
-static mlx_closure new_plain_graph(const void* owner, int layout) {
+static mlx_closure new_plain_graph(const void* owner, int weight_set) {
   (void)owner;
-  return mlx_closure_new_func(graph_builders[layout]);
+  return mlx_closure_new_func(graph_builders[weight_set]);
 }
 
 /* ---- The compiled dual head norm ----------------------------------------- */
 
 struct mlx_dualnorm_compiled_dual_head_norm_ {
-  /* Owned closures, one per weight layout: the plain builders (run in
+  /* Owned closures, one per weight set: the plain builders (run in
    * composed mode and for widths <= 1) and their compiled forms (empty in
    * composed mode). All empty once closed. Read and released only under
    * trace_lock. */
-  dualnorm_layout_graphs graphs;
+  dualnorm_weight_set_graphs graphs;
   float rms_norm_epsilon;
   mlx_dualnorm_mode mode;
   /* In FUSED mode, the backend resolved at construction (never NULL). */
@@ -228,20 +226,21 @@ float mlx_dualnorm_compiled_dual_head_norm_epsilon(
 /* Frees the compiled graphs and erases their traces from every thread's
  * cache; the caller holds trace_lock or is the only user. */
 static int release_compiled_graphs(mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
-  int status = dualnorm_release_layout_graphs(&dual_head_norm->graphs);
+  int status = dualnorm_release_weight_set_graphs(&dual_head_norm->graphs);
   dual_head_norm->closed = true;
   return status;
 }
 
-/* Builds the plain and (unless composed) compiled closure of every layout,
+/* Builds the plain and (unless composed) compiled closure of every weight set,
  * the epsilon's bits as the compile constant. */
 static int compile_graphs(mlx_dualnorm_compiled_dual_head_norm* dual_head_norm) {
   float rms_norm_epsilon = dual_head_norm->rms_norm_epsilon;
   uint32_t epsilon_bits;
   memcpy(&epsilon_bits, &rms_norm_epsilon, sizeof epsilon_bits);
   const uint64_t compile_constants[1] = {epsilon_bits};
-  return dualnorm_compile_layout_graphs(&dual_head_norm->graphs, dual_head_norm->mode,
-                                        new_plain_graph, dual_head_norm, compile_constants, 1);
+  return dualnorm_compile_weight_set_graphs(&dual_head_norm->graphs, dual_head_norm->mode,
+                                            new_plain_graph, dual_head_norm, compile_constants,
+                                            1);
 }
 
 int mlx_dualnorm_compiled_dual_head_norm_new(mlx_dualnorm_compiled_dual_head_norm** res,
@@ -342,15 +341,15 @@ static int apply_fused_kernel(mlx_vector_array* res,
   return MLX_DUALNORM_OK;
 }
 
-/* Runs the plain or compiled closure of the call's weight layout under the
+/* Runs the plain or compiled closure of the call's weight set under the
  * trace lock, with this object's epsilon in the slot. */
 static int apply_graph(mlx_vector_array* res, mlx_dualnorm_compiled_dual_head_norm* dual_head_norm,
                        const dual_head_norm_call* call, dual_head_norm_route route,
                        mlx_dualnorm_error* error) {
   const char* operation = APPLY_DUAL_HEAD_NORM_OPERATION;
-  int layout = WEIGHTLESS_LAYOUT;
+  int weight_set = WEIGHT_SET_NONE;
   /* Owned here, freed below on every path. */
-  mlx_vector_array input_vector = dualnorm_graph_inputs(call, NULL, &layout);
+  mlx_vector_array input_vector = dualnorm_graph_inputs(call, NULL, &weight_set);
   if (input_vector.ctx == NULL) {
     return dualnorm_fail_in_mlx(error, operation);
   }
@@ -361,8 +360,8 @@ static int apply_graph(mlx_vector_array* res, mlx_dualnorm_compiled_dual_head_no
     store_baked_rms_norm_epsilon(dual_head_norm->rms_norm_epsilon);
     apply_status = mlx_closure_apply(res,
                                      route == PLAIN_GRAPH_ROUTE
-                                         ? dual_head_norm->graphs.plain[layout]
-                                         : dual_head_norm->graphs.compiled[layout],
+                                         ? dual_head_norm->graphs.plain[weight_set]
+                                         : dual_head_norm->graphs.compiled[weight_set],
                                      input_vector);
   }
   pthread_mutex_unlock(&trace_lock);

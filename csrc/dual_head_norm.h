@@ -43,7 +43,7 @@ typedef struct mlx_dualnorm_fused_backend_ {
                float rms_norm_epsilon);
 } mlx_dualnorm_fused_backend;
 
-/* Opaque: the compiled graphs (one per weight layout) and the epsilon they
+/* Opaque: the compiled graphs (one per weight set) and the epsilon they
  * bake in; its life cycle is dual_head_norm_common.h's. */
 typedef struct mlx_dualnorm_compiled_dual_head_norm_
     mlx_dualnorm_compiled_dual_head_norm;

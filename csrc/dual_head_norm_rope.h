@@ -10,11 +10,14 @@
  * with `rope` being mlx_fast_rope_dynamic(x, dims, traditional, base,
  * scale, offset, freqs) (frequencies from a base or a table; the first
  * `dims` features optionally scaled first, see
- * mlx_dualnorm_rope_parameters), as one replay of a compiled MLX graph whose primitives
- * and order are those of the six composed calls, so the bits are theirs.
+ * mlx_dualnorm_rope_parameters), as one replay of a compiled MLX graph
+ * whose primitives and order are those of the six composed calls, so the
+ * bits are theirs.
  *
  * Plain C over the public mlx-c API, like dual_head_norm.h; the status,
- * mode and error types are dual_head_norm_common.h's. The fused CUDA mode is a plug-in
+ * mode and error types are dual_head_norm_common.h's. Every apply of this
+ * family is a thin wrapper of mlx_dualnorm_dual_head_norm_rope_apply_call,
+ * whose call struct names the inputs. The fused CUDA mode is a plug-in
  * (fused/), as for the dual head norm: one kernel launch normalizes,
  * rotates and transposes every row of both inputs, with the bits of the
  * six composed calls.
@@ -23,6 +26,7 @@
 #define MLX_DUALNORM_DUAL_HEAD_NORM_ROPE_H
 
 #include <stdbool.h>
+#include <stddef.h>
 
 #include "dual_head_norm_common.h"
 #include "mlx/c/mlx.h"
@@ -62,46 +66,79 @@ typedef struct mlx_dualnorm_rope_parameters_ {
   mlx_optional_float input_scale;
 } mlx_dualnorm_rope_parameters;
 
+/* The arrays of one norm + RoPE call, as every apply of this family and
+ * the fused backend take them. All BORROWED: the call never frees them and
+ * only its lazy outputs keep references. An empty handle (ctx NULL) in a
+ * weight means no weight for that side; in `freqs`, no table (an object
+ * with a base; one made with_freqs takes the table here). */
+typedef struct mlx_dualnorm_rope_inputs_ {
+  mlx_array queries;            /* (B, L, Hq, D) */
+  mlx_array keys;               /* (B, L, Hk, D) */
+  mlx_array query_scale_weight; /* (D,) or (Hq * D,); may be empty */
+  mlx_array key_scale_weight;   /* (D,) or (Hk * D,); may be empty */
+  mlx_array rope_offset;        /* integer: a scalar or one per batch entry */
+  mlx_array freqs;              /* (dims / 2,); empty for an object with a base */
+} mlx_dualnorm_rope_inputs;
+
+/* The KV-cache write of a call (dual_head_norm_rope_cache.h says what it
+ * checks, writes and returns). The arrays are BORROWED, as in
+ * mlx_dualnorm_rope_inputs; the buffers are never modified. */
+typedef struct mlx_dualnorm_cache_write_ {
+  mlx_array values;      /* (B, L, Hk, Dv) */
+  mlx_array key_cache;   /* (B, Hk, C, D) */
+  mlx_array value_cache; /* (B, Hk, Cv, Dv) */
+  int write_offset;      /* the first row written, on axis 2 of both buffers */
+  bool fetch;            /* also return rows [0, write_offset + L) of both */
+} mlx_dualnorm_cache_write;
+
+/* How many arrays a call puts in `*res`, in this order: */
+enum {
+  /* the rotated queries (B, Hq, L, D), the rotated keys (B, Hk, L, D); */
+  MLX_DUALNORM_ROPE_OUTPUT_COUNT = 2,
+  /* with a cache write: the rotated queries, the key buffer written, the
+   * value buffer written; */
+  MLX_DUALNORM_CACHE_WRITE_OUTPUT_COUNT = 3,
+  /* with a cache write that fetches: those three, then the key rows and
+   * the value rows fetched. */
+  MLX_DUALNORM_CACHE_FETCH_OUTPUT_COUNT = 5,
+};
+
+/* One call of mlx_dualnorm_dual_head_norm_rope_apply_call. Versioned by
+ * size: set `struct_size` to sizeof(mlx_dualnorm_dual_head_norm_rope_call)
+ * as compiled by the caller. Fields added later go after the last one and
+ * read as absent when the caller's struct_size stops before them; a
+ * struct_size smaller than this first version's is refused. */
+typedef struct mlx_dualnorm_dual_head_norm_rope_call_ {
+  size_t struct_size;
+  mlx_dualnorm_rope_inputs inputs;
+  /* BORROWED; NULL: no KV-cache write (the norm + RoPE alone). */
+  const mlx_dualnorm_cache_write* cache_write;
+} mlx_dualnorm_dual_head_norm_rope_call;
+
 /* The fused CUDA mode of the norm + RoPE, as the composite sees it (the
  * shared part and its contract: mlx_dualnorm_fused_kernel). The composite
- * also sends it only an offset MLX reads per batch entry or as a scalar. */
+ * also sends it only an offset MLX reads per batch entry or as a scalar,
+ * and a frequency table only in float32 (shape (dims / 2,)). */
 typedef struct mlx_dualnorm_fused_rope_backend_ {
   /* First member: the composite registers a pointer to it. */
   mlx_dualnorm_fused_kernel kernel;
   /* Sets `*res` (allocated when empty, owned by the caller) to the lazy
-   * rotated queries and keys, in that order, from one launch. Inputs are
-   * borrowed; an empty weight handle means no weight. 0 on success;
-   * non-zero with the reason sent to mlx_error. */
-  int (*apply)(mlx_vector_array* res, const mlx_array queries, const mlx_array keys,
-               const mlx_array query_scale_weight, const mlx_array key_scale_weight,
-               const mlx_array rope_offset, float rms_norm_epsilon,
+   * outputs of one launch, in the order the enum above gives: without
+   * `cache_write` (NULL) the rotated queries and keys; with it the same
+   * launch also writes the KV cache, each buffer written taking its input's
+   * memory where nothing else holds it, else a copy, and with `fetch` its
+   * fetched rows are views of the buffers written. Every field of `rope`
+   * is honored. `inputs` and `cache_write` are borrowed, as their types
+   * say. 0 on success; non-zero with the reason sent to mlx_error. */
+  int (*apply)(mlx_vector_array* res, const mlx_dualnorm_rope_inputs* inputs,
+               const mlx_dualnorm_cache_write* cache_write, float rms_norm_epsilon,
                mlx_dualnorm_rope_parameters rope);
-  /* As `apply`, with the frequency table of a `rope.with_freqs` object
-   * (borrowed; float32, shape (dims / 2,): the composite sends it no other
-   * table). `apply` is this with an empty `freqs` handle; both honor every
-   * field of `rope`. */
-  int (*apply_with_freqs)(mlx_vector_array* res, const mlx_array queries,
-                          const mlx_array keys, const mlx_array query_scale_weight,
-                          const mlx_array key_scale_weight, const mlx_array rope_offset,
-                          const mlx_array freqs, float rms_norm_epsilon,
-                          mlx_dualnorm_rope_parameters rope);
-  /* As `apply_with_freqs`, and in the same launch the KV-cache write of
-   * mlx_dualnorm_dual_head_norm_rope_apply_with_cache
-   * (dual_head_norm_rope_cache.h): `*res` holds the rotated queries, the
-   * key buffer written and the value buffer written, in that order, each
-   * buffer taking its input's memory where nothing else holds it, else a
-   * copy. The composite sends it only calls whose values and buffers have
-   * the queries' dtype, with rows [write_offset, write_offset + L) inside
-   * both buffers. With `fetch`, `*res` also holds rows [0, write_offset +
-   * L) of both buffers written (the key rows, then the value rows), as
-   * views of them. NULL: the composite writes with MLX's slice updates
-   * after `apply_with_freqs`. */
-  int (*apply_with_cache)(mlx_vector_array* res, const mlx_array queries, const mlx_array keys,
-                          const mlx_array values, const mlx_array query_scale_weight,
-                          const mlx_array key_scale_weight, const mlx_array rope_offset,
-                          const mlx_array freqs, const mlx_array key_cache,
-                          const mlx_array value_cache, int write_offset,
-                          float rms_norm_epsilon, mlx_dualnorm_rope_parameters rope, bool fetch);
+  /* Whether `apply` takes a `cache_write`. The composite sends one only
+   * where the values and both buffers have the queries' dtype and rows
+   * [write_offset, write_offset + L) lie inside both buffers; else, and
+   * where this is false, it writes with MLX's slice updates after a launch
+   * without one. */
+  bool writes_cache;
 } mlx_dualnorm_fused_rope_backend;
 
 /* Registers the fused CUDA mode of the norm + RoPE process-wide (NULL
@@ -113,7 +150,7 @@ void mlx_dualnorm_set_fused_rope_backend(const mlx_dualnorm_fused_rope_backend* 
  * has a CUDA GPU. */
 bool mlx_dualnorm_fused_rope_mode_available(void);
 
-/* Opaque: the compiled graphs (one per weight layout) and the constants
+/* Opaque: the compiled graphs (one per weight set) and the constants
  * they bake in; its life cycle is dual_head_norm_common.h's. */
 typedef struct mlx_dualnorm_dual_head_norm_rope_ mlx_dualnorm_dual_head_norm_rope;
 
@@ -173,6 +210,24 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
     const mlx_array query_scale_weight, const mlx_array key_scale_weight,
     const mlx_array rope_offset, const mlx_array freqs /* may be null */,
     mlx_dualnorm_error* error);
+
+/* The one entry of this family that every other fills: the norm + RoPE of
+ * `call->inputs` (as mlx_dualnorm_dual_head_norm_rope_apply_with_freqs
+ * describes), with the KV-cache write of `call->cache_write` where it is
+ * not NULL (as mlx_dualnorm_dual_head_norm_rope_apply_with_cache
+ * describes). `call` is BORROWED and read before the function returns. A
+ * NULL `call`, or one whose struct_size is smaller than this first
+ * version's, is MLX_DUALNORM_INVALID_ARGUMENT of "dual_head_norm_rope";
+ * every other failure is labelled as the function this call stands for
+ * would label it. On success `*res` (allocated when empty, owned by the
+ * caller) holds MLX_DUALNORM_ROPE_OUTPUT_COUNT arrays, or with a cache
+ * write MLX_DUALNORM_CACHE_WRITE_OUTPUT_COUNT, or with a write that
+ * fetches MLX_DUALNORM_CACHE_FETCH_OUTPUT_COUNT, in the enum's order; on
+ * failure it is left as it was. Thread-safe. */
+int mlx_dualnorm_dual_head_norm_rope_apply_call(mlx_vector_array* res,
+                                                mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                                                const mlx_dualnorm_dual_head_norm_rope_call* call,
+                                                mlx_dualnorm_error* error);
 
 /* Releases the compiled graphs (the common life cycle's _close). */
 int mlx_dualnorm_dual_head_norm_rope_close(mlx_dualnorm_dual_head_norm_rope* norm_rope,

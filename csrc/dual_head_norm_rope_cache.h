@@ -63,7 +63,12 @@ extern "C" {
  * [0, write_offset + L) of the key buffer written and of the value buffer
  * written (what KVCache.update_and_fetch returns for attention: views of
  * the written buffers in FUSED mode, MLX slices otherwise, the same
- * values). On failure `*res` is left as it was. Thread-safe. */
+ * values). On failure `*res` is left as it was. Thread-safe.
+ *
+ * The same call as mlx_dualnorm_dual_head_norm_rope_apply_call
+ * (dual_head_norm_rope.h) with the arrays as its mlx_dualnorm_rope_inputs
+ * and the rest as its mlx_dualnorm_cache_write; kept for the callers of
+ * this signature. */
 int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(mlx_vector_array* res,
     mlx_dualnorm_dual_head_norm_rope* norm_rope, const mlx_array queries, const mlx_array keys,
     const mlx_array values, const mlx_array query_scale_weight,

@@ -3,11 +3,11 @@
  * header: half and bfloat16 values travel as their 16 bits and convert with
  * PTX instructions, so it compiles without the CUDA toolkit's headers.
  *
- * The bit-parity contract with MLX 0.32.x's RMSNorm kernel (mlx-facts §5),
+ * The bit-parity contract with MLX 0.32.x's RMSNorm kernel (docs/parity.md),
  * per row of width D, for a block of BLOCK threads reading READS elements
  * (16 bytes: 4 float32, 8 half or bfloat16, in both of MLX's regimes; for
- * rows wider than READS*1024, mlx-facts says 4 elements, but MLX 0.32.4
- * reads 16 bytes there too, and the GPU probe's wide rows agree only so):
+ * rows wider than READS*1024 MLX 0.32.4 reads 16 bytes too, and the GPU
+ * probe's wide rows agree only so):
  *   - thread t, chunk c owns elements [(c*BLOCK + t)*READS, +READS), zero
  *     past D, and accumulates fma(x, x, sum) over them in that order, in a
  *     float starting at +0;
@@ -31,11 +31,10 @@
  * found: ContiguousRows, for row-contiguous inputs (row r starts at
  * r * width), and RowLayout, for any strided view. The first exists for its
  * size: a launch's arguments travel with it, and room for eight strides
- * per side made the dual norm's about 330 bytes, against about 100 now for
- * contiguous inputs. On an H200 (MLX 0.32.4, 2026-12-01, two runs of 11
- * rounds each way) a dependent chain of 28 fused kernels then took 87 µs
- * instead of 94 (full attention) and 83 instead of 92 (gated-delta) to
- * finish after the host had encoded it.
+ * per side made the dual norm's arguments several times larger than those
+ * of contiguous inputs. The smaller arguments make a dependent chain of
+ * fused kernels finish sooner after the host has encoded it
+ * (docs/performance.md, "Fused launches").
  *
  * DualRmsNormParams is passed by value. Its one definition below is
  * compiled into the host code (fused_dual_rms_norm_primitive.cpp) and

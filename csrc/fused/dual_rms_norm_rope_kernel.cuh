@@ -44,8 +44,8 @@
  * offset the host can read (a one-element array already computed, in
  * unified memory) arrives instead as `constant_offset`: MLX keeps small
  * arrays made on the host in pinned host memory, and reading one from the
- * kernel cost more than half its time on an H200 (ncu: 58% of the stall
- * samples on that load).
+ * kernel cost most of its time (docs/performance.md, "Fused launches":
+ * most stall samples waited on that load).
  *
  * With the KV-cache write (the _cache entry points), the key rows go to
  * rows [w, w + L) of the key buffer (B, Hk, C, D) instead of a

@@ -2,11 +2,13 @@
  * launch over the rows of queries and keys, added to MLX's own command
  * encoder like MLX's built-in RMSNorm (same graph-node cost, no source
  * string, no per-call code copy or hash: precompiled_cuda_kernel copies and
- * hashes the whole module on every call, tens of µs per launch).
+ * hashes the whole module on every call, which made a launch through it
+ * slower than the composed kernels; docs/performance.md, "Fused
+ * launches").
  *
  * Built only where MLX's CUDA backend headers, the CUDA toolkit headers and
- * fmt's headers (which MLX's headers include) are found; build_ffi.py
- * decides and defines MLX_DUALNORM_WITH_CUDA.
+ * fmt's headers (which MLX's headers include) are found: build_ffi.py
+ * lists it in the CUDA build's sources.
  */
 #include "fused/fused_dual_rms_norm_primitive.h"
 

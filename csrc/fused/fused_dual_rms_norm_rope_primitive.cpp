@@ -7,7 +7,8 @@
  * go straight into the cache's buffers.
  *
  * Built only where MLX's CUDA backend headers are found (build_ffi.py
- * defines MLX_DUALNORM_WITH_CUDA), like fused_dual_rms_norm_primitive.cpp.
+ * lists it in the CUDA build's sources), like
+ * fused_dual_rms_norm_primitive.cpp.
  */
 #include "fused/fused_dual_rms_norm_rope_primitive.h"
 

@@ -16,6 +16,10 @@ namespace mlx_dualnorm_fused {
  * use without opting in). */
 inline constexpr int kMaxRopeRowWidth = 8192;
 
+/* The rank of queries, keys, values and buffers: (batch, sequence, heads,
+ * head dim), or (batch, heads, capacity, head dim) for a buffer. */
+inline constexpr int kRopeInputRank = 4;
+
 /* Hands the kernels' cubin (the norm + RoPE's entry points and those with
  * the KV-cache write) to the primitive, which loads it (once, at the first
  * evaluation, where MLX has the device context current). */

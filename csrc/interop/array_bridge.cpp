@@ -119,8 +119,8 @@ mlx_array borrow_array(nb::handle object, const char* argument_name, bool option
 
 /* The int32 scalar of the last int offset, reused while the offset stays
  * the same: every layer of a decode step passes the same position, and a
- * new MLX array per call (its data allocation) cost about 3 µs per call on
- * an H200. MLX arrays are immutable and shared by reference, so graphs
+ * new MLX array per call (its data allocation) costs host time on every
+ * call (docs/performance.md, "Fused launches"). MLX arrays are immutable and shared by reference, so graphs
  * still holding an older scalar keep it alive. Only touched with the GIL
  * held (nanobind calls this module with it); never destroyed, so nothing
  * runs at interpreter teardown. */

@@ -25,4 +25,10 @@ int dualnorm_fail_with(mlx_dualnorm_error* error, mlx_dualnorm_status status,
  * message since the call began. Returns MLX_DUALNORM_MLX_FAILURE. */
 int dualnorm_fail_in_mlx(mlx_dualnorm_error* error, const char* operation);
 
+/* The end of a step that owned `vector`: frees it and returns `status`,
+ * or, where the step succeeded but the free failed, the MLX failure of
+ * `operation`. */
+int dualnorm_free_vector_after(int status, mlx_vector_array vector, const char* operation,
+                               mlx_dualnorm_error* error);
+
 #endif

@@ -1,13 +1,16 @@
 /* The fused backend tables of the dual head norm and of the dual head
- * norm + RoPE: availability, one-time kernel compilation with NVRTC, and
- * the launch through the FusedDualRmsNorm and FusedDualRmsNormRope
- * primitives (fused_dual_rms_norm_primitive.cpp and
- * fused_dual_rms_norm_rope_primitive.cpp, CUDA builds only).
+ * norm + RoPE, in a build with MLX's CUDA backend: availability, one-time
+ * kernel compilation with NVRTC, and the launch through the
+ * FusedDualRmsNorm and FusedDualRmsNormRope primitives
+ * (fused_dual_rms_norm_primitive.cpp and
+ * fused_dual_rms_norm_rope_primitive.cpp).
  *
  * NVRTC is found in the process (MLX's CUDA backend links it) and compiles
  * the kernel once, for the GPU's own architecture, at the first
- * preparation; a build without MLX's CUDA headers reports the fused mode
- * unavailable and never compiles anything.
+ * preparation. build_ffi.py compiles this file only where it compiles the
+ * primitives; a build without MLX's CUDA headers compiles
+ * fused_dual_head_norm_no_cuda.c instead, whose tables report the fused
+ * mode unavailable.
  */
 #include "fused/fused_dual_head_norm.h"
 
@@ -27,9 +30,7 @@
 #include "fused/dual_rms_norm_rope_kernel.cuh"
 #include "fused/fused_dual_rms_norm_primitive.h"
 #include "fused/fused_dual_rms_norm_rope_primitive.h"
-#ifdef MLX_DUALNORM_WITH_CUDA
 #include "fused/output_memory.h"
-#endif
 
 namespace {
 
@@ -38,8 +39,6 @@ namespace mx = mlx::core;
 /* The labels of each kernel's errors, as MLX writes "[rms_norm] ...". */
 const char kDualRmsNormOperation[] = "fused_dual_rms_norm";
 const char kDualRmsNormRopeOperation[] = "fused_dual_rms_norm_rope";
-
-#ifdef MLX_DUALNORM_WITH_CUDA
 
 /* The NVRTC entry points used, resolved with dlsym (nvrtcProgram is an
  * opaque pointer; nvrtcResult an int enum, 0 on success). */
@@ -150,8 +149,6 @@ std::string compile_kernel_cubin(const std::string& source, const char* program_
   return cubin;
 }
 
-#endif // MLX_DUALNORM_WITH_CUDA
-
 struct PreparedKernel {
   std::once_flag once;
   std::string failure;
@@ -178,24 +175,11 @@ PreparedKernel& prepared_once(PreparedKernel& kernel, CompileAndLoad compile_and
   return kernel;
 }
 
-#ifndef MLX_DUALNORM_WITH_CUDA
-[[noreturn]] void throw_built_without_cuda(const char* operation) {
-  throw std::runtime_error(std::string("[") + operation +
-                           "] mlx_dualnorm was built without MLX's CUDA headers");
-}
-#endif
-
-/* A primitive's cubin loader (its set_*_cubin), or null in a build
- * without MLX's CUDA headers, where no primitive is compiled. */
+/* A primitive's cubin loader (its set_*_cubin). */
 using CubinLoader = void (*)(std::string);
 
-#ifdef MLX_DUALNORM_WITH_CUDA
 constexpr CubinLoader kNormCubinLoader = &mlx_dualnorm_fused::set_kernel_cubin;
 constexpr CubinLoader kRopeCubinLoader = &mlx_dualnorm_fused::set_rope_kernel_cubin;
-#else
-constexpr CubinLoader kNormCubinLoader = nullptr;
-constexpr CubinLoader kRopeCubinLoader = nullptr;
-#endif
 
 /* Compiles a kernel's program (kRowNormalizationSource followed by its
  * `entry_source`) and hands the cubin to `load`, once per `kernel`;
@@ -204,14 +188,9 @@ PreparedKernel& prepared_program(PreparedKernel& kernel, const char* entry_sourc
                                  const char* program_name, const char* operation,
                                  CubinLoader load) {
   return prepared_once(kernel, [&] {
-#ifdef MLX_DUALNORM_WITH_CUDA
     load(compile_kernel_cubin(std::string(mlx_dualnorm_fused::kRowNormalizationSource) +
                                   entry_source,
                               program_name, operation));
-#else
-    (void)entry_source, (void)program_name, (void)load;
-    throw_built_without_cuda(operation);
-#endif
   });
 }
 
@@ -223,7 +202,6 @@ PreparedKernel& prepared_kernel() {
                           kNormCubinLoader);
 }
 
-#ifdef MLX_DUALNORM_WITH_CUDA
 /* The facts of mlx-c's handle layout this file relies on, as every mlx-c
  * does (the subset and upstream alike): an mlx_array's ctx is a heap
  * mlx::core::array the handle owns, and mlx_array_free deletes it; an
@@ -236,8 +214,6 @@ const mx::array& borrowed_array(const mlx_array handle) {
 const mx::array* borrowed_weight_or_null(const mlx_array weight) {
   return static_cast<const mx::array*>(weight.ctx);
 }
-
-#endif // MLX_DUALNORM_WITH_CUDA
 
 /* Runs `body`; 0 on success, 1 with the message sent to mlx-c's error
  * handler on any throw (no exception crosses the C boundary); `operation`
@@ -256,16 +232,12 @@ int report_failures(const char* operation, Body&& body) {
 }
 
 bool fused_backend_available() {
-#ifdef MLX_DUALNORM_WITH_CUDA
   try {
     return mx::is_available(mx::Device::gpu) &&
            mx::device_info(mx::Device::gpu).count("compute_capability_major") > 0;
   } catch (const std::exception&) {
     return false;
   }
-#else
-  return false; // built without MLX's CUDA headers: no primitive to launch
-#endif
 }
 
 int prepare_fused_kernel() {
@@ -304,16 +276,10 @@ int apply_fused_kernel(mlx_vector_array* res, const mlx_array queries, const mlx
                        const mlx_array query_scale_weight, const mlx_array key_scale_weight,
                        float rms_norm_epsilon) {
   return launch_and_publish(res, kDualRmsNormOperation, prepared_kernel, [&] {
-#ifdef MLX_DUALNORM_WITH_CUDA
     return mlx_dualnorm_fused::fused_dual_rms_norm(
         borrowed_array(queries), borrowed_array(keys),
         borrowed_weight_or_null(query_scale_weight), borrowed_weight_or_null(key_scale_weight),
         rms_norm_epsilon);
-#else
-    (void)queries, (void)keys, (void)query_scale_weight, (void)key_scale_weight;
-    (void)rms_norm_epsilon;
-    return std::vector<mx::array>{};
-#endif
   });
 }
 
@@ -346,87 +312,45 @@ int prepare_fused_rope_kernel() {
 }
 
 /* The RoPE constants as the primitive takes them. */
-#ifdef MLX_DUALNORM_WITH_CUDA
 mlx_dualnorm_fused::RopeConstants rope_constants(const mlx_dualnorm_rope_parameters& rope) {
   return mlx_dualnorm_fused::RopeConstants{
       rope.dims,       rope.traditional, rope.base, rope.scale, rope.with_freqs,
       rope.input_scale.has_value, rope.input_scale.value};
 }
-#endif
 
-/* The KV-cache write's inputs as the backend table passes them. */
-struct CacheWriteHandles {
-  mlx_array values;
-  mlx_array key_cache;
-  mlx_array value_cache;
-  int write_offset;
-  bool fetch;
-};
-
-/* One norm + RoPE launch; with `cache` (else null), the KV-cache write in
- * the same launch. */
-int apply_fused_rope(mlx_vector_array* res, const mlx_array queries, const mlx_array keys,
-                     const mlx_array query_scale_weight, const mlx_array key_scale_weight,
-                     const mlx_array rope_offset, const mlx_array freqs, float rms_norm_epsilon,
-                     mlx_dualnorm_rope_parameters rope, const CacheWriteHandles* cache) {
+/* The table's `apply`: one norm + RoPE launch, with the KV-cache write of
+ * `cache_write` in the same launch where it is not null. The handles are
+ * the caller's (borrowed, as mlx_dualnorm_rope_inputs says); the
+ * primitive's inputs take references of their own. */
+int apply_fused_rope(mlx_vector_array* res, const mlx_dualnorm_rope_inputs* inputs,
+                     const mlx_dualnorm_cache_write* cache_write, float rms_norm_epsilon,
+                     mlx_dualnorm_rope_parameters rope) {
   return launch_and_publish(res, kDualRmsNormRopeOperation, prepared_rope_kernel, [&] {
-#ifdef MLX_DUALNORM_WITH_CUDA
     std::optional<mlx_dualnorm_fused::CacheWrite> write;
-    if (cache != nullptr) {
+    if (cache_write != nullptr) {
       write.emplace(mlx_dualnorm_fused::CacheWrite{
-          borrowed_array(cache->values), borrowed_array(cache->key_cache),
-          borrowed_array(cache->value_cache), cache->write_offset, cache->fetch});
+          borrowed_array(cache_write->values), borrowed_array(cache_write->key_cache),
+          borrowed_array(cache_write->value_cache), cache_write->write_offset,
+          cache_write->fetch});
     }
     return mlx_dualnorm_fused::fused_dual_rms_norm_rope(
-        borrowed_array(queries), borrowed_array(keys),
-        borrowed_weight_or_null(query_scale_weight), borrowed_weight_or_null(key_scale_weight),
-        borrowed_array(rope_offset), rms_norm_epsilon, rope_constants(rope),
-        borrowed_weight_or_null(freqs), write ? &*write : nullptr);
-#else
-    (void)queries, (void)keys, (void)query_scale_weight, (void)key_scale_weight;
-    (void)rope_offset, (void)freqs, (void)rms_norm_epsilon, (void)rope, (void)cache;
-    return std::vector<mx::array>{};
-#endif
+        borrowed_array(inputs->queries), borrowed_array(inputs->keys),
+        borrowed_weight_or_null(inputs->query_scale_weight),
+        borrowed_weight_or_null(inputs->key_scale_weight), borrowed_array(inputs->rope_offset),
+        rms_norm_epsilon, rope_constants(rope), borrowed_weight_or_null(inputs->freqs),
+        write ? &*write : nullptr);
   });
-}
-
-int apply_fused_rope_kernel_with_freqs(mlx_vector_array* res, const mlx_array queries,
-    const mlx_array keys, const mlx_array query_scale_weight, const mlx_array key_scale_weight,
-    const mlx_array rope_offset, const mlx_array freqs, float rms_norm_epsilon,
-    mlx_dualnorm_rope_parameters rope) {
-  return apply_fused_rope(res, queries, keys, query_scale_weight, key_scale_weight, rope_offset,
-                          freqs, rms_norm_epsilon, rope, nullptr);
-}
-
-int apply_fused_rope_kernel_with_cache(mlx_vector_array* res, const mlx_array queries,
-    const mlx_array keys, const mlx_array values, const mlx_array query_scale_weight,
-    const mlx_array key_scale_weight, const mlx_array rope_offset, const mlx_array freqs,
-    const mlx_array key_cache, const mlx_array value_cache, int write_offset,
-    float rms_norm_epsilon, mlx_dualnorm_rope_parameters rope, bool fetch) {
-  const CacheWriteHandles cache{values, key_cache, value_cache, write_offset, fetch};
-  return apply_fused_rope(res, queries, keys, query_scale_weight, key_scale_weight, rope_offset,
-                          freqs, rms_norm_epsilon, rope, &cache);
-}
-
-/* The table's `apply`: no frequency table (a RoPE with a base). */
-int apply_fused_rope_kernel(mlx_vector_array* res, const mlx_array queries, const mlx_array keys,
-    const mlx_array query_scale_weight, const mlx_array key_scale_weight,
-    const mlx_array rope_offset, float rms_norm_epsilon, mlx_dualnorm_rope_parameters rope) {
-  return apply_fused_rope_kernel_with_freqs(res, queries, keys, query_scale_weight,
-                                            key_scale_weight, rope_offset, mlx_array_new(),
-                                            rms_norm_epsilon, rope);
 }
 
 const mlx_dualnorm_fused_rope_backend fused_rope_backend = {
     {
         fused_backend_available,
         prepare_fused_rope_kernel,
-        4, // (batch, sequence, heads, head dim), the only rank the composite sends
+        mlx_dualnorm_fused::kRopeInputRank, // the only rank the composite sends
         mlx_dualnorm_fused::kMaxRopeRowWidth,
     },
-    apply_fused_rope_kernel,
-    apply_fused_rope_kernel_with_freqs,
-    apply_fused_rope_kernel_with_cache,
+    apply_fused_rope,
+    true, // the cache write in the norm + RoPE's launch
 };
 
 } // namespace
@@ -440,9 +364,5 @@ extern "C" const mlx_dualnorm_fused_rope_backend* mlx_dualnorm_fused_rope_backen
 }
 
 extern "C" bool mlx_dualnorm_fused_outputs_in_device_pool(void) {
-#ifdef MLX_DUALNORM_WITH_CUDA
   return mlx_dualnorm_fused::outputs_use_stream_ordered_pool();
-#else
-  return false;
-#endif
 }
