@@ -118,11 +118,21 @@ def find_mlx_c() -> MlxCSource:
 class CudaPrimitiveBuild(NamedTuple):
     """What compiling the fused mode's MLX primitive takes: MLX's CUDA
     backend headers (shipped by the mlx[cuda13] wheel), the CUDA runtime's
-    headers and fmt's headers (MLX's CUDA headers include both)."""
+    headers and fmt's headers (MLX's CUDA headers include both). Its
+    sources include the fused backend tables, one file for a build with the
+    primitives and one for a build without (as MLX splits backend/cuda and
+    backend/no_gpu): the source list chooses, not the preprocessor."""
 
     sources: list[str]
     compile_args: list[str]
     define_macros: list[tuple[str, str]]
+
+
+# A build without MLX's CUDA backend: tables that report the fused mode
+# unavailable, nothing else.
+BUILD_WITHOUT_CUDA = CudaPrimitiveBuild(
+    sources=["csrc/fused/fused_dual_head_norm_no_cuda.c"], compile_args=[], define_macros=[]
+)
 
 
 # What MLX's CUDA headers include from the CUDA toolkit: cuda_runtime.h
@@ -232,13 +242,14 @@ def find_cuda_primitive_build(mlx: MlxInstall) -> CudaPrimitiveBuild | None:
         return None
     return CudaPrimitiveBuild(
         sources=[
+            "csrc/fused/fused_dual_head_norm_cuda.cpp",
             "csrc/fused/fused_kernel_host.cpp",
             "csrc/fused/output_memory.cpp",
             "csrc/fused/fused_dual_rms_norm_primitive.cpp",
             "csrc/fused/fused_dual_rms_norm_rope_primitive.cpp",
         ],
         compile_args=["-isystem", str(cuda_include), "-isystem", str(fmt_include)],
-        define_macros=[("MLX_DUALNORM_WITH_CUDA", "1"), ("FMT_HEADER_ONLY", "1")],
+        define_macros=[("FMT_HEADER_ONLY", "1")],
     )
 
 
@@ -269,16 +280,69 @@ def installed_mlx_build():
 
 def record_mlx_build() -> None:
     """Writes mlx_dualnorm/_built_against.py (git-ignored, in every wheel and
-    in-place build) with the MLX release and backend being compiled against."""
+    in-place build) with the MLX release and backend being compiled against,
+    and the build-id of its libmlx.so (so that another libmlx.so of the same
+    release changes the record, which rebuilds the extensions: setup.py)."""
     installed = installed_mlx_build()
     record = (
         '"""The MLX this build of mlx_dualnorm compiled against; written by\n'
         'build_ffi.py at build time (see _mlx_version_guard.py)."""\n\n'
         f"MLX_VERSION = {installed.version!r}\n"
         f"MLX_BACKEND = {installed.backend!r}\n"
+        f"MLX_LIBRARY_BUILD_ID = {libmlx_build_id(find_mlx_install().library_dir / 'libmlx.so')!r}\n"
     )
     if not BUILD_RECORD.exists() or BUILD_RECORD.read_text() != record:
         BUILD_RECORD.write_text(record)
+
+
+# ---- The identity of the libmlx.so compiled against ------------------------
+# csrc/fused/mlx_build_identity.cpp compares it, with the version in
+# mlx/version.h, against the libmlx.so loaded at run time; the fused mode
+# relies on MLX's private layout only where they are the same build.
+
+BUILD_ID_DEFINE = "MLX_DUALNORM_MLX_BUILD_ID"
+_PT_NOTE = 4
+_NT_GNU_BUILD_ID = 3
+
+
+def libmlx_build_id(library: pathlib.Path) -> str:
+    """The GNU build-id (lowercase hex) of a 64-bit little-endian ELF shared
+    library, read from its PT_NOTE segments as the dynamic linker maps them
+    (the same notes the run-time check reads); empty where it has none, and
+    the fused mode then never relies on MLX's private layout."""
+    import struct
+
+    data = library.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise RuntimeError(f"[build mlx_dualnorm] {library} is not a 64-bit little-endian ELF file")
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    for index in range(phnum):
+        p_type, _flags, p_offset, _vaddr, _paddr, p_filesz, _memsz, p_align = struct.unpack_from(
+            "<IIQQQQQQ", data, phoff + index * phentsize
+        )
+        if p_type != _PT_NOTE:
+            continue
+        alignment = 8 if p_align == 8 else 4
+        notes = data[p_offset : p_offset + p_filesz]
+        offset = 0
+        while len(notes) - offset >= 12:
+            name_size, description_size, note_type = struct.unpack_from("<III", notes, offset)
+            name_at = offset + 12
+            description_at = name_at + -(-name_size // alignment) * alignment
+            end = description_at + -(-description_size // alignment) * alignment
+            if end > len(notes):
+                break
+            if note_type == _NT_GNU_BUILD_ID and notes[name_at : name_at + name_size] == b"GNU\0":
+                return notes[description_at : description_at + description_size].hex()
+            offset = end
+    return ""
+
+
+def mlx_build_id_define(mlx: MlxInstall) -> tuple[str, str]:
+    """The -D define that carries the linked libmlx.so's build-id, as the C
+    string literal mlx_build_identity.cpp expects."""
+    return (BUILD_ID_DEFINE, f'"{libmlx_build_id(mlx.library_dir / "libmlx.so")}"')
 
 
 # The headers cffi reads, in dependency order: each C area is declared once,
@@ -298,6 +362,7 @@ CDEF_HEADERS = (
     "dual_head_norm_rope.h",
     "dual_head_norm_rope_cache.h",
     "fused/fused_dual_head_norm.h",
+    "fused/mlx_build_identity.h",
 )
 
 
@@ -335,21 +400,22 @@ def composite_sources() -> list[str]:
 def make_ffibuilder() -> FFI:
     mlx = find_mlx_install()
     mlx_c = find_mlx_c()
-    cuda_primitive = find_cuda_primitive_build(mlx) or CudaPrimitiveBuild([], [], [])
+    cuda_primitive = find_cuda_primitive_build(mlx) or BUILD_WITHOUT_CUDA
     builder = FFI()
     builder.cdef(assemble_cdef())
     builder.set_source(
         NATIVE_MODULE,
         '#include "dual_head_norm.h"\n#include "dual_head_norm_rope.h"\n'
         '#include "dual_head_norm_rope_cache.h"\n'
-        '#include "fused/fused_dual_head_norm.h"\n',
+        '#include "fused/fused_dual_head_norm.h"\n'
+        '#include "fused/mlx_build_identity.h"\n',
         sources=[
             *composite_sources(),
-            "csrc/fused/fused_dual_head_norm.cpp",
+            "csrc/fused/mlx_build_identity.cpp",
             *cuda_primitive.sources,
             *mlx_c.sources,
         ],
-        define_macros=cuda_primitive.define_macros,
+        define_macros=[*cuda_primitive.define_macros, mlx_build_id_define(mlx)],
         include_dirs=[str(CSRC), str(mlx_c.include_dir)],
         library_dirs=[*mlx_c.library_dirs, str(mlx.library_dir)],
         libraries=[*mlx_c.libraries, "mlx", "stdc++", "dl"],

@@ -60,4 +60,21 @@ nm "$libmlx" > "$work/cuda-mlx/all-symbols"
 grep -q " t _ZN3mlx4core2cu12malloc_asyncEmRNS1_14CommandEncoderE$" "$work/cuda-mlx/all-symbols" \
   || { echo "FAIL: no cu::malloc_async in $libmlx's symbol table: fused outputs would take unified memory"; exit 1; }
 echo "OK: cu::malloc_async found"
+
+echo "--- the module is keyed to this very libmlx.so build"
+# The fused mode uses cu::malloc_async and MLX's private shared_ptr layout
+# only where the loaded libmlx.so has the build-id compiled in
+# (csrc/fused/mlx_build_identity.cpp); the module keeps that build-id in
+# its read-only data behind a fixed prefix.
+libmlx_id=$(readelf -n "$libmlx" | sed -n 's/^ *Build ID: \([0-9a-f]*\)$/\1/p')
+[ -n "$libmlx_id" ] || { echo "FAIL: $libmlx has no GNU build-id"; exit 1; }
+strings -a "$native" > "$work/native-strings"
+# (Debug information may repeat it: one distinct value is wanted.)
+compiled_id=$(sed -n 's/^mlx_dualnorm compiled against libmlx build-id \([0-9a-f]*\)$/\1/p' "$work/native-strings" | sort -u)
+echo "libmlx.so (CUDA wheel) build-id: $libmlx_id; compiled in: ${compiled_id:-none}"
+[ "$compiled_id" = "$libmlx_id" ] \
+  || { echo "FAIL: the module is keyed to build-id '${compiled_id}', not the CUDA libmlx.so's: fused outputs would take unified memory"; exit 1; }
+grep -qx "MLX_LIBRARY_BUILD_ID = '$libmlx_id'" "$work/cuda-wheel-files/mlx_dualnorm/_built_against.py" \
+  || { echo "FAIL: the build record names another libmlx.so build"; exit 1; }
+echo "OK: compiled against the CUDA libmlx.so's build"
 rm -rf "$work/cuda-venv" "$work/cuda-mlx"

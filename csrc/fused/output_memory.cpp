@@ -1,6 +1,6 @@
 /* Output memory for the fused primitives: MLX's stream-ordered allocator,
- * found in libmlx.so's symbol table, else its public one (see
- * output_memory.h for why). */
+ * found in libmlx.so's symbol table where the loaded MLX is the build
+ * compiled against, else its public one (see output_memory.h for why). */
 #include "fused/output_memory.h"
 
 #include <dlfcn.h>
@@ -14,6 +14,7 @@
 #include <cstring>
 #include <memory>
 
+#include "fused/mlx_build_identity.h"
 #include "mlx/backend/common/utils.h"
 
 namespace mlx_dualnorm_fused {
@@ -123,11 +124,16 @@ SymbolValues find_function_values(const MappedFile& file, const char* wanted,
   return found;
 }
 
-/* MLX's stream-ordered allocator, or null. The anchor's address, as the
- * dynamic linker resolved it for this module, names the loaded libmlx.so
- * and its base; the table's value for the anchor must land on that same
- * address, or the table is not the loaded library's and is not used. */
+/* MLX's stream-ordered allocator, or null. Looked for only in the very
+ * MLX build compiled against (the symbol's signature is that build's
+ * header's). The anchor's address, as the dynamic linker resolved it for
+ * this module, names the loaded libmlx.so and its base; the table's value
+ * for the anchor must land on that same address, or the table is not the
+ * loaded library's and is not used. */
 StreamOrderedMalloc look_up_stream_ordered_malloc() {
+  if (!mlx_dualnorm_mlx_build_matches()) {
+    return nullptr;
+  }
   void* anchor_address = reinterpret_cast<void*>(&mx::allocator::allocator);
   Dl_info library{};
   if (dladdr(anchor_address, &library) == 0 || library.dli_fname == nullptr ||
@@ -153,19 +159,25 @@ StreamOrderedMalloc stream_ordered_malloc() {
  * ArrayDesc its one member points to). MLX keeps that pointer private and
  * reads the count only inside is_donatable, which wants it to be 1; the
  * layout read here (an array is exactly one shared_ptr) is checked at
- * compile time, and the reading itself once at run time
- * (node_references_readable) before anything relies on it. */
+ * compile time, and at run time, once, that the loaded MLX is the build
+ * compiled against and that the reading works on a probe
+ * (node_references_readable), before anything relies on it. */
 long node_references(const mx::array& input) {
   static_assert(sizeof(mx::array) == sizeof(std::shared_ptr<void>),
                 "mlx::core::array is expected to hold exactly one shared_ptr");
   return reinterpret_cast<const std::shared_ptr<void>&>(input).use_count();
 }
 
-/* Whether node_references reads what it should: 1 for a new array, 2 once
- * a second array holds the same node, 1 again when that one lets go. If
- * not, no buffer is ever taken (every write copies: slower, never wrong). */
+/* Whether node_references may be trusted: only in the very MLX build
+ * compiled against, and only where it reads what it should there: 1 for a
+ * new array, 2 once a second array holds the same node, 1 again when that
+ * one lets go. If not, no buffer is ever taken (every write copies:
+ * slower, never wrong). */
 bool node_references_readable() {
   static const bool readable = [] {
+    if (!mlx_dualnorm_mlx_build_matches()) {
+      return false;
+    }
     const mx::array probe(0.0f);
     const long alone = node_references(probe);
     long shared = 0;

@@ -6,16 +6,21 @@
  * mlx/allocator.h). MLX's public allocator, the only one libmlx.so
  * exports, gives unified memory instead; asked for a size whose cached
  * buffer is in device memory, it converts that buffer on the spot (a new
- * managed allocation and a blocking copy). On an H200 in mlx-lm decode that
- * cost 1.7-1.8 µs a fused output on average, against 0.56 µs from the
- * stream-ordered pool (2026-12-01).
+ * managed allocation and a blocking copy), several times the pool's host
+ * cost per output (docs/cuda-build.md has the measurement).
  *
- * libmlx.so builds cu::malloc_async with hidden visibility, so it is looked
- * up once in the library's own symbol table (.symtab, which MLX's wheels
- * keep). The lookup proves itself first: it must find an exported function
- * of the same file at the address the dynamic linker gave it. Where either
- * step fails (a stripped or different libmlx.so), the public allocator
- * serves: slower, never wrong.
+ * Two things here rely on MLX's private workings: cu::malloc_async, which
+ * libmlx.so builds with hidden visibility, and the use count of an array's
+ * private shared_ptr (node_references, for writing over an input). Both
+ * are used only where the loaded libmlx.so is the very build this library
+ * compiled against (mlx_build_identity.h: same version, same build-id),
+ * and only after a probe of each at run time: the lookup of
+ * cu::malloc_async in the library's own symbol table (.symtab, which MLX's
+ * wheels keep) must find an exported function of the same file at the
+ * address the dynamic linker gave it, and the use count must read 1, 2, 1
+ * on a probe array shared and let go. Where any of that fails, outputs
+ * come from the public allocator and no input is written over (every
+ * write copies): slower, never wrong.
  */
 #ifndef MLX_DUALNORM_FUSED_OUTPUT_MEMORY_H
 #define MLX_DUALNORM_FUSED_OUTPUT_MEMORY_H
@@ -61,8 +66,9 @@ void take_input_memory_or_allocate(const mlx::core::array& input, mlx::core::arr
                                    mlx::core::cu::CommandEncoder& encoder);
 
 /* Whether outputs come from MLX's stream-ordered device pool (true) or
- * from its public, unified-memory allocator (false). Does the lookup if
- * it has not been done; needs no GPU. */
+ * from its public, unified-memory allocator (false: another MLX build than
+ * the one compiled against, or a failed lookup). Does the check and the
+ * lookup if they have not been done; needs no GPU. */
 bool outputs_use_stream_ordered_pool();
 
 } // namespace mlx_dualnorm_fused
