@@ -7,8 +7,10 @@ round-robin within each round:
   mlx-lm            mlx-lm's own attention
   patched           ``patch()``: the q/k norm + RoPE and the KV-cache write
                     of a decode step in one call per layer
-  patched-no-write  ``patch()`` with the cache write left to the class's
-                    ``update_and_fetch`` (the norm + RoPE call only)
+  patched-no-write  ``patch()`` with caches of a subclass of ``KVCache``
+                    (a class the patch has not proven, so it keeps its own
+                    ``update_and_fetch``): the norm + RoPE call, then the
+                    cache's two slice writes
   ceiling           the attention with the q/k norms, RoPE and the cache
                     write removed (decode steps attend over rows never
                     written; wrong tokens, for timing only)
@@ -48,8 +50,7 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm import cache_update
-from mlx_dualnorm.tools.mlx_lm_bench import DECODE_DTYPE_OF_WEIGHTS, _timed_greedy_decode
+from mlx_dualnorm.tools.mlx_lm_bench import DECODE_DTYPE_OF_WEIGHTS, timed_greedy_decode
 from mlx_dualnorm.tools.mlx_lm_synthetic import decode_model_config
 
 from decode_rounds import decode_parser, network_and_prompt, round_robin
@@ -78,37 +79,47 @@ def attention_ceiling(self, x, mask=None, cache=None):
     values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
     if cache is not None:
         keys, values = unwritten_rows(cache, keys, values)
-    output = cache_update.attended(self, queries, keys, values, cache, mask, batch, length)
-    return self.o_proj(output)
+    output = qwen3.scaled_dot_product_attention(
+        queries, keys, values, cache=cache, scale=self.scale, mask=mask
+    )
+    return self.o_proj(output.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+class UsersKVCache(KVCache):
+    """A user's subclass of mlx-lm's KVCache, the same code: a class the
+    patch has not proven, so it keeps its own ``update_and_fetch``."""
+
+
+def users_caches(network):
+    return [UsersKVCache() for _ in network.layers]
 
 
 @contextlib.contextmanager
-def attention_of(path):
+def attention_of(path, network):
     """qwen3's attention as ``path`` runs it, restored afterwards."""
     original_call = qwen3.Attention.__call__
-    original_write = cache_update._written_in_one_call
     with integration.patch() if path.startswith("patched") else integration.unpatch():
         if path == "ceiling":
             qwen3.Attention.__call__ = attention_ceiling
-        if path == "patched-no-write":
-            cache_update._written_in_one_call = lambda *arguments: None
+        if path == "patched-no-write":  # mlx-lm's make_prompt_cache asks the model first
+            network.make_cache = lambda: users_caches(network)
         try:
             yield
         finally:
             qwen3.Attention.__call__ = original_call
-            cache_update._written_in_one_call = original_write
+            network.__dict__.pop("make_cache", None)
 
 
 def timed(path, network, prompt, steps):
-    with attention_of(path):
-        return _timed_greedy_decode(network, prompt, steps)
+    with attention_of(path, network):
+        return timed_greedy_decode(network, prompt, steps)
 
 
 def memory_of(path, network, prompt, steps):
     """(median transient bytes of a step's evaluation, peak bytes while the
     prompt is processed, peak bytes of the run) over the prompt and then
     ``steps`` unpipelined greedy steps."""
-    with attention_of(path):
+    with attention_of(path, network):
         mx.synchronize()
         mx.clear_cache()
         mx.reset_peak_memory()

@@ -32,7 +32,7 @@ from mlx_lm.models import qwen3
 
 from mlx_dualnorm.integrations import mlx_lm as integration
 from mlx_dualnorm.integrations.mlx_lm import cache_update
-from mlx_dualnorm.tools.mlx_lm_bench import _timed_greedy_decode
+from mlx_dualnorm.tools.mlx_lm_bench import timed_greedy_decode
 from mlx_dualnorm.tools.mlx_lm_synthetic import decode_model_config
 
 from decode_rounds import decode_parser, network_and_prompt, round_robin
@@ -63,7 +63,7 @@ def attention_of(path):
 
 def run(path, network, prompt, steps):
     with attention_of(path):
-        return _timed_greedy_decode(network, prompt, steps)[1]
+        return timed_greedy_decode(network, prompt, steps)[1]
 
 
 def split_steps(path, network, prompt, steps):

@@ -49,10 +49,12 @@ import time
 
 import mlx.core as mx
 
-import mlx_dualnorm._interop as _interop
-from mlx_dualnorm import _binding
-
-from mlx_dualnorm import CompiledDualHeadNorm, CompiledDualHeadNormRope, composed_dual_head_norm
+from mlx_dualnorm import (
+    CompiledDualHeadNorm,
+    CompiledDualHeadNormRope,
+    composed_dual_head_norm,
+    fused_outputs_in_device_pool,
+)
 from mlx_dualnorm.dual_head_norm_rope import composed_dual_head_norm_rope
 
 EPS = 1e-6
@@ -253,9 +255,6 @@ def time_host_calls(mode):
             gated_q, gated_k, None, None, EPS
         ),
         "fused dual norm, gated-delta": lambda: fused(gated_q, gated_k),
-        "  the same, bridge only": lambda: _interop.apply(
-            fused._address, gated_q, gated_k, None, None
-        ),
         "composed dual norm, full-attn": lambda: composed_dual_head_norm(
             attn_q, attn_k, attn_w, attn_w, EPS
         ),
@@ -264,9 +263,6 @@ def time_host_calls(mode):
             rope_q, rope_k, rope_w, rope_w, eps=EPS, offset=OFFSET, **ROPE
         ),
         "fused norm + rope": lambda: fused_rope(rope_q, rope_k, rope_w, rope_w, offset=OFFSET),
-        "  the same, bridge only ": lambda: _interop.apply_rope(
-            fused_rope._address, rope_q, rope_k, rope_w, rope_w, OFFSET
-        ),
     }
     calls.update(_mlx_lm_layer_calls(rope_q, rope_k, mode))
     for call in calls.values():
@@ -306,7 +302,7 @@ def main():
         for chained in ((True, False) if not case.rope else (False,)):
             time_case(case, chained, args.rounds, args.interleaved)
     print(f"\nthe package's paths ran in mode {args.mode!r}")
-    pool = _binding.lib.mlx_dualnorm_fused_outputs_in_device_pool()
+    pool = fused_outputs_in_device_pool()
     print(
         "fused outputs from "
         + ("MLX's stream-ordered device pool" if pool else "MLX's public allocator (unified memory)")

@@ -20,7 +20,7 @@ from mlx_lm.models import cache as cache_module  # noqa: E402
 from test_mlx_lm_cache_write import greedy_decode, prompt_tokens  # noqa: E402
 from test_mlx_lm_full_attention import build_model  # noqa: E402
 
-from mlx_dualnorm._bits import count_bit_differences  # noqa: E402
+from mlx_dualnorm.bits import count_bit_differences  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 
 

@@ -20,9 +20,8 @@ import time
 
 import mlx.core as mx
 
-from mlx_dualnorm._bits import same_bits
+from mlx_dualnorm.bits import same_bits
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.integrations.mlx_lm import gated_delta
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 WIDTHS = (2, 3, 7, 16, 31, 64, 100, 128, 192, 256, 257, 512, 1000, 4096)
@@ -74,50 +73,41 @@ def laid_out(array: mx.array, layout: str) -> mx.array:
 
 
 def sweep(widths, quick: bool) -> tuple[int, int, int, list]:
-    fallbacks = 0
-    fall_back = gated_delta._fall_back
+    def fallbacks() -> int:  # calls of the patched normalize_qk that ran mlx-lm's
+        return integration.report().normalize_qk_original
 
-    def counting_fall_back(*arguments):
-        nonlocal fallbacks
-        fallbacks += 1
-        return fall_back(*arguments)
-
-    gated_delta._fall_back = counting_fall_back
     key = mx.random.key(20261129)
     cases = differing = folds = 0
     failures = []
-    try:
-        for dtype, width, eps in itertools.product(DTYPES, widths, EPSILONS):
-            for inv_scale in sorted({width**-0.5, *FIXED_INV_SCALES}):
-                folds += 1
-                combinations = list(itertools.product(SHAPES, VALUE_RANGES, LAYOUTS))
-                for index, (leading, value_range, layout) in enumerate(combinations):
-                    if (width > LARGE_WIDTH or quick) and index % 3:
-                        continue
-                    key, query_key, key_key = mx.random.split(key, 3)
-                    shape = leading + (width,)
-                    key_range = "normal" if value_range == "special" else value_range
-                    queries = laid_out(values(shape, value_range, query_key).astype(dtype), layout)
-                    keys = laid_out(values(shape, key_range, key_key).astype(dtype), layout)
-                    before = fallbacks
-                    expected = integration.ORIGINAL_NORMALIZE_QK(
-                        queries, keys, inv_scale=inv_scale, eps=eps
+    for dtype, width, eps in itertools.product(DTYPES, widths, EPSILONS):
+        for inv_scale in sorted({width**-0.5, *FIXED_INV_SCALES}):
+            folds += 1
+            combinations = list(itertools.product(SHAPES, VALUE_RANGES, LAYOUTS))
+            for index, (leading, value_range, layout) in enumerate(combinations):
+                if (width > LARGE_WIDTH or quick) and index % 3:
+                    continue
+                key, query_key, key_key = mx.random.split(key, 3)
+                shape = leading + (width,)
+                key_range = "normal" if value_range == "special" else value_range
+                queries = laid_out(values(shape, value_range, query_key).astype(dtype), layout)
+                keys = laid_out(values(shape, key_range, key_key).astype(dtype), layout)
+                before = fallbacks()
+                expected = integration.ORIGINAL_NORMALIZE_QK(
+                    queries, keys, inv_scale=inv_scale, eps=eps
+                )
+                actual = integration.normalize_qk(queries, keys, inv_scale=inv_scale, eps=eps)
+                mx.eval(expected, actual)
+                cases += 1
+                identical = fallbacks() == before and all(
+                    same_bits(a, e) for a, e in zip(actual, expected)
+                )
+                if not identical:
+                    differing += 1
+                    failures.append(
+                        (str(dtype), width, eps, inv_scale, shape, value_range, layout,
+                         "fell back" if fallbacks() != before else "bits differ")
                     )
-                    actual = integration.normalize_qk(queries, keys, inv_scale=inv_scale, eps=eps)
-                    mx.eval(expected, actual)
-                    cases += 1
-                    identical = fallbacks == before and all(
-                        same_bits(a, e) for a, e in zip(actual, expected)
-                    )
-                    if not identical:
-                        differing += 1
-                        failures.append(
-                            (str(dtype), width, eps, inv_scale, shape, value_range, layout,
-                             "fell back" if fallbacks != before else "bits differ")
-                        )
-            integration.clear_cache()  # keep the cache bounded across keys
-    finally:
-        gated_delta._fall_back = fall_back
+        integration.clear_cache()  # keep the cache bounded across keys
     return folds, cases, differing, failures
 
 

@@ -26,6 +26,7 @@ from mlx_dualnorm.dual_head_norm import (
     CompiledDualHeadNorm,
     available_modes,
     composed_dual_head_norm,
+    fused_outputs_in_device_pool,
 )
 from mlx_dualnorm.dual_head_norm_rope import (
     CompiledDualHeadNormRope,
@@ -46,6 +47,7 @@ __all__ = [
     "available_modes",
     "composed_dual_head_norm",
     "composed_dual_head_norm_rope",
+    "fused_outputs_in_device_pool",
 ]
 
 __version__ = "0.1.0"

@@ -25,14 +25,22 @@ from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
 from mlx_dualnorm._native import ffi, lib
 
 __all__ = [
-    "apply_compiled_dual_head_norm", "assign_array", "bind_bridges", "call_native", "ffi", "lib",
+    "apply_compiled_dual_head_norm", "apply_compiled_dual_head_norm_rope",
+    "apply_compiled_dual_head_norm_rope_with_cache", "assign_array", "bind_bridges",
+    "call_native", "ffi", "lib",
 ]
 
 lib.mlx_dualnorm_install_error_handler()
 lib.mlx_dualnorm_set_fused_backend(lib.mlx_dualnorm_fused_backend_table())
 lib.mlx_dualnorm_set_fused_rope_backend(lib.mlx_dualnorm_fused_rope_backend_table())
 
+# The bridge's entry points, one per C apply function bound below: each
+# takes the object's C address and the call's arguments as given, converts
+# what is not an ``mx.array`` with the converters bound below, and returns
+# the C call's outputs as a tuple, in the C call's order.
 apply_compiled_dual_head_norm = _interop.apply
+apply_compiled_dual_head_norm_rope = _interop.apply_rope
+apply_compiled_dual_head_norm_rope_with_cache = _interop.apply_rope_with_cache
 # assign_array(target, source): the object ``target`` holds ``source``'s
 # array from now on, as ``target[...] = value`` makes it hold the update.
 assign_array = _interop.assign

@@ -1,4 +1,5 @@
-"""Bit-level comparison of MLX arrays: the one rule behind every parity claim.
+"""Bit-level comparison of MLX arrays: the one rule behind every parity claim,
+public for engines' own parity tests (docs/parity.md).
 
 The package promises the composed path's BITS, not only its values: ``-0.0``
 and ``0.0`` compare equal as values, and so do two NaNs of different payload,

@@ -20,7 +20,10 @@ from mlx_dualnorm._binding import apply_compiled_dual_head_norm, call_native, ff
 from mlx_dualnorm import _composite
 from mlx_dualnorm._composite import ArrayLike, Mode, StreamLike, _NativeComposite
 
-__all__ = ["CompiledDualHeadNorm", "Mode", "available_modes", "composed_dual_head_norm"]
+__all__ = [
+    "CompiledDualHeadNorm", "Mode", "available_modes", "composed_dual_head_norm",
+    "fused_outputs_in_device_pool",
+]
 
 # The labels of this module's errors, ``[label] message``, as MLX's ops do
 # (the C library reports the same ones); close()'s is the label + "_close".
@@ -33,6 +36,16 @@ def available_modes() -> tuple[str, ...]:
     mode and MLX's CUDA backend with a GPU."""
     modes = ("composed", "compiled")
     return modes + ("fused",) if lib.mlx_dualnorm_fused_mode_available() else modes
+
+
+def fused_outputs_in_device_pool() -> bool:
+    """Whether the fused kernels take their outputs from MLX's
+    stream-ordered device pool, as MLX's own CUDA kernels do. False in a
+    build without the fused mode, and where the package runs over another
+    MLX build than the one it was compiled against: the fused kernels then
+    take MLX's public allocator (unified memory) and copy every cache write
+    (the same bits, slower; docs/cuda-build.md). Needs no GPU."""
+    return bool(lib.mlx_dualnorm_fused_outputs_in_device_pool())
 
 
 def composed_dual_head_norm(

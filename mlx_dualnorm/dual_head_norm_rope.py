@@ -32,8 +32,13 @@ from typing import Any, Callable, Generic, Optional, TypeVar, Union, overload
 import mlx.core as mx
 import numpy as np
 
-import mlx_dualnorm._interop as _interop
-from mlx_dualnorm._binding import call_native, ffi, lib
+from mlx_dualnorm._binding import (
+    apply_compiled_dual_head_norm_rope,
+    apply_compiled_dual_head_norm_rope_with_cache,
+    call_native,
+    ffi,
+    lib,
+)
 from mlx_dualnorm import _composite
 from mlx_dualnorm._composite import ArrayLike, Mode, StreamLike, _NativeComposite
 from mlx_dualnorm._errors import DualHeadNormValueError
@@ -294,7 +299,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
         native, address = self._handle
         if not address:
             raise self._uninitialized_error()
-        graph_outputs = _interop.apply_rope(
+        graph_outputs = apply_compiled_dual_head_norm_rope(
             address, queries, keys, query_weight, key_weight, offset, freqs
         )
         # The C builders' fixed order, queries then keys: the tuple as is.
@@ -334,13 +339,8 @@ class CompiledDualHeadNormRope(_NativeComposite):
         to do).
 
         Args:
-            queries: ``(B, L, Hq, D)`` array.
-            keys: ``(B, L, Hk, D)`` array.
+            queries, keys, query_weight, key_weight: as for ``__call__``.
             values: ``(B, L, Hk, Dv)`` array.
-            query_weight: optional ``(D,)`` scale of the query norm, or
-                ``(Hq * D,)``: one norm over each token's heads (see above).
-            key_weight: optional ``(D,)`` scale of the key norm, or
-                ``(Hk * D,)``.
             key_cache: the key buffer, ``(B, Hk, capacity, D)``.
             value_cache: the value buffer, ``(B, Hk, capacity, Dv)``.
             offset: the RoPE offset, as for ``__call__``.
@@ -382,7 +382,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
         native, address = self._handle
         if not address:
             raise self._uninitialized_error(operation)
-        graph_outputs = _interop.apply_rope_with_cache(
+        graph_outputs = apply_compiled_dual_head_norm_rope_with_cache(
             address, queries, keys, values, query_weight, key_weight, offset, freqs, key_cache,
             value_cache, row, fetch,
         )

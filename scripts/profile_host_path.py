@@ -1,4 +1,6 @@
-"""Where the host time of one compiled dual head norm call goes.
+"""Where the host time of one compiled dual head norm call goes: a developer's
+profile of the package's own layers, so it imports their private modules
+(the bridge, the cffi module) on purpose, unlike the benchmarks in bench/.
 
 Two views of the same call, ``CompiledDualHeadNorm(eps)(q, k)`` at the
 gated-delta decode shape (q, k ``(1, 1, 16, 128)`` bf16, no weights):
@@ -27,7 +29,7 @@ gated-delta decode shape (q, k ``(1, 1, 16, 128)`` bf16, no weights):
 Also printed: how many primitives each path puts in the graph per dual call
 (from ``mx.export_to_dot``): what the evaluation then has to dispatch.
 
-Run: ``python bench/profile_host_path.py [--output-dir DIR] [--no-sampler]``.
+Run: ``python scripts/profile_host_path.py [--output-dir DIR] [--no-sampler]``.
 """
 
 from __future__ import annotations

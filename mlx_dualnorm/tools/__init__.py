@@ -5,7 +5,7 @@ The product is :mod:`mlx_dualnorm` itself (``CompiledDualHeadNorm``,
 :mod:`mlx_dualnorm.integrations.mlx_lm`. Everything here serves
 ``python -m mlx_dualnorm`` and the tests:
 
-* :mod:`~mlx_dualnorm.tools.paths`: the paths compared, named once, and how
+* :mod:`~mlx_dualnorm.tools.compared_paths`: the paths compared, named once, and how
   a command chooses among them;
 * :mod:`~mlx_dualnorm.tools.parity`: each path against the composed path,
   bit for bit, over a designed matrix (``parity_matrix``) of shapes, dtypes,

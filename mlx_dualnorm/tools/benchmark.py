@@ -28,7 +28,7 @@ contradicts its medians.
 A ratio is always ``value(path) / value(composed)`` (time, or peak memory):
 lower is better, below 1 the path beats the composed path.
 
-The paths are those of :mod:`mlx_dualnorm.tools.paths`, by the names every
+The paths are those of :mod:`mlx_dualnorm.tools.compared_paths`, by the names every
 tool uses; adding one is one ``register_path`` call. A factory, or a call,
 that raises :class:`PathUnavailable` marks the path (or that path at that
 shape) as skipped instead of failing the run.
@@ -72,7 +72,7 @@ from mlx_dualnorm.tools.benchmark_results import (
     BenchmarkReport,
     Scenario,
 )
-from mlx_dualnorm.tools.paths import (
+from mlx_dualnorm.tools.compared_paths import (
     PATH_REGISTRY,
     PathUnavailable,
     package_mode_factory,
@@ -117,7 +117,8 @@ def progress_to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _benchmark_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser."""
     parser = command.tool_parser(
         "bench",
         "Time every path against the composed path (two mx.fast.rms_norm calls): host us "
@@ -201,14 +202,10 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser."""
-    return _benchmark_parser()
-
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m mlx_dualnorm bench``: prints the table; 2 on bad usage."""
-    return command.run_tool(_benchmark_parser(), _run, argv)
+    return command.run_tool(build_parser(), _run, argv)
 
 
 if __name__ == "__main__":

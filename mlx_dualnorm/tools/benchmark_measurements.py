@@ -7,7 +7,7 @@ Inside a repeat the paths take their samples in turn (one batch or call
 each, decode tokens ``decode_tokens_per_turn`` at a time, as decode runs
 one path token after token; the order rotating and reversing), so load
 that comes and goes on the machine falls on all of them alike. A factory,
-or a call, that raises :class:`~mlx_dualnorm.tools.paths.PathUnavailable`
+or a call, that raises :class:`~mlx_dualnorm.tools.compared_paths.PathUnavailable`
 marks the path (or that path at that shape) as skipped instead of failing
 the run.
 """
@@ -45,7 +45,7 @@ from mlx_dualnorm.tools.benchmark_results import (
     Scenario,
     metric_key,
 )
-from mlx_dualnorm.tools.paths import PATH_REGISTRY, DualNormPath, PathUnavailable
+from mlx_dualnorm.tools.compared_paths import PATH_REGISTRY, DualNormPath, PathUnavailable
 
 __all__ = [
     "ScenarioInputs",

@@ -27,7 +27,7 @@ from mlx_dualnorm.tools.benchmark_results import (
     MetricResult,
     metric_key,
 )
-from mlx_dualnorm.tools.paths import describe_paths
+from mlx_dualnorm.tools.compared_paths import describe_paths
 
 __all__ = [
     "CHART_FILE_NAME",

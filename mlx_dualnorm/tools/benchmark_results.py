@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.tools.command import spread
-from mlx_dualnorm.tools.paths import PATH_REGISTRY, REFERENCE_PATH
+from mlx_dualnorm.tools.compared_paths import PATH_REGISTRY, REFERENCE_PATH
 
 __all__ = [
     "BASELINE_PATH",

@@ -40,7 +40,7 @@ from mlx_dualnorm.tools.command import (
     run_tool,
     select_device,
 )
-from mlx_dualnorm.tools.paths import PATH_REGISTRY, REFERENCE_PATH, unavailable_paths
+from mlx_dualnorm.tools.compared_paths import PATH_REGISTRY, REFERENCE_PATH, unavailable_paths
 
 __all__ = ["SUBCOMMANDS", "SubCommand", "main", "subcommand_parser"]
 

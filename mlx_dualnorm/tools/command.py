@@ -32,7 +32,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import mlx.core as mx
 
-from mlx_dualnorm.tools.paths import PathUnavailable
+from mlx_dualnorm.tools.compared_paths import PathUnavailable
 
 __all__ = [
     "DefaultShownOnceFormatter",

@@ -1,4 +1,5 @@
-"""The dual head norm paths the tools compare, named once.
+"""The paths the tools compare, named once: the dual head norm's implementations
+(the reference, each of the package's modes, and Python mx.compile peers).
 
 Every tool (parity, replay, bench, the main job) speaks of the same paths by
 the same names, and prints the same one-line description of each:

@@ -83,6 +83,7 @@ from mlx_dualnorm.tools.mlx_lm_synthetic import (
 )
 
 __all__ = [
+    "timed_greedy_decode",
     "DecodeMeasurement",
     "PairedTiming",
     "build_parser",
@@ -240,7 +241,7 @@ def _vocabulary_size(model_type: str) -> int:
 # ---- Decode at the dimensions of released models -----------------------------
 
 
-def _timed_greedy_decode(
+def timed_greedy_decode(
     model, prompt: mx.array, steps: int, progress: Optional[StepReport] = None, detail: str = ""
 ) -> tuple[list[int], float]:
     """Prefill ``prompt``, then ``steps`` greedy decode steps through
@@ -299,13 +300,13 @@ def run_decode(
 
     def one_run(patched: bool, run_steps: int, detail: str) -> tuple[list[int], float]:
         with integration.patch(mode) if patched else integration.unpatch():
-            return _timed_greedy_decode(network, prompt, run_steps, progress, detail)
+            return timed_greedy_decode(network, prompt, run_steps, progress, detail)
 
     def warm_up_recording_engagement() -> None:
         """The patched warm-up, with what the patch engaged in it."""
         with integration.patch(mode), count_normalize_qk_calls() as calls, \
                 recording_prework() as kinds:
-            _timed_greedy_decode(
+            timed_greedy_decode(
                 network, prompt, WARM_UP_DECODE_STEPS, progress, f"warm-up {PATCHED}"
             )
             engagement = layer_engagement(network, kinds.prework_of)
@@ -387,7 +388,8 @@ def _add_workload(
         )
 
 
-def _bench_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser."""
     parser = command.tool_parser(
         "mlx-lm-bench",
         "mlx-lm's normalize_qk against the mlx_dualnorm patch: q/k prework at the "
@@ -642,14 +644,10 @@ def write_json_report(path: Path, report: object) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser."""
-    return _bench_parser()
-
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m mlx_dualnorm mlx-lm-bench``; see the module doc."""
-    return command.run_tool(_bench_parser(), _run, argv)
+    return command.run_tool(build_parser(), _run, argv)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dualnorm._bits import same_bits
+from mlx_dualnorm.bits import same_bits
 from mlx_dualnorm.dual_head_norm import Mode
 from mlx_dualnorm.tools import command
 from mlx_dualnorm.integrations import mlx_lm as integration

@@ -164,8 +164,8 @@ def launch(
     127.0.0.1 -n <ranks>``, as a user would; "direct" starts the ranks here
     with what mlx.launch hands them (``MLX_RANK``, ``MLX_HOSTFILE`` naming a
     file with one ``["127.0.0.1:<port>"]`` per rank), for timing: mlx.launch
-    relays the ranks' output in threads that poll without blocking, about
-    0.4 of a core measured on a 2-core machine, taken from the ranks.
+    relays the ranks' output in threads that poll without blocking, CPU
+    time taken from the ranks.
 
     Past ``timeout_s`` every process started is killed (``returncode``
     None): each leads a process group, killed whole. A run whose ports were taken

@@ -6,13 +6,13 @@ dict like a checkpoint's config.json, with random weights from a fixed
 seed: nothing is downloaded. The gated-delta models are tiny (hidden size
 64, vocabulary 512, four layers: three gated-delta and one
 full-attention), but their gated-delta layers have the
-real head layout of Qwen3-Next: 16 key heads of width 128 and 32 value
+real head counts of Qwen3-Next: 16 key heads of width 128 and 32 value
 heads of width 128, so each token normalizes q and k of shape
 ``(1, 1, 16, 128)``, as the 80B model does; their full-attention layer has
 the real head_dim 256 with 16 query and 2 key/value heads.
 
 ``qwen3`` and ``qwen3_moe`` (mlx-lm's dense and mixture-of-experts Qwen3)
-have two full-attention layers with Qwen3's head layout: 16 query and 8
+have two full-attention layers with Qwen3's head counts: 16 query and 8
 key/value heads of width 128; ``qwen3`` is bfloat16, ``qwen3_moe`` float32.
 
 ``qwen3_next`` has a mixture-of-experts MLP and is built in float32 by
@@ -85,7 +85,7 @@ __all__ = [
 
 DEFAULT_SEED = 20261129
 
-GATED_DELTA_HEAD_LAYOUT = {
+GATED_DELTA_HEADS = {
     "linear_num_key_heads": 16,
     "linear_key_head_dim": 128,
     "linear_num_value_heads": 32,
@@ -111,7 +111,7 @@ _CONFIGS: dict[str, dict[str, object]] = {
     "qwen3_next": {
         "model_type": "qwen3_next",
         **SMALL_DECODER,
-        **GATED_DELTA_HEAD_LAYOUT,
+        **GATED_DELTA_HEADS,
         "rope_theta": 10_000_000.0,
         "partial_rotary_factor": 0.25,
         "num_experts": 4,
@@ -127,7 +127,7 @@ _CONFIGS: dict[str, dict[str, object]] = {
         "text_config": {
             "model_type": "qwen3_5_text",
             **SMALL_DECODER,
-            **GATED_DELTA_HEAD_LAYOUT,
+            **GATED_DELTA_HEADS,
             "num_experts": 0,
         },
     },
@@ -138,7 +138,7 @@ DEFAULT_DTYPES = {"qwen3_next": mx.float32, "qwen3_5": mx.bfloat16}
 GATED_DELTA_MODEL_TYPES = tuple(_CONFIGS)
 
 # mlx-lm's qwen3 (dense) and qwen3_moe: full attention only, two layers
-# with the head layout of Qwen3-0.6B and -1.7B (16 query heads and 8
+# with the head counts of Qwen3-0.6B and -1.7B (16 query heads and 8
 # key/value heads of width 128), so each layer's norm + RoPE runs at the
 # released shapes.
 _QWEN3 = {
@@ -387,19 +387,3 @@ def prompt_token_ids(vocab_size: int, length: int = 12) -> mx.array:
     if length < 1 or vocab_size < 2:
         raise ValueError("a prompt needs length >= 1 and a vocabulary of >= 2 tokens")
     return mx.array([(37 * position + 11) % vocab_size for position in range(length)])
-
-
-def one_token_step_loss(model: nn.Module, with_cache: bool) -> mx.array:
-    """The loss of a one-token step of two sequences (tokens 5 and 9,
-    targets 17 and 3), alone or, ``with_cache``, after an 8-token prefill of
-    each into mlx-lm's caches: the step whose gradients the one-token-step
-    parity tests compare, and ``bench/gradient_order_probe.py`` with them."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = None
-    if with_cache:
-        cache = make_prompt_cache(model)
-        model(mx.array([[(7 * column + 3 + row) % 512 for column in range(8)]
-                        for row in range(2)]), cache=cache)
-    logits = model(mx.array([[5], [9]]), cache=cache)
-    return nn.losses.cross_entropy(logits.astype(mx.float32), mx.array([[17], [3]])).mean()

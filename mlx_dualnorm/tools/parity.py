@@ -13,7 +13,7 @@ line compares bits unless ``--values`` asks for values only. It also checks
 the dual head norm + RoPE (:mod:`mlx_dualnorm.tools.rope_parity`), and ends
 with a one-line verdict, after a line for each path it left out and why.
 
-The paths are those of :mod:`mlx_dualnorm.tools.paths`, by the names every
+The paths are those of :mod:`mlx_dualnorm.tools.compared_paths`, by the names every
 tool uses; another path joins by ``register_path``, or by passing a mapping
 of factories to :func:`run_parity_matrix` or :func:`main`. The names in
 ``__all__`` that this module does not define are the parity check's API,
@@ -29,7 +29,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import mlx.core as mx
 
 from mlx_dualnorm.dual_head_norm import composed_dual_head_norm
-from mlx_dualnorm.tools import command, paths, rope_parity
+from mlx_dualnorm.tools import command, compared_paths, rope_parity
 from mlx_dualnorm.tools.parity_inputs import (
     DualNormInputs,
     build_case_inputs,
@@ -57,7 +57,7 @@ from mlx_dualnorm.tools.parity_report import (
     format_parity_report,
     parity_verdict,
 )
-from mlx_dualnorm.tools.paths import (
+from mlx_dualnorm.tools.compared_paths import (
     PATH_REGISTRY,
     DualNormPath,
     DualNormPathFactory,
@@ -107,7 +107,7 @@ __all__ = [
 
 PATH_FACTORIES: dict[str, DualNormPathFactory] = routinely_checked_paths()
 """The paths checked when none is named: every mode this build and device
-can run, and Python's mx.compile for comparison (see tools.paths)."""
+can run, and Python's mx.compile for comparison (see tools.compared_paths)."""
 
 
 # ---- Running ----------------------------------------------------------------------
@@ -192,7 +192,7 @@ def check_path_parity(
 
 
 def skipped_path_lines(skipped: Mapping[str, str]) -> list[str]:
-    return paths.skipped_path_lines("parity", dict(skipped))
+    return compared_paths.skipped_path_lines("parity", dict(skipped))
 
 
 def _parity_parser(selection: PathSelection) -> argparse.ArgumentParser:

@@ -17,9 +17,9 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import mlx.core as mx
 
-from mlx_dualnorm._bits import count_bit_differences, count_value_differences
+from mlx_dualnorm.bits import count_bit_differences, count_value_differences
 from mlx_dualnorm.tools.parity_matrix import FAMILY_NAMES
-from mlx_dualnorm.tools.paths import REFERENCE_PATH, describe_paths
+from mlx_dualnorm.tools.compared_paths import REFERENCE_PATH, describe_paths
 
 __all__ = [
     "DescribedCase",

@@ -38,9 +38,9 @@ from typing import Callable, Mapping, Optional, Sequence, cast
 
 import mlx.core as mx
 
-from mlx_dualnorm._bits import bit_difference_mask
+from mlx_dualnorm.bits import bit_difference_mask
 from mlx_dualnorm.tools import command
-from mlx_dualnorm.tools.paths import (
+from mlx_dualnorm.tools.compared_paths import (
     REFERENCE_PATH,
     DualNormPath,
     DualNormPathFactory,
@@ -70,7 +70,7 @@ __all__ = [
 
 DEFAULT_DECODE_STEPS = 128
 PATH_FACTORIES: dict[str, DualNormPathFactory] = routinely_checked_paths()
-"""The paths replayed when none is named (see tools.paths)."""
+"""The paths replayed when none is named (see tools.compared_paths)."""
 GATED_DELTA_LAYER = "gated_delta"
 FULL_ATTENTION_LAYER = "full_attention"
 

@@ -21,14 +21,16 @@ SUPPORTED_MLX_LM = (
 REPLACEMENT_MARKER = "_mlx_dualnorm_replacement"
 
 PLAIN_SCALAR_TYPES = (float, int)
-# Keys are model constants (a few per model); past this, new keys run the
+# The most entries each of the integration's caches of built objects holds
+# (the gated-delta folds, the norm + RoPE objects, the head norms): their
+# keys are model constants (a few per model); past this, new keys run the
 # original instead of growing the cache.
-MAX_CACHED_FOLDS = 256
+MAX_CACHED_OBJECTS = 256
 
 
 def cached_or_built(cache: dict, lock, key, build: Callable[[], object], when_full):
     """``cache[key]``, built once under ``lock`` on a miss, or ``when_full``
-    (nothing built) once the cache holds MAX_CACHED_FOLDS entries. A hit
+    (nothing built) once the cache holds MAX_CACHED_OBJECTS entries. A hit
     takes no lock: it runs for every layer of every decode step."""
     value = cache.get(key)
     if value is not None:
@@ -36,7 +38,7 @@ def cached_or_built(cache: dict, lock, key, build: Callable[[], object], when_fu
     with lock:
         value = cache.get(key)
         if value is None:
-            if len(cache) >= MAX_CACHED_FOLDS:
+            if len(cache) >= MAX_CACHED_OBJECTS:
                 return when_full
             value = build()
             cache[key] = value

@@ -20,9 +20,9 @@ becomes, both paths do one correctly rounded ``T`` multiply of the same
 operands, and ``rms_eps`` is the same Python float, made float32 the same
 way. The whole prework is then ONE call of
 :class:`~mlx_dualnorm.CompiledDualHeadNorm`, bit-identical to the original.
-That was measured, not only argued: 0 of 162,540 cases differ on CPU (3
-dtypes x 14 widths x 5 eps x 8 inv_scales x shapes x value ranges incl.
-inf/NaN/zeros x 6 memory layouts), bit patterns compared (docs/mlx-lm.md).
+That was measured, not only argued: a sweep over dtypes, widths, eps,
+inv_scales, shapes, value ranges (inf, NaN and zeros included) and memory
+layouts finds no differing bit (docs/mlx-lm.md has the counts).
 
 What is rejected, running the original function instead, never an
 approximation: q and k of different dtypes or widths; dtypes other than
@@ -47,7 +47,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from mlx_dualnorm._bits import same_bits
+from mlx_dualnorm.bits import same_bits
 from mlx_dualnorm._composite import Mode
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
 from mlx_dualnorm.integrations.mlx_lm._shared import (

@@ -39,8 +39,8 @@ _norm_ropes: dict = {}
 _norm_ropes_lock = threading.Lock()
 
 # mlx.nn.Module is a dict of its submodules and arrays: reading them as
-# items skips Module.__getattr__, Python code that costs about 0.5 µs a
-# lookup on a 2-core CPU, several per layer and decode token.
+# items skips Module.__getattr__, Python code run for every lookup:
+# several per layer and decode token.
 module_item = dict.get
 
 

@@ -153,7 +153,7 @@ def _step3p5_finish(self, x, output, batch, length):
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class PartNames:
     """How one family's attention names its parts."""
 
     heads: str  # the attribute with the query head count
@@ -201,14 +201,14 @@ def _normalized_heads(query_norm, key_norm, query_weight, key_weight, queries, k
         return None
 
 
-def _prework(layout: Layout, attention, queries, keys, values, cache):
+def _prework(part_names: PartNames, attention, queries, keys, values, cache):
     """Queries, keys and values ready for attention, ``(B, H, L', D)``, the
     q/k prework one call of the package (norm + RoPE, with the cache write
     where the cache allows, or the norm alone in a layer without RoPE), or
     None (the caller then runs the class's own __call__)."""
     try:
-        norms = layout.norms(attention)
-        rope = None if norms is None else layout.rope(attention)
+        norms = part_names.norms(attention)
+        rope = None if norms is None else part_names.rope(attention)
     except Exception as error:  # anything unexpected runs mlx-lm's own code instead
         log_fallback_once("the full-attention norm (+ RoPE)", error)
         return None
@@ -229,51 +229,52 @@ def _prework(layout: Layout, attention, queries, keys, values, cache):
     return cache_update.with_cache_update(normalized_queries, normalized_keys, values, cache)
 
 
-def _engages(layout: Layout, attention) -> bool:
+def _engages(part_names: PartNames, attention) -> bool:
     """Whether the layer's norms and RoPE are what :func:`_prework` computes."""
-    norms = layout.norms(attention)
+    norms = part_names.norms(attention)
     if norms is None:
         return False
-    rope = layout.rope(attention)
+    rope = part_names.rope(attention)
     if rope is None:
         return _is_plain_norm(norms[0], norms[1])
     return is_plain_norm_rope(rope, norms[0], norms[1])
 
 
-def _attention_call(layout: Layout):
-    """The replacement __call__ of a family of ``layout``."""
+def _attention_call(part_names: PartNames):
+    """The replacement __call__ of a family whose parts ``part_names`` names."""
 
     def call(self, x, mask=None, cache=None):
         batch, length, _ = x.shape
-        query_heads, kv_heads = getattr(self, layout.heads), getattr(self, layout.kv_heads)
+        query_heads = getattr(self, part_names.heads)
+        kv_heads = getattr(self, part_names.kv_heads)
         head_queries = self.q_proj(x).reshape(batch, length, query_heads, -1)
         head_keys = self.k_proj(x).reshape(batch, length, kv_heads, -1)
         head_values = self.v_proj(x).reshape(batch, length, kv_heads, -1)
-        prepared = _prework(layout, self, head_queries, head_keys, head_values, cache)
+        prepared = _prework(part_names, self, head_queries, head_keys, head_values, cache)
         if prepared is None:
             return original_call(self, x, mask, cache)
         output = attended(self, *prepared, cache, mask, batch, length)
-        return layout.finish(self, x, output, batch, length)
+        return part_names.finish(self, x, output, batch, length)
 
     return call
 
 
 def _family(
-    module: str, class_name: str, layout: Layout, refusal: Optional[str] = None
+    module: str, class_name: str, part_names: PartNames, refusal: Optional[str] = None
 ) -> AttentionFamily:
     family = AttentionFamily(
-        f"mlx_lm.models.{module}", class_name, _attention_call(layout),
-        lambda attention: _engages(layout, attention),
+        f"mlx_lm.models.{module}", class_name, _attention_call(part_names),
+        lambda attention: _engages(part_names, attention),
     )
     return family if refusal is None else dataclasses.replace(family, refusal=refusal)
 
 
-_N_HEADS = Layout("n_heads", "n_kv_heads")
-_NUM_HEADS = Layout("num_attention_heads", "num_key_value_heads")
-_LFM2 = Layout(
+_N_HEADS = PartNames("n_heads", "n_kv_heads")
+_NUM_HEADS = PartNames("num_attention_heads", "num_key_value_heads")
+_LFM2 = PartNames(
     "n_heads", "n_kv_heads", _rms_norms("q_layernorm", "k_layernorm"), finish=_projected("out_proj")
 )
-_EXAONE = Layout("n_heads", "n_kv_heads", rope=_rope("use_rope"))
+_EXAONE = PartNames("n_heads", "n_kv_heads", rope=_rope("use_rope"))
 
 QWEN3_LIKE_FAMILIES = (
     _family("Klear", "KlearAttention", _NUM_HEADS),
@@ -285,21 +286,22 @@ QWEN3_LIKE_FAMILIES = (
     _family("exaone_moe", "Attention", _EXAONE),
     _family("apertus", "ApertusAttention", _NUM_HEADS),
     _family(
-        "glm4_moe", "Attention", Layout("n_heads", "n_kv_heads", _rms_norms(flag="use_qk_norm")),
+        "glm4_moe", "Attention",
+        PartNames("n_heads", "n_kv_heads", _rms_norms(flag="use_qk_norm")),
         "it has no q/k norms (use_qk_norm false), or they or its RoPE are not plain "
         "nn.RMSNorm / nn.RoPE",
     ),
     _family(
-        "laguna", "Attention", Layout("n_heads", "n_kv_heads", finish=_laguna_finish),
+        "laguna", "Attention", PartNames("n_heads", "n_kv_heads", finish=_laguna_finish),
     ),
     _family(
         "step3p5", "Step3p5Attention",
-        Layout("num_heads", "num_kv_heads", _zero_centered_norms, finish=_step3p5_finish),
+        PartNames("num_heads", "num_kv_heads", _zero_centered_norms, finish=_step3p5_finish),
         "its norms are not ZeroCenteredRMSNorm of one eps, or its RoPE is not plain nn.RoPE",
     ),
     _family(
         "llama4_text", "Attention",
-        Layout("n_heads", "n_kv_heads", _weightless_norms, _rope("use_rope")),
+        PartNames("n_heads", "n_kv_heads", _weightless_norms, _rope("use_rope")),
         "it has no q/k norm (use_qk_norm false), or its eps or RoPE are not plain",
     ),
 )
