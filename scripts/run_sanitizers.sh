@@ -3,7 +3,7 @@
 # included) and UndefinedBehaviorSanitizer, in two stages:
 #
 #   1. C: tests/c/dual_head_norm_c_test.c built with only a C compiler,
-#      from the sources (tests/test_c_example.py builds it against the
+#      from the sources (tests/c/test_c_example.py builds it against the
 #      installed libmlx_dualnorm instead): the test and csrc/*.c
 #      compiled instrumented, linked with -lmlxc from the
 #      bundled subset installed instrumented (scripts/build_subset_mlx_c.sh)
@@ -157,9 +157,10 @@ if [ "$RUN_PYTHON" = 1 ]; then
     ASAN_OPTIONS="$ASAN_BASE:log_path=$WORK/py-asan:detect_odr_violation=0" \
     MLX_DUALNORM_FUZZ_EXAMPLES="${MLX_DUALNORM_FUZZ_EXAMPLES:-100}" \
     "$WORK/venv/bin/python" -m pytest -q -p no:cacheprovider \
-      "$SOURCE/tests/test_epsilon_contract.py" "$SOURCE/tests/test_faults.py" \
-      "$SOURCE/tests/test_bad_input.py" "$SOURCE/tests/test_fuzz_arguments.py" \
-      "$SOURCE/tests/test_c_api.py" > "$WORK/pytest.out" 2>&1) || true
+      "$SOURCE/tests/core/test_epsilon_contract.py" "$SOURCE/tests/errors/test_faults.py" \
+      "$SOURCE/tests/errors/test_lifetime.py" "$SOURCE/tests/errors/test_misuse.py" \
+      "$SOURCE/tests/errors/test_bad_input.py" "$SOURCE/tests/errors/test_fuzz_arguments.py" \
+      "$SOURCE/tests/c/test_c_api.py" > "$WORK/pytest.out" 2>&1) || true
   tail -15 "$WORK/pytest.out"
   py_logs=("$WORK"/py-asan.*)
   if [ -e "${py_logs[0]}" ]; then

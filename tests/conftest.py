@@ -1,18 +1,18 @@
-"""Shared test helpers: every comparison is bit-exact, dtypes included."""
+"""The suite's selection (tests marked slow), Hypothesis' profiles and the
+fixtures of more than one folder. Helpers live in tests/helpers/."""
 
 from __future__ import annotations
 
-import collections
-import io
-import os
 import pathlib
-import re
 
-import mlx.core as mx
 import pytest
-from hypothesis import settings
 
-from mlx_dualnorm._bits import count_bit_differences
+# pytest's default ("prepend") import mode puts this file's folder on
+# sys.path as it loads it, so the test modules of every group folder
+# (core, facade, errors, mlx_lm, tools, c) import ``helpers.<module>``. Each
+# test module is imported by its basename, so basenames stay unique across
+# the folders (SLOW_TESTS below names files by basename too).
+from helpers import hypothesis_profiles  # noqa: F401  (registers and loads the profile)
 
 # ---- The default selection: long suites left out ---------------------------------
 #
@@ -55,7 +55,7 @@ SLOW_TESTS: dict[str, tuple[str, ...]] = {
         "test_interleaved_norms_keep_their_own_epsilon",
     ),
     # The C library installed with CMake and built against (the C API itself
-    # stays, through tests/test_c_api.py); mypy over the package.
+    # stays, through tests/c/test_c_api.py); mypy over the package.
     "test_c_example.py": ("*",),
     "test_typing.py": ("*",),
     # The CLI's long runs: mlx-lm-bench, interrupted and at length.
@@ -145,251 +145,6 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     if _marker_expression_given(config):
         return None
     return "tests marked slow are left out unless their file is named (-m \"\" runs everything)"
-
-
-# ---- Hypothesis profiles ---------------------------------------------------------
-#
-# The property tests of test_parity_properties.py take most of a full run: on
-# two CPU cores each example compiles kernels (g++) for its epsilon, dtype and
-# rank, about 1 to 4 s an example. Their example counts are written for
-# Hypothesis' default profile (max_examples 100) and scale with the profile
-# loaded (scaled_examples), never below MINIMUM_EXAMPLES:
-#
-#   profile    selected by                      compiled vs composed / replays
-#                                               over new shapes / interleaved eps
-#   default    neither variable set             60 / 25 / 20 examples  (~240 s)
-#   ci         CI set (HYPOTHESIS_PROFILE wins)  15 /  6 /  5 examples  (~60 s)
-#   thorough   HYPOTHESIS_PROFILE=thorough      240 / 100 / 80 examples
-#
-# The ci profile keeps Hypothesis' own CI settings (derandomized, so a
-# failure reproduces with HYPOTHESIS_PROFILE=ci; no example database; no
-# deadline): its 15 examples still span ranks 1-4, the three dtypes, every
-# weighting and special values; 6 replays chain 2-5 shapes each; 5 epsilon
-# pairs alternate four calls each. The thorough profile is for exploring
-# before a release.
-MINIMUM_EXAMPLES = 5
-settings.register_profile(
-    "ci", parent=settings.get_profile("ci"), max_examples=25, deadline=None
-)
-settings.register_profile("thorough", max_examples=400, deadline=None)
-if os.environ.get("HYPOTHESIS_PROFILE"):
-    settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
-elif os.environ.get("CI"):
-    settings.load_profile("ci")
-
-
-def scaled_examples(default_profile_examples: int) -> int:
-    """A test's ``max_examples`` under the loaded profile: the count it runs
-    under the default profile (100 examples), scaled by the loaded
-    profile's ``max_examples`` / 100."""
-    scaled = round(default_profile_examples * settings.default.max_examples / 100)
-    return max(MINIMUM_EXAMPLES, scaled)
-
-
-
-def assert_bit_identical(
-    actual: mx.array,
-    expected: mx.array,
-    context: str = "",
-    nan_payloads_may_differ: bool = False,
-) -> None:
-    """Same dtype, same shape, same bits in every element (signed zeros and
-    NaN payloads included): the package's one comparison rule, the one
-    bit-exact assertion of the tests. ``context`` opens each failure
-    message; ``nan_payloads_may_differ`` lets a NaN match any NaN (see
-    docs/reliability.md on NaN payloads)."""
-    where = (context,) if context else ()
-    assert actual.dtype == expected.dtype, (*where, actual.dtype, expected.dtype)
-    assert actual.shape == expected.shape, (*where, actual.shape, expected.shape)
-    differing = count_bit_differences(
-        actual, expected, nan_payloads_may_differ=nan_payloads_may_differ
-    )
-    prefix = f"{context}: " if context else ""
-    assert differing == 0, f"{prefix}{differing} of {actual.size} elements differ in bits"
-
-
-# Unpatched repeats that decide whether mlx-lm's own step reproduces a
-# gradient the patched step gave other bits to.
-GRADIENT_REPEATS = 4
-
-
-def assert_patched_loss_and_gradients_match(step, loss_of=lambda outputs: outputs):
-    """``step()`` (a ``value_and_grad`` call: the loss, or outputs that
-    ``loss_of`` reads it from, and the gradients) unpatched, then patched:
-    the loss and every gradient the same bits; returns the unpatched
-    gradients.
-
-    A comparison means something only where mlx-lm's own step is
-    reproducible. On MLX's CUDA backend some gradients are not (the
-    embedding's scatter-add, MoE experts' gathered products): two unpatched
-    steps may differ, or agree by chance and differ on the third. So a
-    gradient the patched step gave other bits is left out only where one of
-    up to :data:`GRADIENT_REPEATS` more unpatched steps differs from the
-    first too; every other gradient is compared, and the test skips where
-    one the package's call computes or feeds (a norm's, a query or key
-    projection's) is left out."""
-    from mlx.utils import tree_flatten
-
-    from mlx_dualnorm.integrations import mlx_lm as integration
-
-    outputs, gradients = step()
-    with integration.patch():
-        patched_outputs, patched_gradients = step()
-    assert_bit_identical(loss_of(patched_outputs), loss_of(outputs))
-    flat_gradients = dict(tree_flatten(gradients))
-    flat_patched_gradients = dict(tree_flatten(patched_gradients))
-    assert flat_patched_gradients.keys() == flat_gradients.keys()
-    differing = {
-        path for path, gradient in flat_patched_gradients.items()
-        if count_bit_differences(gradient, flat_gradients[path])
-    }
-    unreproducible: set = set()
-    for _ in range(GRADIENT_REPEATS if differing else 0):
-        repeated = dict(tree_flatten(step()[1]))
-        unreproducible |= {
-            path for path in differing
-            if count_bit_differences(repeated[path], flat_gradients[path])
-        }
-        if unreproducible == differing:
-            break
-    if any(carries_the_prework_cotangent(path) for path in unreproducible):
-        pytest.skip("unpatched steps give this model's q/k norm or projection gradients "
-                    "other bits here")
-    for path, gradient in flat_patched_gradients.items():
-        if path not in unreproducible:
-            assert_bit_identical(gradient, flat_gradients[path], path)
-    return gradients
-
-
-# The projections whose weight gradients are made from the cotangents the
-# package's call gives its queries and keys.
-_QUERY_KEY_PROJECTIONS = ("q_proj", "k_proj", "qkv_proj")
-
-
-def carries_the_prework_cotangent(path: str) -> bool:
-    """Whether a flattened parameter path names a weight whose gradient the
-    package's call computes or feeds: a norm module's, or a query or key
-    projection's."""
-    parts = path.split(".")
-    return len(parts) >= 2 and parts[-1] == "weight" and (
-        "norm" in parts[-2] or parts[-2] in _QUERY_KEY_PROJECTIONS
-    )
-
-
-def assert_transforms_agree(transform: str, actual, expected, primals, vmap_arguments) -> None:
-    """``actual`` and ``expected``, functions of (queries, keys,
-    query_weight, key_weight) returning a list of arrays, give the same bits
-    under ``transform``: "vjp" and "jvp" at ``primals`` with the same seeded
-    cotangents or tangents, or "vmap" over ``vmap_arguments`` (queries and
-    keys batched on axis 0, the weights shared)."""
-
-    def transformed(function):
-        if transform == "vjp":
-            cotangents = [
-                mx.random.normal(output.shape, key=mx.random.key(20 + index))
-                for index, output in enumerate(expected(*primals))
-            ]
-            return mx.vjp(function, primals, cotangents)[1]
-        if transform == "jvp":
-            tangents = [
-                mx.random.normal(primal.shape, key=mx.random.key(30 + index))
-                for index, primal in enumerate(primals)
-            ]
-            return mx.jvp(function, primals, tangents)[1]
-        return mx.vmap(function, in_axes=(0, 0, None, None))(*vmap_arguments)
-
-    expected_outputs = transformed(expected)
-    actual_outputs = transformed(actual)
-    assert len(actual_outputs) == len(expected_outputs)
-    for a, e in zip(actual_outputs, expected_outputs):
-        assert_bit_identical(a, e)
-
-
-@pytest.fixture
-def unpatched_mlx_lm():
-    """mlx-lm as it ships before and after the test: the package's patch
-    removed either side (modules of mlx-lm tests use it for every test)."""
-    from mlx_dualnorm.integrations import mlx_lm as integration
-
-    integration.unpatch()
-    yield
-    integration.unpatch()
-
-
-# ---- Counting calls of classes whose code the patch must prove -------------------
-#
-# The patch engages a layer only where its norms' and RoPE's __call__ are the
-# recorded code, so a test that wraps those to count calls must also record
-# the wrapper, or every layer is (rightly) left to mlx-lm. The wrapper is a
-# module function here (a nested one has no fingerprint) that counts per
-# module and calls the class's own __call__.
-_COUNTED_CALLS: collections.Counter = collections.Counter()
-_UNCOUNTED_CALLS: dict = {}
-
-
-def counted_call(self, *arguments, **keywords):
-    _COUNTED_CALLS[id(self)] += 1
-    own_call = next(_UNCOUNTED_CALLS[cls] for cls in type(self).__mro__ if cls in _UNCOUNTED_CALLS)
-    return own_call(self, *arguments, **keywords)
-
-
-def forget_proofs() -> None:
-    """Drops the integration's cached proofs (a test changed recorded code
-    or a piece): each piece is fingerprinted again at its next use."""
-    from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, registry
-
-    registry.forget_verdicts()
-    cache_update.forget_cache_proofs()
-    engine._part_class_set = None
-
-
-def count_module_calls(monkeypatch, classes) -> collections.Counter:
-    """Counts, per module (by id), calls of each class's own ``__call__``
-    for the rest of the test, with the counting wrapper recorded as proven
-    code of each class (what the patch's own path does not call stays 0)."""
-    from mlx_dualnorm.integrations.mlx_lm import registry
-    from mlx_dualnorm.integrations.mlx_lm.fingerprints import function_fingerprint
-
-    fingerprint = function_fingerprint(counted_call)
-    assert fingerprint is not None
-    _COUNTED_CALLS.clear()
-    for counted_class in classes:
-        if vars(counted_class).get("__call__") is counted_call:
-            continue
-        _UNCOUNTED_CALLS[counted_class] = counted_class.__call__
-        monkeypatch.setattr(counted_class, "__call__", counted_call)
-        piece = registry.piece_name(counted_class, "__call__")
-        monkeypatch.setitem(
-            registry.RECORDED_CODE, piece, registry.RECORDED_CODE.get(piece, frozenset()) | {fingerprint}
-        )
-    forget_proofs()
-    return _COUNTED_CALLS
-
-
-def count_applied_calls(monkeypatch, module, name: str, counts: dict, key: str) -> None:
-    """Replaces ``module.name`` for the test with a wrapper that adds 1 to
-    ``counts[key]`` each time the function returns something other than
-    None (how the integration's entry points say they applied)."""
-    function = getattr(module, name)
-
-    def counting(*arguments):
-        result = function(*arguments)
-        counts[key] += result is not None
-        return result
-
-    monkeypatch.setattr(module, name, counting)
-
-
-def graph_primitives(*outputs: mx.array) -> list[str]:
-    """The primitive names of the graph behind `outputs`, sorted."""
-    dot = io.StringIO()
-    mx.export_to_dot(dot, *outputs)
-    return sorted(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))
-
-
-@pytest.fixture
-def rng_key() -> mx.array:
-    return mx.random.key(20261129)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@
  * mlx_fast_rms_norm calls, every handle is freed, and the failure paths
  * (invalid arguments, closed objects, MLX errors) are walked so the
  * sanitizers see their cleanup too. Covers:
- *   - objects with different epsilons, interleaved, every weight layout,
+ *   - objects with different epsilons, interleaved, every weight set,
  *     compiled and composed modes;
  *   - retraces (rank and dtype changes) after another object wrote the slot;
  *   - the uncompiled paths: widths 0 and 1, many rows;
@@ -16,7 +16,10 @@
  *     description); a NULL record accepted;
  *   - raw mlx-c failures: return codes and messages, caught by a handler
  *     of the test's own, with no process exit;
- *   - threads calling shared objects while others build and free objects.
+ *   - threads calling shared objects while others build and free objects;
+ *   - the norm + RoPE's versioned call struct: apply_call with and without
+ *     a cache write (fetching or not) bit for bit the older entries'
+ *     outputs, a struct_size below the first version's refused.
  * Links only the composite and an mlx-c (libmlxc): the fused mode is a
  * plug-in this test does not register.
  * Prints one line per failed check and a summary; exits 1 on any failure.
@@ -30,6 +33,8 @@
 #include <string.h>
 
 #include "dual_head_norm.h"
+#include "dual_head_norm_rope.h"
+#include "dual_head_norm_rope_cache.h"
 
 static int failures = 0;
 static int checks = 0;
@@ -464,6 +469,104 @@ static void test_threads(void) {
   }
 }
 
+/* ---- the norm + RoPE's call struct ---------------------------------------- */
+
+static const char ROPE_OPERATION[] = "dual_head_norm_rope";
+enum { ROPE_DIMS = 32, ROPE_WRITE_OFFSET = 3 };
+
+/* Compares two result vectors of `count` arrays each, array by array. */
+static void check_same_outputs(mlx_vector_array actual, mlx_vector_array expected,
+                               size_t count, const char* context) {
+  CHECK(mlx_vector_array_size(actual) == count, "%s: %zu outputs, expected %zu", context,
+        mlx_vector_array_size(actual), count);
+  CHECK(mlx_vector_array_size(expected) == count, "%s: the older entry gave %zu outputs",
+        context, mlx_vector_array_size(expected));
+  for (size_t index = 0; index < count && index < mlx_vector_array_size(actual) &&
+                         index < mlx_vector_array_size(expected);
+       ++index) {
+    mlx_array actual_array = mlx_array_new();
+    mlx_array expected_array = mlx_array_new();
+    CHECK(mlx_vector_array_get(&actual_array, actual, index) == 0 &&
+              mlx_vector_array_get(&expected_array, expected, index) == 0 &&
+              same_bits(actual_array, expected_array),
+          "%s: output %zu differs", context, index);
+    mlx_array_free(actual_array);
+    mlx_array_free(expected_array);
+  }
+}
+
+static void test_rope_call_struct(void) {
+  const int query_shape[4] = {1, 1, 4, 64};
+  const int key_shape[4] = {1, 1, 2, 64};
+  const int buffer_shape[4] = {1, 2, 8, 64};
+  int32_t offset_value = 5;
+  mlx_array queries = small_float32(query_shape, 4, 41);
+  mlx_array keys = small_float32(key_shape, 4, 42);
+  mlx_array values = small_float32(key_shape, 4, 43);
+  mlx_array key_cache = small_float32(buffer_shape, 4, 44);
+  mlx_array value_cache = small_float32(buffer_shape, 4, 45);
+  mlx_array query_weight = weight_float32(64, 1.5f);
+  mlx_array key_weight = weight_float32(64, 0.5f);
+  mlx_array offset = mlx_array_new_data(&offset_value, NULL, 0, MLX_INT32);
+  mlx_array no_freqs = mlx_array_new();
+  mlx_dualnorm_rope_parameters rope = {.dims = ROPE_DIMS, .base = 10000.0f, .scale = 1.0f};
+  mlx_dualnorm_dual_head_norm_rope* norm_rope = NULL;
+  mlx_dualnorm_error error = {0};
+  CHECK(mlx_dualnorm_dual_head_norm_rope_new(&norm_rope, 1e-5, rope, MLX_DUALNORM_MODE_COMPILED,
+                                             &error) == MLX_DUALNORM_OK,
+        "norm + RoPE construction: %s", error.description);
+  mlx_dualnorm_cache_write write = {values, key_cache, value_cache, ROPE_WRITE_OFFSET, false};
+  mlx_dualnorm_dual_head_norm_rope_call call = {
+      .struct_size = sizeof call,
+      .inputs = {queries, keys, query_weight, key_weight, offset, no_freqs},
+      .cache_write = NULL,
+  };
+  for (int route = 0; norm_rope != NULL && route < 3; ++route) {
+    write.fetch = route == 2;
+    call.cache_write = route == 0 ? NULL : &write;
+    mlx_vector_array through_struct = mlx_vector_array_new();
+    mlx_vector_array through_arguments = mlx_vector_array_new();
+    int struct_status =
+        mlx_dualnorm_dual_head_norm_rope_apply_call(&through_struct, norm_rope, &call, &error);
+    int arguments_status =
+        route == 0 ? mlx_dualnorm_dual_head_norm_rope_apply(&through_arguments, norm_rope,
+                                                            queries, keys, query_weight,
+                                                            key_weight, offset, &error)
+                   : mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
+                         &through_arguments, norm_rope, queries, keys, values, query_weight,
+                         key_weight, offset, no_freqs, key_cache, value_cache,
+                         ROPE_WRITE_OFFSET, write.fetch, &error);
+    CHECK(struct_status == MLX_DUALNORM_OK && arguments_status == MLX_DUALNORM_OK,
+          "route %d: statuses %d and %d (%s)", route, struct_status, arguments_status,
+          error.description);
+    size_t count = route == 0   ? MLX_DUALNORM_ROPE_OUTPUT_COUNT
+                   : route == 1 ? MLX_DUALNORM_CACHE_WRITE_OUTPUT_COUNT
+                                : MLX_DUALNORM_CACHE_FETCH_OUTPUT_COUNT;
+    check_same_outputs(through_struct, through_arguments, count, "apply_call");
+    mlx_vector_array_free(through_struct);
+    mlx_vector_array_free(through_arguments);
+  }
+  /* One field short of the first version, then no size at all. */
+  const size_t too_small[2] = {sizeof call - sizeof call.cache_write, 0};
+  for (int index = 0; norm_rope != NULL && index < 2; ++index) {
+    call.struct_size = too_small[index];
+    mlx_vector_array untouched = mlx_vector_array_new();
+    int status = mlx_dualnorm_dual_head_norm_rope_apply_call(&untouched, norm_rope, &call,
+                                                             &error);
+    expect_failure(status, &error, MLX_DUALNORM_INVALID_ARGUMENT, ROPE_OPERATION,
+                   "struct_size", "a struct_size below the first version's");
+    CHECK(mlx_vector_array_size(untouched) == 0, "a refused call left %zu outputs",
+          mlx_vector_array_size(untouched));
+    mlx_vector_array_free(untouched);
+  }
+  mlx_dualnorm_dual_head_norm_rope_free(norm_rope);
+  const mlx_array owned[] = {queries,    keys,         values,     key_cache,
+                             value_cache, query_weight, key_weight, offset};
+  for (size_t index = 0; index < sizeof owned / sizeof owned[0]; ++index) {
+    mlx_array_free(owned[index]);
+  }
+}
+
 int main(void) {
   mlx_dualnorm_install_error_handler();
   test_interleaved_objects_and_retraces(MLX_DUALNORM_MODE_COMPILED);
@@ -472,6 +575,7 @@ int main(void) {
   test_invalid_arguments_and_lifecycle();
   test_raw_mlx_c_failures();
   test_threads();
+  test_rope_call_struct();
   printf("dual_head_norm_c_test: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }

@@ -16,7 +16,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from isolated_process import describe, run_python
+from helpers.isolated_process import describe, run_python
 
 import mlx_dualnorm  # noqa: F401  (installs the error handler)
 from mlx_dualnorm._native import ffi, lib
@@ -489,3 +489,154 @@ def test_the_default_error_handler_prints_and_exits():
     assert process.returncode != 0, describe(process)
     assert "still running" not in process.stdout
     assert "MLX error: " in process.stdout and "mlx_array" in process.stdout, describe(process)
+
+
+# ---- The package's versioned call struct -------------------------------------
+# mlx_dualnorm_dual_head_norm_rope_apply_call (dual_head_norm_rope.h), the
+# entry every norm + RoPE apply fills: its outputs are the older entries'
+# bit for bit, and a struct_size below the first version's is refused.
+
+ROPE_DIMS = 32
+
+
+def _owned(handle):
+    return ffi.gc(ffi.new("mlx_array *", handle), lambda owned: lib.mlx_array_free(owned[0]))
+
+
+def _rope_call_arrays(seed: int):
+    """Queries (1, 1, 4, 64), keys and values (1, 1, 2, 64), weights (64,),
+    buffers (1, 2, 8, 64) and an int32 offset, as owned handles."""
+    generator = np.random.default_rng(seed)
+    shapes = {"queries": (1, 1, 4, 64), "keys": (1, 1, 2, 64), "values": (1, 1, 2, 64),
+              "query_weight": (64,), "key_weight": (64,), "key_cache": (1, 2, 8, 64),
+              "value_cache": (1, 2, 8, 64)}
+    arrays = {name: _owned(new_float32_array(generator.standard_normal(shape)))
+              for name, shape in shapes.items()}
+    offset_value = ffi.new("int32_t *", 3)
+    arrays["offset"] = _owned(lib.mlx_array_new_data(offset_value, ffi.NULL, 0, lib.MLX_INT32))
+    return arrays
+
+
+def _new_norm_rope():
+    created = ffi.new("mlx_dualnorm_dual_head_norm_rope **")
+    rope = ffi.new("mlx_dualnorm_rope_parameters *", dict(dims=ROPE_DIMS, base=1e4, scale=1.0))
+    error = ffi.new("mlx_dualnorm_error *")
+    assert lib.mlx_dualnorm_dual_head_norm_rope_new(
+        created, 1e-5, rope[0], lib.MLX_DUALNORM_MODE_AUTO, error) == lib.MLX_DUALNORM_OK
+    return ffi.gc(created[0], lib.mlx_dualnorm_dual_head_norm_rope_free)
+
+
+def _outputs(vector_pointer) -> list[np.ndarray]:
+    count = lib.mlx_vector_array_size(vector_pointer[0])
+    outputs = []
+    for index in range(count):
+        item = vector_item(vector_pointer[0], index)
+        outputs.append(read_float32_array(item))
+        assert lib.mlx_array_free(item) == 0
+    assert lib.mlx_vector_array_free(vector_pointer[0]) == 0
+    return outputs
+
+
+def _call_struct(arrays, cache_write=ffi.NULL, struct_size=None):
+    call = ffi.new("mlx_dualnorm_dual_head_norm_rope_call *")
+    call.struct_size = (ffi.sizeof("mlx_dualnorm_dual_head_norm_rope_call")
+                        if struct_size is None else struct_size)
+    call.inputs.queries = arrays["queries"][0]
+    call.inputs.keys = arrays["keys"][0]
+    call.inputs.query_scale_weight = arrays["query_weight"][0]
+    call.inputs.key_scale_weight = arrays["key_weight"][0]
+    call.inputs.rope_offset = arrays["offset"][0]
+    call.inputs.freqs = lib.mlx_array_new()  # an object with a base takes no table
+    call.cache_write = cache_write
+    return call
+
+
+def _cache_write(arrays, fetch: bool):
+    write = ffi.new("mlx_dualnorm_cache_write *")
+    write.values = arrays["values"][0]
+    write.key_cache = arrays["key_cache"][0]
+    write.value_cache = arrays["value_cache"][0]
+    write.write_offset = 3
+    write.fetch = fetch
+    return write
+
+
+@pytest.mark.parametrize("fetch", [False, True])
+def test_apply_call_with_a_cache_write_is_apply_with_cache_bit_for_bit(fetch):
+    arrays = _rope_call_arrays(1)
+    norm_rope = _new_norm_rope()
+    error = ffi.new("mlx_dualnorm_error *")
+    write = _cache_write(arrays, fetch)
+    through_struct = ffi.new("mlx_vector_array *", lib.mlx_vector_array_new())
+    assert lib.mlx_dualnorm_dual_head_norm_rope_apply_call(
+        through_struct, norm_rope, _call_struct(arrays, write), error) == lib.MLX_DUALNORM_OK
+    through_arguments = ffi.new("mlx_vector_array *", lib.mlx_vector_array_new())
+    assert lib.mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
+        through_arguments, norm_rope, arrays["queries"][0], arrays["keys"][0],
+        arrays["values"][0], arrays["query_weight"][0], arrays["key_weight"][0],
+        arrays["offset"][0], lib.mlx_array_new(), arrays["key_cache"][0],
+        arrays["value_cache"][0], 3, fetch, error) == lib.MLX_DUALNORM_OK
+    expected_count = (lib.MLX_DUALNORM_CACHE_FETCH_OUTPUT_COUNT if fetch
+                      else lib.MLX_DUALNORM_CACHE_WRITE_OUTPUT_COUNT)
+    actual, expected = _outputs(through_struct), _outputs(through_arguments)
+    assert len(actual) == len(expected) == expected_count
+    for actual_array, expected_array in zip(actual, expected):
+        assert actual_array.shape == expected_array.shape
+        assert actual_array.tobytes() == expected_array.tobytes()
+    # Row 3 of the key buffer written holds the rotated keys, not the input's.
+    key_buffer_before = read_float32_array(arrays["key_cache"][0])
+    assert actual[1][:, :, 3].tobytes() != key_buffer_before[:, :, 3].tobytes()
+
+
+def test_apply_call_without_a_cache_write_is_apply_bit_for_bit():
+    arrays = _rope_call_arrays(2)
+    norm_rope = _new_norm_rope()
+    error = ffi.new("mlx_dualnorm_error *")
+    through_struct = ffi.new("mlx_vector_array *", lib.mlx_vector_array_new())
+    assert lib.mlx_dualnorm_dual_head_norm_rope_apply_call(
+        through_struct, norm_rope, _call_struct(arrays), error) == lib.MLX_DUALNORM_OK
+    through_arguments = ffi.new("mlx_vector_array *", lib.mlx_vector_array_new())
+    assert lib.mlx_dualnorm_dual_head_norm_rope_apply(
+        through_arguments, norm_rope, arrays["queries"][0], arrays["keys"][0],
+        arrays["query_weight"][0], arrays["key_weight"][0], arrays["offset"][0],
+        error) == lib.MLX_DUALNORM_OK
+    actual, expected = _outputs(through_struct), _outputs(through_arguments)
+    assert len(actual) == len(expected) == lib.MLX_DUALNORM_ROPE_OUTPUT_COUNT
+    for actual_array, expected_array in zip(actual, expected):
+        assert actual_array.tobytes() == expected_array.tobytes()
+
+
+@pytest.mark.parametrize("struct_size", [0, 1, "one field short"])
+def test_apply_call_refuses_a_struct_size_below_the_first_version(struct_size):
+    if struct_size == "one field short":
+        struct_size = ffi.sizeof("mlx_dualnorm_dual_head_norm_rope_call") - ffi.sizeof("void *")
+    arrays = _rope_call_arrays(3)
+    norm_rope = _new_norm_rope()
+    error = ffi.new("mlx_dualnorm_error *")
+    untouched = ffi.new("mlx_vector_array *", lib.mlx_vector_array_new())
+    status = lib.mlx_dualnorm_dual_head_norm_rope_apply_call(
+        untouched, norm_rope, _call_struct(arrays, _cache_write(arrays, False), struct_size),
+        error)
+    assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT
+    assert ffi.string(error.operation) == b"dual_head_norm_rope"
+    assert f"struct_size ({struct_size})".encode() in ffi.string(error.description)
+    assert lib.mlx_vector_array_size(untouched[0]) == 0
+    assert lib.mlx_vector_array_free(untouched[0]) == 0
+    status = lib.mlx_dualnorm_dual_head_norm_rope_apply_call(untouched, norm_rope, ffi.NULL, error)
+    assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT
+    assert b"the call is NULL" in ffi.string(error.description)
+
+
+def test_apply_call_labels_a_cache_write_error_as_that_call():
+    arrays = _rope_call_arrays(4)
+    norm_rope = _new_norm_rope()
+    error = ffi.new("mlx_dualnorm_error *")
+    write = _cache_write(arrays, True)
+    write.write_offset = 8  # the buffers have 8 rows: row 8 is past their end
+    result = ffi.new("mlx_vector_array *", lib.mlx_vector_array_new())
+    status = lib.mlx_dualnorm_dual_head_norm_rope_apply_call(
+        result, norm_rope, _call_struct(arrays, write), error)
+    assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT
+    assert ffi.string(error.operation) == b"dual_head_norm_rope_with_cache"
+    assert ffi.string(error.description) == b"rows [8, 9) are outside the 8 rows of key_cache"
+    assert lib.mlx_vector_array_free(result[0]) == 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "dual_head_norm_example.c"
 LIBRARY_DOC = REPO / "docs" / "c-library.md"
 C_TEST_PROJECT = REPO / "tests" / "c" / "CMakeLists.txt"

@@ -20,12 +20,12 @@ from mlx_dualnorm import (
     CompiledDualHeadNormRope,
     composed_dual_head_norm,
 )
-from mlx_dualnorm._bits import same_bits
+from mlx_dualnorm.bits import same_bits
 from mlx_dualnorm._native import lib
 
 IDLE_THREADS = 16
 CYCLES = 200
-COMPILE_IDS_PER_OBJECT = 4  # one per weight layout (csrc/private/layout_graphs.h)
+COMPILE_IDS_PER_OBJECT = 4  # one per weight set (csrc/private/weight_set_graphs.h)
 
 
 def queries_and_keys():
@@ -115,7 +115,7 @@ def test_a_thread_that_applied_a_closed_object_erases_it_at_its_next_apply():
         for composite in shared:
             composite.close()
         # The idle thread's notes of the two objects are gone, and their
-        # compile ids (one per weight layout) are queued on it, which holds
+        # compile ids (one per weight set) are queued on it, which holds
         # traces of them; this thread never applied them, so nothing changes
         # for it.
         queued = lib.mlx_dualnorm_pending_erasure_entries()

@@ -10,7 +10,7 @@ import itertools
 
 import mlx.core as mx
 import pytest
-from conftest import assert_bit_identical, graph_primitives
+from helpers.bit_parity import assert_bit_identical, graph_primitives
 
 from mlx_dualnorm import CompiledDualHeadNormRope, DualHeadNormValueError, available_modes
 

@@ -11,7 +11,7 @@ import math
 
 import mlx.core as mx
 import pytest
-from conftest import assert_bit_identical, assert_transforms_agree
+from helpers.bit_parity import assert_bit_identical, assert_transforms_agree
 
 from mlx_dualnorm import (
     CompiledDualHeadNormRope,
@@ -131,7 +131,7 @@ def test_scaled_ropes_give_their_modules_bits(mode, dtype, traditional, offset):
 @pytest.mark.parametrize("mode", MODES)
 def test_prefill_sizes_and_full_width_dims(mode):
     """Prefill sizes (the plain builder in compiled mode), dims equal
-    to the head width, and unweighted or mixed-weight layouts."""
+    to the head width, and unweighted or mixed weight sets."""
     for name, rope in scaled_ropes(128).items():
         dims, traditional, input_scale = constants_of(rope)
         norm_rope = CompiledDualHeadNormRope(

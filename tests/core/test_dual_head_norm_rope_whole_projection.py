@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from conftest import assert_bit_identical, assert_transforms_agree
+from helpers.bit_parity import assert_bit_identical, assert_transforms_agree
 
 from mlx_dualnorm import CompiledDualHeadNormRope, DualHeadNormValueError, available_modes
 

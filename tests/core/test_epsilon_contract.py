@@ -10,7 +10,7 @@ wrote the slot:
 
 * objects built together and first called in every order (a);
 * a dtype change, a rank change, a new thread, a new default stream (three
-  ways), a new weight layout (b); a control test shows MLX really retraces
+  ways), a new weight set (b); a control test shows MLX really retraces
   in each of those situations;
 * compilation disabled by MLX_DISABLE_COMPILE=1, by mx.disable_compile(),
   and by a machine with no g++ on PATH, where every call re-runs the
@@ -26,7 +26,9 @@ so that eps dominates the mean square.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import pathlib
 import random
 import threading
 import time
@@ -35,8 +37,9 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 import pytest
-from bit_parity import CPU_BACKEND_ONLY, assert_normalized_with_eps, mismatched_elements
-from isolated_process import describe, path_without, run_python
+from helpers.bit_parity import CPU_BACKEND_ONLY, assert_normalized_with_eps, mismatched_elements
+from helpers.isolated_process import describe, path_without, run_python
+from helpers.threads import run_on_threads
 
 from mlx_dualnorm import CompiledDualHeadNorm, composed_dual_head_norm
 
@@ -127,7 +130,7 @@ def test_objects_built_together_and_first_called_in_any_order(first_call_order):
 
 
 def test_interleaved_calls_over_every_weight_layout():
-    """Each weight layout is its own compiled graph with its own first
+    """Each weight set is its own compiled graph with its own first
     trace; the layouts are visited round robin across the objects."""
     norms = [make_norm(eps, mode) for eps, mode in zip(EPSILONS, itertools.cycle(SLOT_MODES))]
     layouts = ("none", "query", "key", "both")
@@ -192,19 +195,7 @@ def on_this_thread(call: Callable[..., None]) -> None:
 
 
 def on_a_new_thread(call: Callable[..., None]) -> None:
-    failures = []
-
-    def run() -> None:
-        try:
-            call()
-        except BaseException as failure:  # handed back to the test thread
-            failures.append(failure)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    if failures:
-        raise failures[0]
+    run_on_threads(call)
 
 
 def inside_a_new_stream_context(call: Callable[..., None]) -> None:
@@ -229,7 +220,7 @@ def with_a_new_stream_argument(call: Callable[..., None]) -> None:
 RETRACE_TRIGGERS = {
     "dtype change": (as_bfloat16, on_this_thread),
     "rank change": (with_leading_axis, on_this_thread),
-    "new weight layout": (with_both_weights, on_this_thread),
+    "new weight set": (with_both_weights, on_this_thread),
     "new thread": (identity, on_a_new_thread),
     "mx.stream context": (identity, inside_a_new_stream_context),
     "set_default_stream": (identity, with_a_new_default_stream),
@@ -351,6 +342,8 @@ def test_with_mx_disable_compile():
     check_call(built_before, EPSILONS[0], inputs, EPSILONS, "re-enabled")
 
 
+# The child imports this module (its folder on the child's PYTHONPATH).
+THIS_FOLDER = pathlib.Path(__file__).resolve().parent
 CHILD_EXERCISE = """
     import test_epsilon_contract as contract
     assert contract.builder_runs_on_every_call(), "compilation was still on"
@@ -359,7 +352,8 @@ CHILD_EXERCISE = """
 
 
 def test_with_mlx_disable_compile_environment_variable():
-    process = run_python(CHILD_EXERCISE, env_overrides={"MLX_DISABLE_COMPILE": "1"})
+    process = run_python(CHILD_EXERCISE, env_overrides={"MLX_DISABLE_COMPILE": "1"},
+                         importable=[THIS_FOLDER])
     assert process.returncode == 0, describe(process)
     assert "checked" in process.stdout
 
@@ -368,7 +362,8 @@ def test_with_mlx_disable_compile_environment_variable():
 def test_on_a_machine_without_gxx():
     """MLX's CPU compile needs g++ at run time; without it, compile hands
     back the builder itself, which then runs on every call."""
-    process = run_python(CHILD_EXERCISE, env_overrides={"PATH": path_without("g++")})
+    process = run_python(CHILD_EXERCISE, env_overrides={"PATH": path_without("g++")},
+                         importable=[THIS_FOLDER])
     assert process.returncode == 0, describe(process)
     assert "checked" in process.stdout
 
@@ -393,55 +388,51 @@ def test_concurrent_callers_while_other_threads_build_objects():
         small_heads(15, query_shape=(4, 16, 64), key_shape=(4, 4, 64)),  # uncompiled builder
     ]
     counts = {"calls": 0, "builds": 0}
-    failures = []
 
     def caller(seed: int) -> None:
-        chooser = random.Random(seed)
-        try:
-            while time.monotonic() < deadline:
-                with pool_lock:
-                    eps, norm = chooser.choice(pool)
-                inputs = chooser.choice(input_sets)
-                check_call(norm, eps, inputs, every_epsilon, f"caller {seed}")
-                with pool_lock:
-                    counts["calls"] += 1
-        except BaseException as failure:
-            failures.append(failure)
+        call_from_the_pool(seed, deadline, pool, pool_lock, input_sets, every_epsilon, counts,
+                           f"caller {seed}")
 
     def builder(seed: int) -> None:
         chooser = random.Random(seed)
-        try:
-            while time.monotonic() < deadline:
-                eps = chooser.choice(builder_epsilons)
-                norm = make_norm(eps)
-                check_call(norm, eps, chooser.choice(input_sets), every_epsilon, f"builder {seed}")
-                with pool_lock:
-                    slot = chooser.randrange(len(pool_epsilons), len(pool_epsilons) + 4)
-                    if slot < len(pool):
-                        pool[slot] = (eps, norm)  # the object replaced is freed
-                    else:
-                        pool.append((eps, norm))
-                    counts["builds"] += 1
-        except BaseException as failure:
-            failures.append(failure)
+        while time.monotonic() < deadline:
+            eps = chooser.choice(builder_epsilons)
+            norm = make_norm(eps)
+            check_call(norm, eps, chooser.choice(input_sets), every_epsilon, f"builder {seed}")
+            with pool_lock:
+                slot = chooser.randrange(len(pool_epsilons), len(pool_epsilons) + 4)
+                if slot < len(pool):
+                    pool[slot] = (eps, norm)  # the object replaced is freed
+                else:
+                    pool.append((eps, norm))
+                counts["builds"] += 1
 
     run_threads(caller, 8, builder, 2)
     print(f"8 callers, 2 builders, {CONCURRENCY_SECONDS} s: {counts}")
-    assert not failures, failures[0]
     assert counts["calls"] >= 8 * 5, counts
     assert counts["builds"] >= 2, counts
 
 
+def call_from_the_pool(seed, deadline, pool, pool_lock, input_sets, epsilons, counts, label):
+    """Until ``deadline``, calls a random object of ``pool`` (a list of
+    (eps, object), changed by other threads under ``pool_lock``) on random
+    inputs of ``input_sets``, checking each call's bits against
+    ``epsilons``; counts the calls in ``counts["calls"]``."""
+    chooser = random.Random(seed)
+    while time.monotonic() < deadline:
+        with pool_lock:
+            eps, norm = chooser.choice(pool)
+        check_call(norm, eps, chooser.choice(input_sets), epsilons, label)
+        with pool_lock:
+            counts["calls"] += 1
+
+
 def run_threads(caller, caller_count: int, builder, builder_count: int) -> None:
-    threads = [threading.Thread(target=caller, args=(seed,)) for seed in range(caller_count)]
-    threads += [
-        threading.Thread(target=builder, args=(100 + seed,)) for seed in range(builder_count)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=CONCURRENCY_SECONDS + 60)
-    assert not any(thread.is_alive() for thread in threads), "a thread hung"
+    run_on_threads(
+        *(functools.partial(caller, seed) for seed in range(caller_count)),
+        *(functools.partial(builder, 100 + seed) for seed in range(builder_count)),
+        timeout=CONCURRENCY_SECONDS + 60,
+    )
 
 
 def test_a_new_object_never_replays_the_trace_of_a_freed_one():
@@ -457,34 +448,22 @@ def test_a_new_object_never_replays_the_trace_of_a_freed_one():
     pool = [(eps, make_norm(eps)) for eps in builder_epsilons]
     inputs = small_heads(11)
     counts = {"calls": 0, "frees": 0}
-    failures = []
 
     def caller(seed: int) -> None:
-        chooser = random.Random(seed)
-        try:
-            while time.monotonic() < deadline:
-                with pool_lock:
-                    eps, norm = chooser.choice(pool)
-                check_call(norm, eps, inputs, builder_epsilons, "long-lived caller")
-                counts["calls"] += 1
-        except BaseException as failure:
-            failures.append(failure)
+        call_from_the_pool(seed, deadline, pool, pool_lock, [inputs], builder_epsilons, counts,
+                           "long-lived caller")
 
     def builder(seed: int) -> None:
         chooser = random.Random(seed)
-        try:
-            while time.monotonic() < deadline:
-                eps = chooser.choice(builder_epsilons)
-                norm = make_norm(eps)
-                check_call(norm, eps, inputs, builder_epsilons, "builder")
-                with pool_lock:
-                    pool[chooser.randrange(len(pool))] = (eps, norm)
-                del norm  # the replaced object is freed here, on this thread
-                counts["frees"] += 1
-        except BaseException as failure:
-            failures.append(failure)
+        while time.monotonic() < deadline:
+            eps = chooser.choice(builder_epsilons)
+            norm = make_norm(eps)
+            check_call(norm, eps, inputs, builder_epsilons, "builder")
+            with pool_lock:
+                pool[chooser.randrange(len(pool))] = (eps, norm)
+            del norm  # the replaced object is freed here, on this thread
+            counts["frees"] += 1
 
     run_threads(caller, 1, builder, 1)
     print(f"1 long-lived caller, 1 builder: {counts}")
-    assert not failures, failures[0]
     assert counts["frees"] >= 20, counts

@@ -28,12 +28,11 @@ from typing import Optional
 
 import mlx.core as mx
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bit_parity import composed_reference
-from conftest import assert_bit_identical, scaled_examples
+from helpers.bit_parity import assert_bit_identical, composed_reference
+from helpers.hypothesis_profiles import scaled_examples
 from mlx_dualnorm import CompiledDualHeadNorm, composed_dual_head_norm
 from mlx_dualnorm.tools.parity import ValueProfile, generate_head_values
 
@@ -255,7 +254,7 @@ def test_width_one_rows_match_composed_in_a_subprocess() -> None:
         """
         import mlx.core as mx
         from mlx_dualnorm import CompiledDualHeadNorm, composed_dual_head_norm
-        from mlx_dualnorm._bits import same_bits
+        from mlx_dualnorm.bits import same_bits
         queries = mx.array([[3.0], [-2.0]])
         actual = CompiledDualHeadNorm(1e-6)(queries, queries)
         expected = composed_dual_head_norm(queries, queries, eps=1e-6)

@@ -1,6 +1,9 @@
-"""Bad input, table driven: every case raises a TypeError or ValueError
-whose message names the operation, nothing crashes, and the next valid
-call on the same object still gives the composed path's bits.
+"""Bad arguments, table driven: every bad argument to a constructor or a
+call (values, types, dtypes, shapes, numpy forms, constants) raises the
+documented type, TypeError or DualHeadNormValueError, with a message
+``[operation] message`` (Python's own argument-count errors name the
+method instead); nothing crashes, and the next valid call on the same
+object still gives the composed path's bits.
 
 Whether an input is bad is decided by the composed path (two
 mx.fast.rms_norm calls): an array-level case counts as bad only if the
@@ -12,26 +15,30 @@ and broadcast views, ...) is tested separately, for bit parity.
 Two places where the package deliberately differs from the composed path
 are tested as its own contract, not against the composed path: numpy
 arrays are accepted (copied in), and eps must be finite and >= 0 (the
-composed path takes NaN, inf and negative epsilons).
+composed path takes NaN, inf and negative epsilons). Random arguments
+against the same contract are test_fuzz_arguments.py's.
 """
 
 from __future__ import annotations
 
 import fractions
+import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from bit_parity import ON_GPU, composed_reference
-from conftest import assert_bit_identical
-from isolated_process import describe, run_python
+from helpers.bit_parity import ON_GPU, assert_bit_identical, composed_reference
+from helpers.isolated_process import describe, run_python
 
 from mlx_dualnorm import (
     CompiledDualHeadNorm,
+    CompiledDualHeadNormRope,
     DualHeadNormValueError,
+    MlxCError,
     composed_dual_head_norm,
+    composed_dual_head_norm_rope,
 )
 from mlx_dualnorm.dual_head_norm import DUAL_HEAD_NORM_OPERATION as OPERATION
 
@@ -75,6 +82,11 @@ class BadInput:
     # Set where MLX itself refuses the input before this package runs, with
     # the composed path's very error: the "[op]" tag MLX names.
     mlx_operation: Optional[str] = None
+    # A pattern the message must contain (re.search), where it is pinned.
+    message: Optional[str] = None
+    # Python's own refusal of the argument list: named by the method, not
+    # in the package's "[operation] message" form.
+    by_python: bool = False
 
 
 def call_with(*args, **kwargs) -> Callable[[], object]:
@@ -113,21 +125,30 @@ BAD_INPUTS = [
     BadInput("eps inf", build(float("inf")), ValueError),
     BadInput("eps -inf", build(float("-inf")), ValueError),
     BadInput("eps negative", build(-1e-6), ValueError),
-    BadInput("eps overflows float32", build(1e39), ValueError),
+    # Checked as the double given, before rounding to float32 (to inf, -0.0).
+    BadInput("eps overflows float32", build(1e39), ValueError, message=r"^\[dual_head_norm\]"),
+    BadInput("eps rounds to -0.0 in float32", build(-1e-50), ValueError,
+             message=r"^\[dual_head_norm\]"),
     BadInput("eps int too large for a float", build(10**400), ValueError),
-    BadInput("two positional eps", build(1e-5, 1e-6, 7), TypeError),
-    BadInput("unknown constructor keyword", build(epsilon=1e-5), TypeError),
+    BadInput("two positional eps", build(1e-5, 1e-6, 7), TypeError, by_python=True),
+    BadInput("unknown constructor keyword", build(epsilon=1e-5), TypeError, by_python=True),
+    BadInput("mode not a string", build(EPS, mode=3), TypeError),
     # argument counts and keywords
-    BadInput("no arguments", call_with(), TypeError),
-    BadInput("queries only", call_with(QUERIES), TypeError),
-    BadInput("five positional arrays", call_with(QUERIES, KEYS, WEIGHT, WEIGHT, WEIGHT), TypeError),
-    BadInput("unknown keyword", call_with(QUERIES, KEYS, scale=WEIGHT), TypeError),
+    BadInput("no arguments", call_with(), TypeError, by_python=True),
+    BadInput("queries only", call_with(QUERIES), TypeError, by_python=True),
+    BadInput("five positional arrays", call_with(QUERIES, KEYS, WEIGHT, WEIGHT, WEIGHT), TypeError,
+             by_python=True),
+    BadInput("unknown keyword", call_with(QUERIES, KEYS, scale=WEIGHT), TypeError, by_python=True),
     # not arrays
     rejected_by_both("queries None", TypeError, None, KEYS),
     rejected_by_both("keys None", TypeError, QUERIES, None),
     rejected_by_both("queries string", TypeError, "queries", KEYS),
     rejected_by_both("queries bytes", TypeError, b"\x00" * 8, KEYS),
-    rejected_by_both("queries list", TypeError, [[1.0] * WIDTH], KEYS),
+    # The converter's own TypeError, unchanged.
+    BadInput("queries list", call_with([[1.0] * WIDTH], KEYS), TypeError,
+             composed_with([[1.0] * WIDTH], KEYS),
+             message=rf"^\[{re.escape(OPERATION)}\] queries must be an mlx\.core\.array or "
+             r"numpy\.ndarray, not list$"),
     rejected_by_both("queries tuple", TypeError, (1.0,) * WIDTH, KEYS),
     rejected_by_both("queries float", TypeError, 1.0, KEYS),
     rejected_by_both("queries int", TypeError, 3, KEYS),
@@ -136,8 +157,6 @@ BAD_INPUTS = [
     rejected_by_both("keys an object", TypeError, QUERIES, object()),
     rejected_by_both("query weight list", TypeError, QUERIES, KEYS, [1.0] * WIDTH),
     rejected_by_both("key weight string", TypeError, QUERIES, KEYS, None, "w"),
-    BadInput("numpy object array", call_with(np.array([object()] * WIDTH), KEYS), TypeError),
-    BadInput("numpy string array", call_with(np.array(["a"] * WIDTH), KEYS), TypeError),
     BadInput("numpy structured array", call_with(np.zeros(WIDTH, dtype=[("a", "f4")]), KEYS),
              TypeError),
     BadInput("stream a string", call_with(QUERIES, KEYS, stream="cpu"), TypeError),
@@ -171,7 +190,14 @@ BAD_INPUTS = [
              composed_with(typed(mx.int64), KEYS)),
     BadInput("complex128 numpy keys", call_with(QUERIES, np.ones((2, WIDTH), np.complex128)),
              ValueError, composed_with(QUERIES, typed(mx.complex64))),
+    # Converted like any numpy array (no std::bad_cast), then refused for its
+    # dtype, as mx.fast.rms_norm refuses int32.
+    BadInput("big-endian int32 numpy queries", call_with(np.ones((2, WIDTH), ">i4"), KEYS),
+             ValueError, composed_with(typed(mx.int32), KEYS), message="unsupported dtype int32"),
     BadInput("use after close", closed_norm_call, ValueError),
+    # the composed function's own arguments
+    BadInput("composed eps a string",
+             lambda: composed_dual_head_norm(QUERIES, KEYS, eps="x"), TypeError),
 ]
 if available_modes is not None:
     BAD_INPUTS.append(BadInput("unknown mode", build(EPS, mode="turbo"), ValueError))
@@ -187,10 +213,14 @@ if not GPU_AVAILABLE:
             ValueError,
             lambda: composed_dual_head_norm(QUERIES, KEYS, eps=EPS, stream=mx.gpu),
             mlx_operation="[default_stream]",
+            # The call's name, then MLX's own reason.
+            message=rf"^\[{re.escape(OPERATION)}\] .*Cannot get gpu stream without gpu backend",
         )
     )
 
 
+# The form of every message the package raises: "[operation] message".
+MLX_MESSAGE_FORM = re.compile(r"^\[[^\]]+\] \S")
 OPERATION_NAMES = (
     f"[{OPERATION}]",
     APPLY_OPERATION,
@@ -219,13 +249,19 @@ def test_bad_input_raises_a_clear_error_and_the_next_call_works(case: BadInput):
             mx.eval(case.composed())
     with pytest.raises(case.error) as raised:
         mx.eval(case.call())
-    message = str(raised.value)
+    error, message = raised.value, str(raised.value)
     names = (case.mlx_operation,) if case.mlx_operation else OPERATION_NAMES
-    assert any(name in message for name in names), f"{type(raised.value).__name__}: {message}"
-    if isinstance(raised.value, ValueError) and case.composed is not None and not case.mlx_operation:
-        # Array-level checks are the C side's: a ValueError that is also an
-        # MlxCError carrying the operation.
-        assert isinstance(raised.value, DualHeadNormValueError), type(raised.value)
+    assert any(name in message for name in names), f"{type(error).__name__}: {message}"
+    if not case.by_python:
+        # The documented types exactly, and the one message form: a value
+        # error is an MlxCError carrying the operation.
+        documented = DualHeadNormValueError if isinstance(error, ValueError) else TypeError
+        assert type(error) is documented, (type(error), message)
+        assert MLX_MESSAGE_FORM.match(message), message
+        if isinstance(error, MlxCError):
+            assert message == f"[{error.operation}] {error.description}"
+    if case.message is not None:
+        assert re.search(case.message, message), message
     assert_valid_call_works()
 
 
@@ -317,17 +353,31 @@ def test_stream_arguments_the_composed_path_accepts(stream):
         assert_bit_identical(actual, reference, "stream argument")
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.bool_])
+@pytest.mark.parametrize(
+    "dtype", [np.float16, np.float32, np.float64, np.int32, np.bool_, ">f4", ">f2", ">f8", "<f4"]
+)
 def test_numpy_inputs_match_the_composed_path_on_the_same_values(dtype):
     """An extension over the composed path (which takes only mx.array):
-    numpy inputs are copied in and give the bits of their mx.array copy."""
+    numpy inputs of either byte order are copied in and give the bits of
+    their mx.array copy (in the native byte order, the one MLX holds)."""
     values = np.random.default_rng(5).standard_normal((3, WIDTH)) * 1e-2
     queries = values.astype(dtype)
+    native = mx.array(queries.astype(queries.dtype.newbyteorder("=")))
     weight = np.linspace(0.5, 1.5, WIDTH, dtype=np.float32)
     outputs = NORM(queries, KEYS, weight, None)
-    expected = composed_dual_head_norm(mx.array(queries), KEYS, mx.array(weight), None, EPS)
+    expected = composed_dual_head_norm(native, KEYS, mx.array(weight), None, EPS)
     assert_bit_identical(outputs[0], expected[0], "numpy queries")
     assert_bit_identical(outputs[1], expected[1], "keys")
+
+
+@pytest.mark.parametrize("position", ["queries", "keys", "query_weight", "key_weight"])
+@pytest.mark.parametrize("dtype", [np.longdouble, np.clongdouble, "U3", object])
+def test_numpy_dtypes_mlx_cannot_hold_are_a_clear_type_error(position, dtype):
+    arguments = {"queries": QUERIES, "keys": KEYS}
+    arguments[position] = np.zeros(WIDTH if position.endswith("weight") else (2, WIDTH), dtype=dtype)
+    with pytest.raises(TypeError, match=rf"^\[{re.escape(OPERATION)}\] {position} has numpy dtype"):
+        NORM(**arguments)
+    assert_valid_call_works()
 
 
 # Widths 0 and 1 crash or mis-shape MLX 0.32.4's shapeless compile (its
@@ -335,8 +385,7 @@ def test_numpy_inputs_match_the_composed_path_on_the_same_values(dtype):
 # 1). A crash would take pytest down, so these run in a child process.
 DEGENERATE_WIDTH_CHECK = """
     import mlx.core as mx
-    from bit_parity import composed_reference
-    from conftest import assert_bit_identical
+    from helpers.bit_parity import assert_bit_identical, composed_reference
     from mlx_dualnorm import CompiledDualHeadNorm
 
     norm = CompiledDualHeadNorm(1e-5)
@@ -384,3 +433,46 @@ def test_float64_on_the_gpu_is_a_value_error_as_for_the_composed_path(mode, case
         composed_dual_head_norm(queries, keys, query_weight, None, EPS)
     with pytest.raises(DualHeadNormValueError, match="float64"):
         CompiledDualHeadNorm(EPS, mode=mode)(queries, keys, query_weight, None)
+
+
+# ---- constants and the norm + RoPE's arguments --------------------------------
+
+
+@pytest.mark.parametrize(
+    "cls, constants, name",
+    [
+        (CompiledDualHeadNormRope, {"base": 10**400}, "base"),
+        (CompiledDualHeadNormRope, {"base": fractions.Fraction(10**400, 3)}, "base"),
+        (CompiledDualHeadNormRope, {"base": 1e4, "scale": 10**400}, "scale"),
+        (CompiledDualHeadNormRope, {"base": 1e4, "scale": -(10**400)}, "scale"),
+        *(
+            (cls, {"eps": eps}, "eps")
+            for eps in (10**400, -(10**400), fractions.Fraction(10**400, 7))
+            for cls in (CompiledDualHeadNorm, CompiledDualHeadNormRope)
+        ),
+    ],
+)
+def test_constants_beyond_a_float_are_value_errors(cls, constants, name):
+    """Numbers no double holds (ints and fractions of 400 digits): refused
+    as values, never an OverflowError."""
+    options = {"base": 1e4, **constants} if cls is CompiledDualHeadNormRope else dict(constants)
+    eps = options.pop("eps", 1e-6)
+    arguments = (eps,) if cls is CompiledDualHeadNorm else (eps, 16)
+    pattern = r"^\[.+\] .*eps" if name == "eps" else rf"^\[.+\] {name} is beyond the range of a float"
+    with pytest.raises(ValueError, match=pattern):
+        cls(*arguments, **options)
+
+
+@pytest.mark.parametrize("offset", [1.5, 2.0, 1j])
+def test_a_python_float_offset_is_refused_as_not_an_integer(offset):
+    queries = mx.ones((1, 2, 4, 64))
+    norm_rope = CompiledDualHeadNormRope(1e-6, 64, base=1e4)
+    with pytest.raises(DualHeadNormValueError) as raised:
+        norm_rope(queries, queries, offset=offset)
+    assert str(raised.value) == f"[dual_head_norm_rope] offset must be an integer, not {offset!r}"
+
+
+def test_composed_dual_head_norm_rope_still_requires_eps():
+    queries = mx.ones((1, 2, 4, 64))
+    with pytest.raises(TypeError, match=r"^\[composed_dual_head_norm_rope\] missing .* eps"):
+        composed_dual_head_norm_rope(queries, queries, dims=64, base=1e4)

@@ -1,52 +1,39 @@
 """Faults: what MLX throws reaches Python as an exception naming the
-operation, never as a process exit; after any failure the same object and
-new ones keep working; objects release what they hold on close, on garbage
-collection and at interpreter exit.
+operation, never as a process exit; each failure's report travels with the
+call that failed (error records per thread, none blanked by a finalizer
+that runs in between); after any failure the same object and new ones
+keep working.
 
 Failures are provoked for real, not mocked: a raw mlx-c call with an empty
 handle, a default device with no stream (MLX throws inside the graph
 builder), a g++ that refuses to compile (MLX throws while evaluating the
-compiled graph), and closed objects.
+compiled graph). What objects release on close, collection and exit is
+test_lifetime.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import shutil
-import textwrap
-import threading
-import weakref
 
 import mlx.core as mx
 import pytest
-from bit_parity import CPU_BACKEND_ONLY, assert_normalized_with_eps
-from isolated_process import describe, run_python
+from helpers.bit_parity import CPU_BACKEND_ONLY, assert_normalized_with_eps
+from helpers.isolated_process import describe, run_python
+from helpers.small_heads import EPS, OTHER_EPS, assert_works, heads
+from helpers.threads import run_on_threads
 
 from mlx_dualnorm import CompiledDualHeadNorm, DualHeadNormValueError, MlxCError
 from mlx_dualnorm._native import ffi, lib
 
-# The C side's names for apply and close (the facade never formats them itself).
+# The C side's names for apply, compile and close (the facade never formats
+# them itself).
 APPLY_OPERATION = "dual_head_norm"
+COMPILE_OPERATION = "dual_head_norm"
 CLOSE_OPERATION = "dual_head_norm_close"
-EPS = 1e-4
-OTHER_EPS = 1e-2
-
-
-def heads(seed: int = 0) -> tuple:
-    queries_key, keys_key = mx.random.split(mx.random.key(seed))
-    queries = mx.random.normal((2, 4, 32), key=queries_key) * 1e-3
-    keys = mx.random.normal((2, 2, 32), key=keys_key) * 1e-3
-    mx.eval(queries, keys)
-    return (queries, keys, None, None)
-
-
-def assert_works(norm: CompiledDualHeadNorm, eps: float = EPS) -> None:
-    inputs = heads(1)
-    outputs = norm(*inputs)
-    mx.eval(outputs)
-    assert_normalized_with_eps(outputs, inputs, eps, (OTHER_EPS if eps != OTHER_EPS else EPS,))
 
 
 def new_error_record():
@@ -109,9 +96,10 @@ def test_c_level_invalid_arguments_are_statuses_not_crashes():
     assert_works(norm)
 
 
-def test_the_epsilon_is_checked_before_rounding_to_float32():
+def test_the_c_api_checks_the_epsilon_before_rounding_to_float32():
     """-1e-50 rounds to -0.0 in float32 and 1e39 to inf: the C API checks
-    the double it is given, so both are refused."""
+    the double it is given, so both are refused (the Python constructor's
+    refusals are cases of test_bad_input.py's table)."""
     created = ffi.new("mlx_dualnorm_compiled_dual_head_norm **")
     error = new_error_record()
     new = lib.mlx_dualnorm_compiled_dual_head_norm_new
@@ -119,9 +107,6 @@ def test_the_epsilon_is_checked_before_rounding_to_float32():
         status = new(created, bad_epsilon, lib.MLX_DUALNORM_MODE_COMPILED, error)
         assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT, bad_epsilon
         assert "eps must be finite, >= 0" in reported(error)[2]
-    for bad_epsilon in (-1e-50, 1e39):
-        with pytest.raises(DualHeadNormValueError, match=r"^\[dual_head_norm\]"):
-            CompiledDualHeadNorm(bad_epsilon)
 
 
 # ---- MLX failures inside the graph builder and during evaluation ------------
@@ -205,7 +190,7 @@ def test_mlx_failure_while_evaluating_the_compiled_graph(tmp_path):
         import os
         import mlx.core as mx
         from mlx_dualnorm import CompiledDualHeadNorm, MlxCError
-        from test_faults import assert_works, heads
+        from helpers.small_heads import assert_works, heads
 
         norm = CompiledDualHeadNorm(1e-4)
         outputs = norm(*heads())
@@ -233,207 +218,55 @@ def test_mlx_failure_while_evaluating_the_compiled_graph(tmp_path):
     assert "recovered" in process.stdout
 
 
+# ---- each failure's report, on its own call ---------------------------------
+
+
 def test_bad_input_then_good_input_on_many_threads():
     """Thread-local error records: a failure on one thread is reported on
     that thread and never leaks into another thread's next call."""
     norm = CompiledDualHeadNorm(EPS)
-    failures = []
 
     def run(seed: int) -> None:
-        try:
-            for _ in range(20):
-                with pytest.raises(DualHeadNormValueError, match="last dimension"):
-                    norm(mx.ones((2, 8)), mx.ones((2, 8)), mx.ones((7,)))
-                inputs = heads(seed)
-                outputs = norm(*inputs)
-                mx.eval(outputs)
-                assert_normalized_with_eps(outputs, inputs, EPS)
-        except BaseException as failure:
-            failures.append(failure)
+        for _ in range(20):
+            with pytest.raises(DualHeadNormValueError, match="last dimension"):
+                norm(mx.ones((2, 8)), mx.ones((2, 8)), mx.ones((7,)))
+            inputs = heads(seed)
+            outputs = norm(*inputs)
+            mx.eval(outputs)
+            assert_normalized_with_eps(outputs, inputs, EPS)
 
-    threads = [threading.Thread(target=run, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not failures, failures[0]
+    run_on_threads(*(functools.partial(run, seed) for seed in range(4)))
 
 
-# ---- close, context manager, garbage collection ---------------------------
+class CyclicGarbage:
+    """An unreachable cycle holding an open norm: only the cyclic garbage
+    collector frees it, running its finalizer (close, then free) at
+    whatever allocation triggers a collection."""
+
+    def __init__(self) -> None:
+        self.norm = CompiledDualHeadNorm(1e-5)
+        self.cycle = self
 
 
-def test_use_after_close_is_a_value_error_naming_the_operation():
-    norm = CompiledDualHeadNorm(EPS)
-    assert_works(norm)
-    norm.close()
-    with pytest.raises(DualHeadNormValueError) as raised:
-        norm(*heads())
-    assert isinstance(raised.value, ValueError)
-    assert raised.value.operation == APPLY_OPERATION
-    assert "closed" in raised.value.description
-    norm.close()  # twice is fine
-    assert norm.eps == pytest.approx(EPS)  # the struct outlives close
-    assert_works(CompiledDualHeadNorm(EPS))
-
-
-def test_context_manager_closes_even_on_error():
-    with pytest.raises(KeyError):
-        with CompiledDualHeadNorm(EPS) as norm:
-            assert_works(norm)
-            raise KeyError("inside the block")
-    with pytest.raises(DualHeadNormValueError, match="closed"):
-        norm(*heads())
-
-
-def test_closing_one_object_leaves_the_others_working():
-    kept, closed = CompiledDualHeadNorm(EPS), CompiledDualHeadNorm(OTHER_EPS)
-    assert_works(kept)
-    assert_works(closed, OTHER_EPS)
-    closed.close()
-    assert_works(kept)
-    assert_works(CompiledDualHeadNorm(OTHER_EPS), OTHER_EPS)
-
-
-def test_garbage_collection_frees_objects_and_their_graphs():
-    inputs = heads(2)
-    references = []
-    for eps in (EPS, OTHER_EPS):
-        norm = CompiledDualHeadNorm(eps)
-        mx.eval(norm(*inputs))
-        references.append(weakref.ref(norm))
-        del norm
-    cyclic = CompiledDualHeadNorm(EPS)
-    mx.eval(cyclic(*inputs))
-    holder = [cyclic]
-    holder.append(holder)  # a reference cycle only the collector breaks
-    references.append(weakref.ref(cyclic))
-    del cyclic, holder
-    gc.collect()
-    assert all(reference() is None for reference in references)
-    assert_works(CompiledDualHeadNorm(EPS))
-
-
-def test_outputs_outlive_their_object():
-    inputs = heads(3)
-    norm = CompiledDualHeadNorm(EPS)
-    outputs = norm(*inputs)  # lazy: evaluated after the object is gone
-    norm.close()
-    del norm
-    gc.collect()
-    mx.eval(outputs)
-    assert_normalized_with_eps(outputs, inputs, EPS, (OTHER_EPS,))
-
-
-EXIT_SCENARIOS = {
-    "live objects in globals": """
-        norms = [CompiledDualHeadNorm(eps) for eps in (1e-2, 1e-4, 1e-6)]
-        for norm in norms:
-            mx.eval(norm(*heads()))
-    """,
-    "unevaluated outputs alive": """
-        norm = CompiledDualHeadNorm(1e-4)
-        pending = norm(*heads())
-    """,
-    "objects in a reference cycle": """
-        norm = CompiledDualHeadNorm(1e-4)
-        mx.eval(norm(*heads()))
-        cycle = [norm]
-        cycle.append(cycle)
-        del norm
-    """,
-    "traced on a thread that has ended": """
-        import threading
-        norm = CompiledDualHeadNorm(1e-4)
-        inputs = heads()
-        thread = threading.Thread(target=lambda: mx.eval(norm(*inputs)))
-        thread.start()
-        thread.join()
-    """,
-    # Parked, not evaluating: a daemon thread still inside MLX at exit can
-    # abort plain MLX too (std::terminate from MLX's own teardown), with or
-    # without this package, so that case says nothing about it.
-    "daemon threads parked after tracing": """
-        import threading
-        norm = CompiledDualHeadNorm(1e-4)
-        inputs = heads()
-        traced, never = threading.Barrier(3), threading.Event()
-        def trace_then_park():
-            mx.eval(norm(*inputs))
-            traced.wait()
-            never.wait()
-        for _ in range(2):
-            threading.Thread(target=trace_then_park, daemon=True).start()
-        traced.wait()
-    """,
-    "closed and open objects": """
-        closed = CompiledDualHeadNorm(1e-4)
-        mx.eval(closed(*heads()))
-        closed.close()
-        still_open = CompiledDualHeadNorm(1e-2)
-        mx.eval(still_open(*heads()))
-    """,
-}
-
-
-@pytest.mark.parametrize("scenario", EXIT_SCENARIOS)
-def test_interpreter_exit_is_clean(scenario):
-    process = run_python(
-        "import mlx.core as mx\n"
-        "from mlx_dualnorm import CompiledDualHeadNorm\n"
-        "from test_faults import heads\n"
-        + textwrap.dedent(EXIT_SCENARIOS[scenario])
-        + "print('exiting')\n"
-    )
-    assert process.returncode == 0, describe(process)
-    assert "exiting" in process.stdout
-    assert "MLX error" not in process.stdout, process.stdout
-    assert "Fatal Python error" not in process.stderr, process.stderr
-
-
-# ---- exit after worker threads ------------------------------------------------
-
-WORKER_THREADS_THEN_EXIT = """
-    from concurrent.futures import ThreadPoolExecutor
-    import mlx.core as mx
-    from mlx_dualnorm import CompiledDualHeadNorm
-    norm = CompiledDualHeadNorm(1e-6, mode="compiled")
-    def task(index):
-        queries = mx.random.normal((1, 1, 16, 128)).astype(mx.bfloat16)
-        keys = mx.random.normal((1, 1, 16, 128)).astype(mx.bfloat16)
-        mx.eval(norm(queries, keys))
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(task, range(64)))
-    print("exiting")
-"""
-
-
-def test_worker_threads_that_used_the_package_never_abort_the_exit():
-    """Joined worker threads run their C++ thread-local destructors after
-    Python's join returns; MLX's Python module's destructors (its random
-    state, here) take the GIL and abort once finalization has begun. Plain
-    MLX aborted 39 of 60 such runs, the package 0 of 60 after its exit hook
-    waits for those threads (bench/exit_abort_rate.py, 2026-11-30); before
-    the hook the package aborted 103 of 150. Eight runs in a row without an
-    abort would have had a chance under 1e-4 then."""
-    for attempt in range(8):
-        process = run_python(WORKER_THREADS_THEN_EXIT)
-        assert process.returncode == 0, f"run {attempt}: {describe(process)}"
-        assert "exiting" in process.stdout
-
-
-def test_awaiting_thread_exits_returns_once_they_are_gone():
-    norm = CompiledDualHeadNorm(EPS)
-    applied, release = threading.Event(), threading.Event()
-
-    def apply_then_wait() -> None:
-        mx.eval(norm(*heads()))
-        applied.set()
-        release.wait()
-
-    worker = threading.Thread(target=apply_then_wait)
-    worker.start()
-    applied.wait()
-    assert lib.mlx_dualnorm_await_thread_exits(50) >= 1, "a live worker is still registered"
-    release.set()
-    worker.join()
-    assert lib.mlx_dualnorm_await_thread_exits(5000) == 0
+def test_a_finalizer_between_failure_and_raise_cannot_blank_the_error():
+    """With a collection at almost every allocation, finalizers of cyclic
+    garbage norms run between any two bytecodes. Every failing call must
+    still raise its own error, whole."""
+    norm = CompiledDualHeadNorm(1e-6)
+    short_weight = mx.ones((3,))
+    previous_threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        for attempt in range(3000):
+            CyclicGarbage()
+            with pytest.raises(DualHeadNormValueError) as raised:
+                norm(mx.ones((2, 8)), mx.ones((2, 8)), short_weight)
+            assert raised.value.operation == APPLY_OPERATION, attempt
+            assert "has 3 elements" in raised.value.description, attempt
+            CyclicGarbage()
+            with pytest.raises(DualHeadNormValueError) as raised:
+                CompiledDualHeadNorm(-1.0)
+            assert raised.value.operation == COMPILE_OPERATION, attempt
+    finally:
+        gc.set_threshold(*previous_threshold)
+        gc.collect()

@@ -30,8 +30,7 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from bit_parity import ON_GPU, composed_reference, mismatched_elements
-from conftest import assert_bit_identical
+from helpers.bit_parity import ON_GPU, assert_bit_identical, composed_reference, mismatched_elements
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 

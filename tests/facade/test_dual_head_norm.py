@@ -9,7 +9,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_bit_identical, assert_transforms_agree, graph_primitives
+from helpers.bit_parity import assert_bit_identical, assert_transforms_agree, graph_primitives
 
 from mlx_dualnorm import (
     CompiledDualHeadNorm,

@@ -4,14 +4,17 @@ constants contract, bad input, close, and memory over many calls."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import itertools
-import threading
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_bit_identical, assert_transforms_agree, graph_primitives
+from helpers.bit_parity import assert_bit_identical, assert_transforms_agree, graph_primitives
+from helpers.memory import resident_set_kib
+from helpers.threads import WorkerThread, run_on_threads
 
 from mlx_dualnorm import (
     CompiledDualHeadNormRope,
@@ -19,7 +22,7 @@ from mlx_dualnorm import (
     available_modes,
     composed_dual_head_norm_rope,
 )
-from mlx_dualnorm._bits import count_bit_differences
+from mlx_dualnorm.bits import count_bit_differences
 from mlx_dualnorm._native import ffi, lib
 
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
@@ -297,27 +300,17 @@ def test_interleaved_threads_use_their_own_objects_constants():
     objects = [new_contract_object(constants) for constants in CONTRACT_CONSTANTS]
     inputs_of = {dtype: contract_inputs(dtype, 11) for dtype in DTYPES}
     mx.eval(inputs_of)
-    results, errors = [], []
-    start = threading.Barrier(4)
+    results = []
 
     def worker(thread_index):
-        try:
-            start.wait()
-            for step in range(36):
-                index = (step * (thread_index + 1) + thread_index) % len(objects)
-                dtype = DTYPES[(step + thread_index) % len(DTYPES)]
-                outputs = objects[index](*inputs_of[dtype], offset=step)
-                mx.eval(outputs)
-                results.append((index, dtype, step, outputs))
-        except Exception as error:  # reported below
-            errors.append(error)
+        for step in range(36):
+            index = (step * (thread_index + 1) + thread_index) % len(objects)
+            dtype = DTYPES[(step + thread_index) % len(DTYPES)]
+            outputs = objects[index](*inputs_of[dtype], offset=step)
+            mx.eval(outputs)
+            results.append((index, dtype, step, outputs))
 
-    threads = [threading.Thread(target=worker, args=(index,)) for index in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_on_threads(*(functools.partial(worker, index) for index in range(4)), together=True)
     assert len(results) == 4 * 36
     for index, dtype, step, outputs in results:
         assert_used_own_constants(outputs, inputs_of[dtype], CONTRACT_CONSTANTS[index], step,
@@ -504,23 +497,12 @@ def test_close_on_another_thread_waits_for_no_one():
     norm_rope = CompiledDualHeadNormRope(1e-6, 64, base=1e4)
     inputs = _good()
     mx.eval(norm_rope(*inputs))
-    closer = threading.Thread(target=norm_rope.close)
-    closer.start()
-    closer.join(timeout=30)
-    assert not closer.is_alive()
+    run_on_threads(norm_rope.close, timeout=30)  # fails if the close never returns
     with pytest.raises(DualHeadNormValueError, match="is closed"):
         norm_rope(*inputs)
 
 
 # ---- Memory --------------------------------------------------------------------------
-
-
-def _resident_set_kib():
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
 
 
 def _decode_calls(norm_rope, inputs, calls):
@@ -532,7 +514,7 @@ def _memory_after(action):
     gc.collect()
     action()
     gc.collect()
-    return mx.get_active_memory(), _resident_set_kib()
+    return mx.get_active_memory(), resident_set_kib()
 
 
 def test_memory_stays_flat_over_many_calls():
@@ -553,41 +535,19 @@ def test_memory_stays_flat_over_many_objects(caller_thread):
     inputs = random_inputs((1, 1, 16, 128), (1, 1, 8, 128), mx.bfloat16, 15)
     mx.eval(inputs)
 
-    # One worker thread for every call, as a server's generation thread.
-    requests: list = []
-    done = threading.Event()
-    ready = threading.Semaphore(0)
-    finished = threading.Semaphore(0)
-
-    def serve():
-        while True:
-            ready.acquire()
-            if done.is_set():
-                return
-            _decode_calls(requests.pop(), inputs, 3)
-            finished.release()
-
-    server = threading.Thread(target=serve)
-    server.start()
-
-    def churn(objects):
+    def churn(objects, worker):
         for index in range(objects):
             norm_rope = CompiledDualHeadNormRope(1e-6 * (1 + index % 3), 128, base=1e6)
-            if caller_thread:
-                requests.append(norm_rope)
-                ready.release()
-                finished.acquire()
+            if worker:
+                worker.call(functools.partial(_decode_calls, norm_rope, inputs, 3))
             else:
                 _decode_calls(norm_rope, inputs, 3)
             norm_rope.close()
 
-    try:
-        active_before, rss_before = _memory_after(lambda: churn(30))
-        active_after, rss_after = _memory_after(lambda: churn(300))
-    finally:
-        done.set()
-        ready.release()
-        server.join()
+    # One worker thread for every call, as a server's generation thread.
+    with WorkerThread() if caller_thread else contextlib.nullcontext() as worker:
+        active_before, rss_before = _memory_after(lambda: churn(30, worker))
+        active_after, rss_after = _memory_after(lambda: churn(300, worker))
     assert active_after == active_before
     assert rss_after - rss_before <= 2048
 
@@ -611,8 +571,6 @@ def test_lazy_outputs_keep_their_offset_when_the_next_call_changes_it():
 def test_a_bridge_giving_other_than_two_outputs_is_an_mlx_error(monkeypatch, count):
     """As for the dual head norm: exactly two outputs or an MlxCError naming
     the operation. (The bridge is replaced here, MLX is not.)"""
-    import types
-
     import mlx_dualnorm.dual_head_norm_rope as facade
     from mlx_dualnorm import MlxCError
 
@@ -620,7 +578,7 @@ def test_a_bridge_giving_other_than_two_outputs_is_an_mlx_error(monkeypatch, cou
         (1, 1, 4, 64), (1, 1, 2, 64), mx.float32, 5
     )
     monkeypatch.setattr(
-        facade, "_interop", types.SimpleNamespace(apply_rope=lambda *arguments: (queries,) * count)
+        facade, "apply_compiled_dual_head_norm_rope", lambda *arguments: (queries,) * count
     )
     norm_rope = CompiledDualHeadNormRope(1e-6, 64, base=10_000.0, mode="compiled")
     expected = rf"^\[dual_head_norm_rope\] .*returned {count} outputs"

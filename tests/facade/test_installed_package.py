@@ -16,7 +16,7 @@ import pytest
 
 import mlx_dualnorm
 
-SOURCE_PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "mlx_dualnorm"
+SOURCE_PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "mlx_dualnorm"
 IMPORTED_PACKAGE = pathlib.Path(mlx_dualnorm.__file__).resolve().parent
 EXPECT_INSTALLED_SETTING = "MLX_DUALNORM_EXPECT_INSTALLED"
 

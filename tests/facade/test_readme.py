@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 SKIP_MARK = re.compile(r"<!--\s*readme-test:\s*skip,\s*(?P<reason>.*?)\s*-->")
 FENCE = re.compile(r"^```(?P<language>\w*)\s*$")

@@ -9,7 +9,7 @@ import pytest
 
 mypy_api = pytest.importorskip("mypy.api", reason="mypy comes with the test extra")
 
-REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
+REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_the_package_type_checks(tmp_path):

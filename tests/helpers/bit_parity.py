@@ -2,21 +2,47 @@
 
 The reliability suite promises the composed path's BITS: same dtype, same
 shape, same bit pattern everywhere, through the tests' one bit-exact
-assertion (``conftest.assert_bit_identical``), with context in each failure
-message. Here: the reference those checks compare with, and what the
-epsilon contract adds to them.
+assertion (:func:`assert_bit_identical`), with context in each failure
+message. Here: that assertion, the reference those checks compare with,
+what the epsilon contract adds to them, and the graphs and transforms
+the facades' tests compare.
 """
 
 from __future__ import annotations
 
+import io
+import re
 from typing import Any
 
 import mlx.core as mx
 import pytest
 
-from conftest import assert_bit_identical
 from mlx_dualnorm import composed_dual_head_norm
-from mlx_dualnorm._bits import count_bit_differences
+from mlx_dualnorm.bits import count_bit_differences
+
+
+def assert_bit_identical(
+    actual: mx.array,
+    expected: mx.array,
+    context: str = "",
+    nan_payloads_may_differ: bool = False,
+) -> None:
+    """Same dtype, same shape, same bits in every element (signed zeros and
+    NaN payloads included): the package's one comparison rule, the one
+    bit-exact assertion of the tests. ``context`` opens each failure
+    message; ``nan_payloads_may_differ`` lets a NaN match any NaN (see
+    docs/reliability.md on NaN payloads)."""
+    where = (context,) if context else ()
+    assert actual.dtype == expected.dtype, (*where, actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (*where, actual.shape, expected.shape)
+    differing = count_bit_differences(
+        actual, expected, nan_payloads_may_differ=nan_payloads_may_differ
+    )
+    prefix = f"{context}: " if context else ""
+    assert differing == 0, f"{prefix}{differing} of {actual.size} elements differ in bits"
+
+
+# Unpatched repeats that decide whether mlx-lm's own step reproduces a
 
 
 def mismatched_elements(
@@ -81,3 +107,39 @@ def assert_normalized_with_eps(
                 f"{context} {side}: the output of eps={eps!r} equals the output of "
                 f"eps={other_eps!r}; these inputs cannot tell epsilons apart"
             )
+
+
+def assert_transforms_agree(transform: str, actual, expected, primals, vmap_arguments) -> None:
+    """``actual`` and ``expected``, functions of (queries, keys,
+    query_weight, key_weight) returning a list of arrays, give the same bits
+    under ``transform``: "vjp" and "jvp" at ``primals`` with the same seeded
+    cotangents or tangents, or "vmap" over ``vmap_arguments`` (queries and
+    keys batched on axis 0, the weights shared)."""
+
+    def transformed(function):
+        if transform == "vjp":
+            cotangents = [
+                mx.random.normal(output.shape, key=mx.random.key(20 + index))
+                for index, output in enumerate(expected(*primals))
+            ]
+            return mx.vjp(function, primals, cotangents)[1]
+        if transform == "jvp":
+            tangents = [
+                mx.random.normal(primal.shape, key=mx.random.key(30 + index))
+                for index, primal in enumerate(primals)
+            ]
+            return mx.jvp(function, primals, tangents)[1]
+        return mx.vmap(function, in_axes=(0, 0, None, None))(*vmap_arguments)
+
+    expected_outputs = transformed(expected)
+    actual_outputs = transformed(actual)
+    assert len(actual_outputs) == len(expected_outputs)
+    for a, e in zip(actual_outputs, expected_outputs):
+        assert_bit_identical(a, e)
+
+
+def graph_primitives(*outputs: mx.array) -> list[str]:
+    """The primitive names of the graph behind `outputs`, sorted."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return sorted(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))

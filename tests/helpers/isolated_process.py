@@ -10,9 +10,11 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
-TESTS_DIR = pathlib.Path(__file__).resolve().parent
+# The tests folder (this module's package is in it): on every fresh
+# interpreter's PYTHONPATH, so its code imports ``helpers.<module>`` too.
+TESTS_DIR = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_python(
@@ -20,13 +22,15 @@ def run_python(
     *,
     env_overrides: Optional[Mapping[str, Optional[str]]] = None,
     timeout_s: float = 120.0,
+    importable: Sequence[pathlib.Path] = (),
 ) -> subprocess.CompletedProcess:
-    """Runs ``code`` with this interpreter, the tests folder importable, and
+    """Runs ``code`` with this interpreter, the tests folder (and the
+    folders in ``importable``: a test module's own, say) importable, and
     the environment changed by ``env_overrides`` (None removes a variable).
     Returns the finished process; stdout and stderr are text."""
     environment = dict(os.environ)
     environment["PYTHONPATH"] = os.pathsep.join(
-        [str(TESTS_DIR), *filter(None, [environment.get("PYTHONPATH")])]
+        [str(TESTS_DIR), *map(str, importable), *filter(None, [environment.get("PYTHONPATH")])]
     )
     environment.setdefault("PYTHONFAULTHANDLER", "1")
     for name, value in (env_overrides or {}).items():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import textwrap
 
-from isolated_process import describe, run_python
+from helpers.isolated_process import describe, run_python
 
 IMPORT_WITHOUT_MLX_LM = textwrap.dedent(
     """

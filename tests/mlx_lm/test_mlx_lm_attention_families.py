@@ -8,8 +8,6 @@ and the ``1 + w`` families follow their weights however they change."""
 
 from __future__ import annotations
 
-import collections
-
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
@@ -21,13 +19,14 @@ pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
 from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 
-from mlx_dualnorm._bits import count_bit_differences  # noqa: E402
-from conftest import (  # noqa: E402
-    assert_bit_identical,
+from helpers.bit_parity import assert_bit_identical  # noqa: E402
+from helpers.greedy_traces import assert_traces_bit_identical  # noqa: E402
+from helpers.mlx_lm_patch import (  # noqa: E402
     assert_patched_loss_and_gradients_match,
     count_applied_calls,
     count_module_calls,
     forget_proofs,
+    one_token_step_loss,
 )
 from mlx_dualnorm import CompiledDualHeadNorm, available_modes  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
@@ -40,7 +39,6 @@ from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # n
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     build_model,
     build_synthetic_model,
-    one_token_step_loss,
     prompt_token_ids,
     synthetic_model_config,
 )
@@ -123,13 +121,6 @@ def q_k_norms(model):
                 yield module, query_norm, key_norm
 
 
-def assert_traces_identical(reference, patched):
-    comparison = compare_traces(reference, patched)
-    assert comparison.tokens_identical and comparison.logits_bit_identical, comparison
-    for actual, expected in zip(patched.step_logits, reference.step_logits):
-        assert_bit_identical(actual, expected)
-
-
 @pytest.mark.parametrize("model_type", list(EXPECTED_LAYERS))
 def test_greedy_generation_is_bit_identical(model_type, pair_calls, norm_module_calls):
     integration.clear_cache()
@@ -153,7 +144,7 @@ def test_greedy_generation_is_bit_identical(model_type, pair_calls, norm_module_
 
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
     assert len(patched.step_logits) == GENERATED_TOKENS + 1
-    assert_traces_identical(reference, patched)
+    assert_traces_bit_identical(reference, patched)
     assert (engaged, left_alone) == EXPECTED_LAYERS[model_type]
     assert modes == {"fused" if "fused" in available_modes() else "compiled"}
     # Norms and RoPE (plain or scaled, such as gemma4's proportional one on
@@ -184,7 +175,7 @@ def test_gear_attention_without_a_softcap(pair_calls):
     reference = greedy_generate(model, PROMPT, 16)
     with integration.patch():
         patched = greedy_generate(model, PROMPT, 16)
-    assert_traces_identical(reference, patched)
+    assert_traces_bit_identical(reference, patched)
     assert pair_calls == {"package": 3 * 18, "original": 0}
 
 
@@ -224,7 +215,7 @@ def test_layers_whose_norms_differ_run_their_own_code(pair_calls, norm_module_ca
     with integration.patch():
         patched = greedy_generate(model, PROMPT, 8)
         assert decided_layers(model) == (0, 2)
-    assert_traces_identical(reference, patched)
+    assert_traces_bit_identical(reference, patched)
     assert pair_calls == {"package": 0, "original": 0}
     assert norm_module_calls[id(second.q_norm)] == norm_module_calls[id(second.k_norm)] == 10
 
@@ -238,7 +229,7 @@ def test_norms_changed_after_the_decision_run_mlx_lms_code(pair_calls):
         model.layers[1].self_attn.k_norm.eps = 1e-3
         patched = greedy_generate(model, PROMPT, 8)
     reference = greedy_generate(model, PROMPT, 8)
-    assert_traces_identical(reference, patched)
+    assert_traces_bit_identical(reference, patched)
     assert pair_calls["original"] == 10 and pair_calls["package"] == 2 * 4 + 10
 
 
@@ -280,7 +271,7 @@ def assert_patched_matches(model, tokens=8):
     reference = greedy_generate(model, PROMPT, tokens)
     with integration.patch():
         patched = greedy_generate(model, PROMPT, tokens)
-    assert_traces_identical(reference, patched)
+    assert_traces_bit_identical(reference, patched)
 
 
 def norm_weights(model, seed):

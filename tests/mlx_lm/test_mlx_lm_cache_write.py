@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
-from conftest import assert_bit_identical, count_applied_calls, forget_proofs  # noqa: E402
+from helpers.bit_parity import assert_bit_identical  # noqa: E402
+from helpers.mlx_lm_patch import count_applied_calls, forget_proofs  # noqa: E402
 from mlx_lm.models import cache as cache_module  # noqa: E402
 from test_mlx_lm_full_attention import build_model  # noqa: E402
 

@@ -1,6 +1,6 @@
 """``python -m mlx_dualnorm.mlx_lm SUBCOMMAND ...`` against ``python -m
 mlx_lm SUBCOMMAND ...``, in real processes over one tiny qwen3 model folder
-(tests/mlx_lm_model_folder.py): the server answers HTTP requests with the
+(tests/helpers/mlx_lm_model_folder.py): the server answers HTTP requests with the
 same tokens, ``generate`` prints the same text, ``lora`` trains to the same
 losses and adapter bits, ``benchmark`` runs, and the engagement line, the
 command's own flags and its exit statuses behave as documented in
@@ -10,6 +10,7 @@ ended by its process id, killed if it does not end in time."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pathlib
@@ -18,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,8 +28,9 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from isolated_process import describe  # noqa: E402
-from mlx_lm_model_folder import write_qwen3_model_folder  # noqa: E402
+from helpers.isolated_process import describe  # noqa: E402
+from helpers.mlx_lm_model_folder import write_qwen3_model_folder  # noqa: E402
+from helpers.threads import run_on_threads  # noqa: E402
 
 from mlx_dualnorm import mlx_lm as command  # noqa: E402
 
@@ -201,7 +202,7 @@ def test_the_console_script_is_this_command(work_folder):
     """pyproject.toml's script runs :func:`mlx_dualnorm.mlx_lm.main` the way
     an installed console script does: ``sys.exit(main())``."""
     tomllib = pytest.importorskip("tomllib")
-    pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+    pyproject = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
     scripts = tomllib.loads(pyproject.read_text())["project"]["scripts"]
     assert scripts["mlx-lm-dualnorm"] == "mlx_dualnorm.mlx_lm:main"
     code = (
@@ -447,26 +448,11 @@ CONCURRENT_REQUESTS = (
 
 
 def _concurrently(server: Server, requests) -> list:
-    answers: list = [None] * len(requests)
-    errors: list = []
-    start = threading.Barrier(len(requests))
-
-    def client(index: int, path: str, body: dict) -> None:
-        try:
-            start.wait(timeout=REQUEST_TIMEOUT_S)
-            answers[index] = post(server, path, body)
-        except BaseException as error:  # reported by the test's thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=client, args=(index, *request))
-               for index, request in enumerate(requests)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=REQUEST_TIMEOUT_S + 10)
-    assert not errors, errors
-    assert all(not thread.is_alive() for thread in threads), "a client did not finish"
-    return answers
+    return run_on_threads(
+        *(functools.partial(post, server, path, body) for path, body in requests),
+        timeout=REQUEST_TIMEOUT_S + 10,
+        together=True,
+    )
 
 
 def _answers(server: Server) -> dict:

@@ -28,7 +28,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 pytestmark = [pytest.mark.usefixtures("unpatched_mlx_lm"), pytest.mark.slow]
 
-from conftest import assert_bit_identical  # noqa: E402
+from helpers.bit_parity import assert_bit_identical  # noqa: E402
 
 from mlx_dualnorm.tools import mlx_lm_distributed as distributed  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_launcher  # noqa: E402

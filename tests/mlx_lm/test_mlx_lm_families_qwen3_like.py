@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
-from conftest import (  # noqa: E402
-    assert_bit_identical,
+from helpers.greedy_traces import assert_traces_bit_identical  # noqa: E402
+from helpers.mlx_lm_patch import (  # noqa: E402
     assert_patched_loss_and_gradients_match,
     count_module_calls,
     forget_proofs,
@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import engine, head_norms, qwen3_like  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_check import greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     DEFAULT_DTYPES,
     build_model,
@@ -139,11 +139,7 @@ def check_family(model, engaged, left_alone, call_counts):
             assert engine._decisions[id(layers[index])][1] is mlx_lm_calls[index]
 
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
-    comparison = compare_traces(reference, patched)
-    assert comparison.tokens_identical and comparison.logits_bit_identical, comparison
-    assert len(patched.step_logits) == GENERATED_TOKENS + 1
-    for actual, expected in zip(patched.step_logits, reference.step_logits):
-        assert_bit_identical(actual, expected)
+    assert_traces_bit_identical(reference, patched, steps=GENERATED_TOKENS + 1)
 
     assert fallbacks == {}, fallbacks  # no engaged call ran mlx-lm's code instead
     assert sorted(index for index, on in decided.items() if on) == engaged

@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
-from conftest import assert_bit_identical  # noqa: E402
+from helpers.bit_parity import assert_bit_identical  # noqa: E402
+from helpers.greedy_traces import assert_traces_bit_identical  # noqa: E402
 from mlx_lm.models import rope_utils  # noqa: E402
 
 from mlx_dualnorm import available_modes  # noqa: E402
@@ -89,12 +90,7 @@ def test_greedy_generation_is_bit_identical(model_type, prework_calls):
 
     assert prework_modes == {"fused" if "fused" in available_modes() else "compiled"}
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
-    comparison = compare_traces(reference, patched)
-    assert patched.token_ids == reference.token_ids
-    assert comparison.tokens_identical and comparison.logits_bit_identical, comparison
-    assert len(patched.step_logits) == GENERATED_TOKENS + 1
-    for actual, expected in zip(patched.step_logits, reference.step_logits):
-        assert_bit_identical(actual, expected)
+    assert_traces_bit_identical(reference, patched, steps=GENERATED_TOKENS + 1)
     # Every attention layer, at the prompt and every generated step.
     assert prework_calls == {"fused": len(layers) * (GENERATED_TOKENS + 2), "original": 0}
 
@@ -136,10 +132,7 @@ def test_scaled_ropes_engage_and_are_bit_identical(rope_type, prework_calls):
         patched = greedy_generate(model, prompt, GENERATED_TOKENS)
         assert all(is_engaged_layer(layer) for layer in layers)
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
-    comparison = compare_traces(reference, patched)
-    assert comparison.tokens_identical and comparison.logits_bit_identical, comparison
-    for actual, expected in zip(patched.step_logits, reference.step_logits):
-        assert_bit_identical(actual, expected)
+    assert_traces_bit_identical(reference, patched)
     assert prework_calls == {"fused": len(layers) * (GENERATED_TOKENS + 2), "original": 0}
 
 

@@ -8,7 +8,6 @@ import inspect
 import json
 import subprocess
 import sys
-import threading
 import types
 
 import mlx.core as mx
@@ -19,7 +18,9 @@ pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
 import mlx_lm.models.gated_delta as gated_delta  # noqa: E402
-from conftest import assert_bit_identical  # noqa: E402
+from helpers.bit_parity import assert_bit_identical  # noqa: E402
+from helpers.greedy_traces import assert_traces_bit_identical  # noqa: E402
+from helpers.threads import run_on_threads  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
@@ -27,7 +28,6 @@ from mlx_dualnorm.integrations.mlx_lm import _shared  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import gated_delta as fold_module  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_bench, mlx_lm_check  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import (  # noqa: E402
-    compare_traces,
     count_normalize_qk_calls,
     greedy_generate,
 )
@@ -148,25 +148,15 @@ def test_cache_is_thread_safe(no_fallback):
     queries, keys = random_pair((1, 1, 16, 128), mx.bfloat16)
     expected = ORIGINAL(queries, keys, inv_scale=0.125, eps=1e-6)
     mx.eval(expected)
-    results, errors = [], []
-    start = threading.Barrier(4)
+    results = []
 
     def worker():
-        try:
-            start.wait()
-            for _ in range(10):
-                outputs = integration.normalize_qk(queries, keys, inv_scale=0.125, eps=1e-6)
-                mx.eval(outputs)
-                results.append(outputs)
-        except Exception as error:  # reported below
-            errors.append(error)
+        for _ in range(10):
+            outputs = integration.normalize_qk(queries, keys, inv_scale=0.125, eps=1e-6)
+            mx.eval(outputs)
+            results.append(outputs)
 
-    threads = [threading.Thread(target=worker) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors
+    run_on_threads(*[worker] * 4, together=True)
     assert len(fold_module._folded_norms) == 1
     assert len(results) == 40
     for outputs in results:
@@ -326,7 +316,7 @@ def test_nan_scalars_never_reach_the_cache(fallback_calls):
 
 def test_cache_is_bounded(monkeypatch, fallback_calls):
     integration.clear_cache()
-    monkeypatch.setattr(_shared, "MAX_CACHED_FOLDS", 2)
+    monkeypatch.setattr(_shared, "MAX_CACHED_OBJECTS", 2)
     queries, keys = random_pair((2, 64), mx.float32)
     for inv_scale in (0.5, 0.25, 0.125):
         expected, actual = run_both(queries, keys, inv_scale, 1e-6)
@@ -468,12 +458,7 @@ def test_greedy_generation_is_bit_identical(monkeypatch, model_type, dtype):
         patched = greedy_generate(model, prompt, GENERATED_TOKENS)
 
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
-    comparison = compare_traces(reference, patched)
-    assert patched.token_ids == reference.token_ids
-    assert comparison.tokens_identical and comparison.logits_bit_identical, comparison
-    assert len(patched.step_logits) == GENERATED_TOKENS + 1
-    for a, e in zip(patched.step_logits, reference.step_logits):
-        assert_bit_identical(a, e)
+    assert_traces_bit_identical(reference, patched, steps=GENERATED_TOKENS + 1)
     # 3 gated-delta layers x (prompt chunk + GENERATED_TOKENS + 1 steps)
     assert counts.calls == counts.folded == 3 * (GENERATED_TOKENS + 2)
     assert ((1, 1, 16, 128), dtype) in shapes  # the real decode shape

@@ -27,8 +27,10 @@ pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
 import mlx_lm  # noqa: E402
-from conftest import assert_bit_identical, count_applied_calls, forget_proofs  # noqa: E402
-from isolated_process import TESTS_DIR, describe, run_python  # noqa: E402
+from helpers.bit_parity import assert_bit_identical  # noqa: E402
+from helpers.greedy_traces import assert_traces_bit_identical  # noqa: E402
+from helpers.mlx_lm_patch import count_applied_calls, forget_proofs  # noqa: E402
+from helpers.isolated_process import TESTS_DIR, describe, run_python  # noqa: E402
 from mlx_lm.models import cache as cache_module  # noqa: E402
 from mlx_lm.models import qwen3  # noqa: E402
 
@@ -36,7 +38,7 @@ from mlx_dualnorm import CompiledDualHeadNormRope  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, qwen3 as qwen3_shape  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
+from mlx_dualnorm.tools.mlx_lm_check import greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model, prompt_token_ids  # noqa: E402
 
 INSTALLED_MLX_LM = pathlib.Path(mlx_lm.__file__).parent
@@ -65,13 +67,6 @@ def one_call_writes(monkeypatch):
     counts = {"one_call": 0}
     count_applied_calls(monkeypatch, cache_update, "_written_in_one_call", counts, "one_call")
     return counts
-
-
-def assert_identical(reference, patched):
-    comparison = compare_traces(reference, patched)
-    assert comparison.tokens_identical and comparison.logits_bit_identical, comparison
-    for actual, expected in zip(patched.step_logits, reference.step_logits):
-        assert_bit_identical(actual, expected)
 
 
 def patched_quietly():
@@ -191,7 +186,7 @@ def test_an_attention_call_replaced_before_patch_is_kept(monkeypatch, proofs_for
     assert qwen3.Attention.__call__ is scaled_input
     integration.unpatch()
     assert qwen3.Attention.__call__ is scaled_input
-    assert_identical(reference, patched)
+    assert_traces_bit_identical(reference, patched)
     assert package_calls["package"] == 0
     assert [str(w.message).count("mlx_lm.models.qwen3.Attention: __call__") for w in caught] == [1]
 
@@ -213,7 +208,7 @@ def test_an_attention_call_replaced_after_a_patched_forward_runs_and_stays(monke
     assert calls["user"] == len(model.layers) * (TOKENS + 2)
     integration.unpatch()
     assert qwen3.Attention.__call__ is counted  # unpatch() keeps the user's function
-    assert_identical(reference, patched)
+    assert_traces_bit_identical(reference, patched)
 
 
 @pytest.mark.parametrize("part", ["RMSNorm", "RoPE"])
@@ -239,7 +234,7 @@ def test_a_monkeypatched_norm_or_rope_runs_in_every_layer(monkeypatch, proofs_fo
     patched = greedy_generate(model, PROMPT, TOKENS)
     assert calls[part] == unpatched_calls > 0
     assert package_calls["package"] == 0
-    assert_identical(reference, patched)
+    assert_traces_bit_identical(reference, patched)
 
 
 def test_a_monkeypatched_cache_update_runs_at_every_step(monkeypatch, proofs_forgotten,
@@ -260,7 +255,7 @@ def test_a_monkeypatched_cache_update_runs_at_every_step(monkeypatch, proofs_for
     patched = greedy_generate(model, PROMPT, TOKENS)
     assert calls["update"] == unpatched_calls == len(model.layers) * (TOKENS + 2)
     assert one_call_writes["one_call"] == 0
-    assert_identical(reference, patched)
+    assert_traces_bit_identical(reference, patched)
 
 
 def test_a_cache_update_monkeypatched_while_patched_is_seen_at_the_next_step(monkeypatch,
@@ -321,7 +316,7 @@ def test_a_norm_changed_after_the_first_patched_call_is_followed_from_the_next_p
     patched = greedy_generate(model, PROMPT, TOKENS)
     assert package_calls["package"] == 0
     integration.unpatch()
-    assert_identical(greedy_generate(model, PROMPT, TOKENS), patched)
+    assert_traces_bit_identical(greedy_generate(model, PROMPT, TOKENS), patched)
     report_after = integration.report()
     assert report_after.engaged_layers == 0  # the layers were counted again, as left
 
@@ -356,7 +351,7 @@ def test_a_replaced_mlx_fast_function_keeps_every_layer_on_its_own_code(monkeypa
     patched = greedy_generate(model, PROMPT, TOKENS)
     assert calls["rms_norm"] == unpatched_calls > 0
     assert package_calls["package"] == 0
-    assert_identical(reference, patched)
+    assert_traces_bit_identical(reference, patched)
 
 
 def test_a_cache_object_s_own_update_runs(one_call_writes):
@@ -403,7 +398,7 @@ def test_a_dispatcher_put_back_after_unpatch_runs_the_class_s_own_code(package_c
         assert qwen3.Attention.__call__ is own
     finally:
         qwen3.Attention.__call__ = own
-    assert_identical(reference, put_back)
+    assert_traces_bit_identical(reference, put_back)
 
 
 def test_a_user_s_wrapper_of_the_patched_normalize_qk_stays_after_unpatch():
@@ -442,11 +437,11 @@ def test_a_deep_copy_made_while_patched_runs_mlx_lms_code_once_unpatched(package
     unpatched_copy = greedy_generate(duplicate, PROMPT, TOKENS)
     assert package_calls["package"] == 0
     assert not integration.is_patched()
-    assert_identical(reference, unpatched_copy)
+    assert_traces_bit_identical(reference, unpatched_copy)
     integration.patch()  # and patched again, the copy is decided at its own first call
     patched_copy = greedy_generate(duplicate, PROMPT, TOKENS)
     assert package_calls["package"] == len(duplicate.layers) * (TOKENS + 2)
-    assert_identical(reference, patched_copy)
+    assert_traces_bit_identical(reference, patched_copy)
 
 
 def test_a_patched_model_pickles_as_an_unpatched_one():
@@ -459,7 +454,7 @@ def test_a_patched_model_pickles_as_an_unpatched_one():
     integration.unpatch()
     assert patched_bytes == unpatched_bytes
     restored = pickle.loads(patched_bytes)
-    assert_identical(reference, greedy_generate(restored, PROMPT, TOKENS))
+    assert_traces_bit_identical(reference, greedy_generate(restored, PROMPT, TOKENS))
 
 
 # ---- The cache's own array objects -------------------------------------------------

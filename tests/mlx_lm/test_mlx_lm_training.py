@@ -23,14 +23,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import pytest
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm")
 
 from mlx_lm.tuner.trainer import default_loss, grad_checkpoint  # noqa: E402
 from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 
-from conftest import assert_bit_identical  # noqa: E402
+from helpers.bit_parity import assert_bit_identical  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import build_model, synthetic_model_config  # noqa: E402
 

@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 import mlx_lm.models.gated_delta as gated_delta  # noqa: E402
-from isolated_process import describe, run_python  # noqa: E402
+from helpers.isolated_process import describe, run_python  # noqa: E402
 
 INSTALLED_HAS_NORMALIZE_QK = hasattr(gated_delta, "normalize_qk")
 on_the_tested_release = pytest.mark.skipif(

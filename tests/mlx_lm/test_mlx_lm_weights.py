@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
-from conftest import assert_bit_identical  # noqa: E402
+from helpers.greedy_traces import assert_traces_bit_identical  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import registry  # noqa: E402
@@ -96,10 +96,7 @@ def assert_patched_matches_unpatched(model: nn.Module, stage: str) -> list[mx.ar
     if record.engaged_layers + calls.folded == 0:
         left = "; ".join(f"{name}: {reason}" for name, reason in record.left)
         pytest.skip(f"{stage}: the patch leaves every layer to mlx-lm ({left})")
-    assert patched.token_ids == reference.token_ids, stage
-    assert len(patched.step_logits) == len(reference.step_logits) == TOKENS + 1
-    for actual, expected in zip(patched.step_logits, reference.step_logits):
-        assert_bit_identical(actual, expected)
+    assert_traces_bit_identical(reference, patched, steps=TOKENS + 1, context=stage)
     return reference.step_logits
 
 

@@ -3,7 +3,6 @@ promises. No timing is asserted: only structure, consistency and files."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 
@@ -169,7 +168,7 @@ def load_bench_targets():
     import pathlib
     import sys
 
-    location = pathlib.Path(__file__).resolve().parents[1] / "bench" / "targets.py"
+    location = pathlib.Path(__file__).resolve().parents[2] / "bench" / "targets.py"
     spec = importlib.util.spec_from_file_location("bench_targets", location)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there

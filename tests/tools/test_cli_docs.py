@@ -14,9 +14,9 @@ import re
 import pytest
 
 from mlx_dualnorm.tools import cli, command, parity_matrix, rope_parity
-from mlx_dualnorm.tools.paths import PATH_REGISTRY
+from mlx_dualnorm.tools.compared_paths import PATH_REGISTRY
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 CLI_PAGE = DOCS / "cli.md"
 pytestmark = pytest.mark.skipif(not CLI_PAGE.is_file(), reason="not a source tree")
 

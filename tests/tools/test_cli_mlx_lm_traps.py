@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from isolated_process import describe, run_python  # noqa: E402
+from helpers.isolated_process import describe, run_python  # noqa: E402
 
 from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
 

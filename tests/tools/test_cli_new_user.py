@@ -23,7 +23,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_dualnorm
-from isolated_process import TESTS_DIR, describe, run_python
+from helpers.isolated_process import TESTS_DIR, describe, run_python
 from mlx_dualnorm import _built_against
 from mlx_dualnorm.dual_head_norm import available_modes
 

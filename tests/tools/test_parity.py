@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_bit_identical
+from helpers.bit_parity import assert_bit_identical
 from mlx_dualnorm import CompiledDualHeadNorm, available_modes, composed_dual_head_norm
 from mlx_dualnorm.tools import parity
 from mlx_dualnorm.tools.parity import (

@@ -5,12 +5,11 @@ one element."""
 from __future__ import annotations
 
 import mlx.core as mx
-import pytest
 
-from conftest import assert_bit_identical
+from helpers.bit_parity import assert_bit_identical
 from mlx_dualnorm import available_modes
 from mlx_dualnorm.tools import replay
-from mlx_dualnorm.tools.paths import DualNormPath, make_composed_path
+from mlx_dualnorm.tools.compared_paths import DualNormPath, make_composed_path
 from mlx_dualnorm.tools.replay import (
     GreedyDecodeTrace,
     ReplayModelConfig,
