@@ -329,9 +329,11 @@ def libmlx_build_id(library: pathlib.Path) -> str:
         while len(notes) - offset >= 12:
             name_size, description_size, note_type = struct.unpack_from("<III", notes, offset)
             name_at = offset + 12
-            description_at = name_at + -(-name_size // alignment) * alignment
-            end = description_at + -(-description_size // alignment) * alignment
-            if end > len(notes):
+            # The descriptor, then the next note, at the segment's alignment
+            # from its start, as the dynamic linker reads them.
+            description_at = -(-(name_at + name_size) // alignment) * alignment
+            end = -(-(description_at + description_size) // alignment) * alignment
+            if description_at + description_size > len(notes):
                 break
             if note_type == _NT_GNU_BUILD_ID and notes[name_at : name_at + name_size] == b"GNU\0":
                 return notes[description_at : description_at + description_size].hex()

@@ -271,13 +271,16 @@ int mlx_dualnorm_dual_head_norm_rope_apply_call(mlx_vector_array* res,
                                                 const mlx_dualnorm_dual_head_norm_rope_call* call,
                                                 mlx_dualnorm_error* error) {
   dualnorm_begin_call();
-  if (call == NULL || call->struct_size < FIRST_CALL_STRUCT_SIZE) {
+  if (call == NULL) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT,
+                              DUALNORM_NORM_ROPE_OPERATION, "the call is NULL");
+  }
+  if (call->struct_size < FIRST_CALL_STRUCT_SIZE) {
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT,
                               DUALNORM_NORM_ROPE_OPERATION,
-                              "the call is NULL or its struct_size (%zu) is smaller than "
-                              "the first version's (%zu)",
-                              call == NULL ? (size_t)0 : call->struct_size,
-                              FIRST_CALL_STRUCT_SIZE);
+                              "the call's struct_size (%zu) is smaller than the first "
+                              "version's (%zu)",
+                              call->struct_size, FIRST_CALL_STRUCT_SIZE);
   }
   const mlx_dualnorm_rope_inputs* inputs = &call->inputs;
   const mlx_dualnorm_cache_write* cache_write = call->cache_write;

@@ -107,7 +107,11 @@ enum {
  * size: set `struct_size` to sizeof(mlx_dualnorm_dual_head_norm_rope_call)
  * as compiled by the caller. Fields added later go after the last one and
  * read as absent when the caller's struct_size stops before them; a
- * struct_size smaller than this first version's is refused. */
+ * struct_size smaller than this first version's is refused, and a larger
+ * one (a caller built against a later header) is accepted, the fields this
+ * library does not know ignored. mlx_dualnorm_rope_inputs and
+ * mlx_dualnorm_cache_write never change: what a later release adds, it
+ * adds here, at the end. */
 typedef struct mlx_dualnorm_dual_head_norm_rope_call_ {
   size_t struct_size;
   mlx_dualnorm_rope_inputs inputs;
@@ -116,9 +120,12 @@ typedef struct mlx_dualnorm_dual_head_norm_rope_call_ {
 } mlx_dualnorm_dual_head_norm_rope_call;
 
 /* The fused CUDA mode of the norm + RoPE, as the composite sees it (the
- * shared part and its contract: mlx_dualnorm_fused_kernel). The composite
- * also sends it only an offset MLX reads per batch entry or as a scalar,
- * and a frequency table only in float32 (shape (dims / 2,)). */
+ * shared part and its contract: mlx_dualnorm_fused_kernel). The interface
+ * between this library and its own fused plug-in, not a stable ABI: a
+ * table must come from the same release as the library it registers with
+ * (mlx_dualnorm_fused_rope_backend_table, fused_dual_head_norm.h). The
+ * composite also sends it only an offset MLX reads per batch entry or as a
+ * scalar, and a frequency table only in float32 (shape (dims / 2,)). */
 typedef struct mlx_dualnorm_fused_rope_backend_ {
   /* First member: the composite registers a pointer to it. */
   mlx_dualnorm_fused_kernel kernel;

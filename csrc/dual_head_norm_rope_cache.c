@@ -75,8 +75,8 @@ static int publish_cache_outputs(mlx_vector_array* res, const mlx_vector_array r
                                  const int* constant_row) {
   mlx_array cache_inputs[CACHE_GRAPH_EXTRA_INPUTS] = {mlx_array_new(), mlx_array_new(),
                                                       mlx_array_new(), mlx_array_new()};
-  mlx_array outputs[MLX_DUALNORM_CACHE_WRITE_OUTPUT_COUNT] = {mlx_array_new(), mlx_array_new(),
-                                                       mlx_array_new()};
+  mlx_array outputs[MLX_DUALNORM_CACHE_WRITE_OUTPUT_COUNT] = {
+      mlx_array_new(), mlx_array_new(), mlx_array_new()};
   mlx_array rotated_keys = mlx_array_new();
   mlx_device default_device = mlx_device_new();
   mlx_stream stream = mlx_stream_new();
@@ -223,7 +223,7 @@ static mlx_vector_array cache_graph_inputs(mlx_dualnorm_dual_head_norm_rope* nor
       mlx_vector_array_append_value(input_vector, write->value_cache) != 0 ||
       append_write_offset(input_vector, norm_rope, write->write_offset) != 0) {
     mlx_vector_array_free(input_vector); /* already failing: its status adds nothing */
-    return mlx_vector_array_new();
+    return (mlx_vector_array){NULL};   /* empty: mlx_vector_array_new() is not */
   }
   return input_vector;
 }

@@ -208,7 +208,7 @@ static bool normalized_rows_fit(const mlx_dualnorm_fused_kernel* kernel,
  * where mlx_fast_rope_dynamic converts them), the CUDA GPU by default. */
 static int fused_kernel_takes(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
                               norm_rope_facts* facts, const mlx_array freqs,
-                              mlx_dualnorm_error* error) {
+                              const char* operation, mlx_dualnorm_error* error) {
   const mlx_dualnorm_fused_kernel* kernel = &norm_rope->fused_backend->kernel;
   dual_head_norm_call* sides = &facts->sides;
   facts->fused = dualnorm_fused_kernel_fits(kernel, sides) &&
@@ -217,8 +217,7 @@ static int fused_kernel_takes(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
                  offset_fits_side(&sides->queries, &facts->offset) &&
                  offset_fits_side(&sides->keys, &facts->offset) &&
                  (freqs.ctx == NULL || mlx_array_dtype(freqs) == MLX_FLOAT32);
-  return facts->fused ? dualnorm_default_device_is_gpu(sides, DUALNORM_NORM_ROPE_OPERATION,
-                                                       &facts->fused, error)
+  return facts->fused ? dualnorm_default_device_is_gpu(sides, operation, &facts->fused, error)
                       : MLX_DUALNORM_OK;
 }
 
@@ -293,7 +292,6 @@ bool dualnorm_one_launch_writes_cache(const mlx_dualnorm_dual_head_norm_rope* no
          mlx_array_dtype(write->value_cache) == dtype;
 }
 
-
 /* ---- A call's start and route ---------------------------------------------- */
 
 /* Where FUSED mode's kernel takes the call (`facts->fused`), else nothing
@@ -307,7 +305,7 @@ static int choose_route(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
     return dualnorm_fail_in_mlx(error, operation);
   }
   return norm_rope->mode == MLX_DUALNORM_MODE_FUSED
-             ? fused_kernel_takes(norm_rope, facts, freqs, error)
+             ? fused_kernel_takes(norm_rope, facts, freqs, operation, error)
              : MLX_DUALNORM_OK;
 }
 

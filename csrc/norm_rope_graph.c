@@ -197,7 +197,7 @@ mlx_vector_array dualnorm_norm_rope_graph_inputs(const dual_head_norm_call* side
   if (input_vector.ctx != NULL && inputs->freqs.ctx != NULL &&
       mlx_vector_array_append_value(input_vector, inputs->freqs) != 0) {
     mlx_vector_array_free(input_vector); /* already failing: its status adds nothing */
-    return mlx_vector_array_new();
+    return (mlx_vector_array){NULL};   /* empty: mlx_vector_array_new() is not */
   }
   return input_vector;
 }

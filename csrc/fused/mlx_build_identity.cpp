@@ -34,9 +34,10 @@ constexpr char kCompiledVersion[] = MLX_DUALNORM_STRINGIFY(MLX_VERSION_MAJOR) ".
 /* The recorded build-id, kept whole in the library's read-only data behind
  * a fixed prefix, so that a check of a built module (scripts/
  * check_cuda_build.sh) can read it without loading the module. */
-constexpr char kRecordPrefix[] = "mlx_dualnorm compiled against libmlx build-id ";
+#define MLX_DUALNORM_BUILD_ID_RECORD_PREFIX "mlx_dualnorm compiled against libmlx build-id "
+constexpr char kRecordPrefix[] = MLX_DUALNORM_BUILD_ID_RECORD_PREFIX;
 __attribute__((used)) const char kCompiledBuildIdRecord[] =
-    "mlx_dualnorm compiled against libmlx build-id " MLX_DUALNORM_MLX_BUILD_ID;
+    MLX_DUALNORM_BUILD_ID_RECORD_PREFIX MLX_DUALNORM_MLX_BUILD_ID;
 static_assert(sizeof(kCompiledBuildIdRecord) >= sizeof(kRecordPrefix));
 
 const char* compiled_build_id() {
@@ -69,8 +70,10 @@ std::size_t round_up(std::size_t value, std::size_t alignment) {
 }
 
 /* The GNU build-id among one PT_NOTE segment's notes, as lowercase hex, or
- * empty. Each note is a header, its name and its descriptor, the latter
- * two padded to the segment's alignment (4, or 8 for notes so aligned). */
+ * empty. Each note is a header and its name, then its descriptor at the
+ * next multiple of the segment's alignment (4, or 8 for notes so aligned)
+ * from the segment's start, and the next note at the multiple after the
+ * descriptor, as the dynamic linker reads them. */
 std::string build_id_in_notes(const unsigned char* notes, std::size_t size, std::size_t alignment) {
   constexpr char kHex[] = "0123456789abcdef";
   std::size_t offset = 0;
@@ -78,13 +81,15 @@ std::string build_id_in_notes(const unsigned char* notes, std::size_t size, std:
     ElfW(Nhdr) header;
     std::memcpy(&header, notes + offset, sizeof(header));
     const std::size_t name_at = offset + sizeof(header);
-    const std::size_t name_size = round_up(header.n_namesz, alignment);
-    const std::size_t description_size = round_up(header.n_descsz, alignment);
-    if (name_size > size - name_at || description_size > size - name_at - name_size) {
+    if (header.n_namesz > size - name_at) {
+      return {};
+    }
+    const std::size_t description_at = round_up(name_at + header.n_namesz, alignment);
+    if (description_at > size || header.n_descsz > size - description_at) {
       return {};
     }
     const unsigned char* name = notes + name_at;
-    const unsigned char* description = name + name_size;
+    const unsigned char* description = notes + description_at;
     if (header.n_type == NT_GNU_BUILD_ID && header.n_namesz == sizeof("GNU") &&
         std::memcmp(name, "GNU", sizeof("GNU")) == 0 && header.n_descsz > 0) {
       std::string hex;
@@ -95,7 +100,10 @@ std::string build_id_in_notes(const unsigned char* notes, std::size_t size, std:
       }
       return hex;
     }
-    offset = name_at + name_size + description_size;
+    offset = round_up(description_at + header.n_descsz, alignment);
+    if (offset > size) {
+      return {};
+    }
   }
   return {};
 }

@@ -619,12 +619,18 @@ def test_apply_call_refuses_a_struct_size_below_the_first_version(struct_size):
         error)
     assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT
     assert ffi.string(error.operation) == b"dual_head_norm_rope"
-    assert f"struct_size ({struct_size})".encode() in ffi.string(error.description)
+    assert ffi.string(error.description) == (
+        f"the call's struct_size ({struct_size}) is smaller than the first version's "
+        f"({ffi.sizeof('mlx_dualnorm_dual_head_norm_rope_call')})"
+    ).encode()
     assert lib.mlx_vector_array_size(untouched[0]) == 0
     assert lib.mlx_vector_array_free(untouched[0]) == 0
-    status = lib.mlx_dualnorm_dual_head_norm_rope_apply_call(untouched, norm_rope, ffi.NULL, error)
+    fresh = ffi.new("mlx_vector_array *", lib.mlx_vector_array_new())
+    status = lib.mlx_dualnorm_dual_head_norm_rope_apply_call(fresh, norm_rope, ffi.NULL, error)
     assert status == lib.MLX_DUALNORM_INVALID_ARGUMENT
-    assert b"the call is NULL" in ffi.string(error.description)
+    assert ffi.string(error.description) == b"the call is NULL"
+    assert lib.mlx_vector_array_size(fresh[0]) == 0
+    assert lib.mlx_vector_array_free(fresh[0]) == 0
 
 
 def test_apply_call_labels_a_cache_write_error_as_that_call():
