@@ -1,6 +1,6 @@
 """Host time to build one mlx-lm attention call's graph, patched vs unpatched.
 
-Qwen3 attention layers at Qwen3-0.6B's head layout (16 query heads,
+Qwen3 attention layers at Qwen3-0.6B's head counts (16 query heads,
 8 key/value heads of width 128): one with plain ``nn.RoPE`` and one with
 YaRN ``rope_scaling`` (a frequency table and an input scale), which the
 patch engages, one with ``dynamic`` rope_scaling, which it leaves to

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+TESTS = pathlib.Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "mlx_lm_integration")]  # the helpers, the two test files
 
 from mlx_lm.models import cache as cache_module  # noqa: E402
 from test_mlx_lm_cache_write import greedy_decode, prompt_tokens  # noqa: E402

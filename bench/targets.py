@@ -1,8 +1,8 @@
 """Judges a benchmark report against the project's performance goals.
 
 The package's benchmark (``python -m mlx_dualnorm bench --output-dir DIR``)
-measures and reports; whether a number is good enough is a planning question,
-so the goals live here, outside the package:
+measures and reports; whether a number is good enough is a judgement, not
+a measurement, so the goals live here, outside the package:
 
     python bench/targets.py DIR/benchmark.json
 

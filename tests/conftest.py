@@ -9,9 +9,12 @@ import pytest
 
 # pytest's default ("prepend") import mode puts this file's folder on
 # sys.path as it loads it, so the test modules of every group folder
-# (core, facade, errors, mlx_lm, tools, c) import ``helpers.<module>``. Each
-# test module is imported by its basename, so basenames stay unique across
-# the folders (SLOW_TESTS below names files by basename too).
+# (core, facade, errors, mlx_lm_integration, tools, c) import
+# ``helpers.<module>``. Each test module is imported by its basename, so
+# basenames stay unique across the folders (SLOW_TESTS below names files by
+# basename too). No folder here may take an installed package's name: this
+# folder is on sys.path, so a folder called mlx_lm would import as mlx_lm
+# where mlx-lm is not installed.
 from helpers import hypothesis_profiles  # noqa: F401  (registers and loads the profile)
 
 # ---- The default selection: long suites left out ---------------------------------

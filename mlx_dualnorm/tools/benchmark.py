@@ -202,7 +202,6 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m mlx_dualnorm bench``: prints the table; 2 on bad usage."""
     return command.run_tool(build_parser(), _run, argv)

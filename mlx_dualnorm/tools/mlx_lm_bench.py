@@ -83,7 +83,6 @@ from mlx_dualnorm.tools.mlx_lm_synthetic import (
 )
 
 __all__ = [
-    "timed_greedy_decode",
     "DecodeMeasurement",
     "PairedTiming",
     "build_parser",
@@ -91,6 +90,7 @@ __all__ = [
     "run_decode",
     "run_generation",
     "run_prework",
+    "timed_greedy_decode",
 ]
 
 REPORT_SCHEMA = "mlx_dualnorm.mlx_lm_bench/3"
@@ -642,7 +642,6 @@ def write_json_report(path: Path, report: object) -> None:
     except OSError as failed:
         raise command.Unavailable(f"could not write {path}: {failed.strerror or failed}") from failed
     print(f"wrote {path}", file=sys.stderr)
-
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -74,7 +74,6 @@ __all__ = [
     "GATED_DELTA_MODEL_TYPES",
     "DECODE_MODELS",
     "DecodeModel",
-    "GATED_DELTA_MODEL_TYPES",
     "build_model",
     "SYNTHETIC_MODEL_TYPES",
     "build_synthetic_model",

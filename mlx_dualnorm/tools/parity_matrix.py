@@ -1,15 +1,15 @@
 """The parity matrix: the cases every dual head norm path is checked on.
 
 Why a designed matrix rather than the Cartesian product: the axes below
-(11 widths x 5 dtype configurations x 3 head layouts x 8 batch sizes x 2
+(11 widths x 5 dtype configurations x 3 head counts x 8 batch sizes x 2
 sequence lengths x 4 epsilons x 4 weightings x 7 memory layouts x 7 value
 profiles) multiply to millions of cases, and on a CPU every case costs
 input generation plus two evaluations. Instead each family fixes the axes it
 is about and rotates the rest:
 
 - ``width_by_dtype``: every width with every dtype configuration, rotating
-  head layout, batch, sequence length and weighting.
-- ``head_layout``: each q/k head layout at decode and prefill, for the
+  head counts, batch, sequence length and weighting.
+- ``head_counts``: each pair of q/k head counts at decode and prefill, for the
   gated-delta shape (weightless, width 128) and the full-attention shape
   (weighted, width 256).
 - ``batch_and_sequence``: batch 1..8 at decode and at prefill.
@@ -55,8 +55,8 @@ __all__ = [
     "DtypeConfiguration",
     "FAMILY_NAMES",
     "FULL_MATRIX_ELEMENT_BUDGET",
-    "HEAD_LAYOUTS",
-    "HeadLayout",
+    "HEAD_COUNTS",
+    "HeadCounts",
     "InputLayout",
     "NON_CONTIGUOUS_INPUT_LAYOUTS",
     "NON_CONTIGUOUS_WEIGHT_LAYOUTS",
@@ -88,7 +88,7 @@ class DtypeConfiguration:
 
 
 @dataclass(frozen=True)
-class HeadLayout:
+class HeadCounts:
     query_heads: int
     key_heads: int
 
@@ -166,7 +166,7 @@ MIXED_DTYPE_CONFIGURATIONS: tuple[DtypeConfiguration, ...] = (
     DtypeConfiguration("float16+bfloat16-weight", mx.float16, mx.float16, mx.bfloat16),
     DtypeConfiguration("float32+bfloat16-weight", mx.float32, mx.float32, mx.bfloat16),
 )
-HEAD_LAYOUTS: tuple[HeadLayout, ...] = (HeadLayout(16, 16), HeadLayout(24, 4), HeadLayout(32, 2))
+HEAD_COUNTS: tuple[HeadCounts, ...] = (HeadCounts(16, 16), HeadCounts(24, 4), HeadCounts(32, 2))
 BATCH_SIZES: tuple[int, ...] = tuple(range(1, 9))
 DECODE_SEQUENCE_LENGTH = 1
 PREFILL_SEQUENCE_LENGTH = 512
@@ -207,7 +207,7 @@ class ParityCase:
     family: str
     width: int
     dtypes: DtypeConfiguration
-    heads: HeadLayout
+    heads: HeadCounts
     batch_size: int
     sequence_length: int
     eps: float = PRODUCTION_RMS_NORM_EPSILON
@@ -285,11 +285,11 @@ def _rotated_case(
     widths: Sequence[int],
     **fields: object,
 ) -> ParityCase:
-    """A case whose width, then head layout, rotate on the family's own
+    """A case whose width, then head counts, rotate on the family's own
     axes (``axis/width``, ``axis/heads``)."""
     return case(
         width=rotation.pick(f"{axis}/width", widths, position),
-        heads=rotation.pick(f"{axis}/heads", HEAD_LAYOUTS, position),
+        heads=rotation.pick(f"{axis}/heads", HEAD_COUNTS, position),
         **fields,
     )
 
@@ -326,7 +326,7 @@ def _width_by_dtype_family(rotation: _SeededRotation, case: _CaseOfFamily) -> li
             case(
                 width=width,
                 dtypes=dtypes,
-                heads=rotation.pick("width/heads", HEAD_LAYOUTS, position),
+                heads=rotation.pick("width/heads", HEAD_COUNTS, position),
                 batch_size=rotation.pick("width/batch", BATCH_SIZES, position),
                 sequence_length=rotation.pick("width/seq", SEQUENCE_LENGTHS, position),
                 weighting=weighting,
@@ -335,14 +335,14 @@ def _width_by_dtype_family(rotation: _SeededRotation, case: _CaseOfFamily) -> li
     return cases
 
 
-def _head_layout_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
+def _head_counts_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
     """Gated-delta shape (weightless, width 128) and full-attention shape
-    (weighted, width 256), each head layout at decode and at prefill, in
+    (weighted, width 256), each pair of head counts at decode and at prefill, in
     bfloat16 as models run them."""
     model_shapes = ((128, Weighting.WEIGHTLESS), (256, Weighting.WEIGHTED))
     cases = []
     position = 0
-    for heads in HEAD_LAYOUTS:
+    for heads in HEAD_COUNTS:
         for sequence_length in SEQUENCE_LENGTHS:
             for width, weighting in model_shapes:
                 cases.append(
@@ -371,7 +371,7 @@ def _batch_and_sequence_family(rotation: _SeededRotation, case: _CaseOfFamily) -
                 case(
                     width=width,
                     dtypes=dtypes,
-                    heads=HeadLayout(16, 16),
+                    heads=HeadCounts(16, 16),
                     batch_size=batch_size,
                     sequence_length=sequence_length,
                     weighting=Weighting.WEIGHTLESS,
@@ -424,7 +424,7 @@ def _non_contiguous_family(rotation: _SeededRotation, case: _CaseOfFamily) -> li
                 case(
                     width=rotation.pick("views/width", (64, 128, 200, 256), position),
                     dtypes=dtypes,
-                    heads=rotation.pick("views/heads", HEAD_LAYOUTS, position),
+                    heads=rotation.pick("views/heads", HEAD_COUNTS, position),
                     batch_size=rotation.pick("views/batch", (1, 2, 3), position),
                     sequence_length=rotation.pick("views/seq", (1, 7), position),
                     weighting=weighting,
@@ -448,7 +448,7 @@ def _special_values_family(rotation: _SeededRotation, case: _CaseOfFamily) -> li
                 case(
                     width=rotation.pick("special/width", WIDTHS, position),
                     dtypes=dtypes,
-                    heads=rotation.pick("special/heads", HEAD_LAYOUTS, position),
+                    heads=rotation.pick("special/heads", HEAD_COUNTS, position),
                     batch_size=rotation.pick("special/batch", (1, 2), position),
                     sequence_length=rotation.pick("special/seq", (1, 5), position),
                     weighting=_rotated_weighting(rotation, "special", dtypes, position),
@@ -485,7 +485,7 @@ def _mixed_dtypes_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list
 
 _FAMILY_BUILDERS: dict[str, Callable[[_SeededRotation, _CaseOfFamily], list[ParityCase]]] = {
     "width_by_dtype": _width_by_dtype_family,
-    "head_layout": _head_layout_family,
+    "head_counts": _head_counts_family,
     "batch_and_sequence": _batch_and_sequence_family,
     "epsilon": _epsilon_family,
     "non_contiguous": _non_contiguous_family,
@@ -513,7 +513,7 @@ def _belongs_to_quick_matrix(case: ParityCase) -> bool:
     rounding, NaN flushed, dtype changed) still shows up."""
     if case.family == "width_by_dtype":
         return case.width in (128, 256)
-    if case.family == "head_layout":
+    if case.family == "head_counts":
         return case.sequence_length == DECODE_SEQUENCE_LENGTH
     if case.family == "batch_and_sequence":
         return case.sequence_length == DECODE_SEQUENCE_LENGTH and case.batch_size in (1, 8)

@@ -129,17 +129,19 @@ def test_objects_built_together_and_first_called_in_any_order(first_call_order):
             check_call(norms[index], EPSILONS[index], inputs, EPSILONS, f"round {round_number}")
 
 
-def test_interleaved_calls_over_every_weight_layout():
+def test_interleaved_calls_over_every_weight_set():
     """Each weight set is its own compiled graph with its own first
-    trace; the layouts are visited round robin across the objects."""
+    trace; the weight sets are visited round robin across the objects."""
     norms = [make_norm(eps, mode) for eps, mode in zip(EPSILONS, itertools.cycle(SLOT_MODES))]
-    layouts = ("none", "query", "key", "both")
+    weight_sets = ("none", "query", "key", "both")
     for round_number in range(2):
-        for layout_index, layout in enumerate(layouts):
-            inputs = small_heads(3 + layout_index, weights=layout)
+        for set_index, weight_set in enumerate(weight_sets):
+            inputs = small_heads(3 + set_index, weights=weight_set)
             for offset in range(len(norms)):
-                index = (offset + layout_index + round_number) % len(norms)
-                check_call(norms[index], EPSILONS[index], inputs, EPSILONS, f"layout {layout}")
+                index = (offset + set_index + round_number) % len(norms)
+                check_call(
+                    norms[index], EPSILONS[index], inputs, EPSILONS, f"weight set {weight_set}"
+                )
 
 
 def test_calls_that_take_the_uncompiled_builder_use_their_own_epsilon():

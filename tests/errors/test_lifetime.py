@@ -197,7 +197,7 @@ def test_awaiting_thread_exits_returns_once_they_are_gone():
 
     with running_on_threads(apply_then_wait):
         try:
-            applied.wait(timeout=120)
+            assert applied.wait(timeout=120), "the worker never applied"
             assert lib.mlx_dualnorm_await_thread_exits(50) >= 1, "a live worker is still registered"
         finally:
             release.set()

@@ -18,7 +18,6 @@ from mlx_dualnorm import (
     available_modes,
     composed_dual_head_norm,
 )
-from mlx_dualnorm._binding import lib
 
 EPS = 1e-6
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -160,17 +159,6 @@ def test_a_call_evaluates_nothing_and_copies_nothing(query_shape, key_shape):
 
     mx.eval(normalized_queries, normalized_keys)
     assert mx.get_active_memory() - evaluated >= 0.9 * input_bytes
-
-
-def test_fused_outputs_come_from_mlxs_device_pool_where_the_mode_is_built():
-    """The fused kernels take their outputs where MLX's own kernels take
-    theirs: the stream-ordered device pool, found in libmlx.so's symbol
-    table, over the very MLX build the package compiled against (the one
-    installed: the import guard refuses another release). MLX's public
-    allocator gives unified memory, slower to allocate (docs/cuda-build.md).
-    A build without the fused mode has no pool to use."""
-    in_device_pool = bool(lib.mlx_dualnorm_fused_outputs_in_device_pool())
-    assert in_device_pool == ("fused" in available_modes())
 
 
 @pytest.mark.skipif("fused" not in available_modes(), reason="the fused mode needs MLX's CUDA backend")

@@ -8,6 +8,7 @@ import pytest
 
 import mlx_dualnorm
 from mlx_dualnorm import _built_against
+from mlx_dualnorm._native import lib
 
 CUDA_BUILD = _built_against.MLX_BACKEND.startswith("cuda")
 
@@ -23,7 +24,10 @@ def test_a_build_without_the_fused_mode_never_reports_the_device_pool():
 
 
 @pytest.mark.skipif(not CUDA_BUILD, reason="a build without the fused mode")
-def test_a_cuda_build_over_the_mlx_it_compiled_against_takes_the_device_pool():
-    # The installed MLX is the one the build recorded (the import guard
-    # refuses another release), so the exact-build check lets the pool serve.
-    assert mlx_dualnorm.fused_outputs_in_device_pool() is True
+def test_a_cuda_build_takes_the_device_pool_exactly_over_the_mlx_build_it_compiled_against():
+    # Not merely the same release (the import guard checks that): the same
+    # libmlx.so build; tests/c/test_mlx_build_identity.py checks the
+    # identity itself, and that the installed package matches it.
+    assert mlx_dualnorm.fused_outputs_in_device_pool() is bool(
+        lib.mlx_dualnorm_mlx_build_matches()
+    )

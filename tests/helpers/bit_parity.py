@@ -42,9 +42,6 @@ def assert_bit_identical(
     assert differing == 0, f"{prefix}{differing} of {actual.size} elements differ in bits"
 
 
-# Unpatched repeats that decide whether mlx-lm's own step reproduces a
-
-
 def mismatched_elements(
     actual: mx.array, expected: mx.array, nan_payloads_may_differ: bool = False
 ) -> int:

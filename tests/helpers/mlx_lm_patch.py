@@ -14,6 +14,7 @@ import pytest
 from helpers.bit_parity import assert_bit_identical
 from mlx_dualnorm.bits import count_bit_differences
 
+# Unpatched repeats that decide whether mlx-lm's own step reproduces a
 # gradient the patched step gave other bits to.
 GRADIENT_REPEATS = 4
 

@@ -40,9 +40,12 @@ def running_on_threads(
     finally:
         for thread in threads:
             thread.join(timeout=timeout)
-    assert not any(thread.is_alive() for thread in threads), "a thread hung"
-    if failures:
-        raise failures[0]
+        # Also where the body failed (often because a thread did): a
+        # thread's failure or hang is raised, the body's as its context.
+        if failures:
+            raise failures[0]
+        if any(thread.is_alive() for thread in threads):
+            raise AssertionError("a thread hung")
 
 
 def run_on_threads(*calls: Callable[[], Any], timeout: float = 120.0, together: bool = False) -> list:

@@ -88,7 +88,7 @@ def test_quick_cli_run_writes_valid_json(tmp_path, capsys):
     peak = report["metrics"]["prefill_peak_bytes/prefill_gated_delta"]["paths"]
     assert peak["composed"]["median"] > 0
 
-    assert "targets" not in report, "planning targets live in bench/, not in the package"
+    assert "targets" not in report, "the performance goals live in bench/targets.py, not in the package"
 
     # The table, then what each metric and path is.
     printed = capsys.readouterr().out

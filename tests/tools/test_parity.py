@@ -30,7 +30,7 @@ from mlx_dualnorm.tools.parity_matrix import (
     DTYPE_CONFIGURATIONS,
     FAMILY_NAMES,
     FULL_MATRIX_ELEMENT_BUDGET,
-    HEAD_LAYOUTS,
+    HEAD_COUNTS,
     NON_CONTIGUOUS_INPUT_LAYOUTS,
     NON_CONTIGUOUS_WEIGHT_LAYOUTS,
     SPECIAL_VALUE_PROFILES,
@@ -204,7 +204,7 @@ def test_swapped_outputs_are_caught_in_every_family() -> None:
     reasons = {
         difference.reason for mismatch in report.mismatches for difference in mismatch.differences
     }
-    # 24/4 and 32/2 head layouts differ in shape; 16/16 only in values.
+    # 24/4 and 32/2 head counts differ in shape; 16/16 only in values.
     assert {"shape", "values"} <= reasons
 
 
@@ -264,7 +264,7 @@ def test_mismatch_report_counts_differing_elements() -> None:
         family="by hand",
         width=64,
         dtypes=DTYPE_CONFIGURATIONS[0],
-        heads=HEAD_LAYOUTS[0],
+        heads=HEAD_COUNTS[0],
         batch_size=1,
         sequence_length=1,
     )
@@ -291,8 +291,8 @@ def test_full_matrix_covers_every_required_axis(seed: int) -> None:
     assert {(case.width, case.dtypes) for case in by_family["width_by_dtype"]} == {
         (width, dtypes) for width in WIDTHS for dtypes in DTYPE_CONFIGURATIONS
     }
-    assert {(case.heads, case.sequence_length) for case in by_family["head_layout"]} == {
-        (heads, sequence_length) for heads in HEAD_LAYOUTS for sequence_length in (1, 512)
+    assert {(case.heads, case.sequence_length) for case in by_family["head_counts"]} == {
+        (heads, sequence_length) for heads in HEAD_COUNTS for sequence_length in (1, 512)
     }
     assert {
         (case.batch_size, case.sequence_length) for case in by_family["batch_and_sequence"]

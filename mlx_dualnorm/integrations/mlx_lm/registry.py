@@ -43,7 +43,7 @@ from mlx_dualnorm.integrations.mlx_lm.fingerprints import function_fingerprint, 
 # ---- The recorded code -----------------------------------------------------------
 
 # piece -> the fingerprints of the code the replacements were tested
-# against. tests/mlx_lm/test_mlx_lm_versions.py fails, printing the lines to add,
+# against. tests/mlx_lm_integration/test_mlx_lm_versions.py fails, printing the lines to add,
 # where a registered piece of the tested release is missing here.
 RECORDED_CODE: dict[str, frozenset[str]] = {
     # The attention classes' __call__.

@@ -33,7 +33,7 @@ GENERATED_TOKENS = 64
 SEED = 20261130
 
 # mlx-lm's qwen3 and qwen3_moe as the package's synthetic models build them
-# (two layers at Qwen3's head layout); SMALL_QWEN3 is the dense one's
+# (two layers at Qwen3's head counts); SMALL_QWEN3 is the dense one's
 # config without its model type, for tests that vary it.
 CONFIGS = {name: synthetic_model_config(name) for name in ("qwen3", "qwen3_moe")}
 SMALL_QWEN3 = {key: value for key, value in CONFIGS["qwen3"].items() if key != "model_type"}
