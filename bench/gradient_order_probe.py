@@ -12,6 +12,9 @@ the rows that differ and whether only the signs of zeros do.
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -22,26 +25,15 @@ from mlx_dualnorm.bits import count_bit_differences
 from mlx_dualnorm.integrations import mlx_lm as integration
 from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from helpers.mlx_lm_patch import one_token_step_loss  # noqa: E402  (the tests' step)
+
 EMBEDDING = "model.embed_tokens.weight"
-
-
-def step_loss(model, with_cache: bool):
-    """The loss of one step of two sequences (tokens 5 and 9, targets 17
-    and 3), alone or after an 8-token prefill of each into mlx-lm's caches."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = None
-    if with_cache:
-        cache = make_prompt_cache(model)
-        model(mx.array([[(7 * column + 3 + row) % 512 for column in range(8)]
-                        for row in range(2)]), cache=cache)
-    logits = model(mx.array([[5], [9]]), cache=cache)
-    return nn.losses.cross_entropy(logits.astype(mx.float32), mx.array([[17], [3]])).mean()
 
 
 def loss_and_gradients(model, with_cache: bool):
     loss, gradients = nn.value_and_grad(
-        model, lambda m: step_loss(m, with_cache))(model)
+        model, lambda m: one_token_step_loss(m, with_cache))(model)
     gradients = dict(tree_flatten(gradients))
     mx.eval(loss, gradients)
     return loss, gradients
