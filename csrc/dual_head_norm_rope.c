@@ -207,25 +207,41 @@ mlx_dualnorm_rope_parameters mlx_dualnorm_dual_head_norm_rope_parameters(
 
 /* ---- Applying ------------------------------------------------------------ */
 
+/* Holds `norm_rope` open for one apply: takes the read side of its
+ * lifetime lock, so close waits until release_after_apply. Returns
+ * MLX_DUALNORM_OK with the lock held, or MLX_DUALNORM_CLOSED (labelled
+ * `operation`) with nothing held where the object is closed. */
+static int hold_open(mlx_dualnorm_dual_head_norm_rope* norm_rope, const char* operation,
+                     mlx_dualnorm_error* error) {
+  pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
+  if (!norm_rope->closed) {
+    return MLX_DUALNORM_OK;
+  }
+  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
+  return dualnorm_fail_with(error, MLX_DUALNORM_CLOSED, operation,
+                            "the dual head norm rope is closed");
+}
+
+/* Lets go of hold_open's lock, then reports the apply's status (non-zero:
+ * the reason MLX gave, labelled `operation`). */
+static int release_after_apply(mlx_dualnorm_dual_head_norm_rope* norm_rope, int apply_status,
+                               const char* operation, mlx_dualnorm_error* error) {
+  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
+  return apply_status != 0 ? dualnorm_fail_in_mlx(error, operation) : MLX_DUALNORM_OK;
+}
+
 int dualnorm_apply_fused_norm_rope(mlx_vector_array* res,
                                    mlx_dualnorm_dual_head_norm_rope* norm_rope,
                                    const mlx_dualnorm_rope_inputs* inputs,
                                    const mlx_dualnorm_cache_write* cache_write,
                                    const char* operation, mlx_dualnorm_error* error) {
-  const mlx_dualnorm_fused_rope_backend* backend = norm_rope->fused_backend;
-  pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
-  bool closed = norm_rope->closed;
-  int apply_status = 0;
-  if (!closed) {
-    apply_status = backend->apply(res, inputs, cache_write, norm_rope->rms_norm_epsilon,
-                                  norm_rope->rope);
+  int status = hold_open(norm_rope, operation, error);
+  if (status != MLX_DUALNORM_OK) {
+    return status;
   }
-  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
-  if (closed) {
-    return dualnorm_fail_with(error, MLX_DUALNORM_CLOSED, operation,
-                              "the dual head norm rope is closed");
-  }
-  return apply_status != 0 ? dualnorm_fail_in_mlx(error, operation) : MLX_DUALNORM_OK;
+  int apply_status = norm_rope->fused_backend->apply(res, inputs, cache_write,
+                                                     norm_rope->rms_norm_epsilon, norm_rope->rope);
+  return release_after_apply(norm_rope, apply_status, operation, error);
 }
 
 int dualnorm_run_weight_set_graph(mlx_vector_array* res,
@@ -235,19 +251,13 @@ int dualnorm_run_weight_set_graph(mlx_vector_array* res,
                                   const mlx_vector_array inputs, const char* operation,
                                   mlx_dualnorm_error* error) {
   bool compiled = dualnorm_takes_compiled_graph(norm_rope, sides);
-  pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
-  bool closed = norm_rope->closed;
-  int apply_status = 0;
-  if (!closed) {
-    apply_status = mlx_closure_apply(
-        res, compiled ? graphs->compiled[weight_set] : graphs->plain[weight_set], inputs);
+  int status = hold_open(norm_rope, operation, error);
+  if (status != MLX_DUALNORM_OK) {
+    return status;
   }
-  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
-  if (closed) {
-    return dualnorm_fail_with(error, MLX_DUALNORM_CLOSED, operation,
-                              "the dual head norm rope is closed");
-  }
-  return apply_status != 0 ? dualnorm_fail_in_mlx(error, operation) : MLX_DUALNORM_OK;
+  int apply_status = mlx_closure_apply(
+      res, compiled ? graphs->compiled[weight_set] : graphs->plain[weight_set], inputs);
+  return release_after_apply(norm_rope, apply_status, operation, error);
 }
 
 /* Runs the chosen closure of the call's weight set on an input vector

@@ -48,8 +48,7 @@ const char* compiled_build_id() {
  * its build-id", filled by dl_iterate_phdr's callback. */
 struct BuildIdSearch {
   uintptr_t address = 0;
-  bool found_object = false;
-  std::string build_id;  // lowercase hex; empty where the object has none
+  std::string build_id;  // lowercase hex; empty where no object or no build-id
 };
 
 /* Whether [start, start + size) lies inside a loaded segment that holds
@@ -123,7 +122,6 @@ int find_build_id(dl_phdr_info* object, std::size_t, void* data) {
   if (!holds_address) {
     return 0;
   }
-  search.found_object = true;
   for (ElfW(Half) index = 0; index < object->dlpi_phnum && search.build_id.empty(); ++index) {
     const ElfW(Phdr)& segment = object->dlpi_phdr[index];
     if (segment.p_type != PT_NOTE || !mapped_from_file(*object, segment.p_vaddr, segment.p_filesz)) {
@@ -142,7 +140,7 @@ std::string loaded_build_id() {
   BuildIdSearch search;
   search.address = reinterpret_cast<uintptr_t>(&mlx::core::version);
   dl_iterate_phdr(find_build_id, &search);
-  return search.found_object ? search.build_id : std::string();
+  return search.build_id;
 }
 
 std::string describe(const std::string& version, const std::string& build_id) {
