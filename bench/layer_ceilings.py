@@ -1,0 +1,259 @@
+"""Device experiment: what is left of a decoder layer's host cost, and
+what an exact compiled replay of part of it takes.
+
+Times mlx-lm greedy decode (batch 1, random bfloat16 weights at released
+dimensions) of a qwen3 at Qwen3-0.6B's size and a llama at
+Llama-3.2-1B's, paths round-robin within each round, ratios per round
+against mlx-lm's own code:
+
+  mlx-lm          mlx-lm as it is
+  patched         ``mlx_dualnorm.integrations.mlx_lm.patch()``
+  compiled-halves patched, with each layer as two compiled replays around
+                  its attention: ``rms_norm`` and the q/k/v projections,
+                  then the output projection, residual add and the MLP
+                  half; the q/k prework, cache write and attention
+                  between them as the patched path runs them (exact only
+                  if the run finds the same bits)
+  no-layer-norms  patched, with both residual-block RMS norms of every
+                  decoder layer removed: the ceiling of fusing them into
+                  their residual adds (wrong tokens; timing only)
+  compiled-mlp    patched, with each layer's ``h + mlp(norm(h))`` one
+                  ``mx.compile`` replay whose inputs are the layer's
+                  arrays of this call (nothing served stale from the
+                  trace); exact only if its tokens and logits are the
+                  patched path's bits, which the run checks
+  step-no-cache   each decode step without a KV cache (attends to itself
+                  only; timing only): the cache handling's share
+  compiled-no-cache  the same step under ``mx.compile`` of the whole model:
+                  the ceiling of replaying a whole step
+
+Before timing, every exact path's tokens and per-step log-probabilities
+are compared bit for bit with mlx-lm's; the timing-only paths say so.
+
+    python3 bench/layer_ceilings.py [--models qwen3-1024,llama-2048] [--rounds 5] [--steps 64]
+                                    [--layers N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib
+import statistics
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlx_dualnorm.integrations import mlx_lm as integration
+
+MODELS = {
+    # Qwen3-0.6B's dimensions.
+    "qwen3-1024": {
+        "model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28,
+        "intermediate_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rope_theta": 1_000_000.0,
+        "tie_word_embeddings": True,
+    },
+    # Llama-3.2-1B's dimensions (its RoPE scaling left out: plain RoPE).
+    "llama-2048": {
+        "model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
+        "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rope_theta": 500_000.0,
+        "tie_word_embeddings": True,
+    },
+}
+PROMPT_TOKENS = 16
+EXACT_PATHS = ("mlx-lm", "patched", "compiled-mlp", "compiled-halves")
+PATHS = EXACT_PATHS + ("no-layer-norms", "step-no-cache", "compiled-no-cache")
+
+
+def build(config: dict, layers: int | None):
+    config = dict(config, **({"num_hidden_layers": layers} if layers else {}))
+    architecture = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(0)
+    model = architecture.Model(architecture.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    model.eval()
+    prompt = mx.array(np.random.default_rng(0).integers(0, config["vocab_size"], PROMPT_TOKENS))
+    return architecture, model, prompt
+
+
+def _mlp_half(eps: float):
+    """``h + down(silu(gate(n)) * up(n))`` with ``n = rms_norm(h)``: the
+    second half of a qwen3 / llama decoder layer, as its modules compute
+    it, compiled once per eps; every array is an input of each call."""
+
+    def half(h, norm_weight, gate_weight, up_weight, down_weight):
+        normed = mx.fast.rms_norm(h, norm_weight, eps)
+        gate = normed @ gate_weight.T
+        up = normed @ up_weight.T
+        return h + (nn.silu(gate) * up) @ down_weight.T
+
+    return mx.compile(half)
+
+
+_compiled_halves: dict = {}
+
+
+def compiled_mlp_block(self, x, mask=None, cache=None):
+    h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+    norm, mlp = self.post_attention_layernorm, self.mlp
+    half = _compiled_halves.get(norm.eps)
+    if half is None:
+        half = _compiled_halves[norm.eps] = _mlp_half(norm.eps)
+    return half(h, norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+
+
+def _halves(eps: float):
+    """The two replays of a layer around its attention (see the module
+    doc), compiled once per eps."""
+
+    def before(x, norm_weight, query_weight, key_weight, value_weight):
+        normed = mx.fast.rms_norm(x, norm_weight, eps)
+        return normed @ query_weight.T, normed @ key_weight.T, normed @ value_weight.T
+
+    def after(x, attended, output_weight, norm_weight, gate_weight, up_weight, down_weight):
+        h = x + attended @ output_weight.T
+        normed = mx.fast.rms_norm(h, norm_weight, eps)
+        return h + (nn.silu(normed @ gate_weight.T) * (normed @ up_weight.T)) @ down_weight.T
+
+    return mx.compile(before), mx.compile(after)
+
+
+_compiled_around: dict = {}
+
+
+def compiled_halves_block(self, x, mask=None, cache=None):
+    from mlx_dualnorm.integrations.mlx_lm import cache_update, norm_rope
+
+    attention, mlp = self.self_attn, self.mlp
+    eps = self.input_layernorm.eps
+    halves = _compiled_around.get(eps)
+    if halves is None:
+        halves = _compiled_around[eps] = _halves(eps)
+    before, after = halves
+    batch, length, _ = x.shape
+    queries, keys, values = before(
+        x, self.input_layernorm.weight, attention.q_proj.weight, attention.k_proj.weight,
+        attention.v_proj.weight,
+    )
+    heads, kv_heads = attention.n_heads, attention.n_kv_heads
+    queries = queries.reshape(batch, length, heads, -1)
+    keys = keys.reshape(batch, length, kv_heads, -1)
+    values = values.reshape(batch, length, kv_heads, -1)
+    prepared = None
+    if "q_norm" in attention:  # qwen3: the package's norm + RoPE + cache write
+        prepared = cache_update.prework_and_cache_update(
+            norm_rope.layer_prework(attention), queries, keys, values, cache
+        )
+    if prepared is None:  # llama: mlx-lm's RoPE and cache update
+        queries = attention.rope(queries.transpose(0, 2, 1, 3), offset=cache.offset)
+        keys = attention.rope(keys.transpose(0, 2, 1, 3), offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values.transpose(0, 2, 1, 3))
+    else:
+        queries, keys, values = prepared
+    attended = cache_update.attended(attention, queries, keys, values, cache, mask, batch, length)
+    return after(
+        x, attended, attention.o_proj.weight, self.post_attention_layernorm.weight,
+        mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+    )
+
+
+def block_without_norms(self, x, mask=None, cache=None):
+    h = x + self.self_attn(x, mask, cache)
+    return h + self.mlp(h)
+
+
+@contextlib.contextmanager
+def path_of(architecture, path: str):
+    block = architecture.TransformerBlock
+    original = block.__call__
+    with integration.unpatch() if path == "mlx-lm" else integration.patch():
+        if path == "compiled-mlp":
+            block.__call__ = compiled_mlp_block
+        elif path == "compiled-halves":
+            block.__call__ = compiled_halves_block
+        elif path == "no-layer-norms":
+            block.__call__ = block_without_norms
+        try:
+            yield
+        finally:
+            block.__call__ = original
+
+
+def decode(model, prompt, steps: int, path: str):
+    """(token ids, a hash per step of its log-probabilities' bits, median
+    ms per decode step), pipelined as mlx-lm's generate_step is."""
+    if path in ("step-no-cache", "compiled-no-cache"):
+        forward = mx.compile(model) if path == "compiled-no-cache" else model
+        step = lambda tokens: forward(tokens)  # noqa: E731
+        logits = forward(prompt[None])
+    else:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(model)
+        step = lambda tokens: model(tokens, cache=cache)  # noqa: E731
+        logits = model(prompt[None], cache=cache)
+    logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
+    token = mx.argmax(logprobs, axis=-1)
+    mx.async_eval(token, logprobs)
+    tokens, hashes, seconds = [], [], []
+    previous = time.perf_counter()
+    for _ in range(steps + 1):
+        logits = step(token[:, None])
+        next_logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
+        next_token = mx.argmax(next_logprobs, axis=-1)
+        mx.async_eval(next_token, next_logprobs)
+        tokens.append(int(token.item()))
+        hashes.append(hashlib.sha1(np.array(logprobs.view(mx.uint16)).tobytes()).hexdigest()[:12])
+        now = time.perf_counter()
+        if len(tokens) > 1:
+            seconds.append(now - previous)
+        previous = now
+        token, logprobs = next_token, next_logprobs
+    return tokens, hashes, 1e3 * statistics.median(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="qwen3-1024,llama-2048")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--layers", type=int, help="fewer layers (a dry run on CPU)")
+    args = parser.parse_args()
+    print(f"MLX {mx.__version__} on {mx.default_device()}; {args.rounds} rounds of "
+          f"{args.steps} steps, ms per decode token, ratio to mlx-lm per round: median [range]")
+    for name in args.models.split(","):
+        architecture, model, prompt = build(MODELS[name], args.layers)
+        reference = None
+        for path in PATHS:
+            with path_of(architecture, path):
+                tokens, hashes, _ = decode(model, prompt, min(args.steps, 16), path)
+            if path == "mlx-lm":
+                reference = (tokens, hashes)
+            verdict = "timing only"
+            if path in EXACT_PATHS:
+                same = (tokens, hashes) == reference
+                verdict = "tokens and log-probs bit-identical" if same else (
+                    f"DIFFERS (tokens equal: {tokens == reference[0]})")
+            print(f"  {name} {path:17s} {verdict}")
+        times: dict[str, list[float]] = {path: [] for path in PATHS}
+        for round_index in range(args.rounds):
+            for path in PATHS if round_index % 2 == 0 else PATHS[::-1]:
+                with path_of(architecture, path):
+                    times[path].append(decode(model, prompt, args.steps, path)[2])
+        for path in PATHS:
+            ratios = [t / r for t, r in zip(times[path], times["mlx-lm"])]
+            print(f"  {name} {path:17s} {statistics.median(times[path]):7.3f} ms  "
+                  f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]")
+        del model
+
+
+if __name__ == "__main__":
+    main()
