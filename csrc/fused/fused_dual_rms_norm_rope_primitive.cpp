@@ -513,7 +513,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
   /* The composed calls over without_offset(node_inputs): queries, keys,
    * (values, key and value buffers,) weights... (and the table last), the
    * offset fixed from `node_inputs`. The same ops as the C builder
-   * (norm_rope_graph.c). */
+   * (dual_head_norm_rope_graph.c). */
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> composed_over(
       const std::vector<mx::array>& node_inputs) {
     return [eps = rms_norm_epsilon_, rope = rope_, has_query_weight = has_query_weight_,
