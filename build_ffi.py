@@ -359,6 +359,8 @@ CDEF_HEADERS = (
     "mlxc/mlx/c/compile.h",
     "mlxc/mlx/c/optional.h",
     "mlxc/mlx/c/fast.h",
+    # Internal, for the bridge only (it takes int offsets' scalars there).
+    "private/position_scalar.h",
     "dual_head_norm_common.h",
     "dual_head_norm.h",
     "dual_head_norm_rope.h",
@@ -410,7 +412,8 @@ def make_ffibuilder() -> FFI:
         '#include "dual_head_norm.h"\n#include "dual_head_norm_rope.h"\n'
         '#include "dual_head_norm_rope_cache.h"\n'
         '#include "fused/fused_dual_head_norm.h"\n'
-        '#include "fused/mlx_build_identity.h"\n',
+        '#include "fused/mlx_build_identity.h"\n'
+        '#include "private/position_scalar.h"\n',
         sources=[
             *composite_sources(),
             "csrc/fused/mlx_build_identity.cpp",

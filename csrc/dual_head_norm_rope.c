@@ -176,12 +176,6 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
     free(norm_rope);
     return dualnorm_fail_with(error, MLX_DUALNORM_MLX_FAILURE, operation, "out of host memory");
   }
-  if (pthread_mutex_init(&norm_rope->write_offset_lock, NULL) != 0) {
-    pthread_rwlock_destroy(&norm_rope->lifetime_lock);
-    free(norm_rope);
-    return dualnorm_fail_with(error, MLX_DUALNORM_MLX_FAILURE, operation, "out of host memory");
-  }
-  norm_rope->write_offset_scalar = mlx_array_new();
   norm_rope->rms_norm_epsilon = (float)rms_norm_epsilon;
   norm_rope->rope = rope;
   norm_rope->mode = resolved_mode;
@@ -325,8 +319,6 @@ void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* nor
     return;
   }
   mlx_dualnorm_dual_head_norm_rope_close(norm_rope, NULL);
-  mlx_array_free(norm_rope->write_offset_scalar);
-  pthread_mutex_destroy(&norm_rope->write_offset_lock);
   pthread_rwlock_destroy(&norm_rope->lifetime_lock);
   free(norm_rope);
 }

@@ -17,31 +17,18 @@
 #include "private/dual_head_norm_rope_cache_graph.h"
 #include "private/dual_head_norm_rope_graph.h"
 #include "private/dual_head_norm_rope_object.h"
+#include "private/position_scalar.h"
 
-#include <stdint.h>
 
-/* Appends the write position to `inputs` as an int32 scalar: the object's
- * last one while the position stays the same, else a new one it keeps. */
-static int append_write_offset(mlx_vector_array inputs,
-                               mlx_dualnorm_dual_head_norm_rope* norm_rope, int write_offset) {
-  pthread_mutex_lock(&norm_rope->write_offset_lock);
-  int status = 0;
-  if (norm_rope->write_offset_scalar.ctx == NULL ||
-      norm_rope->write_offset_value != write_offset) {
-    int32_t value = write_offset;
-    mlx_array scalar = mlx_array_new_data(&value, NULL, 0, MLX_INT32);
-    if (scalar.ctx == NULL) {
-      status = 1;
-    } else {
-      status |= mlx_array_free(norm_rope->write_offset_scalar);
-      norm_rope->write_offset_scalar = scalar; /* owned by the object from here */
-      norm_rope->write_offset_value = write_offset;
-    }
-  }
-  if (status == 0) {
-    status = mlx_vector_array_append_value(inputs, norm_rope->write_offset_scalar) != 0;
-  }
-  pthread_mutex_unlock(&norm_rope->write_offset_lock);
+/* Appends the write row to `inputs` as the int32 scalar of that position
+ * (position_scalar.h: the one holder, shared with the RoPE offset of the
+ * same number). The vector takes its own reference; the handle made here
+ * is freed on every path. */
+static int append_write_row(mlx_vector_array inputs, int write_offset) {
+  mlx_array write_row = mlx_array_new();
+  int status = dualnorm_position_scalar(&write_row, write_offset) != 0 ||
+               mlx_vector_array_append_value(inputs, write_row) != 0;
+  status |= mlx_array_free(write_row);
   return status;
 }
 
@@ -49,8 +36,7 @@ static int append_write_offset(mlx_vector_array inputs,
  * graph's, then values, the buffers and the write position; `*weight_set`
  * the call's. An empty handle, with the reason sent to mlx_error, on
  * failure. */
-static mlx_vector_array cache_graph_inputs(mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                                           const dual_head_norm_call* sides,
+static mlx_vector_array cache_graph_inputs(const dual_head_norm_call* sides,
                                            const mlx_dualnorm_rope_inputs* inputs,
                                            const mlx_dualnorm_cache_write* write,
                                            int* weight_set) {
@@ -62,7 +48,7 @@ static mlx_vector_array cache_graph_inputs(mlx_dualnorm_dual_head_norm_rope* nor
   if (mlx_vector_array_append_value(input_vector, write->values) != 0 ||
       mlx_vector_array_append_value(input_vector, write->key_cache) != 0 ||
       mlx_vector_array_append_value(input_vector, write->value_cache) != 0 ||
-      append_write_offset(input_vector, norm_rope, write->write_offset) != 0) {
+      append_write_row(input_vector, write->write_offset) != 0) {
     mlx_vector_array_free(input_vector); /* already failing: its status adds nothing */
     return (mlx_vector_array){NULL};   /* empty: mlx_vector_array_new() is not */
   }
@@ -71,7 +57,8 @@ static mlx_vector_array cache_graph_inputs(mlx_dualnorm_dual_head_norm_rope* nor
 
 /* FUSED mode, a call the kernel takes but not with its write: one launch
  * for the norm + RoPE, then the writes at the constant row
- * (dualnorm_publish_cache_outputs). `input_vector` is the cache graph's (borrowed). */
+ * (dualnorm_publish_cache_outputs). `input_vector` is the cache graph's
+ * (borrowed). */
 static int apply_fused_then_write(mlx_vector_array* res,
                                   mlx_dualnorm_dual_head_norm_rope* norm_rope,
                                   const mlx_dualnorm_rope_inputs* inputs,
@@ -98,7 +85,7 @@ static int write_cache(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* 
   const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_CACHE_OPERATION;
   int weight_set = WEIGHT_SET_NONE;
   mlx_vector_array input_vector =
-      cache_graph_inputs(norm_rope, &facts->sides, inputs, write, &weight_set);
+      cache_graph_inputs(&facts->sides, inputs, write, &weight_set);
   if (input_vector.ctx == NULL) {
     return dualnorm_fail_in_mlx(error, operation);
   }

@@ -29,13 +29,8 @@ struct mlx_dualnorm_dual_head_norm_rope_ {
   /* The graphs of a call with a cache write (the norm + RoPE and the two
    * writes), per weight set, kept as `graphs` is. */
   dualnorm_weight_set_graphs cache_graphs;
-  /* The last write position as an int32 scalar (owned; empty until the
-   * first cache write), reused while the position stays the same: every
-   * layer of a decode step writes at the same row. Guarded by
-   * write_offset_lock; graphs holding an older scalar keep it alive. */
-  pthread_mutex_t write_offset_lock;
-  int write_offset_value;
-  mlx_array write_offset_scalar;
+  /* (The write row's int32 scalar is position_scalar.h's, the one holder
+   * of positions, not the object's.) */
   /* Applies hold it shared, close exclusively: close waits for applies in
    * flight, and applies of one object on several threads run together. */
   pthread_rwlock_t lifetime_lock;
