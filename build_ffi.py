@@ -361,10 +361,10 @@ CDEF_HEADERS = (
     "mlxc/mlx/c/fast.h",
     # Internal, for the bridge only (it takes int offsets' scalars there).
     "private/position_scalar.h",
-    "dual_head_norm_common.h",
-    "dual_head_norm.h",
-    "dual_head_norm_rope.h",
-    "dual_head_norm_rope_cache.h",
+    "mlx_dualnorm/dual_head_norm_common.h",
+    "mlx_dualnorm/dual_head_norm.h",
+    "mlx_dualnorm/dual_head_norm_rope.h",
+    "mlx_dualnorm/dual_head_norm_rope_cache.h",
     "fused/fused_dual_head_norm.h",
     "fused/mlx_build_identity.h",
 )
@@ -396,8 +396,8 @@ def assemble_cdef() -> str:
 
 
 def composite_sources() -> list[str]:
-    """The plain-C composite: every .c file directly in csrc/ (public
-    headers beside them, the helpers' own headers in csrc/private/)."""
+    """The plain-C composite: every .c file directly in csrc/ (the public
+    headers in csrc/mlx_dualnorm/, the helpers' own in csrc/private/)."""
     return sorted(str(path.relative_to(ROOT)) for path in CSRC.glob("*.c"))
 
 
@@ -409,8 +409,9 @@ def make_ffibuilder() -> FFI:
     builder.cdef(assemble_cdef())
     builder.set_source(
         NATIVE_MODULE,
-        '#include "dual_head_norm.h"\n#include "dual_head_norm_rope.h"\n'
-        '#include "dual_head_norm_rope_cache.h"\n'
+        '#include "mlx_dualnorm/dual_head_norm.h"\n'
+        '#include "mlx_dualnorm/dual_head_norm_rope.h"\n'
+        '#include "mlx_dualnorm/dual_head_norm_rope_cache.h"\n'
         '#include "fused/fused_dual_head_norm.h"\n'
         '#include "fused/mlx_build_identity.h"\n'
         '#include "private/position_scalar.h"\n',

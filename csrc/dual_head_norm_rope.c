@@ -69,8 +69,8 @@
 /* pthread_rwlock_t is POSIX.1-2001, hidden by a strict -std=c11. */
 #define _POSIX_C_SOURCE 200809L
 
-#include "dual_head_norm_rope.h"
-#include "dual_head_norm_rope_cache.h"
+#include "mlx_dualnorm/dual_head_norm_rope.h"
+#include "mlx_dualnorm/dual_head_norm_rope_cache.h"
 
 #include "private/call_errors.h"
 #include "private/compile_erasure.h"

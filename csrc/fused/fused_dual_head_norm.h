@@ -14,8 +14,8 @@
 #ifndef MLX_DUALNORM_FUSED_DUAL_HEAD_NORM_H
 #define MLX_DUALNORM_FUSED_DUAL_HEAD_NORM_H
 
-#include "dual_head_norm.h"
-#include "dual_head_norm_rope.h"
+#include "mlx_dualnorm/dual_head_norm.h"
+#include "mlx_dualnorm/dual_head_norm_rope.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -27,9 +27,9 @@
 
 #include "mlx/array.h"
 
-#include "dual_head_norm.h"
-#include "dual_head_norm_rope.h"
-#include "dual_head_norm_rope_cache.h"
+#include "mlx_dualnorm/dual_head_norm.h"
+#include "mlx_dualnorm/dual_head_norm_rope.h"
+#include "mlx_dualnorm/dual_head_norm_rope_cache.h"
 #include "private/position_scalar.h"
 
 namespace nb = nanobind;

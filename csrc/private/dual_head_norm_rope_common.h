@@ -25,8 +25,8 @@
 #ifndef MLX_DUALNORM_PRIVATE_DUAL_HEAD_NORM_ROPE_COMMON_H
 #define MLX_DUALNORM_PRIVATE_DUAL_HEAD_NORM_ROPE_COMMON_H
 
-#include "dual_head_norm_rope.h"
-#include "dual_head_norm_rope_cache.h"
+#include "mlx_dualnorm/dual_head_norm_rope.h"
+#include "mlx_dualnorm/dual_head_norm_rope_cache.h"
 
 /* The labels of the errors, as MLX writes "[rope] ...": construction and
  * apply are the operation itself. Static strings: an error record keeps a
