@@ -98,25 +98,25 @@ static const size_t FIRST_CALL_STRUCT_SIZE =
 
 /* Registration, mode resolution and which calls the kernel takes are
  * mode_choice.h's, shared with the dual head norm. */
-static dualnorm_fused_registration fused_rope_registration = {NULL};
+static dualnorm_fused_registration fused_dual_head_norm_rope_registration = {NULL};
 
 void mlx_dualnorm_set_fused_rope_backend(const mlx_dualnorm_fused_rope_backend* backend) {
-  dualnorm_register_fused_kernel(&fused_rope_registration,
+  dualnorm_register_fused_kernel(&fused_dual_head_norm_rope_registration,
                                  backend == NULL ? NULL : &backend->kernel);
 }
 
 bool mlx_dualnorm_fused_rope_mode_available(void) {
-  return dualnorm_fused_kernel_available(&fused_rope_registration);
+  return dualnorm_fused_kernel_available(&fused_dual_head_norm_rope_registration);
 }
 
 /* ---- The object ---------------------------------------------------------- */
 
 /* Frees the closures and erases their traces from every thread's cache;
  * the caller holds lifetime_lock exclusively or is the only user. */
-static int release_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  int status = dualnorm_release_weight_set_graphs(&norm_rope->graphs);
-  status |= dualnorm_release_weight_set_graphs(&norm_rope->cache_graphs);
-  norm_rope->closed = true;
+static int release_graphs(mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
+  int status = dualnorm_release_weight_set_graphs(&dual_head_norm_rope->graphs);
+  status |= dualnorm_release_weight_set_graphs(&dual_head_norm_rope->cache_graphs);
+  dual_head_norm_rope->closed = true;
   return status;
 }
 
@@ -129,24 +129,29 @@ static uint64_t float_bits(float value) {
 /* Builds the plain and (unless composed) compiled closure of every weight_set,
  * shape-specialized (see the file comment), with every constant the
  * builder reads as a compile constant. */
-static int compile_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  const mlx_dualnorm_rope_parameters* rope = &norm_rope->rope;
+static int compile_graphs(mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
+  const mlx_dualnorm_rope_parameters* rope = &dual_head_norm_rope->rope;
   const uint64_t compile_constants[8] = {
-      float_bits(norm_rope->rms_norm_epsilon), (uint64_t)(uint32_t)rope->dims,
-      rope->traditional, float_bits(rope->base), float_bits(rope->scale),
-      rope->with_freqs, rope->input_scale.has_value,
+      float_bits(dual_head_norm_rope->rms_norm_epsilon),
+      (uint64_t)(uint32_t)rope->dims,
+      rope->traditional,
+      float_bits(rope->base),
+      float_bits(rope->scale),
+      rope->with_freqs,
+      rope->input_scale.has_value,
       rope->input_scale.has_value ? float_bits(rope->input_scale.value) : 0,
   };
   size_t constant_count = sizeof compile_constants / sizeof compile_constants[0];
   /* Read by the closure makers only; each closure keeps its own copy. */
   const dual_head_norm_rope_constants constants = {
-      .rms_norm_epsilon = norm_rope->rms_norm_epsilon,
-      .rope = norm_rope->rope,
+      .rms_norm_epsilon = dual_head_norm_rope->rms_norm_epsilon,
+      .rope = dual_head_norm_rope->rope,
   };
-  return dualnorm_compile_weight_set_graphs(&norm_rope->graphs, norm_rope->mode,
+  return dualnorm_compile_weight_set_graphs(&dual_head_norm_rope->graphs, dual_head_norm_rope->mode,
                                             dualnorm_new_dual_head_norm_rope_graph, &constants,
                                             compile_constants, constant_count) != 0 ||
-         dualnorm_compile_weight_set_graphs(&norm_rope->cache_graphs, norm_rope->mode,
+         dualnorm_compile_weight_set_graphs(&dual_head_norm_rope->cache_graphs,
+                                            dual_head_norm_rope->mode,
                                             dualnorm_new_dual_head_norm_rope_cache_graph,
                                             &constants, compile_constants, constant_count) != 0;
 }
@@ -165,50 +170,53 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
   const mlx_dualnorm_fused_kernel* fused_kernel = NULL;
   int status = dualnorm_check_dual_head_norm_rope_constants(rms_norm_epsilon, &rope, error);
   if (status == MLX_DUALNORM_OK) {
-    status = dualnorm_resolve_mode(mode, &fused_rope_registration, operation, &resolved_mode,
-                                   &fused_kernel, error);
+    status = dualnorm_resolve_mode(mode, &fused_dual_head_norm_rope_registration, operation,
+                                   &resolved_mode, &fused_kernel, error);
   }
   if (status != MLX_DUALNORM_OK) {
     return status;
   }
-  mlx_dualnorm_dual_head_norm_rope* norm_rope = calloc(1, sizeof *norm_rope);
-  if (norm_rope == NULL || pthread_rwlock_init(&norm_rope->lifetime_lock, NULL) != 0) {
-    free(norm_rope);
+  mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope = calloc(1, sizeof *dual_head_norm_rope);
+  if (dual_head_norm_rope == NULL ||
+      pthread_rwlock_init(&dual_head_norm_rope->lifetime_lock, NULL) != 0) {
+    free(dual_head_norm_rope);
     return dualnorm_fail_with(error, MLX_DUALNORM_MLX_FAILURE, operation, "out of host memory");
   }
-  norm_rope->rms_norm_epsilon = (float)rms_norm_epsilon;
-  norm_rope->rope = rope;
-  norm_rope->mode = resolved_mode;
+  dual_head_norm_rope->rms_norm_epsilon = (float)rms_norm_epsilon;
+  dual_head_norm_rope->rope = rope;
+  dual_head_norm_rope->mode = resolved_mode;
   /* The kernel is its table's first member (mode_choice.h). */
-  norm_rope->fused_backend = (const mlx_dualnorm_fused_rope_backend*)fused_kernel;
-  if (compile_graphs(norm_rope) != 0) {
+  dual_head_norm_rope->fused_backend = (const mlx_dualnorm_fused_rope_backend*)fused_kernel;
+  if (compile_graphs(dual_head_norm_rope) != 0) {
     status = dualnorm_fail_in_mlx(error, operation);
-    mlx_dualnorm_dual_head_norm_rope_free(norm_rope); /* releases what was built */
+    mlx_dualnorm_dual_head_norm_rope_free(dual_head_norm_rope); /* releases what was built */
     return status;
   }
-  *res = norm_rope;
+  *res = dual_head_norm_rope;
   return MLX_DUALNORM_OK;
 }
 
 mlx_dualnorm_mode mlx_dualnorm_dual_head_norm_rope_mode(
-    const mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  return norm_rope == NULL ? MLX_DUALNORM_MODE_AUTO : norm_rope->mode;
+    const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
+  return dual_head_norm_rope == NULL ? MLX_DUALNORM_MODE_AUTO : dual_head_norm_rope->mode;
 }
 
-float mlx_dualnorm_dual_head_norm_rope_epsilon(const mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  return norm_rope == NULL ? NAN : norm_rope->rms_norm_epsilon;
+float mlx_dualnorm_dual_head_norm_rope_epsilon(
+    const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
+  return dual_head_norm_rope == NULL ? NAN : dual_head_norm_rope->rms_norm_epsilon;
 }
 
 mlx_dualnorm_rope_parameters mlx_dualnorm_dual_head_norm_rope_parameters(
-    const mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  return norm_rope == NULL ? (mlx_dualnorm_rope_parameters){0} : norm_rope->rope;
+    const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
+  return dual_head_norm_rope == NULL ? (mlx_dualnorm_rope_parameters){0}
+                                     : dual_head_norm_rope->rope;
 }
 
 /* ---- Applying ------------------------------------------------------------ */
 
 /* Runs the chosen closure of the call's weight set on an input vector
  * owned here, freed on every path. */
-static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
                        const dual_head_norm_call* sides, const mlx_dualnorm_rope_inputs* inputs,
                        mlx_dualnorm_error* error) {
   const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION;
@@ -218,15 +226,14 @@ static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* 
   if (input_vector.ctx == NULL) {
     return dualnorm_fail_in_mlx(error, operation);
   }
-  int status = dualnorm_run_weight_set_graph(res, norm_rope, &norm_rope->graphs, sides,
-                                             weight_set, input_vector, operation, error);
+  int status = dualnorm_run_weight_set_graph(res, dual_head_norm_rope, &dual_head_norm_rope->graphs,
+                                             sides, weight_set, input_vector, operation, error);
   return dualnorm_free_vector_after(status, input_vector, operation, error);
 }
 
-int mlx_dualnorm_dual_head_norm_rope_apply_call(mlx_vector_array* res,
-                                                mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                                                const mlx_dualnorm_dual_head_norm_rope_call* call,
-                                                mlx_dualnorm_error* error) {
+int mlx_dualnorm_dual_head_norm_rope_apply_call(
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
+    const mlx_dualnorm_dual_head_norm_rope_call* call, mlx_dualnorm_error* error) {
   dualnorm_begin_call();
   if (call == NULL) {
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT,
@@ -244,30 +251,33 @@ int mlx_dualnorm_dual_head_norm_rope_apply_call(mlx_vector_array* res,
   const char* operation = cache_write != NULL ? DUALNORM_DUAL_HEAD_NORM_ROPE_CACHE_OPERATION
                                               : DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION;
   dual_head_norm_rope_facts facts = {0};
-  int status = dualnorm_check_dual_head_norm_rope_call(res, norm_rope, inputs, cache_write,
-                                                       operation, &facts, error);
+  int status = dualnorm_check_dual_head_norm_rope_call(res, dual_head_norm_rope, inputs,
+                                                       cache_write, operation, &facts, error);
   if (status != MLX_DUALNORM_OK) {
     return status;
   }
   if (cache_write != NULL) {
-    return dualnorm_apply_dual_head_norm_rope_with_cache(res, norm_rope, &facts, inputs,
+    return dualnorm_apply_dual_head_norm_rope_with_cache(res, dual_head_norm_rope, &facts, inputs,
                                                          cache_write, error);
   }
-  return facts.fused ? dualnorm_run_fused_launch(res, norm_rope, inputs, NULL, operation, error)
-                     : apply_graph(res, norm_rope, &facts.sides, inputs, error);
+  return facts.fused
+             ? dualnorm_run_fused_launch(res, dual_head_norm_rope, inputs, NULL, operation, error)
+             : apply_graph(res, dual_head_norm_rope, &facts.sides, inputs, error);
 }
 
-int mlx_dualnorm_dual_head_norm_rope_apply(
-    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
-    const mlx_array queries, const mlx_array keys, const mlx_array query_scale_weight,
-    const mlx_array key_scale_weight, const mlx_array rope_offset, mlx_dualnorm_error* error) {
-  return mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
-      res, norm_rope, queries, keys, query_scale_weight, key_scale_weight, rope_offset,
-      mlx_array_new(), error);
+int mlx_dualnorm_dual_head_norm_rope_apply(mlx_vector_array* res,
+                                           mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
+                                           const mlx_array queries, const mlx_array keys,
+                                           const mlx_array query_scale_weight,
+                                           const mlx_array key_scale_weight,
+                                           const mlx_array rope_offset, mlx_dualnorm_error* error) {
+  return mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(res, dual_head_norm_rope, queries, keys,
+                                                           query_scale_weight, key_scale_weight,
+                                                           rope_offset, mlx_array_new(), error);
 }
 
 int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
-    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
     const mlx_array queries, const mlx_array keys, const mlx_array query_scale_weight,
     const mlx_array key_scale_weight, const mlx_array rope_offset, const mlx_array freqs,
     mlx_dualnorm_error* error) {
@@ -276,11 +286,11 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
       .inputs = {queries, keys, query_scale_weight, key_scale_weight, rope_offset, freqs},
       .cache_write = NULL,
   };
-  return mlx_dualnorm_dual_head_norm_rope_apply_call(res, norm_rope, &call, error);
+  return mlx_dualnorm_dual_head_norm_rope_apply_call(res, dual_head_norm_rope, &call, error);
 }
 
 int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
-    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
     const mlx_array queries, const mlx_array keys, const mlx_array values,
     const mlx_array query_scale_weight, const mlx_array key_scale_weight,
     const mlx_array rope_offset, const mlx_array freqs, const mlx_array key_cache,
@@ -297,28 +307,28 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
       .inputs = {queries, keys, query_scale_weight, key_scale_weight, rope_offset, freqs},
       .cache_write = &cache_write,
   };
-  return mlx_dualnorm_dual_head_norm_rope_apply_call(res, norm_rope, &call, error);
+  return mlx_dualnorm_dual_head_norm_rope_apply_call(res, dual_head_norm_rope, &call, error);
 }
 
-int mlx_dualnorm_dual_head_norm_rope_close(mlx_dualnorm_dual_head_norm_rope* norm_rope,
+int mlx_dualnorm_dual_head_norm_rope_close(mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
                                            mlx_dualnorm_error* error) {
   const char* operation = CLOSE_DUAL_HEAD_NORM_ROPE_OPERATION;
   dualnorm_begin_call();
-  if (norm_rope == NULL) {
+  if (dual_head_norm_rope == NULL) {
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
                               "the dual head norm rope is NULL");
   }
-  pthread_rwlock_wrlock(&norm_rope->lifetime_lock);
-  int status = norm_rope->closed ? 0 : release_graphs(norm_rope);
-  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
+  pthread_rwlock_wrlock(&dual_head_norm_rope->lifetime_lock);
+  int status = dual_head_norm_rope->closed ? 0 : release_graphs(dual_head_norm_rope);
+  pthread_rwlock_unlock(&dual_head_norm_rope->lifetime_lock);
   return status == 0 ? MLX_DUALNORM_OK : dualnorm_fail_in_mlx(error, operation);
 }
 
-void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  if (norm_rope == NULL) {
+void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
+  if (dual_head_norm_rope == NULL) {
     return;
   }
-  mlx_dualnorm_dual_head_norm_rope_close(norm_rope, NULL);
-  pthread_rwlock_destroy(&norm_rope->lifetime_lock);
-  free(norm_rope);
+  mlx_dualnorm_dual_head_norm_rope_close(dual_head_norm_rope, NULL);
+  pthread_rwlock_destroy(&dual_head_norm_rope->lifetime_lock);
+  free(dual_head_norm_rope);
 }

@@ -96,32 +96,34 @@ int dualnorm_publish_cache_outputs(mlx_vector_array* res, const mlx_vector_array
 static int build_dual_head_norm_rope_cache_graph(mlx_vector_array* output_vector,
                                                  const mlx_vector_array input_vector,
                                                  void* payload) {
-  size_t norm_rope_inputs = dualnorm_dual_head_norm_rope_input_count(payload);
+  size_t dual_head_norm_rope_inputs = dualnorm_dual_head_norm_rope_input_count(payload);
   if (!dualnorm_graph_inputs_expected(output_vector, input_vector,
-                                      norm_rope_inputs + CACHE_GRAPH_EXTRA_INPUTS)) {
+                                      dual_head_norm_rope_inputs + CACHE_GRAPH_EXTRA_INPUTS)) {
     return 1;
   }
-  mlx_array norm_rope_input_arrays[DUAL_HEAD_NORM_ROPE_MAX_INPUTS];
+  mlx_array dual_head_norm_rope_input_arrays[DUAL_HEAD_NORM_ROPE_MAX_INPUTS];
   for (size_t index = 0; index < DUAL_HEAD_NORM_ROPE_MAX_INPUTS; ++index) {
-    norm_rope_input_arrays[index] = mlx_array_new();
+    dual_head_norm_rope_input_arrays[index] = mlx_array_new();
   }
-  mlx_vector_array norm_rope_inputs_vector = mlx_vector_array_new();
+  mlx_vector_array dual_head_norm_rope_input_vector = mlx_vector_array_new();
   mlx_vector_array rotated = mlx_vector_array_new();
   int status = 0;
-  for (size_t index = 0; status == 0 && index < norm_rope_inputs; ++index) {
-    status = mlx_vector_array_get(&norm_rope_input_arrays[index], input_vector, index) != 0;
+  for (size_t index = 0; status == 0 && index < dual_head_norm_rope_inputs; ++index) {
+    status =
+        mlx_vector_array_get(&dual_head_norm_rope_input_arrays[index], input_vector, index) != 0;
   }
-  status = status ||
-           mlx_vector_array_set_data(&norm_rope_inputs_vector, norm_rope_input_arrays,
-                                     norm_rope_inputs) != 0 ||
-           dualnorm_build_dual_head_norm_rope_graph(&rotated, norm_rope_inputs_vector,
-                                                    payload) != 0 ||
-           dualnorm_publish_cache_outputs(output_vector, rotated, input_vector,
-                                          norm_rope_inputs, NULL) != 0;
+  status =
+      status ||
+      mlx_vector_array_set_data(&dual_head_norm_rope_input_vector, dual_head_norm_rope_input_arrays,
+                                dual_head_norm_rope_inputs) != 0 ||
+      dualnorm_build_dual_head_norm_rope_graph(&rotated, dual_head_norm_rope_input_vector,
+                                               payload) != 0 ||
+      dualnorm_publish_cache_outputs(output_vector, rotated, input_vector,
+                                     dual_head_norm_rope_inputs, NULL) != 0;
   for (size_t index = 0; index < DUAL_HEAD_NORM_ROPE_MAX_INPUTS; ++index) {
-    status |= mlx_array_free(norm_rope_input_arrays[index]);
+    status |= mlx_array_free(dual_head_norm_rope_input_arrays[index]);
   }
-  status |= mlx_vector_array_free(norm_rope_inputs_vector);
+  status |= mlx_vector_array_free(dual_head_norm_rope_input_vector);
   status |= mlx_vector_array_free(rotated);
   return status;
 }

@@ -60,13 +60,14 @@ static mlx_vector_array cache_graph_inputs(const dual_head_norm_call* sides,
  * (dualnorm_publish_cache_outputs). `input_vector` is the cache graph's
  * (borrowed). */
 static int apply_fused_then_write(mlx_vector_array* res,
-                                  mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                                  mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
                                   const mlx_dualnorm_rope_inputs* inputs,
                                   const mlx_vector_array input_vector, int write_offset,
                                   mlx_dualnorm_error* error) {
   const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_CACHE_OPERATION;
   mlx_vector_array rotated = mlx_vector_array_new();
-  int status = dualnorm_run_fused_launch(&rotated, norm_rope, inputs, NULL, operation, error);
+  int status =
+      dualnorm_run_fused_launch(&rotated, dual_head_norm_rope, inputs, NULL, operation, error);
   if (status == MLX_DUALNORM_OK &&
       dualnorm_publish_cache_outputs(
           res, rotated, input_vector,
@@ -78,7 +79,7 @@ static int apply_fused_then_write(mlx_vector_array* res,
 
 /* The three outputs of a cache write into `*res`, by the fused launch then
  * MLX's writes, or by the cache graph; everything made here is freed. */
-static int write_cache(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+static int write_cache(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
                        const dual_head_norm_rope_facts* facts,
                        const mlx_dualnorm_rope_inputs* inputs,
                        const mlx_dualnorm_cache_write* write, mlx_dualnorm_error* error) {
@@ -89,13 +90,11 @@ static int write_cache(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* 
   if (input_vector.ctx == NULL) {
     return dualnorm_fail_in_mlx(error, operation);
   }
-  int status =
-      facts->fused
-          ? apply_fused_then_write(res, norm_rope, inputs, input_vector, write->write_offset,
-                                   error)
-          : dualnorm_run_weight_set_graph(res, norm_rope, &norm_rope->cache_graphs,
-                                          &facts->sides, weight_set, input_vector, operation,
-                                          error);
+  int status = facts->fused ? apply_fused_then_write(res, dual_head_norm_rope, inputs, input_vector,
+                                                     write->write_offset, error)
+                            : dualnorm_run_weight_set_graph(
+                                  res, dual_head_norm_rope, &dual_head_norm_rope->cache_graphs,
+                                  &facts->sides, weight_set, input_vector, operation, error);
   return dualnorm_free_vector_after(status, input_vector, operation, error);
 }
 
@@ -103,17 +102,16 @@ static int write_cache(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* 
  * (dualnorm_publish_with_fetched_rows). The written outputs are owned here, freed
  * on every path. */
 static int write_cache_and_fetch(mlx_vector_array* res,
-                                 mlx_dualnorm_dual_head_norm_rope* norm_rope,
+                                 mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
                                  const dual_head_norm_rope_facts* facts,
                                  const mlx_dualnorm_rope_inputs* inputs,
-                                 const mlx_dualnorm_cache_write* write,
-                                 mlx_dualnorm_error* error) {
+                                 const mlx_dualnorm_cache_write* write, mlx_dualnorm_error* error) {
   const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_CACHE_OPERATION;
   mlx_vector_array written = mlx_vector_array_new();
   if (written.ctx == NULL) {
     return dualnorm_fail_in_mlx(error, operation);
   }
-  int status = write_cache(&written, norm_rope, facts, inputs, write, error);
+  int status = write_cache(&written, dual_head_norm_rope, facts, inputs, write, error);
   int end = write->write_offset + mlx_array_shape(inputs->keys)[1];
   if (status == MLX_DUALNORM_OK && dualnorm_publish_with_fetched_rows(res, written, end) != 0) {
     status = dualnorm_fail_in_mlx(error, operation);
@@ -122,14 +120,15 @@ static int write_cache_and_fetch(mlx_vector_array* res,
 }
 
 int dualnorm_apply_dual_head_norm_rope_with_cache(
-    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
     const dual_head_norm_rope_facts* facts, const mlx_dualnorm_rope_inputs* inputs,
     const mlx_dualnorm_cache_write* cache_write, mlx_dualnorm_error* error) {
-  if (facts->fused && dualnorm_one_launch_writes_cache(norm_rope, &facts->sides, cache_write)) {
-    return dualnorm_run_fused_launch(res, norm_rope, inputs, cache_write,
+  if (facts->fused &&
+      dualnorm_one_launch_writes_cache(dual_head_norm_rope, &facts->sides, cache_write)) {
+    return dualnorm_run_fused_launch(res, dual_head_norm_rope, inputs, cache_write,
                                      DUALNORM_DUAL_HEAD_NORM_ROPE_CACHE_OPERATION, error);
   }
   return cache_write->fetch
-             ? write_cache_and_fetch(res, norm_rope, facts, inputs, cache_write, error)
-             : write_cache(res, norm_rope, facts, inputs, cache_write, error);
+             ? write_cache_and_fetch(res, dual_head_norm_rope, facts, inputs, cache_write, error)
+             : write_cache(res, dual_head_norm_rope, facts, inputs, cache_write, error);
 }

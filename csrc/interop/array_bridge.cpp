@@ -39,8 +39,8 @@ namespace {
 
 /* The composites' labels (dual_head_norm.c, dual_head_norm_rope.c). */
 const char APPLY_DUAL_HEAD_NORM_OPERATION[] = "dual_head_norm";
-const char APPLY_NORM_ROPE_OPERATION[] = "dual_head_norm_rope";
-const char APPLY_NORM_ROPE_CACHE_OPERATION[] = "dual_head_norm_rope_with_cache";
+const char APPLY_DUAL_HEAD_NORM_ROPE_OPERATION[] = "dual_head_norm_rope";
+const char APPLY_DUAL_HEAD_NORM_ROPE_CACHE_OPERATION[] = "dual_head_norm_rope_with_cache";
 
 /* What bind() received. The composite's functions live in the cffi module
  * (this module links no mlx-c), so the handles it creates are freed by the
@@ -243,14 +243,15 @@ nb::tuple apply(std::uintptr_t dual_head_norm_address, nb::handle queries, nb::h
 
 /* The norm + RoPE's arguments as borrowed handles, and the converted
  * objects that keep them alive for the call. */
-struct BorrowedNormRope {
+struct BorrowedDualHeadNormRope {
   nb::object converted[6];
   OwnedPositionScalar offset_position;
   mlx_array queries, keys, query_weight, key_weight, offset, freqs;
 
-  BorrowedNormRope(nb::handle queries_object, nb::handle keys_object,
-                   nb::handle query_weight_object, nb::handle key_weight_object,
-                   nb::handle offset_object, nb::handle freqs_object, const char* operation) {
+  BorrowedDualHeadNormRope(nb::handle queries_object, nb::handle keys_object,
+                           nb::handle query_weight_object, nb::handle key_weight_object,
+                           nb::handle offset_object, nb::handle freqs_object,
+                           const char* operation) {
     nb::handle convert = bound_rope.convert_array;
     queries = borrow_array(queries_object, "queries", false, converted[0], operation, convert);
     keys = borrow_array(keys_object, "keys", false, converted[1], operation, convert);
@@ -273,8 +274,8 @@ nb::tuple apply_rope(std::uintptr_t norm_rope_address, nb::handle queries, nb::h
   if (bound_rope.apply == nullptr || bound.free_vector == nullptr) {
     throw std::runtime_error("mlx_dualnorm._interop.bind and bind_rope were not both called");
   }
-  BorrowedNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset, freqs,
-                            APPLY_NORM_ROPE_OPERATION);
+  BorrowedDualHeadNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset,
+                                    freqs, APPLY_DUAL_HEAD_NORM_ROPE_OPERATION);
 
   OwnedOutputVector outputs;
   mlx_dualnorm_error error{};
@@ -305,7 +306,7 @@ nb::tuple apply_rope_with_cache(std::uintptr_t norm_rope_address, nb::handle que
     throw std::runtime_error(
         "mlx_dualnorm._interop.bind and bind_rope_cache were not both called");
   }
-  const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
+  const char* operation = APPLY_DUAL_HEAD_NORM_ROPE_CACHE_OPERATION;
   std::optional<int32_t> write_row = int32_position(write_offset);
   if (!write_row) {
     std::string row = nb::str(write_offset).c_str();
@@ -315,8 +316,8 @@ nb::tuple apply_rope_with_cache(std::uintptr_t norm_rope_address, nb::handle que
     raise_dual_head_norm_error(error);
   }
   nb::handle convert = bound_rope.convert_array;
-  BorrowedNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset, freqs,
-                            operation);
+  BorrowedDualHeadNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset,
+                                    freqs, operation);
   nb::object converted[3];
   mlx_array borrowed_values =
       borrow_array(values, "values", false, converted[0], operation, convert);
