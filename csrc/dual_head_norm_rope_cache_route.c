@@ -19,7 +19,6 @@
 #include "private/dual_head_norm_rope_object.h"
 #include "private/position_scalar.h"
 
-
 /* Appends the write row to `inputs` as the int32 scalar of that position
  * (position_scalar.h: the one holder, shared with the RoPE offset of the
  * same number). The vector takes its own reference; the handle made here
