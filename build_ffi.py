@@ -245,8 +245,8 @@ def find_cuda_primitive_build(mlx: MlxInstall) -> CudaPrimitiveBuild | None:
             "csrc/fused/fused_dual_head_norm_cuda.cpp",
             "csrc/fused/fused_kernel_host.cpp",
             "csrc/fused/output_memory.cpp",
-            "csrc/fused/fused_dual_rms_norm_primitive.cpp",
-            "csrc/fused/fused_dual_rms_norm_rope_primitive.cpp",
+            "csrc/fused/fused_dual_head_norm_primitive.cpp",
+            "csrc/fused/fused_dual_head_norm_rope_primitive.cpp",
         ],
         compile_args=["-isystem", str(cuda_include), "-isystem", str(fmt_include)],
         define_macros=[("FMT_HEADER_ONLY", "1")],
@@ -359,10 +359,12 @@ CDEF_HEADERS = (
     "mlxc/mlx/c/compile.h",
     "mlxc/mlx/c/optional.h",
     "mlxc/mlx/c/fast.h",
-    "dual_head_norm_common.h",
-    "dual_head_norm.h",
-    "dual_head_norm_rope.h",
-    "dual_head_norm_rope_cache.h",
+    # Internal, for the bridge only (it takes int offsets' scalars there).
+    "private/position_scalar.h",
+    "mlx_dualnorm/dual_head_norm_common.h",
+    "mlx_dualnorm/dual_head_norm.h",
+    "mlx_dualnorm/dual_head_norm_rope.h",
+    "mlx_dualnorm/dual_head_norm_rope_cache.h",
     "fused/fused_dual_head_norm.h",
     "fused/mlx_build_identity.h",
 )
@@ -394,8 +396,8 @@ def assemble_cdef() -> str:
 
 
 def composite_sources() -> list[str]:
-    """The plain-C composite: every .c file directly in csrc/ (public
-    headers beside them, the helpers' own headers in csrc/private/)."""
+    """The plain-C composite: every .c file directly in csrc/ (the public
+    headers in csrc/mlx_dualnorm/, the helpers' own in csrc/private/)."""
     return sorted(str(path.relative_to(ROOT)) for path in CSRC.glob("*.c"))
 
 
@@ -407,10 +409,12 @@ def make_ffibuilder() -> FFI:
     builder.cdef(assemble_cdef())
     builder.set_source(
         NATIVE_MODULE,
-        '#include "dual_head_norm.h"\n#include "dual_head_norm_rope.h"\n'
-        '#include "dual_head_norm_rope_cache.h"\n'
+        '#include "mlx_dualnorm/dual_head_norm.h"\n'
+        '#include "mlx_dualnorm/dual_head_norm_rope.h"\n'
+        '#include "mlx_dualnorm/dual_head_norm_rope_cache.h"\n'
         '#include "fused/fused_dual_head_norm.h"\n'
-        '#include "fused/mlx_build_identity.h"\n',
+        '#include "fused/mlx_build_identity.h"\n'
+        '#include "private/position_scalar.h"\n',
         sources=[
             *composite_sources(),
             "csrc/fused/mlx_build_identity.cpp",

@@ -2,7 +2,7 @@
  * compile_erasure.h). */
 #include "private/compile_erasure.h"
 
-#include "dual_head_norm_common.h" /* the public functions defined here */
+#include "mlx_dualnorm/dual_head_norm_common.h" /* the public functions defined here */
 
 #include <pthread.h>
 #include <stdatomic.h>

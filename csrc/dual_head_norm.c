@@ -46,7 +46,7 @@
  * Failures are reported as call_errors.h says; compile ids and their
  * erasure from every thread's cache are compile_erasure.h's.
  */
-#include "dual_head_norm.h"
+#include "mlx_dualnorm/dual_head_norm.h"
 
 #include "private/call_errors.h"
 #include "private/compile_erasure.h"

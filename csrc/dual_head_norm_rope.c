@@ -39,7 +39,7 @@
  * Each object compiles under ids of its own (dualnorm_new_compile_ids) with
  * its constants as compile constants, and closing erases those ids from
  * every thread's cache (compile_erasure.h). Each input is read and checked
- * once per call (norm_rope_checks.c), so bad input is an invalid argument
+ * once per call (dual_head_norm_rope_checks.c), so bad input is an invalid argument
  * naming the operation, never an MLX failure inside a trace.
  *
  * Scaled RoPE (docs/design.md, "Frequency tables and the input scale"):
@@ -58,18 +58,27 @@
  * MLX 0.32.4's CUDA RoPE reads it with a stride of 1 per batch entry, past
  * its end, so only MLX's own kernel gives MLX's answer there.
  *
- * This file holds the object and its entry points; every entry of the
- * family fills one mlx_dualnorm_dual_head_norm_rope_call, and
- * mlx_dualnorm_dual_head_norm_rope_apply_call routes it. The builder, the
- * checks and the KV-cache write are their own files (private/norm_rope.h).
+ * This file holds the object's life cycle and every public entry point of
+ * the family, the KV-cache write's included: each fills one
+ * mlx_dualnorm_dual_head_norm_rope_call, and
+ * mlx_dualnorm_dual_head_norm_rope_apply_call routes it. The builders, the
+ * checks, the runs and the KV-cache write's route are units of their own,
+ * each called from above only (private/dual_head_norm_rope_common.h lists
+ * them).
  */
 /* pthread_rwlock_t is POSIX.1-2001, hidden by a strict -std=c11. */
 #define _POSIX_C_SOURCE 200809L
 
-#include "private/norm_rope.h"
+#include "mlx_dualnorm/dual_head_norm_rope.h"
+#include "mlx_dualnorm/dual_head_norm_rope_cache.h"
 
 #include "private/call_errors.h"
 #include "private/compile_erasure.h"
+#include "private/dual_head_norm_rope_cache_route.h"
+#include "private/dual_head_norm_rope_cache_graph.h"
+#include "private/dual_head_norm_rope_checks.h"
+#include "private/dual_head_norm_rope_graph.h"
+#include "private/dual_head_norm_rope_object.h"
 #include "private/mode_choice.h"
 
 #include <math.h>
@@ -77,11 +86,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-const char DUALNORM_NORM_ROPE_OPERATION[] = "dual_head_norm_rope";
-const char DUALNORM_NORM_ROPE_CACHE_OPERATION[] = "dual_head_norm_rope_with_cache";
-static const char CLOSE_NORM_ROPE_OPERATION[] = "dual_head_norm_rope_close";
-
-const int DUALNORM_HEAD_MAJOR_AXES[ATTENTION_INPUT_RANK] = {0, 2, 1, 3};
+static const char CLOSE_DUAL_HEAD_NORM_ROPE_OPERATION[] = "dual_head_norm_rope_close";
 
 /* The size of the first version of mlx_dualnorm_dual_head_norm_rope_call:
  * every field up to cache_write. A call struct at least this large is read. */
@@ -93,31 +98,26 @@ static const size_t FIRST_CALL_STRUCT_SIZE =
 
 /* Registration, mode resolution and which calls the kernel takes are
  * mode_choice.h's, shared with the dual head norm. */
-static dualnorm_fused_registration fused_rope_registration = {NULL};
+static dualnorm_fused_registration fused_dual_head_norm_rope_registration = {NULL};
 
 void mlx_dualnorm_set_fused_rope_backend(const mlx_dualnorm_fused_rope_backend* backend) {
-  dualnorm_register_fused_kernel(&fused_rope_registration,
+  dualnorm_register_fused_kernel(&fused_dual_head_norm_rope_registration,
                                  backend == NULL ? NULL : &backend->kernel);
 }
 
 bool mlx_dualnorm_fused_rope_mode_available(void) {
-  return dualnorm_fused_kernel_available(&fused_rope_registration);
+  return dualnorm_fused_kernel_available(&fused_dual_head_norm_rope_registration);
 }
 
 /* ---- The object ---------------------------------------------------------- */
 
 /* Frees the closures and erases their traces from every thread's cache;
  * the caller holds lifetime_lock exclusively or is the only user. */
-static int release_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  int status = dualnorm_release_weight_set_graphs(&norm_rope->graphs);
-  status |= dualnorm_release_weight_set_graphs(&norm_rope->cache_graphs);
-  norm_rope->closed = true;
+static int release_graphs(mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
+  int status = dualnorm_release_weight_set_graphs(&dual_head_norm_rope->graphs);
+  status |= dualnorm_release_weight_set_graphs(&dual_head_norm_rope->cache_graphs);
+  dual_head_norm_rope->closed = true;
   return status;
-}
-
-/* The plain norm + RoPE builder of one weight set. */
-static mlx_closure new_plain_graph(const void* owner, int weight_set) {
-  return dualnorm_new_norm_rope_closure(owner, weight_set, dualnorm_build_norm_rope_graph);
 }
 
 static uint64_t float_bits(float value) {
@@ -129,28 +129,38 @@ static uint64_t float_bits(float value) {
 /* Builds the plain and (unless composed) compiled closure of every weight_set,
  * shape-specialized (see the file comment), with every constant the
  * builder reads as a compile constant. */
-static int compile_graphs(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  const mlx_dualnorm_rope_parameters* rope = &norm_rope->rope;
+static int compile_graphs(mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
+  const mlx_dualnorm_rope_parameters* rope = &dual_head_norm_rope->rope;
   const uint64_t compile_constants[8] = {
-      float_bits(norm_rope->rms_norm_epsilon), (uint64_t)(uint32_t)rope->dims,
-      rope->traditional, float_bits(rope->base), float_bits(rope->scale),
-      rope->with_freqs, rope->input_scale.has_value,
+      float_bits(dual_head_norm_rope->rms_norm_epsilon),
+      (uint64_t)(uint32_t)rope->dims,
+      rope->traditional,
+      float_bits(rope->base),
+      float_bits(rope->scale),
+      rope->with_freqs,
+      rope->input_scale.has_value,
       rope->input_scale.has_value ? float_bits(rope->input_scale.value) : 0,
   };
   size_t constant_count = sizeof compile_constants / sizeof compile_constants[0];
-  return dualnorm_compile_weight_set_graphs(&norm_rope->graphs, norm_rope->mode,
-                                            new_plain_graph, norm_rope, compile_constants,
-                                            constant_count) != 0 ||
-         dualnorm_compile_weight_set_graphs(&norm_rope->cache_graphs, norm_rope->mode,
-                                            dualnorm_new_plain_cache_graph, norm_rope,
-                                            compile_constants, constant_count) != 0;
+  /* Read by the closure makers only; each closure keeps its own copy. */
+  const dual_head_norm_rope_constants constants = {
+      .rms_norm_epsilon = dual_head_norm_rope->rms_norm_epsilon,
+      .rope = dual_head_norm_rope->rope,
+  };
+  return dualnorm_compile_weight_set_graphs(&dual_head_norm_rope->graphs, dual_head_norm_rope->mode,
+                                            dualnorm_new_dual_head_norm_rope_graph, &constants,
+                                            compile_constants, constant_count) != 0 ||
+         dualnorm_compile_weight_set_graphs(&dual_head_norm_rope->cache_graphs,
+                                            dual_head_norm_rope->mode,
+                                            dualnorm_new_dual_head_norm_rope_cache_graph,
+                                            &constants, compile_constants, constant_count) != 0;
 }
 
 int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
                                          double rms_norm_epsilon,
                                          mlx_dualnorm_rope_parameters rope,
                                          mlx_dualnorm_mode mode, mlx_dualnorm_error* error) {
-  const char* operation = DUALNORM_NORM_ROPE_OPERATION;
+  const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION;
   dualnorm_begin_call();
   if (res == NULL) {
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
@@ -158,170 +168,116 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
   }
   mlx_dualnorm_mode resolved_mode = MLX_DUALNORM_MODE_COMPILED;
   const mlx_dualnorm_fused_kernel* fused_kernel = NULL;
-  int status = dualnorm_check_norm_rope_constants(rms_norm_epsilon, &rope, error);
+  int status = dualnorm_check_dual_head_norm_rope_constants(rms_norm_epsilon, &rope, error);
   if (status == MLX_DUALNORM_OK) {
-    status = dualnorm_resolve_mode(mode, &fused_rope_registration, operation, &resolved_mode,
-                                   &fused_kernel, error);
+    status = dualnorm_resolve_mode(mode, &fused_dual_head_norm_rope_registration, operation,
+                                   &resolved_mode, &fused_kernel, error);
   }
   if (status != MLX_DUALNORM_OK) {
     return status;
   }
-  mlx_dualnorm_dual_head_norm_rope* norm_rope = calloc(1, sizeof *norm_rope);
-  if (norm_rope == NULL || pthread_rwlock_init(&norm_rope->lifetime_lock, NULL) != 0) {
-    free(norm_rope);
+  mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope = calloc(1, sizeof *dual_head_norm_rope);
+  if (dual_head_norm_rope == NULL ||
+      pthread_rwlock_init(&dual_head_norm_rope->lifetime_lock, NULL) != 0) {
+    free(dual_head_norm_rope);
     return dualnorm_fail_with(error, MLX_DUALNORM_MLX_FAILURE, operation, "out of host memory");
   }
-  if (pthread_mutex_init(&norm_rope->write_offset_lock, NULL) != 0) {
-    pthread_rwlock_destroy(&norm_rope->lifetime_lock);
-    free(norm_rope);
-    return dualnorm_fail_with(error, MLX_DUALNORM_MLX_FAILURE, operation, "out of host memory");
-  }
-  norm_rope->write_offset_scalar = mlx_array_new();
-  norm_rope->rms_norm_epsilon = (float)rms_norm_epsilon;
-  norm_rope->rope = rope;
-  norm_rope->mode = resolved_mode;
+  dual_head_norm_rope->rms_norm_epsilon = (float)rms_norm_epsilon;
+  dual_head_norm_rope->rope = rope;
+  dual_head_norm_rope->mode = resolved_mode;
   /* The kernel is its table's first member (mode_choice.h). */
-  norm_rope->fused_backend = (const mlx_dualnorm_fused_rope_backend*)fused_kernel;
-  if (compile_graphs(norm_rope) != 0) {
+  dual_head_norm_rope->fused_backend = (const mlx_dualnorm_fused_rope_backend*)fused_kernel;
+  if (compile_graphs(dual_head_norm_rope) != 0) {
     status = dualnorm_fail_in_mlx(error, operation);
-    mlx_dualnorm_dual_head_norm_rope_free(norm_rope); /* releases what was built */
+    mlx_dualnorm_dual_head_norm_rope_free(dual_head_norm_rope); /* releases what was built */
     return status;
   }
-  *res = norm_rope;
+  *res = dual_head_norm_rope;
   return MLX_DUALNORM_OK;
 }
 
 mlx_dualnorm_mode mlx_dualnorm_dual_head_norm_rope_mode(
-    const mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  return norm_rope == NULL ? MLX_DUALNORM_MODE_AUTO : norm_rope->mode;
+    const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
+  return dual_head_norm_rope == NULL ? MLX_DUALNORM_MODE_AUTO : dual_head_norm_rope->mode;
 }
 
-float mlx_dualnorm_dual_head_norm_rope_epsilon(const mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  return norm_rope == NULL ? NAN : norm_rope->rms_norm_epsilon;
+float mlx_dualnorm_dual_head_norm_rope_epsilon(
+    const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
+  return dual_head_norm_rope == NULL ? NAN : dual_head_norm_rope->rms_norm_epsilon;
 }
 
 mlx_dualnorm_rope_parameters mlx_dualnorm_dual_head_norm_rope_parameters(
-    const mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  return norm_rope == NULL ? (mlx_dualnorm_rope_parameters){0} : norm_rope->rope;
+    const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
+  return dual_head_norm_rope == NULL ? (mlx_dualnorm_rope_parameters){0}
+                                     : dual_head_norm_rope->rope;
 }
 
 /* ---- Applying ------------------------------------------------------------ */
 
-/* Holds `norm_rope` open for one apply: takes the read side of its
- * lifetime lock, so close waits until release_after_apply. Returns
- * MLX_DUALNORM_OK with the lock held, or MLX_DUALNORM_CLOSED (labelled
- * `operation`) with nothing held where the object is closed. */
-static int hold_open(mlx_dualnorm_dual_head_norm_rope* norm_rope, const char* operation,
-                     mlx_dualnorm_error* error) {
-  pthread_rwlock_rdlock(&norm_rope->lifetime_lock);
-  if (!norm_rope->closed) {
-    return MLX_DUALNORM_OK;
-  }
-  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
-  return dualnorm_fail_with(error, MLX_DUALNORM_CLOSED, operation,
-                            "the dual head norm rope is closed");
-}
-
-/* Lets go of hold_open's lock, then reports the apply's status (non-zero:
- * the reason MLX gave, labelled `operation`). */
-static int release_after_apply(mlx_dualnorm_dual_head_norm_rope* norm_rope, int apply_status,
-                               const char* operation, mlx_dualnorm_error* error) {
-  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
-  return apply_status != 0 ? dualnorm_fail_in_mlx(error, operation) : MLX_DUALNORM_OK;
-}
-
-int dualnorm_apply_fused_norm_rope(mlx_vector_array* res,
-                                   mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                                   const mlx_dualnorm_rope_inputs* inputs,
-                                   const mlx_dualnorm_cache_write* cache_write,
-                                   const char* operation, mlx_dualnorm_error* error) {
-  int status = hold_open(norm_rope, operation, error);
-  if (status != MLX_DUALNORM_OK) {
-    return status;
-  }
-  int apply_status = norm_rope->fused_backend->apply(res, inputs, cache_write,
-                                                     norm_rope->rms_norm_epsilon, norm_rope->rope);
-  return release_after_apply(norm_rope, apply_status, operation, error);
-}
-
-int dualnorm_run_weight_set_graph(mlx_vector_array* res,
-                                  mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                                  const dualnorm_weight_set_graphs* graphs,
-                                  const dual_head_norm_call* sides, int weight_set,
-                                  const mlx_vector_array inputs, const char* operation,
-                                  mlx_dualnorm_error* error) {
-  bool compiled = dualnorm_takes_compiled_graph(norm_rope, sides);
-  int status = hold_open(norm_rope, operation, error);
-  if (status != MLX_DUALNORM_OK) {
-    return status;
-  }
-  int apply_status = mlx_closure_apply(
-      res, compiled ? graphs->compiled[weight_set] : graphs->plain[weight_set], inputs);
-  return release_after_apply(norm_rope, apply_status, operation, error);
-}
-
 /* Runs the chosen closure of the call's weight set on an input vector
  * owned here, freed on every path. */
-static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+static int apply_graph(mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
                        const dual_head_norm_call* sides, const mlx_dualnorm_rope_inputs* inputs,
                        mlx_dualnorm_error* error) {
+  const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION;
   int weight_set = WEIGHT_SET_NONE;
-  mlx_vector_array input_vector = dualnorm_norm_rope_graph_inputs(sides, inputs, &weight_set);
+  mlx_vector_array input_vector =
+      dualnorm_dual_head_norm_rope_graph_inputs(sides, inputs, &weight_set);
   if (input_vector.ctx == NULL) {
-    return dualnorm_fail_in_mlx(error, DUALNORM_NORM_ROPE_OPERATION);
+    return dualnorm_fail_in_mlx(error, operation);
   }
-  int status =
-      dualnorm_run_weight_set_graph(res, norm_rope, &norm_rope->graphs, sides, weight_set,
-                                    input_vector, DUALNORM_NORM_ROPE_OPERATION, error);
-  return dualnorm_free_vector_after(status, input_vector, DUALNORM_NORM_ROPE_OPERATION, error);
+  int status = dualnorm_run_weight_set_graph(res, dual_head_norm_rope, &dual_head_norm_rope->graphs,
+                                             sides, weight_set, input_vector, operation, error);
+  return dualnorm_free_vector_after(status, input_vector, operation, error);
 }
 
-int mlx_dualnorm_dual_head_norm_rope_apply_call(mlx_vector_array* res,
-                                                mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                                                const mlx_dualnorm_dual_head_norm_rope_call* call,
-                                                mlx_dualnorm_error* error) {
+int mlx_dualnorm_dual_head_norm_rope_apply_call(
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
+    const mlx_dualnorm_dual_head_norm_rope_call* call, mlx_dualnorm_error* error) {
   dualnorm_begin_call();
   if (call == NULL) {
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT,
-                              DUALNORM_NORM_ROPE_OPERATION, "the call is NULL");
+                              DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION, "the call is NULL");
   }
   if (call->struct_size < FIRST_CALL_STRUCT_SIZE) {
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT,
-                              DUALNORM_NORM_ROPE_OPERATION,
+                              DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION,
                               "the call's struct_size (%zu) is smaller than the first "
                               "version's (%zu)",
                               call->struct_size, FIRST_CALL_STRUCT_SIZE);
   }
   const mlx_dualnorm_rope_inputs* inputs = &call->inputs;
   const mlx_dualnorm_cache_write* cache_write = call->cache_write;
-  const char* operation =
-      cache_write != NULL ? DUALNORM_NORM_ROPE_CACHE_OPERATION : DUALNORM_NORM_ROPE_OPERATION;
-  norm_rope_facts facts = {0};
-  int status = dualnorm_check_norm_rope_call(res, norm_rope, inputs, cache_write, operation,
-                                             &facts, error);
+  const char* operation = cache_write != NULL ? DUALNORM_DUAL_HEAD_NORM_ROPE_CACHE_OPERATION
+                                              : DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION;
+  dual_head_norm_rope_facts facts = {0};
+  int status = dualnorm_check_dual_head_norm_rope_call(res, dual_head_norm_rope, inputs,
+                                                       cache_write, operation, &facts, error);
   if (status != MLX_DUALNORM_OK) {
     return status;
   }
   if (cache_write != NULL) {
-    return dualnorm_apply_norm_rope_with_cache(res, norm_rope, &facts, inputs, cache_write,
-                                               error);
+    return dualnorm_apply_dual_head_norm_rope_with_cache(res, dual_head_norm_rope, &facts, inputs,
+                                                         cache_write, error);
   }
-  return facts.fused ? dualnorm_apply_fused_norm_rope(res, norm_rope, inputs, NULL, operation,
-                                                      error)
-                     : apply_graph(res, norm_rope, &facts.sides, inputs, error);
+  return facts.fused
+             ? dualnorm_run_fused_launch(res, dual_head_norm_rope, inputs, NULL, operation, error)
+             : apply_graph(res, dual_head_norm_rope, &facts.sides, inputs, error);
 }
 
-int mlx_dualnorm_dual_head_norm_rope_apply(
-    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
-    const mlx_array queries, const mlx_array keys, const mlx_array query_scale_weight,
-    const mlx_array key_scale_weight, const mlx_array rope_offset, mlx_dualnorm_error* error) {
-  return mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
-      res, norm_rope, queries, keys, query_scale_weight, key_scale_weight, rope_offset,
-      mlx_array_new(), error);
+int mlx_dualnorm_dual_head_norm_rope_apply(mlx_vector_array* res,
+                                           mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
+                                           const mlx_array queries, const mlx_array keys,
+                                           const mlx_array query_scale_weight,
+                                           const mlx_array key_scale_weight,
+                                           const mlx_array rope_offset, mlx_dualnorm_error* error) {
+  return mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(res, dual_head_norm_rope, queries, keys,
+                                                           query_scale_weight, key_scale_weight,
+                                                           rope_offset, mlx_array_new(), error);
 }
 
 int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
-    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
     const mlx_array queries, const mlx_array keys, const mlx_array query_scale_weight,
     const mlx_array key_scale_weight, const mlx_array rope_offset, const mlx_array freqs,
     mlx_dualnorm_error* error) {
@@ -330,29 +286,49 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
       .inputs = {queries, keys, query_scale_weight, key_scale_weight, rope_offset, freqs},
       .cache_write = NULL,
   };
-  return mlx_dualnorm_dual_head_norm_rope_apply_call(res, norm_rope, &call, error);
+  return mlx_dualnorm_dual_head_norm_rope_apply_call(res, dual_head_norm_rope, &call, error);
 }
 
-int mlx_dualnorm_dual_head_norm_rope_close(mlx_dualnorm_dual_head_norm_rope* norm_rope,
+int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
+    const mlx_array queries, const mlx_array keys, const mlx_array values,
+    const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+    const mlx_array rope_offset, const mlx_array freqs, const mlx_array key_cache,
+    const mlx_array value_cache, int write_offset, bool fetch, mlx_dualnorm_error* error) {
+  const mlx_dualnorm_cache_write cache_write = {
+      .values = values,
+      .key_cache = key_cache,
+      .value_cache = value_cache,
+      .write_offset = write_offset,
+      .fetch = fetch,
+  };
+  const mlx_dualnorm_dual_head_norm_rope_call call = {
+      .struct_size = sizeof call,
+      .inputs = {queries, keys, query_scale_weight, key_scale_weight, rope_offset, freqs},
+      .cache_write = &cache_write,
+  };
+  return mlx_dualnorm_dual_head_norm_rope_apply_call(res, dual_head_norm_rope, &call, error);
+}
+
+int mlx_dualnorm_dual_head_norm_rope_close(mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
                                            mlx_dualnorm_error* error) {
+  const char* operation = CLOSE_DUAL_HEAD_NORM_ROPE_OPERATION;
   dualnorm_begin_call();
-  if (norm_rope == NULL) {
-    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, CLOSE_NORM_ROPE_OPERATION,
+  if (dual_head_norm_rope == NULL) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
                               "the dual head norm rope is NULL");
   }
-  pthread_rwlock_wrlock(&norm_rope->lifetime_lock);
-  int status = norm_rope->closed ? 0 : release_graphs(norm_rope);
-  pthread_rwlock_unlock(&norm_rope->lifetime_lock);
-  return status == 0 ? MLX_DUALNORM_OK : dualnorm_fail_in_mlx(error, CLOSE_NORM_ROPE_OPERATION);
+  pthread_rwlock_wrlock(&dual_head_norm_rope->lifetime_lock);
+  int status = dual_head_norm_rope->closed ? 0 : release_graphs(dual_head_norm_rope);
+  pthread_rwlock_unlock(&dual_head_norm_rope->lifetime_lock);
+  return status == 0 ? MLX_DUALNORM_OK : dualnorm_fail_in_mlx(error, operation);
 }
 
-void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* norm_rope) {
-  if (norm_rope == NULL) {
+void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
+  if (dual_head_norm_rope == NULL) {
     return;
   }
-  mlx_dualnorm_dual_head_norm_rope_close(norm_rope, NULL);
-  mlx_array_free(norm_rope->write_offset_scalar);
-  pthread_mutex_destroy(&norm_rope->write_offset_lock);
-  pthread_rwlock_destroy(&norm_rope->lifetime_lock);
-  free(norm_rope);
+  mlx_dualnorm_dual_head_norm_rope_close(dual_head_norm_rope, NULL);
+  pthread_rwlock_destroy(&dual_head_norm_rope->lifetime_lock);
+  free(dual_head_norm_rope);
 }

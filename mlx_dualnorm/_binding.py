@@ -87,6 +87,10 @@ def bind_bridges(
     )
     _interop.bind_rope(
         _function_address("mlx_dualnorm_dual_head_norm_rope_apply_with_freqs"),
+        # The one holder of positions' int32 scalars, shared with the C
+        # composite's KV-cache write row, and the free for its handles.
+        _function_address("dualnorm_position_scalar"),
+        _function_address("mlx_array_free"),
         convert_rope_array,
         convert_offset,
     )

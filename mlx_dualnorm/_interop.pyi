@@ -20,6 +20,8 @@ def apply(
 ) -> tuple[mx.array, ...]: ...
 def bind_rope(
     apply_function_address: int,
+    position_scalar_function_address: int,
+    free_array_function_address: int,
     convert_array: Callable[[object, str, str], mx.array],
     convert_offset: Callable[[object, str], mx.array],
 ) -> None: ...
@@ -37,5 +39,5 @@ def bind_rope_cache(apply_with_cache_function_address: int) -> None: ...
 def apply_rope_with_cache(
     norm_rope_address: int, queries: object, keys: object, values: object,
     query_weight: object, key_weight: object, offset: object, freqs: object,
-    key_cache: object, value_cache: object, write_offset: int, fetch: bool = False,
+    key_cache: object, value_cache: object, write_offset: object, fetch: bool = False,
 ) -> tuple[mx.array, ...]: ...

@@ -409,17 +409,18 @@ class CompiledDualHeadNormRope(_NativeComposite):
 
 
 def _as_write_offset(value: object, from_offset: bool) -> int:
-    """The write position as the C int the call checks against the buffers."""
-    operation = DUAL_HEAD_NORM_ROPE_WITH_CACHE_OPERATION
+    """The write position as a Python int. Its range is checked once, where
+    it becomes the C int (the bridge refuses a row no int32 holds) and
+    against the buffers (the C call)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         what = "offset (the write position when write_offset is omitted)" if from_offset else (
             "write_offset"
         )
-        raise TypeError(f"[{operation}] {what} must be an int, not {type(value).__name__}")
-    row = int(value)
-    if not _INT32_MIN <= row <= _INT32_MAX:
-        raise DualHeadNormValueError(operation, f"write_offset {row} is outside the buffers")
-    return row
+        raise TypeError(
+            f"[{DUAL_HEAD_NORM_ROPE_WITH_CACHE_OPERATION}] {what} must be an int, "
+            f"not {type(value).__name__}"
+        )
+    return int(value)
 
 
 def _as_dims(dims: object) -> int:

@@ -95,7 +95,7 @@ build_c_test() {  # $1: output binary, rest: compiler flags (the subset's too)
       || { cat "$WORK/subset-build.log"; echo "building the mlx-c subset failed"; exit 1; }
   fi
   # -isystem: an mlx-c's own headers are not this code's to warn about.
-  gcc -std=c11 -Wall -Wextra "$@" -I"$REPO/csrc" -isystem "$prefix/include" \
+  gcc -std=c11 -Wall -Wextra "$@" -I"$REPO/csrc" -I"$REPO/csrc/mlx_dualnorm" -isystem "$prefix/include" \
     "$REPO"/csrc/*.c "$REPO/tests/c/dual_head_norm_c_test.c" \
     -L"$prefix/lib" -lmlxc -Wl,-rpath,"$prefix/lib" -pthread -o "$output"
 }

@@ -1,6 +1,6 @@
 /* The fused dual head norm: ONE kernel launch on MLX's CUDA backend that
  * normalizes the rows of both queries and keys, with the bits of MLX's own
- * RMSNorm kernel (see dual_rms_norm_kernel.cuh for the contract).
+ * RMSNorm kernel (see dual_head_norm_kernel.cuh for the contract).
  *
  * A plug-in of the composite (dual_head_norm.h): this file exports the
  * table of functions the composite calls, and a program that links the
@@ -14,8 +14,8 @@
 #ifndef MLX_DUALNORM_FUSED_DUAL_HEAD_NORM_H
 #define MLX_DUALNORM_FUSED_DUAL_HEAD_NORM_H
 
-#include "dual_head_norm.h"
-#include "dual_head_norm_rope.h"
+#include "mlx_dualnorm/dual_head_norm.h"
+#include "mlx_dualnorm/dual_head_norm_rope.h"
 
 #ifdef __cplusplus
 extern "C" {

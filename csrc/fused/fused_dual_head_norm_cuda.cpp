@@ -2,8 +2,8 @@
  * norm + RoPE, in a build with MLX's CUDA backend: availability, one-time
  * kernel compilation with NVRTC, and the launch through the
  * FusedDualRmsNorm and FusedDualRmsNormRope primitives
- * (fused_dual_rms_norm_primitive.cpp and
- * fused_dual_rms_norm_rope_primitive.cpp).
+ * (fused_dual_head_norm_primitive.cpp and
+ * fused_dual_head_norm_rope_primitive.cpp).
  *
  * NVRTC is found in the process (MLX's CUDA backend links it) and compiles
  * the kernel once, for the GPU's own architecture, at the first
@@ -26,10 +26,10 @@
 
 #include "mlx/device.h"
 
-#include "fused/dual_rms_norm_kernel.cuh"
-#include "fused/dual_rms_norm_rope_kernel.cuh"
-#include "fused/fused_dual_rms_norm_primitive.h"
-#include "fused/fused_dual_rms_norm_rope_primitive.h"
+#include "fused/dual_head_norm_kernel.cuh"
+#include "fused/dual_head_norm_rope_kernel.cuh"
+#include "fused/fused_dual_head_norm_primitive.h"
+#include "fused/fused_dual_head_norm_rope_primitive.h"
 #include "fused/output_memory.h"
 
 namespace {
@@ -37,8 +37,8 @@ namespace {
 namespace mx = mlx::core;
 
 /* The labels of each kernel's errors, as MLX writes "[rms_norm] ...". */
-const char kDualRmsNormOperation[] = "fused_dual_rms_norm";
-const char kDualRmsNormRopeOperation[] = "fused_dual_rms_norm_rope";
+const char kDualHeadNormOperation[] = "fused_dual_head_norm";
+const char kDualHeadNormRopeOperation[] = "fused_dual_head_norm_rope";
 
 /* The NVRTC entry points used, resolved with dlsym (nvrtcProgram is an
  * opaque pointer; nvrtcResult an int enum, 0 on success). */
@@ -197,8 +197,8 @@ PreparedKernel& prepared_program(PreparedKernel& kernel, const char* entry_sourc
 /* The dual norm's kernel, compiled and handed to its primitive once. */
 PreparedKernel& prepared_kernel() {
   static PreparedKernel kernel;
-  return prepared_program(kernel, mlx_dualnorm_fused::kDualRmsNormEntrySource,
-                          "mlx_dualnorm_dual_rms_norm.cu", kDualRmsNormOperation,
+  return prepared_program(kernel, mlx_dualnorm_fused::kDualHeadNormEntrySource,
+                          "mlx_dualnorm_dual_head_norm.cu", kDualHeadNormOperation,
                           kNormCubinLoader);
 }
 
@@ -241,7 +241,7 @@ bool fused_backend_available() {
 }
 
 int prepare_fused_kernel() {
-  return report_failures(kDualRmsNormOperation, [] {
+  return report_failures(kDualHeadNormOperation, [] {
     prepared_kernel().require_ready();
   });
 }
@@ -275,8 +275,8 @@ int launch_and_publish(mlx_vector_array* res, const char* operation,
 int apply_fused_kernel(mlx_vector_array* res, const mlx_array queries, const mlx_array keys,
                        const mlx_array query_scale_weight, const mlx_array key_scale_weight,
                        float rms_norm_epsilon) {
-  return launch_and_publish(res, kDualRmsNormOperation, prepared_kernel, [&] {
-    return mlx_dualnorm_fused::fused_dual_rms_norm(
+  return launch_and_publish(res, kDualHeadNormOperation, prepared_kernel, [&] {
+    return mlx_dualnorm_fused::fused_dual_head_norm(
         borrowed_array(queries), borrowed_array(keys),
         borrowed_weight_or_null(query_scale_weight), borrowed_weight_or_null(key_scale_weight),
         rms_norm_epsilon);
@@ -300,13 +300,13 @@ const mlx_dualnorm_fused_backend fused_backend = {
  * write), compiled and handed to their primitive once. */
 PreparedKernel& prepared_rope_kernel() {
   static PreparedKernel kernel;
-  return prepared_program(kernel, mlx_dualnorm_fused::kDualRmsNormRopeEntrySource,
-                          "mlx_dualnorm_dual_rms_norm_rope.cu", kDualRmsNormRopeOperation,
+  return prepared_program(kernel, mlx_dualnorm_fused::kDualHeadNormRopeEntrySource,
+                          "mlx_dualnorm_dual_head_norm_rope.cu", kDualHeadNormRopeOperation,
                           kRopeCubinLoader);
 }
 
 int prepare_fused_rope_kernel() {
-  return report_failures(kDualRmsNormRopeOperation, [] {
+  return report_failures(kDualHeadNormRopeOperation, [] {
     prepared_rope_kernel().require_ready();
   });
 }
@@ -325,7 +325,7 @@ mlx_dualnorm_fused::RopeConstants rope_constants(const mlx_dualnorm_rope_paramet
 int apply_fused_rope(mlx_vector_array* res, const mlx_dualnorm_rope_inputs* inputs,
                      const mlx_dualnorm_cache_write* cache_write, float rms_norm_epsilon,
                      mlx_dualnorm_rope_parameters rope) {
-  return launch_and_publish(res, kDualRmsNormRopeOperation, prepared_rope_kernel, [&] {
+  return launch_and_publish(res, kDualHeadNormRopeOperation, prepared_rope_kernel, [&] {
     std::optional<mlx_dualnorm_fused::CacheWrite> write;
     if (cache_write != nullptr) {
       write.emplace(mlx_dualnorm_fused::CacheWrite{
@@ -333,7 +333,7 @@ int apply_fused_rope(mlx_vector_array* res, const mlx_dualnorm_rope_inputs* inpu
           borrowed_array(cache_write->value_cache), cache_write->write_offset,
           cache_write->fetch});
     }
-    return mlx_dualnorm_fused::fused_dual_rms_norm_rope(
+    return mlx_dualnorm_fused::fused_dual_head_norm_rope(
         borrowed_array(inputs->queries), borrowed_array(inputs->keys),
         borrowed_weight_or_null(inputs->query_scale_weight),
         borrowed_weight_or_null(inputs->key_scale_weight), borrowed_array(inputs->rope_offset),

@@ -15,44 +15,44 @@ static bool fused_mode_available(void) {
   return false;
 }
 
-static int prepare_no_dual_rms_norm(void) {
-  mlx_error("[fused_dual_rms_norm] %s", BUILT_WITHOUT_CUDA);
+static int prepare_no_dual_head_norm(void) {
+  mlx_error("[fused_dual_head_norm] %s", BUILT_WITHOUT_CUDA);
   return 1;
 }
 
-static int prepare_no_dual_rms_norm_rope(void) {
-  mlx_error("[fused_dual_rms_norm_rope] %s", BUILT_WITHOUT_CUDA);
+static int prepare_no_dual_head_norm_rope(void) {
+  mlx_error("[fused_dual_head_norm_rope] %s", BUILT_WITHOUT_CUDA);
   return 1;
 }
 
-static int launch_no_dual_rms_norm(mlx_vector_array* res, const mlx_array queries,
+static int launch_no_dual_head_norm(mlx_vector_array* res, const mlx_array queries,
                                    const mlx_array keys, const mlx_array query_scale_weight,
                                    const mlx_array key_scale_weight, float rms_norm_epsilon) {
   (void)res, (void)queries, (void)keys, (void)query_scale_weight, (void)key_scale_weight;
   (void)rms_norm_epsilon;
-  mlx_error("[fused_dual_rms_norm] %s", BUILT_WITHOUT_CUDA);
+  mlx_error("[fused_dual_head_norm] %s", BUILT_WITHOUT_CUDA);
   return 1;
 }
 
-static int launch_no_dual_rms_norm_rope(mlx_vector_array* res,
+static int launch_no_dual_head_norm_rope(mlx_vector_array* res,
                                         const mlx_dualnorm_rope_inputs* inputs,
                                         const mlx_dualnorm_cache_write* cache_write,
                                         float rms_norm_epsilon,
                                         mlx_dualnorm_rope_parameters rope) {
   (void)res, (void)inputs, (void)cache_write, (void)rms_norm_epsilon, (void)rope;
-  mlx_error("[fused_dual_rms_norm_rope] %s", BUILT_WITHOUT_CUDA);
+  mlx_error("[fused_dual_head_norm_rope] %s", BUILT_WITHOUT_CUDA);
   return 1;
 }
 
 /* No rank and no width: the kernel takes no call. */
 static const mlx_dualnorm_fused_backend fused_backend = {
-    .kernel = {fused_mode_available, prepare_no_dual_rms_norm, 0, 0},
-    .apply = launch_no_dual_rms_norm,
+    .kernel = {fused_mode_available, prepare_no_dual_head_norm, 0, 0},
+    .apply = launch_no_dual_head_norm,
 };
 
 static const mlx_dualnorm_fused_rope_backend fused_rope_backend = {
-    .kernel = {fused_mode_available, prepare_no_dual_rms_norm_rope, 0, 0},
-    .apply = launch_no_dual_rms_norm_rope,
+    .kernel = {fused_mode_available, prepare_no_dual_head_norm_rope, 0, 0},
+    .apply = launch_no_dual_head_norm_rope,
     .writes_cache = false,
 };
 

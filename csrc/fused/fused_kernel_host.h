@@ -21,12 +21,12 @@
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
 
-#include "fused/dual_rms_norm_kernel.cuh"
+#include "fused/dual_head_norm_kernel.cuh"
 
 namespace mlx_dualnorm_fused {
 
 /* The kernels' argument layout (ContiguousRows, RowLayout,
- * DualRmsNormParams), from its one definition. */
+ * DualHeadNormParams), from its one definition. */
 MLX_DUALNORM_KERNEL_PARAMS
 
 /* Whether both inputs are row-contiguous, so that a launch can take the

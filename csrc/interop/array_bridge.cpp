@@ -17,7 +17,9 @@
  * finalizer or other thread can run in between and touch the report.
  */
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,9 +27,10 @@
 
 #include "mlx/array.h"
 
-#include "dual_head_norm.h"
-#include "dual_head_norm_rope.h"
-#include "dual_head_norm_rope_cache.h"
+#include "mlx_dualnorm/dual_head_norm.h"
+#include "mlx_dualnorm/dual_head_norm_rope.h"
+#include "mlx_dualnorm/dual_head_norm_rope_cache.h"
+#include "private/position_scalar.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -36,8 +39,8 @@ namespace {
 
 /* The composites' labels (dual_head_norm.c, dual_head_norm_rope.c). */
 const char APPLY_DUAL_HEAD_NORM_OPERATION[] = "dual_head_norm";
-const char APPLY_NORM_ROPE_OPERATION[] = "dual_head_norm_rope";
-const char APPLY_NORM_ROPE_CACHE_OPERATION[] = "dual_head_norm_rope_with_cache";
+const char APPLY_DUAL_HEAD_NORM_ROPE_OPERATION[] = "dual_head_norm_rope";
+const char APPLY_DUAL_HEAD_NORM_ROPE_CACHE_OPERATION[] = "dual_head_norm_rope_with_cache";
 
 /* What bind() received. The composite's functions live in the cffi module
  * (this module links no mlx-c), so the handles it creates are freed by the
@@ -54,11 +57,15 @@ struct BoundFunctions {
 };
 BoundFunctions bound;
 
-/* What bind_rope() received, for the dual head norm + RoPE: its apply, and
- * the facade's converters, whose messages name that operation. Kept for
- * the life of the process, as `bound`. */
+/* What bind_rope() received, for the dual head norm + RoPE: its apply, the
+ * one holder of positions' int32 scalars (private/position_scalar.h) and
+ * mlx_array_free for the handles it gives, all exported by the cffi module,
+ * and the facade's converters, whose messages name that operation. Kept
+ * for the life of the process, as `bound`. */
 struct BoundRopeFunctions {
   decltype(&mlx_dualnorm_dual_head_norm_rope_apply_with_freqs) apply = nullptr;
+  decltype(&dualnorm_position_scalar) position_scalar = nullptr;
+  decltype(&mlx_array_free) free_array = nullptr;
   nb::handle convert_array;  // (value, argument_name, operation) -> mx.array, or raises
   nb::handle convert_offset; // (value, operation) -> mx.array, or raises
   /* The norm + RoPE with the cache write (bind_rope_cache), or null. */
@@ -117,37 +124,54 @@ mlx_array borrow_array(nb::handle object, const char* argument_name, bool option
   return mlx_array{nb::inst_ptr<mx::array>(object)};
 }
 
-/* The int32 scalar of the last int offset, reused while the offset stays
- * the same: every layer of a decode step passes the same position, and a
- * new MLX array per call (its data allocation) costs host time on every
- * call (docs/performance.md, "Fused launches"). MLX arrays are immutable and shared by reference, so graphs
- * still holding an older scalar keep it alive. Only touched with the GIL
- * held (nanobind calls this module with it); never destroyed, so nothing
- * runs at interpreter teardown. */
-struct LastOffsetScalar {
-  int32_t value = 0;
-  mx::array* scalar = nullptr;
-};
-LastOffsetScalar last_offset_scalar;
+/* A Python int (not a bool) as a position, where an int32 holds it:
+ * MLX's positions are int32, as mx.fast.rope makes an int offset. */
+std::optional<int32_t> int32_position(nb::handle object) {
+  if (!PyLong_CheckExact(object.ptr())) {
+    return std::nullopt;
+  }
+  int overflow = 0;
+  long long value = PyLong_AsLongLongAndOverflow(object.ptr(), &overflow);
+  if (overflow != 0 || value < INT32_MIN || value > INT32_MAX) {
+    return std::nullopt;
+  }
+  return static_cast<int32_t>(value);
+}
 
-/* The RoPE offset as a borrowed handle. A Python int (not a bool) within
- * int32 becomes an int32 scalar (last_offset_scalar): what mx.fast.rope
- * makes of such an int, without a Python object on the decode path.
- * Anything else is what mx.fast.rope turns into an array: an mx.array as
- * is, other values through the facade's offset converter. */
-mlx_array borrow_offset(nb::handle object, nb::object& converted, const char* operation) {
-  if (PyLong_CheckExact(object.ptr())) {
-    int overflow = 0;
-    long long value = PyLong_AsLongLongAndOverflow(object.ptr(), &overflow);
-    if (overflow == 0 && value >= INT32_MIN && value <= INT32_MAX) {
-      LastOffsetScalar& last = last_offset_scalar;
-      if (last.scalar == nullptr || last.value != static_cast<int32_t>(value)) {
-        auto* scalar = new mx::array(static_cast<int32_t>(value));
-        delete last.scalar;
-        last = LastOffsetScalar{static_cast<int32_t>(value), scalar};
-      }
-      return mlx_array{last.scalar};
+/* A position's int32 scalar for one call: a handle of the cffi module's
+ * (made by position_scalar, freed by its mlx_array_free when the call is
+ * over), onto the one scalar held per position. */
+struct OwnedPositionScalar {
+  mlx_array handle{nullptr};
+  OwnedPositionScalar() = default;
+  OwnedPositionScalar(const OwnedPositionScalar&) = delete;
+  OwnedPositionScalar& operator=(const OwnedPositionScalar&) = delete;
+  ~OwnedPositionScalar() {
+    if (handle.ctx != nullptr) {
+      bound_rope.free_array(handle);
     }
+  }
+};
+
+[[noreturn]] void raise_dual_head_norm_error(const mlx_dualnorm_error& error);
+
+/* The RoPE offset as a borrowed handle. A Python int within int32 becomes
+ * the int32 scalar of that position (`position`, which owns the handle for
+ * the call): what mx.fast.rope makes of such an int, without a Python
+ * object on the decode path, and the very array the KV-cache write's row
+ * is when it is the same number. Anything else is what mx.fast.rope turns
+ * into an array: an mx.array as is, other values through the facade's
+ * offset converter. */
+mlx_array borrow_offset(nb::handle object, nb::object& converted, OwnedPositionScalar& position,
+                        const char* operation) {
+  if (std::optional<int32_t> value = int32_position(object)) {
+    if (bound_rope.position_scalar(&position.handle, *value) != 0) {
+      mlx_dualnorm_error error{MLX_DUALNORM_MLX_FAILURE, operation, {}};
+      std::snprintf(error.description, sizeof error.description,
+                    "the int32 scalar of offset %d could not be made", *value);
+      raise_dual_head_norm_error(error);
+    }
+    return position.handle;
   }
   if (!is_mx_array(object)) {
     converted = bound_rope.convert_offset(object, operation);
@@ -219,13 +243,15 @@ nb::tuple apply(std::uintptr_t dual_head_norm_address, nb::handle queries, nb::h
 
 /* The norm + RoPE's arguments as borrowed handles, and the converted
  * objects that keep them alive for the call. */
-struct BorrowedNormRope {
+struct BorrowedDualHeadNormRope {
   nb::object converted[6];
+  OwnedPositionScalar offset_position;
   mlx_array queries, keys, query_weight, key_weight, offset, freqs;
 
-  BorrowedNormRope(nb::handle queries_object, nb::handle keys_object,
-                   nb::handle query_weight_object, nb::handle key_weight_object,
-                   nb::handle offset_object, nb::handle freqs_object, const char* operation) {
+  BorrowedDualHeadNormRope(nb::handle queries_object, nb::handle keys_object,
+                           nb::handle query_weight_object, nb::handle key_weight_object,
+                           nb::handle offset_object, nb::handle freqs_object,
+                           const char* operation) {
     nb::handle convert = bound_rope.convert_array;
     queries = borrow_array(queries_object, "queries", false, converted[0], operation, convert);
     keys = borrow_array(keys_object, "keys", false, converted[1], operation, convert);
@@ -233,7 +259,7 @@ struct BorrowedNormRope {
                                 operation, convert);
     key_weight =
         borrow_array(key_weight_object, "key_weight", true, converted[3], operation, convert);
-    offset = borrow_offset(offset_object, converted[4], operation);
+    offset = borrow_offset(offset_object, converted[4], offset_position, operation);
     freqs = borrow_array(freqs_object, "freqs", true, converted[5], operation, convert);
   }
 };
@@ -248,8 +274,8 @@ nb::tuple apply_rope(std::uintptr_t norm_rope_address, nb::handle queries, nb::h
   if (bound_rope.apply == nullptr || bound.free_vector == nullptr) {
     throw std::runtime_error("mlx_dualnorm._interop.bind and bind_rope were not both called");
   }
-  BorrowedNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset, freqs,
-                            APPLY_NORM_ROPE_OPERATION);
+  BorrowedDualHeadNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset,
+                                    freqs, APPLY_DUAL_HEAD_NORM_ROPE_OPERATION);
 
   OwnedOutputVector outputs;
   mlx_dualnorm_error error{};
@@ -264,23 +290,34 @@ nb::tuple apply_rope(std::uintptr_t norm_rope_address, nb::handle queries, nb::h
 }
 
 /* The norm + RoPE with the KV-cache write: as apply_rope, plus values, the
- * two cache buffers (borrowed, as every array) and the write position, a
- * Python int the facade has checked fits a C int, and `fetch`. Returns the
- * composite's outputs (queries, key buffer, value buffer, and with `fetch`
- * the key and value rows fetched) as a tuple, or raises. */
+ * two cache buffers (borrowed, as every array), the write row, a Python
+ * int (the facade's type check), and `fetch`. The row becomes the C int
+ * here, the one conversion it has: one no int32 holds names no row of any
+ * MLX buffer, so it is refused as outside them; every other row's range is
+ * the composite's check alone. Returns the composite's outputs (queries,
+ * key buffer, value buffer, and with `fetch` the key and value rows
+ * fetched) as a tuple, or raises. */
 nb::tuple apply_rope_with_cache(std::uintptr_t norm_rope_address, nb::handle queries,
                                 nb::handle keys, nb::handle values,
                                 nb::handle query_scale_weight, nb::handle key_scale_weight,
                                 nb::handle offset, nb::handle freqs, nb::handle key_cache,
-                                nb::handle value_cache, int write_offset, bool fetch) {
+                                nb::handle value_cache, nb::handle write_offset, bool fetch) {
   if (bound_rope.apply_with_cache == nullptr || bound.free_vector == nullptr) {
     throw std::runtime_error(
         "mlx_dualnorm._interop.bind and bind_rope_cache were not both called");
   }
-  const char* operation = APPLY_NORM_ROPE_CACHE_OPERATION;
+  const char* operation = APPLY_DUAL_HEAD_NORM_ROPE_CACHE_OPERATION;
+  std::optional<int32_t> write_row = int32_position(write_offset);
+  if (!write_row) {
+    std::string row = nb::str(write_offset).c_str();
+    mlx_dualnorm_error error{MLX_DUALNORM_INVALID_ARGUMENT, operation, {}};
+    std::snprintf(error.description, sizeof error.description,
+                  "write_offset %s is outside the buffers", row.c_str());
+    raise_dual_head_norm_error(error);
+  }
   nb::handle convert = bound_rope.convert_array;
-  BorrowedNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset, freqs,
-                            operation);
+  BorrowedDualHeadNormRope borrowed(queries, keys, query_scale_weight, key_scale_weight, offset,
+                                    freqs, operation);
   nb::object converted[3];
   mlx_array borrowed_values =
       borrow_array(values, "values", false, converted[0], operation, convert);
@@ -295,7 +332,7 @@ nb::tuple apply_rope_with_cache(std::uintptr_t norm_rope_address, nb::handle que
       &outputs.vector, reinterpret_cast<mlx_dualnorm_dual_head_norm_rope*>(norm_rope_address),
       borrowed.queries, borrowed.keys, borrowed_values, borrowed.query_weight,
       borrowed.key_weight, borrowed.offset, borrowed.freqs, borrowed_key_cache,
-      borrowed_value_cache, write_offset, fetch, &error);
+      borrowed_value_cache, *write_row, fetch, &error);
   if (status != MLX_DUALNORM_OK) {
     raise_dual_head_norm_error(error);
   }
@@ -314,9 +351,13 @@ void bind(std::uintptr_t apply_function_address, std::uintptr_t free_vector_func
   bound.array_type = reinterpret_cast<PyTypeObject*>(nb::type<mx::array>().ptr());
 }
 
-void bind_rope(std::uintptr_t apply_function_address, nb::callable convert_array,
+void bind_rope(std::uintptr_t apply_function_address, std::uintptr_t position_scalar_address,
+               std::uintptr_t free_array_address, nb::callable convert_array,
                nb::callable convert_offset) {
   bound_rope.apply = reinterpret_cast<decltype(bound_rope.apply)>(apply_function_address);
+  bound_rope.position_scalar =
+      reinterpret_cast<decltype(bound_rope.position_scalar)>(position_scalar_address);
+  bound_rope.free_array = reinterpret_cast<decltype(bound_rope.free_array)>(free_array_address);
   bound_rope.convert_array = convert_array.release();
   bound_rope.convert_offset = convert_offset.release();
 }
@@ -349,9 +390,11 @@ NB_MODULE(_interop, module) {
       nb::arg("keys").none(), nb::arg("query_weight").none(), nb::arg("key_weight").none(),
       "Applies the compiled dual head norm: a tuple of its outputs, or the error raised.");
   module.def("bind_rope", &bind_rope, nb::arg("apply_function_address"),
+      nb::arg("position_scalar_function_address"), nb::arg("free_array_function_address"),
       nb::arg("convert_array"), nb::arg("convert_offset"),
-      "Binds the dual head norm rope's apply_with_freqs (exported by the cffi module) and its "
-      "converters for non-mx.array arguments and offsets; bind() must be called too.");
+      "Binds the dual head norm rope's apply_with_freqs, the holder of positions' int32 "
+      "scalars and mlx_array_free (exported by the cffi module) and its converters for "
+      "non-mx.array arguments and offsets; bind() must be called too.");
   module.def("apply_rope", &apply_rope, nb::arg("norm_rope_address"),
       nb::arg("queries").none(), nb::arg("keys").none(), nb::arg("query_weight").none(),
       nb::arg("key_weight").none(), nb::arg("offset").none(),
@@ -367,7 +410,7 @@ NB_MODULE(_interop, module) {
       nb::arg("queries").none(), nb::arg("keys").none(), nb::arg("values").none(),
       nb::arg("query_weight").none(), nb::arg("key_weight").none(), nb::arg("offset").none(),
       nb::arg("freqs").none(), nb::arg("key_cache").none(), nb::arg("value_cache").none(),
-      nb::arg("write_offset"), nb::arg("fetch") = false,
+      nb::arg("write_offset").none(), nb::arg("fetch") = false,
       "Applies the dual head norm rope with the KV-cache write: a tuple of its outputs "
       "(queries, key buffer, value buffer, and with fetch the rows fetched), or the error "
       "raised.");

@@ -11,7 +11,7 @@
 #ifndef MLX_DUALNORM_PRIVATE_CALL_ERRORS_H
 #define MLX_DUALNORM_PRIVATE_CALL_ERRORS_H
 
-#include "dual_head_norm_common.h"
+#include "mlx_dualnorm/dual_head_norm_common.h"
 
 /* Forgets the calling thread's MLX message: the start of an entry point. */
 void dualnorm_begin_call(void);

@@ -14,7 +14,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "dual_head_norm_common.h"
+#include "mlx_dualnorm/dual_head_norm_common.h"
 
 /* What one call knows about one side, read once by inspect_head_norm_input
  * and used by the checks and the route choice alike. */

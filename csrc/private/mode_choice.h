@@ -7,7 +7,7 @@
 
 #include <stdbool.h>
 
-#include "dual_head_norm_common.h"
+#include "mlx_dualnorm/dual_head_norm_common.h"
 #include "private/head_norm_input.h"
 
 /* One composite's registered fused backend, process-wide (static storage,

@@ -14,7 +14,7 @@
 
 #include "mlx/c/mlx.h"
 
-#include "dual_head_norm_common.h"
+#include "mlx_dualnorm/dual_head_norm_common.h"
 #include "private/head_norm_input.h"
 
 /* Weight sets, indexing the graphs: bit 0 = a query weight, bit 1 = a

@@ -646,3 +646,29 @@ def test_apply_call_labels_a_cache_write_error_as_that_call():
     assert ffi.string(error.operation) == b"dual_head_norm_rope_with_cache"
     assert ffi.string(error.description) == b"rows [8, 9) are outside the 8 rows of key_cache"
     assert lib.mlx_vector_array_free(result[0]) == 0
+
+
+def test_one_int32_scalar_is_held_per_position():
+    """private/position_scalar.h: the RoPE offset given as an int and the
+    KV-cache write row take their int32 scalar from one holder, which keeps
+    the last position's and makes a new one only for a new position; each
+    handle it gives holds its own reference to the array."""
+
+    def position_scalar(position: int):
+        handle = ffi.new("mlx_array*", lib.mlx_array_new())
+        assert lib.dualnorm_position_scalar(handle, position) == 0
+        assert lib.mlx_array_ndim(handle[0]) == 0
+        assert lib.mlx_array_dtype(handle[0]) == lib.MLX_INT32
+        return handle[0]
+
+    first, same, other = position_scalar(41), position_scalar(41), position_scalar(-7)
+    first_data, same_data, other_data = (
+        lib.mlx_array_data_int32(handle) for handle in (first, same, other)
+    )
+    assert first_data == same_data  # the one array held for position 41
+    assert other_data != first_data
+    assert (first_data[0], other_data[0]) == (41, -7)
+    assert lib.mlx_array_free(first) == 0
+    assert lib.mlx_array_data_int32(same)[0] == 41  # `same` keeps the array alive
+    assert lib.mlx_array_free(same) == 0
+    assert lib.mlx_array_free(other) == 0

@@ -191,6 +191,21 @@ def test_the_library_exports_only_its_api(library_over_subset: InstalledLibrary)
     assert [name for name in names if not name.startswith("mlx_dualnorm_")] == []
 
 
+def test_the_library_installs_only_its_public_headers(
+    library_over_subset: InstalledLibrary,
+) -> None:
+    """The public API is the folder csrc/mlx_dualnorm/ (as mlx-c's is
+    mlx/c/): exactly its headers are installed, none of csrc/private/."""
+    installed = sorted(
+        path.name for path in (library_over_subset.prefix / "include" / "mlx_dualnorm").iterdir()
+    )
+    public = sorted(path.name for path in (REPO / "csrc" / "mlx_dualnorm").glob("*.h"))
+    private = {path.name for path in (REPO / "csrc" / "private").glob("*.h")}
+    assert "dual_head_norm.h" in public
+    assert installed == public
+    assert private.isdisjoint(installed)
+
+
 def test_example_built_with_find_package(library: InstalledLibrary) -> None:
     run_documented(example_cmake_command(), library.work, library.env)
     binary = library.work / "build" / "example" / "dual_head_norm_example"
@@ -213,10 +228,13 @@ def test_c_test_built_with_find_package(library: InstalledLibrary) -> None:
 
 
 def compiler_warnings(include_flags: list[str]) -> str:
-    """What a strict C11 compile of the composite and the example prints."""
+    """What a strict C11 compile of the composite and the example prints
+    (the example includes the public headers as an installed program does,
+    from their folder: pkg-config's Cflags)."""
     compile_run = subprocess.run(
         ["cc", "-std=c11", "-Wall", "-Wextra", "-pedantic", "-fsyntax-only",
-         f"-I{REPO / 'csrc'}", *include_flags, *map(str, COMPOSITE_SOURCES), str(EXAMPLE)],
+         f"-I{REPO / 'csrc'}", f"-I{REPO / 'csrc' / 'mlx_dualnorm'}", *include_flags,
+         *map(str, COMPOSITE_SOURCES), str(EXAMPLE)],
         capture_output=True,
         text=True,
         timeout=120,

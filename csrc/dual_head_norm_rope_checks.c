@@ -1,4 +1,5 @@
-/* The norm + RoPE's checks and route choice (private/norm_rope.h): every
+/* The norm + RoPE's checks and route choice
+ * (private/dual_head_norm_rope_checks.h): every
  * input read and checked once per call, so bad input is an invalid
  * argument naming the operation, never an MLX failure inside a trace, and
  * the facts read choose the route (fused kernel, compiled graph, plain
@@ -13,10 +14,11 @@
  */
 #define _POSIX_C_SOURCE 200809L
 
-#include "private/norm_rope.h"
+#include "private/dual_head_norm_rope_checks.h"
 
 #include "private/call_errors.h"
 #include "private/compile_erasure.h"
+#include "private/dual_head_norm_rope_object.h"
 #include "private/mode_choice.h"
 
 #include <math.h>
@@ -24,10 +26,10 @@
 
 /* ---- The object's constants ------------------------------------------------ */
 
-int dualnorm_check_norm_rope_constants(double rms_norm_epsilon,
-                                       const mlx_dualnorm_rope_parameters* rope,
-                                       mlx_dualnorm_error* error) {
-  const char* operation = DUALNORM_NORM_ROPE_OPERATION;
+int dualnorm_check_dual_head_norm_rope_constants(double rms_norm_epsilon,
+                                                 const mlx_dualnorm_rope_parameters* rope,
+                                                 mlx_dualnorm_error* error) {
+  const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION;
   int status = dualnorm_check_rms_norm_epsilon(rms_norm_epsilon, operation, error);
   if (status != MLX_DUALNORM_OK) {
     return status;
@@ -62,7 +64,7 @@ static bool is_integer_dtype(mlx_dtype dtype) {
  * takes an integer array of at most one dimension. */
 static int inspect_rope_offset(const mlx_array rope_offset, rope_offset_input* offset,
                                mlx_dualnorm_error* error) {
-  const char* operation = DUALNORM_NORM_ROPE_OPERATION;
+  const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION;
   if (rope_offset.ctx == NULL) {
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
                               "offset is an empty array handle");
@@ -89,7 +91,7 @@ static int inspect_rope_offset(const mlx_array rope_offset, rope_offset_input* o
 static int check_rope_side(const head_norm_input* side, const char* input_name,
                            const mlx_dualnorm_rope_parameters* rope, size_t offset_size,
                            mlx_dualnorm_error* error) {
-  const char* operation = DUALNORM_NORM_ROPE_OPERATION;
+  const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION;
   if (side->rank != ATTENTION_INPUT_RANK) {
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
                               "%s must have 4 dimensions (batch, sequence, heads, head dim) "
@@ -117,7 +119,7 @@ static int check_rope_side(const head_norm_input* side, const char* input_name,
  * float32); one with a base takes an empty handle. */
 static int check_rope_freqs(const mlx_dualnorm_rope_parameters* rope, const mlx_array freqs,
                             mlx_dualnorm_error* error) {
-  const char* operation = DUALNORM_NORM_ROPE_OPERATION;
+  const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION;
   if (!rope->with_freqs) {
     return freqs.ctx == NULL
                ? MLX_DUALNORM_OK
@@ -146,10 +148,10 @@ static int check_rope_freqs(const mlx_dualnorm_rope_parameters* rope, const mlx_
 }
 
 /* Reads and checks every input once, in the composed path's order. */
-static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                          const mlx_dualnorm_rope_inputs* inputs, norm_rope_facts* facts,
+static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
+                          const mlx_dualnorm_rope_inputs* inputs, dual_head_norm_rope_facts* facts,
                           mlx_dualnorm_error* error) {
-  const char* operation = DUALNORM_NORM_ROPE_OPERATION;
+  const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION;
   dual_head_norm_call* sides = &facts->sides;
   int status = dualnorm_inspect_head_norm_input(&sides->queries, operation, "queries",
                                                 inputs->queries, "query_weight",
@@ -163,14 +165,15 @@ static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
     status = inspect_rope_offset(inputs->rope_offset, &facts->offset, error);
   }
   if (status == MLX_DUALNORM_OK) {
-    status = check_rope_side(&sides->queries, "queries", &norm_rope->rope, facts->offset.size,
+    status = check_rope_side(&sides->queries, "queries", &dual_head_norm_rope->rope,
+                             facts->offset.size, error);
+  }
+  if (status == MLX_DUALNORM_OK) {
+    status = check_rope_side(&sides->keys, "keys", &dual_head_norm_rope->rope, facts->offset.size,
                              error);
   }
   if (status == MLX_DUALNORM_OK) {
-    status = check_rope_side(&sides->keys, "keys", &norm_rope->rope, facts->offset.size, error);
-  }
-  if (status == MLX_DUALNORM_OK) {
-    status = check_rope_freqs(&norm_rope->rope, inputs->freqs, error);
+    status = check_rope_freqs(&dual_head_norm_rope->rope, inputs->freqs, error);
   }
   if (status == MLX_DUALNORM_OK) {
     status = dualnorm_check_float64_placement(sides, operation, error);
@@ -178,11 +181,12 @@ static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
   return status;
 }
 
-bool dualnorm_takes_compiled_graph(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
+bool dualnorm_takes_compiled_graph(const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
                                    const dual_head_norm_call* sides) {
   const head_norm_input* queries = &sides->queries;
   const head_norm_input* keys = &sides->keys;
-  if (norm_rope->mode == MLX_DUALNORM_MODE_COMPOSED || queries->size == 0 || keys->size == 0) {
+  if (dual_head_norm_rope->mode == MLX_DUALNORM_MODE_COMPOSED || queries->size == 0 ||
+      keys->size == 0) {
     return false;
   }
   return queries->size + keys->size <= COMPILED_GRAPH_MAX_ELEMENTS;
@@ -206,10 +210,10 @@ static bool normalized_rows_fit(const mlx_dualnorm_fused_kernel* kernel,
  * the inputs fit the kernel (mode_choice.h) and its widest row, an offset
  * MLX reads in bounds, a float32 table if any (others take the graph,
  * where mlx_fast_rope_dynamic converts them), the CUDA GPU by default. */
-static int fused_kernel_takes(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                              norm_rope_facts* facts, const mlx_array freqs,
+static int fused_kernel_takes(const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
+                              dual_head_norm_rope_facts* facts, const mlx_array freqs,
                               const char* operation, mlx_dualnorm_error* error) {
-  const mlx_dualnorm_fused_kernel* kernel = &norm_rope->fused_backend->kernel;
+  const mlx_dualnorm_fused_kernel* kernel = &dual_head_norm_rope->fused_backend->kernel;
   dual_head_norm_call* sides = &facts->sides;
   facts->fused = dualnorm_fused_kernel_fits(kernel, sides) &&
                  normalized_rows_fit(kernel, &sides->queries) &&
@@ -226,7 +230,7 @@ static int fused_kernel_takes(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
 static int check_cache_buffer(const mlx_array buffer, const char* name, int width,
                               const int* key_shape, int write_offset,
                               mlx_dualnorm_error* error) {
-  const char* operation = DUALNORM_NORM_ROPE_CACHE_OPERATION;
+  const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_CACHE_OPERATION;
   const int* buffer_shape = mlx_array_shape(buffer);
   if (buffer_shape[0] != key_shape[0] || buffer_shape[1] != key_shape[2] ||
       buffer_shape[3] != width) {
@@ -251,7 +255,7 @@ static int check_cache_buffer(const mlx_array buffer, const char* name, int widt
  * arguments; nothing is built. */
 static int check_cache_write(const head_norm_input* keys, const mlx_dualnorm_cache_write* write,
                              mlx_dualnorm_error* error) {
-  const char* operation = DUALNORM_NORM_ROPE_CACHE_OPERATION;
+  const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_CACHE_OPERATION;
   const mlx_array checked[] = {write->values, write->key_cache, write->value_cache};
   static const char* const names[] = {"values", "key_cache", "value_cache"};
   for (size_t index = 0; index < sizeof checked / sizeof checked[0]; ++index) {
@@ -283,11 +287,11 @@ static int check_cache_write(const head_norm_input* keys, const mlx_dualnorm_cac
                                   write->write_offset, error);
 }
 
-bool dualnorm_one_launch_writes_cache(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
+bool dualnorm_one_launch_writes_cache(const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
                                       const dual_head_norm_call* sides,
                                       const mlx_dualnorm_cache_write* write) {
   mlx_dtype dtype = mlx_array_dtype(sides->queries.array);
-  return norm_rope->fused_backend->writes_cache &&
+  return dual_head_norm_rope->fused_backend->writes_cache &&
          mlx_array_dtype(write->values) == dtype && mlx_array_dtype(write->key_cache) == dtype &&
          mlx_array_dtype(write->value_cache) == dtype;
 }
@@ -296,30 +300,27 @@ bool dualnorm_one_launch_writes_cache(const mlx_dualnorm_dual_head_norm_rope* no
 
 /* Where FUSED mode's kernel takes the call (`facts->fused`), else nothing
  * to choose: the graphs decide compiled or plain at run time. */
-static int choose_route(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                        const dualnorm_weight_set_graphs* graphs, norm_rope_facts* facts,
-                        const mlx_array freqs, const char* operation,
-                        mlx_dualnorm_error* error) {
+static int choose_route(const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
+                        const dualnorm_weight_set_graphs* graphs, dual_head_norm_rope_facts* facts,
+                        const mlx_array freqs, const char* operation, mlx_dualnorm_error* error) {
   if (!dualnorm_register_applying_thread(graphs->compile_ids) ||
       dualnorm_erase_queued_compile_ids() != 0) {
     return dualnorm_fail_in_mlx(error, operation);
   }
-  return norm_rope->mode == MLX_DUALNORM_MODE_FUSED
-             ? fused_kernel_takes(norm_rope, facts, freqs, operation, error)
+  return dual_head_norm_rope->mode == MLX_DUALNORM_MODE_FUSED
+             ? fused_kernel_takes(dual_head_norm_rope, facts, freqs, operation, error)
              : MLX_DUALNORM_OK;
 }
 
-int dualnorm_check_norm_rope_call(const mlx_vector_array* res,
-                                  const mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                                  const mlx_dualnorm_rope_inputs* inputs,
-                                  const mlx_dualnorm_cache_write* cache_write,
-                                  const char* operation, norm_rope_facts* facts,
-                                  mlx_dualnorm_error* error) {
-  if (res == NULL || norm_rope == NULL) {
+int dualnorm_check_dual_head_norm_rope_call(
+    const mlx_vector_array* res, const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
+    const mlx_dualnorm_rope_inputs* inputs, const mlx_dualnorm_cache_write* cache_write,
+    const char* operation, dual_head_norm_rope_facts* facts, mlx_dualnorm_error* error) {
+  if (res == NULL || dual_head_norm_rope == NULL) {
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
                               "the result vector or the dual head norm rope is NULL");
   }
-  int status = inspect_inputs(norm_rope, inputs, facts, error);
+  int status = inspect_inputs(dual_head_norm_rope, inputs, facts, error);
   if (status == MLX_DUALNORM_OK && cache_write != NULL) {
     status = check_cache_write(&facts->sides.keys, cache_write, error);
   }
@@ -330,6 +331,6 @@ int dualnorm_check_norm_rope_call(const mlx_vector_array* res,
     return status;
   }
   const dualnorm_weight_set_graphs* graphs =
-      cache_write != NULL ? &norm_rope->cache_graphs : &norm_rope->graphs;
-  return choose_route(norm_rope, graphs, facts, inputs->freqs, operation, error);
+      cache_write != NULL ? &dual_head_norm_rope->cache_graphs : &dual_head_norm_rope->graphs;
+  return choose_route(dual_head_norm_rope, graphs, facts, inputs->freqs, operation, error);
 }

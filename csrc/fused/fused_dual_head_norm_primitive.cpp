@@ -10,7 +10,7 @@
  * fmt's headers (which MLX's headers include) are found: build_ffi.py
  * lists it in the CUDA build's sources.
  */
-#include "fused/fused_dual_rms_norm_primitive.h"
+#include "fused/fused_dual_head_norm_primitive.h"
 
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cuda/device.h"
@@ -32,11 +32,11 @@ namespace mx = mlx::core;
 /* Inputs in this order; the weights follow where present. */
 enum { kQueriesInput = 0, kKeysInput = 1, kFirstWeightInput = 2 };
 
-const char kOperation[] = "fused_dual_rms_norm";
+const char kOperation[] = "fused_dual_head_norm";
 
-/* The cubin's kernels: mlx_dualnorm_dual_rms_norm_contiguous_float32 and so on. */
+/* The cubin's kernels: mlx_dualnorm_dual_head_norm_contiguous_float32 and so on. */
 KernelModule& kernel_module() {
-  static KernelModule module(kOperation, "mlx_dualnorm_dual_rms_norm");
+  static KernelModule module(kOperation, "mlx_dualnorm_dual_head_norm");
   return module;
 }
 
@@ -66,6 +66,9 @@ class FusedDualRmsNorm : public RowKernelPrimitive<FusedDualRmsNorm> {
     return {inputs[0].shape(), inputs[1].shape()};
   }
 
+  /* The name MLX shows for the primitive in graphs and exports, kept as
+   * released (what graph inspection matches): the one place the kernel's
+   * older name, dual RMS norm, stays. */
   const char* name() const override {
     return "FusedDualRmsNorm";
   }
@@ -100,7 +103,7 @@ class FusedDualRmsNorm : public RowKernelPrimitive<FusedDualRmsNorm> {
         kernel_module().kernel_for<Rows>(inputs[kQueriesInput].dtype(), stream().device);
     const WeightInputs weights =
         weight_inputs(inputs, kFirstWeightInput, has_query_weight_, has_key_weight_);
-    DualRmsNormParams<Rows> params{};
+    DualHeadNormParams<Rows> params{};
     params.queries = rows_of<Rows>(inputs[kQueriesInput], weights.query);
     params.keys = rows_of<Rows>(inputs[kKeysInput], weights.key);
     params.eps = rms_norm_epsilon_;
@@ -126,7 +129,7 @@ class FusedDualRmsNorm : public RowKernelPrimitive<FusedDualRmsNorm> {
 
 } // namespace
 
-std::vector<mx::array> fused_dual_rms_norm(const mx::array& queries, const mx::array& keys,
+std::vector<mx::array> fused_dual_head_norm(const mx::array& queries, const mx::array& keys,
                                            const mx::array* query_weight,
                                            const mx::array* key_weight, float rms_norm_epsilon) {
   const mx::Dtype dtype = queries.dtype();

@@ -1,8 +1,8 @@
 /* The MLX primitive that launches the fused dual RMS norm + RoPE (CUDA
  * builds only: it needs the headers of MLX's CUDA backend). Private to
  * fused/; this header itself needs no CUDA header. */
-#ifndef MLX_DUALNORM_FUSED_DUAL_RMS_NORM_ROPE_PRIMITIVE_H
-#define MLX_DUALNORM_FUSED_DUAL_RMS_NORM_ROPE_PRIMITIVE_H
+#ifndef MLX_DUALNORM_FUSED_DUAL_HEAD_NORM_ROPE_PRIMITIVE_H
+#define MLX_DUALNORM_FUSED_DUAL_HEAD_NORM_ROPE_PRIMITIVE_H
 
 #include <string>
 #include <vector>
@@ -26,7 +26,7 @@ inline constexpr int kRopeInputRank = 4;
 void set_rope_kernel_cubin(std::string cubin);
 
 /* The RoPE of both sides, as fast::rope takes it: with a base, or, when
- * `with_freqs`, with the frequency table given to fused_dual_rms_norm_rope
+ * `with_freqs`, with the frequency table given to fused_dual_head_norm_rope
  * (`base` unused). With `has_input_scale`, the first `dims` features of
  * each normalized side are multiplied by `input_scale` (converted to the
  * inputs' dtype) before the rotation, as x.at[..., :dims].multiply(s). */
@@ -75,7 +75,7 @@ struct CacheWrite {
  * output takes its input's memory when nothing else holds that input at
  * evaluation (as MLX's SliceUpdate donates), else a copy: the input is
  * never visibly modified. */
-std::vector<mlx::core::array> fused_dual_rms_norm_rope(
+std::vector<mlx::core::array> fused_dual_head_norm_rope(
     const mlx::core::array& queries,
     const mlx::core::array& keys,
     const mlx::core::array* query_weight,

@@ -1,7 +1,7 @@
 /* The MLX primitive that launches the fused dual RMS norm (CUDA builds
  * only: it needs the headers of MLX's CUDA backend). Private to fused/. */
-#ifndef MLX_DUALNORM_FUSED_DUAL_RMS_NORM_PRIMITIVE_H
-#define MLX_DUALNORM_FUSED_DUAL_RMS_NORM_PRIMITIVE_H
+#ifndef MLX_DUALNORM_FUSED_DUAL_HEAD_NORM_PRIMITIVE_H
+#define MLX_DUALNORM_FUSED_DUAL_HEAD_NORM_PRIMITIVE_H
 
 #include <memory>
 #include <string>
@@ -9,7 +9,7 @@
 
 #include "mlx/array.h"
 
-#include "fused/dual_rms_norm_kernel.cuh"
+#include "fused/dual_head_norm_kernel.cuh"
 
 namespace mlx_dualnorm_fused {
 
@@ -23,7 +23,7 @@ void set_kernel_cubin(std::string cubin);
 
 /* The lazy normalized queries and keys of one fused launch. `queries` and
  * `keys` share a float dtype; a weight, if given, has that dtype too. */
-std::vector<mlx::core::array> fused_dual_rms_norm(
+std::vector<mlx::core::array> fused_dual_head_norm(
     const mlx::core::array& queries,
     const mlx::core::array& keys,
     const mlx::core::array* query_weight,

@@ -69,12 +69,12 @@ extern "C" {
  * (dual_head_norm_rope.h) with the arrays as its mlx_dualnorm_rope_inputs
  * and the rest as its mlx_dualnorm_cache_write; kept for the callers of
  * this signature. */
-int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(mlx_vector_array* res,
-    mlx_dualnorm_dual_head_norm_rope* norm_rope, const mlx_array queries, const mlx_array keys,
-    const mlx_array values, const mlx_array query_scale_weight,
-    const mlx_array key_scale_weight, const mlx_array rope_offset, const mlx_array freqs,
-    const mlx_array key_cache, const mlx_array value_cache, int write_offset, bool fetch,
-    mlx_dualnorm_error* error);
+int mlx_dualnorm_dual_head_norm_rope_apply_with_cache(
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
+    const mlx_array queries, const mlx_array keys, const mlx_array values,
+    const mlx_array query_scale_weight, const mlx_array key_scale_weight,
+    const mlx_array rope_offset, const mlx_array freqs, const mlx_array key_cache,
+    const mlx_array value_cache, int write_offset, bool fetch, mlx_dualnorm_error* error);
 
 #ifdef __cplusplus
 }

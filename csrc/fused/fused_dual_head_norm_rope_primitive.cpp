@@ -1,6 +1,6 @@
 /* FusedDualRmsNormRope: an MLX primitive whose GPU evaluation is ONE kernel
  * launch that normalizes, rotates and transposes every row of queries and
- * keys (dual_rms_norm_rope_kernel.cuh), added to MLX's command encoder like
+ * keys (dual_head_norm_rope_kernel.cuh), added to MLX's command encoder like
  * FusedDualRmsNorm. It replaces six graph nodes per layer (two rms_norm,
  * two transposes, two rope) with one; with the KV-cache write, eight (and
  * the value transpose) with one: the rotated keys and the transposed values
@@ -8,9 +8,9 @@
  *
  * Built only where MLX's CUDA backend headers are found (build_ffi.py
  * lists it in the CUDA build's sources), like
- * fused_dual_rms_norm_primitive.cpp.
+ * fused_dual_head_norm_primitive.cpp.
  */
-#include "fused/fused_dual_rms_norm_rope_primitive.h"
+#include "fused/fused_dual_head_norm_rope_primitive.h"
 
 #include <algorithm>
 #include <cmath>
@@ -29,7 +29,7 @@
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
 
-#include "fused/dual_rms_norm_rope_kernel.cuh"
+#include "fused/dual_head_norm_rope_kernel.cuh"
 #include "fused/fused_kernel_host.h"
 #include "fused/output_memory.h"
 
@@ -39,8 +39,8 @@ namespace {
 
 namespace mx = mlx::core;
 
-/* RopeSide, DualRmsNormRopeParams, StridedRows and
- * DualRmsNormRopeCacheParams, from their one definition. */
+/* RopeSide, DualHeadNormRopeParams, StridedRows and
+ * DualHeadNormRopeCacheParams, from their one definition. */
 MLX_DUALNORM_ROPE_KERNEL_PARAMS
 MLX_DUALNORM_ROPE_CACHE_KERNEL_PARAMS
 
@@ -83,19 +83,19 @@ struct NormHeads {
   }
 };
 
-const char kOperation[] = "fused_dual_rms_norm_rope";
+const char kOperation[] = "fused_dual_head_norm_rope";
 
-/* The cubin's kernels: mlx_dualnorm_dual_rms_norm_rope_contiguous_float32 and so
+/* The cubin's kernels: mlx_dualnorm_dual_head_norm_rope_contiguous_float32 and so
  * on. */
 KernelModule& kernel_module() {
-  static KernelModule module(kOperation, "mlx_dualnorm_dual_rms_norm_rope");
+  static KernelModule module(kOperation, "mlx_dualnorm_dual_head_norm_rope");
   return module;
 }
 
 /* The same cubin's entry points with the KV-cache write:
- * mlx_dualnorm_dual_rms_norm_rope_cache_contiguous_float32 and so on. */
+ * mlx_dualnorm_dual_head_norm_rope_cache_contiguous_float32 and so on. */
 KernelModule& cache_kernel_module() {
-  static KernelModule module(kOperation, "mlx_dualnorm_dual_rms_norm_rope_cache");
+  static KernelModule module(kOperation, "mlx_dualnorm_dual_head_norm_rope_cache");
   return module;
 }
 
@@ -310,6 +310,9 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     return composed_over(inputs)(without_offset(inputs));
   }
 
+  /* The name MLX shows for the primitive in graphs and exports, kept as
+   * released (what graph inspection matches): the one place the kernel's
+   * older name, dual RMS norm, stays. */
   const char* name() const override {
     return "FusedDualRmsNormRope";
   }
@@ -350,12 +353,12 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
 
   /* The norm + RoPE's kernel arguments for these inputs (either kernel). */
   template <typename Rows>
-  DualRmsNormRopeParams<Rows> rotation_params(const std::vector<mx::array>& inputs,
+  DualHeadNormRopeParams<Rows> rotation_params(const std::vector<mx::array>& inputs,
                                               const WeightInputs& weights) const {
     const mx::array& queries = inputs[kQueriesInput];
     const mx::array& keys = inputs[kKeysInput];
     const mx::array& offset = inputs[kOffsetInput];
-    DualRmsNormRopeParams<Rows> params{};
+    DualHeadNormRopeParams<Rows> params{};
     params.queries = rows_of<Rows>(queries, weights.query);
     params.keys = rows_of<Rows>(keys, weights.key);
     params.query_rope = rope_side(queries, norm_heads_.queries, offset);
@@ -396,7 +399,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     CUfunction kernel = kernel_module().kernel_for<Rows>(queries.dtype(), stream().device);
     const WeightInputs weights =
         weight_inputs(inputs, first_weight_input(), has_query_weight_, has_key_weight_);
-    DualRmsNormRopeParams<Rows> params = rotation_params<Rows>(inputs, weights);
+    DualHeadNormRopeParams<Rows> params = rotation_params<Rows>(inputs, weights);
     // Every output of this node holds its own copy of the node's inputs.
     rotated_output_memory(queries, outputs[0], outputs.size(), encoder);
     rotated_output_memory(inputs[kKeysInput], outputs[1], outputs.size(), encoder);
@@ -463,7 +466,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
         cache_kernel_module().kernel_for<Rows>(queries.dtype(), stream().device);
     const WeightInputs weights =
         weight_inputs(inputs, first_weight_input(), has_query_weight_, has_key_weight_);
-    DualRmsNormRopeCacheParams<Rows> params{};
+    DualHeadNormRopeCacheParams<Rows> params{};
     params.rope = rotation_params<Rows>(inputs, weights);
     params.rope.key_rope.token_major = 0;
     params.rope.key_rope.output_sequence = key_cache.shape(kCacheRowAxis);
@@ -513,7 +516,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
   /* The composed calls over without_offset(node_inputs): queries, keys,
    * (values, key and value buffers,) weights... (and the table last), the
    * offset fixed from `node_inputs`. The same ops as the C builder
-   * (norm_rope_graph.c). */
+   * (dual_head_norm_rope_graph.c). */
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> composed_over(
       const std::vector<mx::array>& node_inputs) {
     return [eps = rms_norm_epsilon_, rope = rope_, has_query_weight = has_query_weight_,
@@ -628,7 +631,7 @@ void append_freqs(std::vector<mx::array>& inputs, const RopeConstants& rope,
 
 } // namespace
 
-std::vector<mx::array> fused_dual_rms_norm_rope(
+std::vector<mx::array> fused_dual_head_norm_rope(
     const mx::array& queries,
     const mx::array& keys,
     const mx::array* query_weight,

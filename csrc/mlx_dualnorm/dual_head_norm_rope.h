@@ -178,14 +178,15 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
 
 /* The mode construction resolved (never AUTO); AUTO for NULL. */
 mlx_dualnorm_mode mlx_dualnorm_dual_head_norm_rope_mode(
-    const mlx_dualnorm_dual_head_norm_rope* norm_rope);
+    const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope);
 
 /* The epsilon the graphs bake in, as the float32 MLX uses; NaN for NULL. */
-float mlx_dualnorm_dual_head_norm_rope_epsilon(const mlx_dualnorm_dual_head_norm_rope* norm_rope);
+float mlx_dualnorm_dual_head_norm_rope_epsilon(
+    const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope);
 
 /* The RoPE parameters the graphs bake in; all zero for NULL. */
 mlx_dualnorm_rope_parameters mlx_dualnorm_dual_head_norm_rope_parameters(
-    const mlx_dualnorm_dual_head_norm_rope* norm_rope);
+    const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope);
 
 /* Normalizes, transposes to (B, H, L, D) and rotates queries and keys, both
  * of rank 4, with the weights given (an empty weight handle means no weight
@@ -198,11 +199,12 @@ mlx_dualnorm_rope_parameters mlx_dualnorm_dual_head_norm_rope_parameters(
  * takes it (a scalar, or one value per batch entry; mlx-lm's decode passes
  * an int32 scalar). Outputs: two lazy arrays, the rotated queries first,
  * the rotated keys second (ownership: the common life cycle). */
-int mlx_dualnorm_dual_head_norm_rope_apply(
-    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
-    const mlx_array queries, const mlx_array keys,
-    const mlx_array query_scale_weight, const mlx_array key_scale_weight,
-    const mlx_array rope_offset, mlx_dualnorm_error* error);
+int mlx_dualnorm_dual_head_norm_rope_apply(mlx_vector_array* res,
+                                           mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
+                                           const mlx_array queries, const mlx_array keys,
+                                           const mlx_array query_scale_weight,
+                                           const mlx_array key_scale_weight,
+                                           const mlx_array rope_offset, mlx_dualnorm_error* error);
 
 /* As mlx_dualnorm_dual_head_norm_rope_apply, with `freqs`, the frequency
  * table of a `rope.with_freqs` object (BORROWED, like every input): an
@@ -212,11 +214,10 @@ int mlx_dualnorm_dual_head_norm_rope_apply(
  * outputs, order and ownership as _apply, which is this function with an
  * empty `freqs` handle. */
 int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
-    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* norm_rope,
-    const mlx_array queries, const mlx_array keys,
-    const mlx_array query_scale_weight, const mlx_array key_scale_weight,
-    const mlx_array rope_offset, const mlx_array freqs /* may be null */,
-    mlx_dualnorm_error* error);
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
+    const mlx_array queries, const mlx_array keys, const mlx_array query_scale_weight,
+    const mlx_array key_scale_weight, const mlx_array rope_offset,
+    const mlx_array freqs /* may be null */, mlx_dualnorm_error* error);
 
 /* The one entry of this family that every other fills: the norm + RoPE of
  * `call->inputs` (as mlx_dualnorm_dual_head_norm_rope_apply_with_freqs
@@ -231,17 +232,16 @@ int mlx_dualnorm_dual_head_norm_rope_apply_with_freqs(
  * write MLX_DUALNORM_CACHE_WRITE_OUTPUT_COUNT, or with a write that
  * fetches MLX_DUALNORM_CACHE_FETCH_OUTPUT_COUNT, in the enum's order; on
  * failure it is left as it was. Thread-safe. */
-int mlx_dualnorm_dual_head_norm_rope_apply_call(mlx_vector_array* res,
-                                                mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                                                const mlx_dualnorm_dual_head_norm_rope_call* call,
-                                                mlx_dualnorm_error* error);
+int mlx_dualnorm_dual_head_norm_rope_apply_call(
+    mlx_vector_array* res, mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
+    const mlx_dualnorm_dual_head_norm_rope_call* call, mlx_dualnorm_error* error);
 
 /* Releases the compiled graphs (the common life cycle's _close). */
-int mlx_dualnorm_dual_head_norm_rope_close(mlx_dualnorm_dual_head_norm_rope* norm_rope,
+int mlx_dualnorm_dual_head_norm_rope_close(mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope,
                                            mlx_dualnorm_error* error);
 
 /* Closes (if still open) and frees (the common life cycle's _free). */
-void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* norm_rope);
+void mlx_dualnorm_dual_head_norm_rope_free(mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope);
 
 #ifdef __cplusplus
 }

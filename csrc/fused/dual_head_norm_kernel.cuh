@@ -36,12 +36,12 @@
  * fused kernels finish sooner after the host has encoded it
  * (docs/performance.md, "Fused launches").
  *
- * DualRmsNormParams is passed by value. Its one definition below is
- * compiled into the host code (fused_dual_rms_norm_primitive.cpp) and
+ * DualHeadNormParams is passed by value. Its one definition below is
+ * compiled into the host code (fused_dual_head_norm_primitive.cpp) and
  * pasted, as text, into the kernel source, so the two cannot disagree.
  */
-#ifndef MLX_DUALNORM_DUAL_RMS_NORM_KERNEL_CUH
-#define MLX_DUALNORM_DUAL_RMS_NORM_KERNEL_CUH
+#ifndef MLX_DUALNORM_DUAL_HEAD_NORM_KERNEL_CUH
+#define MLX_DUALNORM_DUAL_HEAD_NORM_KERNEL_CUH
 
 /* Highest input rank the kernel indexes; higher ranks take the compiled
  * graph. */
@@ -64,7 +64,7 @@
     int rank;                                             \
   };                                                      \
   template <typename Rows>                                \
-  struct DualRmsNormParams {                              \
+  struct DualHeadNormParams {                              \
     Rows queries;                                         \
     Rows keys;                                            \
     float eps;                                            \
@@ -76,7 +76,7 @@
 namespace mlx_dualnorm_fused {
 
 /* The row layout, the storage types and normalize_row: the part of the
- * kernel the fused norm + RoPE (dual_rms_norm_rope_kernel.cuh) shares. */
+ * kernel the fused norm + RoPE (dual_head_norm_rope_kernel.cuh) shares. */
 inline constexpr const char kRowNormalizationSource[] =
     MLX_DUALNORM_STRINGIFY(MLX_DUALNORM_KERNEL_PARAMS) R"cuda(
 typedef unsigned short bits16;
@@ -232,7 +232,7 @@ __device__ __forceinline__ Chunk<Storage> load_chunk(
  * `out` may be the input row itself (the node writing over its input):
  * each thread reads and writes only its own elements, each read before
  * it is written.
- * Inlined (as is dual_rms_norm) so that `layout` stays a reference into
+ * Inlined (as is dual_head_norm) so that `layout` stays a reference into
  * the kernel's parameter space rather than a per-thread copy in local
  * memory. Kept whole, at about 75 lines: the sum pass and the write pass
  * share the row's first chunk, held in registers, and the summation order
@@ -344,7 +344,7 @@ __device__ __forceinline__ void normalize_row(
 
 /* The fused dual RMS norm's entry points; its program is
  * kRowNormalizationSource followed by this. */
-inline constexpr const char kDualRmsNormEntrySource[] = R"cuda(
+inline constexpr const char kDualHeadNormEntrySource[] = R"cuda(
 /* Output rows are contiguous, `width` apart. */
 template <typename Storage, typename Rows>
 __device__ __forceinline__ typename Storage::storage* output_row(
@@ -353,11 +353,11 @@ __device__ __forceinline__ typename Storage::storage* output_row(
 }
 
 template <typename Storage, typename Rows>
-__device__ __forceinline__ void dual_rms_norm(
+__device__ __forceinline__ void dual_head_norm(
     const typename Storage::storage* queries, const typename Storage::storage* keys,
     const typename Storage::storage* query_weight, const typename Storage::storage* key_weight,
     typename Storage::storage* normalized_queries, typename Storage::storage* normalized_keys,
-    const DualRmsNormParams<Rows>& params) {
+    const DualHeadNormParams<Rows>& params) {
   const unsigned int block_row = blockIdx.x;
   if (block_row < static_cast<unsigned int>(params.queries.rows)) {
     normalize_row<Storage>(queries, query_weight,
@@ -371,17 +371,17 @@ __device__ __forceinline__ void dual_rms_norm(
   }
 }
 
-#define MLX_DUALNORM_DEFINE_DUAL_RMS_NORM(NAME, STORAGE, ROWS)                        \
+#define MLX_DUALNORM_DEFINE_DUAL_HEAD_NORM(NAME, STORAGE, ROWS)                        \
   extern "C" __global__ void NAME(                                                   \
       const STORAGE::storage* queries, const STORAGE::storage* keys,                 \
       const STORAGE::storage* query_weight, const STORAGE::storage* key_weight,      \
       STORAGE::storage* normalized_queries, STORAGE::storage* normalized_keys,       \
-      const DualRmsNormParams<ROWS> params) {                                        \
-    dual_rms_norm<STORAGE, ROWS>(queries, keys, query_weight, key_weight,            \
+      const DualHeadNormParams<ROWS> params) {                                        \
+    dual_head_norm<STORAGE, ROWS>(queries, keys, query_weight, key_weight,            \
                                  normalized_queries, normalized_keys, params);       \
   }
 
-MLX_DUALNORM_DEFINE_ENTRY_POINTS(MLX_DUALNORM_DEFINE_DUAL_RMS_NORM, mlx_dualnorm_dual_rms_norm)
+MLX_DUALNORM_DEFINE_ENTRY_POINTS(MLX_DUALNORM_DEFINE_DUAL_HEAD_NORM, mlx_dualnorm_dual_head_norm)
 )cuda";
 
 } // namespace mlx_dualnorm_fused

@@ -1,5 +1,5 @@
 /* CUDA source of the fused dual RMS norm + RoPE, compiled at run time by
- * NVRTC like dual_rms_norm_kernel.cuh, whose row normalization it reuses
+ * NVRTC like dual_head_norm_kernel.cuh, whose row normalization it reuses
  * as text (its program is kRowNormalizationSource followed by this file's
  * parameters and entry points).
  *
@@ -55,15 +55,15 @@
  * rows into the fresh output: the bits of MLX's SliceUpdate, which copies
  * (or donates) the buffer and then the update's elements.
  *
- * DualRmsNormRopeParams (and DualRmsNormRopeCacheParams) are passed by
+ * DualHeadNormRopeParams (and DualHeadNormRopeCacheParams) are passed by
  * value; their one definition below is compiled into the host code
- * (fused_dual_rms_norm_rope_primitive.cpp) and pasted, as text, into the
+ * (fused_dual_head_norm_rope_primitive.cpp) and pasted, as text, into the
  * kernel source.
  */
-#ifndef MLX_DUALNORM_DUAL_RMS_NORM_ROPE_KERNEL_CUH
-#define MLX_DUALNORM_DUAL_RMS_NORM_ROPE_KERNEL_CUH
+#ifndef MLX_DUALNORM_DUAL_HEAD_NORM_ROPE_KERNEL_CUH
+#define MLX_DUALNORM_DUAL_HEAD_NORM_ROPE_KERNEL_CUH
 
-#include "fused/dual_rms_norm_kernel.cuh"
+#include "fused/dual_head_norm_kernel.cuh"
 
 /* After MLX_DUALNORM_KERNEL_PARAMS, whose row descriptions it uses. */
 #define MLX_DUALNORM_ROPE_KERNEL_PARAMS                   \
@@ -78,7 +78,7 @@
     int output_first_row;                                 \
   };                                                      \
   template <typename Rows>                                \
-  struct DualRmsNormRopeParams {                          \
+  struct DualHeadNormRopeParams {                          \
     Rows queries;                                         \
     Rows keys;                                            \
     RopeSide query_rope;                                  \
@@ -110,8 +110,8 @@
     int rows;                                             \
   };                                                      \
   template <typename Rows>                                \
-  struct DualRmsNormRopeCacheParams {                     \
-    DualRmsNormRopeParams<Rows> rope;                     \
+  struct DualHeadNormRopeCacheParams {                     \
+    DualHeadNormRopeParams<Rows> rope;                     \
     StridedRows values;                                   \
     StridedRows key_source;                               \
     StridedRows value_source;                             \
@@ -121,7 +121,7 @@
 
 namespace mlx_dualnorm_fused {
 
-inline constexpr const char kDualRmsNormRopeEntrySource[] =
+inline constexpr const char kDualHeadNormRopeEntrySource[] =
     MLX_DUALNORM_STRINGIFY(MLX_DUALNORM_ROPE_KERNEL_PARAMS) R"cuda(
 /* The normalized row, `width` elements of T, 16-byte aligned for
  * normalize_row's vector stores; sized by the launch. */
@@ -193,7 +193,7 @@ template <typename Storage, typename Rows>
 __device__ __forceinline__ void normalize_and_rotate_row(
     const typename Storage::storage* input, const typename Storage::storage* weight,
     const int* offsets, typename Storage::storage* output, const Rows& layout,
-    const RopeSide& rope, unsigned int row_index, const DualRmsNormRopeParams<Rows>& params) {
+    const RopeSide& rope, unsigned int row_index, const DualHeadNormRopeParams<Rows>& params) {
   typename Storage::storage* normalized =
       reinterpret_cast<typename Storage::storage*>(normalized_row_bytes);
   const unsigned int heads = static_cast<unsigned int>(rope.heads);
@@ -232,11 +232,11 @@ __device__ __forceinline__ void normalize_and_rotate_row(
 }
 
 template <typename Storage, typename Rows>
-__device__ __forceinline__ void dual_rms_norm_rope(
+__device__ __forceinline__ void dual_head_norm_rope(
     const typename Storage::storage* queries, const typename Storage::storage* keys,
     const typename Storage::storage* query_weight, const typename Storage::storage* key_weight,
     const int* offsets, typename Storage::storage* rotated_queries,
-    typename Storage::storage* rotated_keys, const DualRmsNormRopeParams<Rows>& params) {
+    typename Storage::storage* rotated_keys, const DualHeadNormRopeParams<Rows>& params) {
   const unsigned int block_row = blockIdx.x;
   if (block_row < static_cast<unsigned int>(params.queries.rows)) {
     normalize_and_rotate_row<Storage>(queries, query_weight, offsets, rotated_queries,
@@ -248,18 +248,18 @@ __device__ __forceinline__ void dual_rms_norm_rope(
   }
 }
 
-#define MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE(NAME, STORAGE, ROWS)                   \
+#define MLX_DUALNORM_DEFINE_DUAL_HEAD_NORM_ROPE(NAME, STORAGE, ROWS)                   \
   extern "C" __global__ void NAME(                                                   \
       const STORAGE::storage* queries, const STORAGE::storage* keys,                 \
       const STORAGE::storage* query_weight, const STORAGE::storage* key_weight,      \
       const int* offsets, STORAGE::storage* rotated_queries,                         \
-      STORAGE::storage* rotated_keys, const DualRmsNormRopeParams<ROWS> params) {    \
-    dual_rms_norm_rope<STORAGE, ROWS>(queries, keys, query_weight, key_weight,       \
+      STORAGE::storage* rotated_keys, const DualHeadNormRopeParams<ROWS> params) {    \
+    dual_head_norm_rope<STORAGE, ROWS>(queries, keys, query_weight, key_weight,       \
                                       offsets, rotated_queries, rotated_keys, params); \
   }
 
-MLX_DUALNORM_DEFINE_ENTRY_POINTS(MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE,
-                                 mlx_dualnorm_dual_rms_norm_rope)
+MLX_DUALNORM_DEFINE_ENTRY_POINTS(MLX_DUALNORM_DEFINE_DUAL_HEAD_NORM_ROPE,
+                                 mlx_dualnorm_dual_head_norm_rope)
 )cuda" MLX_DUALNORM_STRINGIFY(MLX_DUALNORM_ROPE_CACHE_KERNEL_PARAMS) R"cuda(
 /* Row `row` of a rank-4 source enumerated over its first three axes: its
  * three indices (first axis first) into `index`, and where it starts. */
@@ -318,18 +318,18 @@ __device__ __forceinline__ void copy_into_buffer(const typename Storage::storage
  * (none in the common case). Every output element is written by exactly one
  * block, and no block reads what another writes. */
 template <typename Storage, typename Rows>
-__device__ __forceinline__ void dual_rms_norm_rope_with_cache(
+__device__ __forceinline__ void dual_head_norm_rope_with_cache(
     const typename Storage::storage* queries, const typename Storage::storage* keys,
     const typename Storage::storage* values, const typename Storage::storage* query_weight,
     const typename Storage::storage* key_weight, const int* offsets,
     const typename Storage::storage* key_source, const typename Storage::storage* value_source,
     typename Storage::storage* rotated_queries, typename Storage::storage* key_cache,
-    typename Storage::storage* value_cache, const DualRmsNormRopeCacheParams<Rows>& params) {
+    typename Storage::storage* value_cache, const DualHeadNormRopeCacheParams<Rows>& params) {
   unsigned int block_row = blockIdx.x;
   const unsigned int normalized_rows =
       static_cast<unsigned int>(params.rope.queries.rows + params.rope.keys.rows);
   if (block_row < normalized_rows) {
-    dual_rms_norm_rope<Storage>(queries, keys, query_weight, key_weight, offsets,
+    dual_head_norm_rope<Storage>(queries, keys, query_weight, key_weight, offsets,
                                 rotated_queries, key_cache, params.rope);
     return;
   }
@@ -351,21 +351,21 @@ __device__ __forceinline__ void dual_rms_norm_rope_with_cache(
                             params.value_capacity, params.first_row, length);
 }
 
-#define MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE_CACHE(NAME, STORAGE, ROWS)             \
+#define MLX_DUALNORM_DEFINE_DUAL_HEAD_NORM_ROPE_CACHE(NAME, STORAGE, ROWS)             \
   extern "C" __global__ void NAME(                                                   \
       const STORAGE::storage* queries, const STORAGE::storage* keys,                 \
       const STORAGE::storage* values, const STORAGE::storage* query_weight,          \
       const STORAGE::storage* key_weight, const int* offsets,                        \
       const STORAGE::storage* key_source, const STORAGE::storage* value_source,      \
       STORAGE::storage* rotated_queries, STORAGE::storage* key_cache,                \
-      STORAGE::storage* value_cache, const DualRmsNormRopeCacheParams<ROWS> params) { \
-    dual_rms_norm_rope_with_cache<STORAGE, ROWS>(                                    \
+      STORAGE::storage* value_cache, const DualHeadNormRopeCacheParams<ROWS> params) { \
+    dual_head_norm_rope_with_cache<STORAGE, ROWS>(                                    \
         queries, keys, values, query_weight, key_weight, offsets, key_source,        \
         value_source, rotated_queries, key_cache, value_cache, params);              \
   }
 
-MLX_DUALNORM_DEFINE_ENTRY_POINTS(MLX_DUALNORM_DEFINE_DUAL_RMS_NORM_ROPE_CACHE,
-                                 mlx_dualnorm_dual_rms_norm_rope_cache)
+MLX_DUALNORM_DEFINE_ENTRY_POINTS(MLX_DUALNORM_DEFINE_DUAL_HEAD_NORM_ROPE_CACHE,
+                                 mlx_dualnorm_dual_head_norm_rope_cache)
 )cuda";
 
 } // namespace mlx_dualnorm_fused

@@ -1,18 +1,18 @@
-/* The norm + RoPE graph builder (private/norm_rope.h): for each side,
- * rms_norm, the transpose to (B, H, L, D), the input scale where the RoPE
- * has one, then mlx_fast_rope_dynamic, each call as the composed path makes
- * it, so MLX emits the same kernels over the same inputs. The constants
- * are the closure's own copy (norm_rope_constants); the RoPE offset and
- * the frequency table are graph inputs, so a decode step at a new position
- * or with a new table of the same shape replays the trace.
+/* The norm + RoPE graph builder (private/dual_head_norm_rope_graph.h): for
+ * each side, rms_norm, the transpose to (B, H, L, D), the input scale where
+ * the RoPE has one, then mlx_fast_rope_dynamic, each call as the composed
+ * path makes it, so MLX emits the same kernels over the same inputs. The
+ * constants are the closure's own copy (dual_head_norm_rope_constants); the
+ * RoPE offset and the frequency table are graph inputs, so a decode step at
+ * a new position or with a new table of the same shape replays the trace.
  */
-#define _POSIX_C_SOURCE 200809L
+#include "private/dual_head_norm_rope_graph.h"
 
-#include "private/norm_rope.h"
+#include "private/weight_set_graphs.h"
 
 #include <stdlib.h>
 
-static const char BUILD_NORM_ROPE_GRAPH_OPERATION[] = "dual_head_norm_rope_graph";
+static const char BUILD_DUAL_HEAD_NORM_ROPE_GRAPH_OPERATION[] = "dual_head_norm_rope_graph";
 
 /* `x.at[..., :dims].multiply(input_scale)` on the (B, H, L, D) `head_major`,
  * as MLX's Python binding builds it: the factor a scalar of x's dtype (the
@@ -75,7 +75,8 @@ static int normalize_heads(mlx_array* normalized, const mlx_array input,
  * or, for an object with a base, an empty handle. */
 static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
                                 const mlx_array scale_weight, const mlx_array rope_offset,
-                                const mlx_array freqs, const norm_rope_constants* constants,
+                                const mlx_array freqs,
+                                const dual_head_norm_rope_constants* constants,
                                 const mlx_device default_device) {
   const mlx_dualnorm_rope_parameters* rope = &constants->rope;
   const mlx_optional_float rope_base = {.value = rope->base, .has_value = !rope->with_freqs};
@@ -102,8 +103,8 @@ static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
   return status;
 }
 
-size_t dualnorm_norm_rope_input_count(const norm_rope_constants* constants) {
-  return NORM_ROPE_FIXED_INPUTS + (size_t)constants->has_query_weight +
+size_t dualnorm_dual_head_norm_rope_input_count(const dual_head_norm_rope_constants* constants) {
+  return DUAL_HEAD_NORM_ROPE_FIXED_INPUTS + (size_t)constants->has_query_weight +
          (size_t)constants->has_key_weight + (size_t)constants->rope.with_freqs;
 }
 
@@ -112,7 +113,7 @@ bool dualnorm_graph_inputs_expected(const mlx_vector_array* output_vector,
   size_t received_inputs = mlx_vector_array_size(input_vector);
   if (output_vector == NULL || received_inputs != expected_inputs) {
     mlx_error("[%s] expected %zu inputs and an output vector, received %zu inputs",
-              BUILD_NORM_ROPE_GRAPH_OPERATION, expected_inputs, received_inputs);
+              BUILD_DUAL_HEAD_NORM_ROPE_GRAPH_OPERATION, expected_inputs, received_inputs);
     return false;
   }
   return true;
@@ -123,11 +124,12 @@ bool dualnorm_graph_inputs_expected(const mlx_vector_array* output_vector,
  * RoPE takes one. Output order is the caller's ABI: rotated queries first,
  * keys second, published once at the end. Every handle made here is freed
  * on every path; the input vector belongs to the closure. */
-int dualnorm_build_norm_rope_graph(mlx_vector_array* output_vector,
-                                   const mlx_vector_array input_vector, void* payload) {
-  const norm_rope_constants* constants = payload;
+int dualnorm_build_dual_head_norm_rope_graph(mlx_vector_array* output_vector,
+                                             const mlx_vector_array input_vector,
+                                             void* payload) {
+  const dual_head_norm_rope_constants* constants = payload;
   if (!dualnorm_graph_inputs_expected(output_vector, input_vector,
-                                      dualnorm_norm_rope_input_count(constants))) {
+                                      dualnorm_dual_head_norm_rope_input_count(constants))) {
     return 1;
   }
   mlx_array queries = mlx_array_new();
@@ -138,7 +140,7 @@ int dualnorm_build_norm_rope_graph(mlx_vector_array* output_vector,
   mlx_array freqs = mlx_array_new();
   mlx_array rotated[MLX_DUALNORM_ROPE_OUTPUT_COUNT] = {mlx_array_new(), mlx_array_new()};
   mlx_device default_device = mlx_device_new();
-  size_t next_input = NORM_ROPE_FIXED_INPUTS;
+  size_t next_input = DUAL_HEAD_NORM_ROPE_FIXED_INPUTS;
   int status =
       mlx_vector_array_get(&queries, input_vector, 0) != 0 ||
       mlx_vector_array_get(&keys, input_vector, 1) != 0 ||
@@ -169,30 +171,33 @@ int dualnorm_build_norm_rope_graph(mlx_vector_array* output_vector,
   return status;
 }
 
-mlx_closure dualnorm_new_norm_rope_closure(const mlx_dualnorm_dual_head_norm_rope* norm_rope,
-                                           int weight_set, dualnorm_norm_rope_builder builder) {
-  norm_rope_constants* constants = malloc(sizeof *constants);
-  if (constants == NULL) {
-    mlx_error("[%s] out of host memory", DUALNORM_NORM_ROPE_OPERATION);
+mlx_closure dualnorm_new_builder_closure(const dual_head_norm_rope_constants* constants,
+                                         int weight_set,
+                                         dualnorm_dual_head_norm_rope_builder builder) {
+  dual_head_norm_rope_constants* closure_constants = malloc(sizeof *closure_constants);
+  if (closure_constants == NULL) {
+    mlx_error("[%s] out of host memory", DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION);
     return mlx_closure_new();
   }
-  *constants = (norm_rope_constants){
-      .rms_norm_epsilon = norm_rope->rms_norm_epsilon,
-      .rope = norm_rope->rope,
-      .has_query_weight = (weight_set & WEIGHT_SET_QUERY) != 0,
-      .has_key_weight = (weight_set & WEIGHT_SET_KEY) != 0,
-  };
-  /* The closure owns `constants` from here: `free` runs with its last copy. */
-  mlx_closure plain_graph = mlx_closure_new_func_payload(builder, constants, free);
+  *closure_constants = *constants;
+  closure_constants->has_query_weight = (weight_set & WEIGHT_SET_QUERY) != 0;
+  closure_constants->has_key_weight = (weight_set & WEIGHT_SET_KEY) != 0;
+  /* The closure owns `closure_constants` from here: `free` runs with its
+   * last copy. */
+  mlx_closure plain_graph = mlx_closure_new_func_payload(builder, closure_constants, free);
   if (plain_graph.ctx == NULL) {
-    free(constants); /* a closure that was never made took no ownership */
+    free(closure_constants); /* a closure that was never made took no ownership */
   }
   return plain_graph;
 }
 
-mlx_vector_array dualnorm_norm_rope_graph_inputs(const dual_head_norm_call* sides,
-                                                 const mlx_dualnorm_rope_inputs* inputs,
-                                                 int* weight_set) {
+mlx_closure dualnorm_new_dual_head_norm_rope_graph(const void* constants, int weight_set) {
+  return dualnorm_new_builder_closure(constants, weight_set,
+                                      dualnorm_build_dual_head_norm_rope_graph);
+}
+
+mlx_vector_array dualnorm_dual_head_norm_rope_graph_inputs(
+    const dual_head_norm_call* sides, const mlx_dualnorm_rope_inputs* inputs, int* weight_set) {
   mlx_vector_array input_vector = dualnorm_graph_inputs(sides, &inputs->rope_offset, weight_set);
   if (input_vector.ctx != NULL && inputs->freqs.ctx != NULL &&
       mlx_vector_array_append_value(input_vector, inputs->freqs) != 0) {
