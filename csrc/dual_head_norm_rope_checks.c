@@ -46,6 +46,13 @@ int dualnorm_check_dual_head_norm_rope_constants(double rms_norm_epsilon,
                               "with frequencies, got %g",
                               (double)rope->base);
   }
+  /* A base gives frequencies base^(-2i/dims): only a finite positive one
+   * gives finite ones, so anything else is refused as input_scale is. */
+  if (!rope->with_freqs && !(isfinite(rope->base) && rope->base > 0.0f)) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "base must be finite and positive (as a float32), got %g",
+                              (double)rope->base);
+  }
   if (rope->input_scale.has_value && !isfinite(rope->input_scale.value)) {
     return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
                               "input_scale must be finite (as a float32), got %g",

@@ -156,9 +156,10 @@ class CompiledDualHeadNormRope(_NativeComposite):
             checked as given, then used as float32 (as ``mx.fast.rms_norm``).
         dims: the features RoPE rotates (positive, even, at most the head
             width; the rest are copied), as ``mx.fast.rope``'s ``dims``.
-        base: RoPE's base (``nn.RoPE``'s; mlx-lm's ``rope_theta``), or None
-            for a RoPE whose frequencies are a table: each call then takes
-            it as ``freqs`` (as ``mx.fast.rope``, exactly one of the two).
+        base: RoPE's base (``nn.RoPE``'s; mlx-lm's ``rope_theta``), finite
+            and > 0, or None for a RoPE whose frequencies are a table: each
+            call then takes it as ``freqs`` (as ``mx.fast.rope``, exactly
+            one of the two).
             Required.
         traditional: rotate consecutive pairs instead of halves.
         scale: the scale of the positions.

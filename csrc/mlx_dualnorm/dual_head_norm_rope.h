@@ -168,7 +168,8 @@ typedef struct mlx_dualnorm_dual_head_norm_rope_ mlx_dualnorm_dual_head_norm_rop
  * not take run the compiled graph, with the same bits. The
  * epsilon must be finite, >= 0 and within float32's range (checked before
  * rounding to float32, the type MLX uses); rope.dims positive and even;
- * rope.base 0 when rope.with_freqs; rope.input_scale finite when given.
+ * rope.base finite and > 0, or 0 when rope.with_freqs; rope.input_scale
+ * finite when given.
  * `*res` receives a new object the caller owns (free it with
  * mlx_dualnorm_dual_head_norm_rope_free). */
 int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
