@@ -38,6 +38,7 @@ from mlx_dualnorm import CompiledDualHeadNormRope  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, qwen3 as qwen3_shape  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model, prompt_token_ids  # noqa: E402
 
@@ -170,7 +171,7 @@ def qwen3_model():
 
 def test_an_attention_call_replaced_before_patch_is_kept(monkeypatch, proofs_forgotten,
                                                          package_calls):
-    monkeypatch.setattr(engine, "_warned_unproven", False)  # this test's own warning
+    monkeypatch.setattr(STATE, "warned_unproven", False)  # this test's own warning
     model = qwen3_model()
     own_call = qwen3.Attention.__call__
 
@@ -302,7 +303,7 @@ def test_a_norm_changed_after_the_first_patched_call_is_followed_from_the_next_p
     nn.RMSNorm.__call__'s __code__ swapped (as a reloader does) after the
     layers were decided, then patch() again: their next call is mlx-lm's,
     and patch() says what it left."""
-    monkeypatch.setattr(engine, "_warned_unproven", False)
+    monkeypatch.setattr(STATE, "warned_unproven", False)
     model = qwen3_model()
     integration.patch()
     greedy_generate(model, PROMPT, 1)
@@ -391,7 +392,7 @@ def test_a_dispatcher_put_back_after_unpatch_runs_the_class_s_own_code(package_c
     try:
         qwen3.Attention.__call__ = saved
         put_back = greedy_generate(model, PROMPT, TOKENS)
-        assert package_calls["package"] == 0 and not engine._decisions
+        assert package_calls["package"] == 0 and not STATE.decisions
         integration.patch()  # and a patch then installs over it as over mlx-lm's
         assert engine.is_installed(qwen3.Attention)
         integration.unpatch()

@@ -28,6 +28,16 @@ PLAIN_SCALAR_TYPES = (float, int)
 MAX_CACHED_OBJECTS = 256
 
 
+def is_mlx_function(name: str, function: object) -> bool:
+    """Whether ``function`` is MLX's own ``mx.fast.NAME`` (a nanobind
+    function of that name in ``mlx.core.fast``)."""
+    return (
+        type(function).__name__ == "nb_func"
+        and getattr(function, "__module__", None) == "mlx.core.fast"
+        and getattr(function, "__name__", None) == name
+    )
+
+
 def cached_or_built(cache: dict, lock, key, build: Callable[[], object], when_full):
     """``cache[key]``, built once under ``lock`` on a miss, or ``when_full``
     (nothing built) once the cache holds MAX_CACHED_OBJECTS entries. A hit
