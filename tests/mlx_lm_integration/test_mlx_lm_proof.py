@@ -297,25 +297,25 @@ def assert_same_logits(actual, expected):
         assert_bit_identical(actual_step, expected_step)
 
 
-def test_a_norm_changed_after_the_first_patched_call_is_followed_from_the_next_patch(
+def test_a_norm_s_code_swapped_after_the_first_patched_call_is_followed_at_the_next_call(
         monkeypatch, proofs_forgotten, package_calls):
-    """Each patch() re-checks the norm and RoPE code decided layers rely on:
-    nn.RMSNorm.__call__'s __code__ swapped (as a reloader does) after the
-    layers were decided, then patch() again: their next call is mlx-lm's,
-    and patch() says what it left."""
+    """nn.RMSNorm.__call__'s __code__ swapped (as a reloader does) after the
+    layers were decided, with no patch() since: their next call is mlx-lm's
+    (the decision tests the function's code at every call), and a later
+    patch() says what it left."""
     monkeypatch.setattr(STATE, "warned_unproven", False)
     model = qwen3_model()
     integration.patch()
     greedy_generate(model, PROMPT, 1)
     assert package_calls["package"] > 0
     monkeypatch.setattr(nn.RMSNorm.__call__, "__code__", scaled_rms_norm.__code__)
+    package_calls["package"] = 0
+    patched = greedy_generate(model, PROMPT, TOKENS)
+    assert package_calls["package"] == 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         integration.patch()
     assert any("RMSNorm: __call__" in str(warning.message) for warning in caught)
-    package_calls["package"] = 0
-    patched = greedy_generate(model, PROMPT, TOKENS)
-    assert package_calls["package"] == 0
     integration.unpatch()
     assert_traces_bit_identical(greedy_generate(model, PROMPT, TOKENS), patched)
     report_after = integration.report()

@@ -27,10 +27,9 @@ dispatcher since: then the user's stays.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
@@ -42,15 +41,20 @@ from mlx_dualnorm.integrations.mlx_lm._shared import (
 )
 from mlx_dualnorm.integrations.mlx_lm.fingerprints import live_function
 from mlx_dualnorm.integrations.mlx_lm.gated_delta import ORIGINAL_NORMALIZE_QK
+from mlx_dualnorm.integrations.mlx_lm.recording import (  # noqa: F401  (tools import them here)
+    NORM_ONLY,
+    NORM_ROPE,
+    PreworkRecord,
+    note_prework,
+    recorded_call,
+    recording_prework,
+)
 from mlx_dualnorm.integrations.mlx_lm.state import STATE, Decision, Installed, Tally
 
 PATCH_OPERATION = "mlx_lm.patch"
 
 SUBCLASS = "a subclass of mlx-lm's class, which keeps its own code"
 MLX_FUNCTION_REPLACED = "mlx.core.fast.{name} is not MLX's own function"
-# What an engaged layer's package call computed (note_prework).
-NORM_ROPE = "norm + RoPE"
-NORM_ONLY = "norm"
 PART_UNPROVEN = "its {attribute} ({part}) runs code the patch was not proven on"
 UNSTABLE = "its {attribute} ({part}) resolves __call__ to a new object at each lookup"
 
@@ -121,7 +125,7 @@ def _dispatcher(attention_class: type, installed_original: Callable):
                     return original_call(self, *args, **kwargs)
             decision.tally.calls += 1
             if STATE.prework_log is not None:
-                return _recorded_call(self, decision.function, args, kwargs)
+                return recorded_call(self, decision.function, args, kwargs)
         return decision.function(self, *args, **kwargs)
 
     setattr(dispatch, REPLACEMENT_MARKER, True)
@@ -129,56 +133,6 @@ def _dispatcher(attention_class: type, installed_original: Callable):
     dispatch.__qualname__ = f"{attention_class.__qualname__}.__call__"
     dispatch.__module__ = __name__
     return dispatch
-
-
-# ---- What the package computed in each layer, while recording ---------------------
-#
-# STATE.prework_log is None but while a tool records: then id(layer) -> the
-# kinds of package call (NORM_ROPE, NORM_ONLY) its engaged calls made. The
-# replacements' call sites say what they computed (note_prework), the
-# dispatcher which layer is calling. For tools, not for concurrent use.
-
-
-def note_prework(kind: str) -> None:
-    """Called where a replacement's package call succeeded, while
-    ``STATE.prework_log`` is set (the call sites test it first, so nothing
-    is called when no tool records): ``kind`` is what it computed."""
-    if STATE.prework_log is not None and STATE.calling_layer is not None:
-        STATE.prework_log.setdefault(STATE.calling_layer, set()).add(kind)
-
-
-def _recorded_call(layer: Any, function: Callable, args: tuple, kwargs: dict) -> Any:
-    outer, STATE.calling_layer = STATE.calling_layer, id(layer)
-    try:
-        return function(layer, *args, **kwargs)
-    finally:
-        STATE.calling_layer = outer
-
-
-@dataclasses.dataclass
-class PreworkRecord:
-    """What :func:`recording_prework` yields: ``prework_of(layer)`` names
-    the package calls an engaged layer made while recording (``"norm +
-    RoPE"``, ``"norm"``, or both joined by ``and``), None for a layer that
-    made none. Read it while the layers are alive (it keys on their ids)."""
-
-    by_layer: dict[int, set[str]] = dataclasses.field(default_factory=dict)
-
-    def prework_of(self, layer: object) -> Optional[str]:
-        kinds = self.by_layer.get(id(layer))
-        return " and ".join(sorted(kinds)) if kinds else None
-
-
-@contextlib.contextmanager
-def recording_prework() -> Iterator[PreworkRecord]:
-    """Records, per engaged layer, which package call its prework made, for
-    the block (one thread at a time). For tools that say what ran where."""
-    record = PreworkRecord()
-    outer, STATE.prework_log = STATE.prework_log, record.by_layer
-    try:
-        yield record
-    finally:
-        STATE.prework_log = outer
 
 
 # ---- Deciding ---------------------------------------------------------------------

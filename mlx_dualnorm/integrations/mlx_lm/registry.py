@@ -16,14 +16,16 @@ taken). Nothing engages on a piece that is not proven:
 * a layer engages only where each part of it whose class is in
   :data:`REPRODUCED_PART_CLASSES` (its norms and RoPE) has a proven
   ``__call__`` and MLX's ``mx.fast.rms_norm`` and ``mx.fast.rope`` are
-  MLX's own (checked at the layer's first call, and again for every
-  decided layer at each ``patch()``);
-* a cache is written by the one call only where its class is in
-  :data:`WRITTEN_CACHES`, every method listed there is proven (at first
-  use and at each ``patch()``), its ``update_and_fetch`` is still the
-  function proven and the object holds none of those methods itself (an
-  identity test and a set test per call);
-* the gated-delta fold only where ``normalize_qk`` is proven.
+  MLX's own (proven at the layer's first call; what each resolved to is
+  then tested by identity at every call, the layer decided again where
+  one differs);
+* a cache is written by the one call only where the methods of
+  :data:`WRITTEN_CACHES` that its class resolves to are the recorded code
+  of one entry (by code, whatever the class's name), each still the
+  function proven (identity tests per call) and the object holds none of
+  those methods itself;
+* the gated-delta fold only where ``normalize_qk`` is proven and
+  ``mx.fast.rms_norm`` is MLX's own (tested at every call).
 
 So a newer mlx-lm, or a user's change to any of these, runs its own code
 bit for bit, and what did not change keeps the package's path. Adding a
@@ -224,9 +226,11 @@ class AttentionFamily:
 
     ``call`` becomes the ``__call__`` of the layers that engage; it calls
     :func:`~.engine.original_call` where a call cannot take the package's
-    path. ``engages`` decides once per layer, at its first call, whether the
+    path. ``engages`` decides for a layer, at its first call, whether the
     layer's norms and RoPE are exactly what ``call`` computes; a layer it
     refuses runs the class's own ``__call__``, and ``refusal`` says why.
+    What the class's code reads at every call, ``call`` reads at every
+    call too (``switches`` for the flags ``engages`` requires).
     ``pieces`` are the class's attributes whose code ``call`` restates:
     each must be proven (:data:`RECORDED_CODE`) for the class to be patched."""
 
