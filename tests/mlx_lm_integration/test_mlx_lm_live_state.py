@@ -399,3 +399,40 @@ def test_a_q_norm_without_a_weight_raises_as_unpatched(model_type):
     with integration.patch():
         with pytest.raises(type(unpatched.value)):
             greedy_generate(model, PROMPT, 2)
+
+
+# ---- State in one place ------------------------------------------------------------------
+
+
+def test_the_integration_s_modules_import_in_no_circle():
+    """Every import between the integration's modules, lazy ones (inside a
+    function) included, as a graph: no circle."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(integration.__file__).parent
+    prefix = "mlx_dualnorm.integrations.mlx_lm"
+    modules = {path.stem: path for path in package.glob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == prefix:
+                imported |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(prefix + "."):
+                imported.add(node.module.rsplit(".", 1)[1])
+        graph[name] = imported - {name}
+
+    def circle_from(start, path):
+        for imported in graph[path[-1]]:
+            if imported == start:
+                return path + [start]
+            if imported not in path:
+                found = circle_from(start, path + [imported])
+                if found:
+                    return found
+        return None
+
+    circles = [circle for name in graph if (circle := circle_from(name, [name]))]
+    assert not circles, " -> ".join(circles[0])
+    assert all(len(path.read_text().splitlines()) <= 400 for path in modules.values())

@@ -9,12 +9,12 @@ from typing import Callable
 
 LOGGER = logging.getLogger("mlx_dualnorm.integrations.mlx_lm")
 
-# mlx-lm gained gated_delta.normalize_qk in 0.32.0 (0.31.x normalizes q and k
-# inside each model, so there only full attention is patched); the
-# integration is tested on 0.32.2, the mlx-lm extra, and on 0.31.3.
+# The releases proven (docs/mlx-lm.md's table): mlx-lm gained
+# gated_delta.normalize_qk in 0.32.0 (before, its gated-delta layers
+# normalize inline, so only attention layers are patched).
 SUPPORTED_MLX_LM = (
-    "mlx-lm 0.32.0 to 0.32.2 (tested on 0.32.2, which the mlx-lm extra installs); "
-    "on mlx-lm 0.31.x the full-attention layers only (tested on 0.31.3)"
+    "mlx-lm 0.30.7, 0.31.3, 0.32.0, 0.32.1 and 0.32.2 (the mlx-lm extra installs 0.32.2; "
+    "before 0.32.0 the attention layers only)"
 )
 
 # Marks our replacements, so a reloaded copy of this package still knows them.
