@@ -13,8 +13,8 @@ LOGGER = logging.getLogger("mlx_dualnorm.integrations.mlx_lm")
 # gated_delta.normalize_qk in 0.32.0 (before, its gated-delta layers
 # normalize inline, so only attention layers are patched).
 SUPPORTED_MLX_LM = (
-    "mlx-lm 0.30.7, 0.31.3, 0.32.0, 0.32.1 and 0.32.2 (the mlx-lm extra installs 0.32.2; "
-    "before 0.32.0 the attention layers only)"
+    "mlx-lm 0.32.0 to 0.32.2 (the mlx-lm extra installs 0.32.2), and 0.30.7 and 0.31.3 "
+    "for attention layers only"
 )
 
 # Marks our replacements, so a reloaded copy of this package still knows them.
