@@ -258,6 +258,9 @@ SWITCHES = [
     ("bailing_moe", "use_qk_norm", False),
     ("minimax", "use_qk_norm", False),
     ("minimax_m3_vl", "use_qk_norm", False),
+    ("glm4_moe", "use_qk_norm", False),  # read by the replacement itself
+    ("llama4_text", "use_qk_norm", False),
+    ("exaone4", "use_rope", False),
 ]
 
 
