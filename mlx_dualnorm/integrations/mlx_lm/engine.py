@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
+from mlx_dualnorm._composite import Mode
 from mlx_dualnorm.integrations.mlx_lm import registry
 from mlx_dualnorm.integrations.mlx_lm._shared import (
     REPLACEMENT_MARKER,
@@ -227,8 +228,9 @@ def _live_checks(layer: Any) -> tuple[Optional[str], tuple]:
             )
             continue
         checks.append(check)
-        if hasattr(call, "__code__"):  # a reloader swaps the code of the same function
-            checks.append((call, "__code__", call.__code__))
+        code = getattr(call, "__code__", None)
+        if code is not None:  # a reloader swaps the code of the same function
+            checks.append((call, "__code__", code))
         function = live_function(part_class, "__call__")
         piece = registry.piece_name(part_class, "__call__")
         if reason is None and not (
@@ -293,7 +295,7 @@ def plan() -> Plan:
         return Plan(tuple(proven), unproven)
 
 
-def install(install_plan: Plan, new_mode: Optional[object]) -> None:
+def install(install_plan: Plan, new_mode: Optional[Mode]) -> None:
     """Patches the plan's proven classes and leaves its unproven ones; the
     caller holds ``STATE.lock``. Cannot fail past its first assignment."""
     STATE.mode = new_mode
@@ -363,7 +365,9 @@ def registered_pieces() -> list[tuple[str, object]]:
         )
     for name, (_, methods) in registry.WRITTEN_CACHES.items():
         cache_class = registry.class_of(registry.CACHE_MODULE, name)
-        for method in methods if cache_class is not None else ():
+        if cache_class is None:
+            continue
+        for method in methods:
             pieces.append(
                 (f"{registry.CACHE_MODULE}.{name}.{method}", live_function(cache_class, method))
             )

@@ -23,7 +23,8 @@ import threading
 from typing import NamedTuple, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx.nn.layers.normalization import RMSNorm
+from mlx.nn.layers.positional_encoding import RoPE
 
 from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
 from mlx_dualnorm.integrations.mlx_lm import registry
@@ -34,10 +35,10 @@ from mlx_dualnorm.integrations.mlx_lm._shared import (
 )
 from mlx_dualnorm.integrations.mlx_lm.state import STATE
 
-# The classes as MLX defines them (a name the program rebinds, such as
-# ``nn.RMSNorm = MyNorm``, changes nothing here).
-RMS_NORM = registry.defined_class("mlx.nn.layers.normalization", "RMSNorm")
-ROPE = registry.defined_class("mlx.nn.layers.positional_encoding", "RoPE")
+# The classes as MLX defines them, from their own modules (a name the
+# program rebinds, such as ``nn.RMSNorm = MyNorm``, changes nothing here).
+RMS_NORM = RMSNorm
+ROPE = RoPE
 
 # Built objects by the constants they depend on (see norm_rope_for).
 _norm_ropes: dict = {}
@@ -90,7 +91,7 @@ def is_plain_norm_rope(rope, query_norm, key_norm) -> bool:
     nn.RMSNorm on both sides with one plain eps, then plain nn.RoPE with
     plain constants, or one of the scaled RoPEs of :data:`SCALED_ROPE_CLASSES`
     (exact types) with plain constants and an ``mx.array`` table."""
-    if not (type(query_norm) is type(key_norm) is RMS_NORM):
+    if not (type(query_norm) is type(key_norm) is RMSNorm):
         return False
     eps = query_norm.eps
     if type(eps) not in PLAIN_SCALAR_TYPES or type(key_norm.eps) is not type(eps):
@@ -100,7 +101,7 @@ def is_plain_norm_rope(rope, query_norm, key_norm) -> bool:
     if type(rope) in SCALED_ROPE_CLASSES:
         constants = _scaled_rope_constants(rope)
         return constants is not None and type(_rope_table(rope)) is mx.array
-    if type(rope) is not ROPE or type(rope.dims) is not int:
+    if type(rope) is not RoPE or type(rope.dims) is not int:
         return False
     if type(rope.traditional) is not bool:
         return False

@@ -36,6 +36,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.normalization import RMSNorm
 
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
 from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, head_norms, norm_rope, registry
@@ -187,7 +188,7 @@ def _head_norm_for(query_norm, key_norm) -> Optional[CompiledDualHeadNorm]:
 
 
 def _is_plain_norm(query_norm, key_norm) -> bool:
-    if not (type(query_norm) is type(key_norm) is norm_rope.RMS_NORM):
+    if not (type(query_norm) is type(key_norm) is RMSNorm):
         return False
     eps = query_norm.eps
     return type(eps) in PLAIN_SCALAR_TYPES and type(key_norm.eps) is type(eps) and (

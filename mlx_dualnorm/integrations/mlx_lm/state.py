@@ -14,6 +14,8 @@ import dataclasses
 import threading
 from typing import Any, Callable, Optional
 
+from mlx_dualnorm._composite import Mode
+
 
 @dataclasses.dataclass
 class Tally:
@@ -99,7 +101,7 @@ class PatchState:
         # Held by patch(), unpatch(), a block's end and every decision.
         self.lock = threading.RLock()
         self.patched = False
-        self.mode: Optional[object] = None  # the mode the replacements build with
+        self.mode: Optional[Mode] = None  # the mode the replacements build with
         # The holds in force, oldest first: the newest one's setting is installed.
         self.holds: list[Hold] = []
         self.installed: dict[type, Installed] = {}
