@@ -2,9 +2,12 @@
 mode, the holds of :func:`~.patch` and :func:`~.unpatch` that decide it,
 the decisions per layer and what was recorded for the report.
 
-One object, :data:`STATE`, owned by :mod:`.engine` and :mod:`._patching`
-(the only writers); the layer shapes read ``STATE.patched`` and
-``STATE.prework_log``. This module imports nothing of the integration.
+One object, :data:`STATE`. :mod:`._patching` writes the setting and the
+holds, :mod:`.engine` what is installed and decided, :mod:`.registry` the
+modules that failed to import, :mod:`.report` that the warning was given
+and :mod:`.recording` what a tool records; the layer shapes only read it
+(the mode their objects are built with, whether a tool records, whether
+the patch is on). This module imports nothing of the integration.
 """
 
 from __future__ import annotations
