@@ -186,6 +186,21 @@ def test_a_norm_class_rebound_after_a_first_patched_model_is_followed(monkeypatc
     assert_patched_run_is_unpatched_run(model)
 
 
+def test_a_rope_class_rebound_after_a_first_patched_model_is_followed(monkeypatch):
+    from mlx_lm.models import rope_utils
+
+    class ScaledLlama3RoPE(rope_utils.Llama3RoPE):
+        def __call__(self, x, offset=0):
+            return super().__call__(x, offset) * 1.0625
+
+    with integration.patch():
+        greedy_generate(build_synthetic_model("apertus-llama3"), PROMPT, 2)
+    monkeypatch.setattr(rope_utils, "Llama3RoPE", ScaledLlama3RoPE)
+    model = build_synthetic_model("apertus-llama3")
+    assert type(model.layers[0].self_attn.rope) is ScaledLlama3RoPE
+    assert_patched_run_is_unpatched_run(model)
+
+
 def scaled_norm_call(self, x):
     return mx.fast.rms_norm(x, self["weight"], self.eps) * 1.0625
 
