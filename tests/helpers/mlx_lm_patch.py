@@ -122,7 +122,6 @@ def forget_proofs() -> None:
 
     registry.forget_verdicts()
     cache_update.forget_cache_proofs()
-    engine._part_class_set = None
 
 
 def count_module_calls(monkeypatch, classes) -> collections.Counter:

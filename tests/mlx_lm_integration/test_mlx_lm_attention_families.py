@@ -33,6 +33,7 @@ from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, head_norms  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import norm_rope  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_attention_families import randomize_norm_weights  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
@@ -195,7 +196,7 @@ def test_kv_shared_layers_run_mlx_lms_code():
             if not attention.has_kv:
                 engaged, reason = engine.decision_of(attention)
                 assert not engaged and reason, reason
-                assert engine._decisions[id(attention)][1] is mlx_lm_call  # mlx-lm's function
+                assert STATE.decisions[id(attention)].function is mlx_lm_call  # mlx-lm's function
     assert all(type(layer.self_attn) is attention_class for layer in model.layers)
 
 

@@ -21,6 +21,7 @@ from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import engagement, registry  # noqa: E402
 from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engine import recording_prework  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     SYNTHETIC_MODEL_TYPES,
@@ -168,7 +169,7 @@ def test_recording_is_off_outside_its_block():
             greedy_generate(model, PROMPT, 1)
         recorded = dict(kinds.by_layer)
         greedy_generate(model, PROMPT, 1)
-    assert engine.prework_log is None
+    assert STATE.prework_log is None
     assert kinds.by_layer == recorded and len(recorded) == 3
 
 
@@ -181,3 +182,28 @@ def test_fold_count_counts_the_folds_built():
     assert engagement.fold_count() == 1  # one dtype, width, eps and scale
     integration.clear_cache()
     assert engagement.fold_count() == 0
+
+
+def test_the_summary_counts_layers_package_calls_and_folded_calls_with_plurals():
+    """One full-attention layer and three gated-delta layers: the line says
+    "1 attention layer", and its package calls are the attention calls plus
+    the normalize_qk calls that ran the fold (not the folds built)."""
+    from mlx_dualnorm.tools.mlx_lm_check import greedy_generate
+    from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model
+
+    model = build_synthetic_model("qwen3_next")
+    before = integration.report()
+    with integration.patch():
+        greedy_generate(model, PROMPT, 4)
+        report = integration.report()
+    engaged = report.engaged_layers - before.engaged_layers
+    folded = report.folded_calls - before.folded_calls
+    assert engaged == 1 and folded >= 3 * 5
+    summary = report.summary()
+    assert summary.startswith(f"mlx_dualnorm: {report.engaged_layers} attention layer")
+    if report.engaged_layers == 1:
+        assert "1 attention layer engaged" in summary
+    assert (f"{report.calls + report.folded_calls} package calls ({report.calls} attention "
+            f"call{'s' if report.calls != 1 else ''}, {report.folded_calls} folded normalize_qk "
+            "calls)") in summary
+    assert f"{report.folds} gated-delta fold" in summary

@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import engine, head_norms, qwen3_like  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     DEFAULT_DTYPES,
@@ -136,7 +137,7 @@ def check_family(model, engaged, left_alone, call_counts):
         fallbacks = {entry.name: entry.fallbacks for entry in integration.report().classes
                      if entry.fallbacks}
         for index in left_alone:  # mlx-lm's function itself, nothing of ours inside
-            assert engine._decisions[id(layers[index])][1] is mlx_lm_calls[index]
+            assert STATE.decisions[id(layers[index])].function is mlx_lm_calls[index]
 
     assert len(set(reference.token_ids)) > 8, "a degenerate model proves little"
     assert_traces_bit_identical(reference, patched, steps=GENERATED_TOKENS + 1)

@@ -23,6 +23,7 @@ from mlx_dualnorm import available_modes  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import engine, norm_rope, qwen3  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
     build_synthetic_model,
@@ -175,7 +176,7 @@ def test_layers_with_other_ropes_run_their_own_code(prework_calls):
     mlx_lm_call = attention_class.__call__
     with integration.patch():
         patched = greedy_generate(model, prompt, 8)
-        assert engine._decisions[id(second)][1] is mlx_lm_call
+        assert STATE.decisions[id(second)].function is mlx_lm_call
         assert engine.decision_of(second) == (False, qwen3_family_refusal())
         assert is_engaged_layer(first) and type(first) is type(second) is attention_class
     assert compare_traces(reference, patched).identical

@@ -328,6 +328,11 @@ def test_cache_is_bounded(monkeypatch, fallback_calls):
 
 # ---- Patch and unpatch ----------------------------------------------------------
 
+# What patch() installs in mlx-lm (default mode): not the drop-in itself,
+# which folds whether patched or not, but a function that reads the patch's
+# state at each call.
+PATCHED = fold_module._replacement_for(None)
+
 
 @pytest.fixture
 def model_modules():
@@ -341,7 +346,7 @@ def installed(modules):
 def test_patch_replaces_every_loaded_copy_and_unpatch_restores(model_modules):
     integration.patch()
     assert integration.is_patched()
-    assert set(installed(model_modules).values()) == {integration.normalize_qk}
+    assert set(installed(model_modules).values()) == {PATCHED}
     integration.unpatch()
     assert not integration.is_patched()
     assert set(installed(model_modules).values()) == {ORIGINAL}
@@ -352,7 +357,7 @@ def test_patch_and_unpatch_are_idempotent(model_modules):
     assert set(installed(model_modules).values()) == {ORIGINAL}
     integration.patch()
     integration.patch()
-    assert set(installed(model_modules).values()) == {integration.normalize_qk}
+    assert set(installed(model_modules).values()) == {PATCHED}
     integration.unpatch()
     assert set(installed(model_modules).values()) == {ORIGINAL}
 
@@ -361,11 +366,11 @@ def test_context_managers_nest(model_modules):
     with integration.patch() as outer:
         assert outer.patched and integration.is_patched()
         with integration.patch():
-            assert gated_delta.normalize_qk is integration.normalize_qk
+            assert gated_delta.normalize_qk is PATCHED
         assert integration.is_patched()
         with integration.unpatch():
             assert set(installed(model_modules).values()) == {ORIGINAL}
-        assert set(installed(model_modules).values()) == {integration.normalize_qk}
+        assert set(installed(model_modules).values()) == {PATCHED}
     assert not integration.is_patched()
     assert set(installed(model_modules).values()) == {ORIGINAL}
 
@@ -375,7 +380,7 @@ def test_a_permanent_patch_survives_a_block():
     with integration.patch():
         pass
     assert integration.is_patched()
-    assert gated_delta.normalize_qk is integration.normalize_qk
+    assert gated_delta.normalize_qk is PATCHED
 
 
 def test_modules_outside_mlx_lm_and_imported_later(monkeypatch):
@@ -389,8 +394,8 @@ def test_modules_outside_mlx_lm_and_imported_later(monkeypatch):
         late = types.ModuleType("mlx_lm.models._test_late")
         exec("from mlx_lm.models.gated_delta import normalize_qk", late.__dict__)
         monkeypatch.setitem(sys.modules, "mlx_lm.models._test_late", late)
-        assert holder.normalize_qk is integration.normalize_qk
-        assert late.normalize_qk is integration.normalize_qk
+        assert holder.normalize_qk is PATCHED
+        assert late.normalize_qk is PATCHED
         assert foreign.normalize_qk is ORIGINAL
     assert holder.normalize_qk is ORIGINAL and late.normalize_qk is ORIGINAL
 

@@ -38,6 +38,7 @@ from mlx_dualnorm import CompiledDualHeadNormRope  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, qwen3 as qwen3_shape  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_check import greedy_generate  # noqa: E402
 from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model, prompt_token_ids  # noqa: E402
 
@@ -170,7 +171,7 @@ def qwen3_model():
 
 def test_an_attention_call_replaced_before_patch_is_kept(monkeypatch, proofs_forgotten,
                                                          package_calls):
-    monkeypatch.setattr(engine, "_warned_unproven", False)  # this test's own warning
+    monkeypatch.setattr(STATE, "warned_unproven", False)  # this test's own warning
     model = qwen3_model()
     own_call = qwen3.Attention.__call__
 
@@ -296,25 +297,25 @@ def assert_same_logits(actual, expected):
         assert_bit_identical(actual_step, expected_step)
 
 
-def test_a_norm_changed_after_the_first_patched_call_is_followed_from_the_next_patch(
+def test_a_norm_s_code_swapped_after_the_first_patched_call_is_followed_at_the_next_call(
         monkeypatch, proofs_forgotten, package_calls):
-    """Each patch() re-checks the norm and RoPE code decided layers rely on:
-    nn.RMSNorm.__call__'s __code__ swapped (as a reloader does) after the
-    layers were decided, then patch() again: their next call is mlx-lm's,
-    and patch() says what it left."""
-    monkeypatch.setattr(engine, "_warned_unproven", False)
+    """nn.RMSNorm.__call__'s __code__ swapped (as a reloader does) after the
+    layers were decided, with no patch() since: their next call is mlx-lm's
+    (the decision tests the function's code at every call), and a later
+    patch() says what it left."""
+    monkeypatch.setattr(STATE, "warned_unproven", False)
     model = qwen3_model()
     integration.patch()
     greedy_generate(model, PROMPT, 1)
     assert package_calls["package"] > 0
     monkeypatch.setattr(nn.RMSNorm.__call__, "__code__", scaled_rms_norm.__code__)
+    package_calls["package"] = 0
+    patched = greedy_generate(model, PROMPT, TOKENS)
+    assert package_calls["package"] == 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         integration.patch()
     assert any("RMSNorm: __call__" in str(warning.message) for warning in caught)
-    package_calls["package"] = 0
-    patched = greedy_generate(model, PROMPT, TOKENS)
-    assert package_calls["package"] == 0
     integration.unpatch()
     assert_traces_bit_identical(greedy_generate(model, PROMPT, TOKENS), patched)
     report_after = integration.report()
@@ -391,7 +392,7 @@ def test_a_dispatcher_put_back_after_unpatch_runs_the_class_s_own_code(package_c
     try:
         qwen3.Attention.__call__ = saved
         put_back = greedy_generate(model, PROMPT, TOKENS)
-        assert package_calls["package"] == 0 and not engine._decisions
+        assert package_calls["package"] == 0 and not STATE.decisions
         integration.patch()  # and a patch then installs over it as over mlx-lm's
         assert engine.is_installed(qwen3.Attention)
         integration.unpatch()

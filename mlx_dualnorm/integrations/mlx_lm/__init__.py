@@ -69,7 +69,7 @@ from mlx_dualnorm.integrations.mlx_lm._patching import (  # noqa: E402
     report,
     unpatch,
 )
-from mlx_dualnorm.integrations.mlx_lm.engine import ClassReport, PatchReport  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.report import ClassReport, PatchReport  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm._shared import (  # noqa: E402
     MAX_CACHED_OBJECTS,
     PLAIN_SCALAR_TYPES,

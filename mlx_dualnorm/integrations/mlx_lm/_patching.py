@@ -1,17 +1,26 @@
-"""Installing and restoring the patch: which function mlx-lm's modules
-hold, which attention classes run the engine's dispatcher, and the state
-that :func:`patch` and :func:`unpatch` save and bring back. Each layer
-shape (one module here per shape) registers what is installed, the
-registry says what must be proven first, and :mod:`.engine` installs it;
-this module only points mlx-lm at it."""
+"""The public switch: :func:`patch`, :func:`unpatch`, their blocks, and
+which function mlx-lm's modules hold. Each layer shape (one module here
+per shape) registers what is installed, the registry says what must be
+proven first, and :mod:`.engine` installs it; this module decides when.
+
+:func:`patch` is all or nothing: it reads what it would install and says
+what it leaves (raising, or warning, where a warning filter may raise)
+before it changes anything, so any exception leaves the process as it
+was. Each call is a HOLD of the setting it installs, which remembers the
+setting it found: a block's hold ends with the block and brings that back
+where it is the newest hold, or hands it to the next newer hold where it
+is not. So blocks nest, blocks of several threads overlap (the patch
+stays on until the last one ends), and a plain :func:`unpatch` outside any
+block turns the patch off for good.
+"""
 
 from __future__ import annotations
 
 import sys
-import threading
+import weakref
 from typing import Optional
 
-from mlx_dualnorm._composite import Mode
+from mlx_dualnorm._composite import _MODES, Mode
 from mlx_dualnorm.integrations.mlx_lm import engine, gated_delta, registry
 
 # Each shape module registers its attention families when imported.
@@ -20,6 +29,7 @@ from mlx_dualnorm.integrations.mlx_lm import norm_after_transpose  # noqa: F401
 from mlx_dualnorm.integrations.mlx_lm import norm_before_transpose  # noqa: F401
 from mlx_dualnorm.integrations.mlx_lm import whole_projection  # noqa: F401
 from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms, norm_rope
+from mlx_dualnorm.integrations.mlx_lm import report as reports
 from mlx_dualnorm.integrations.mlx_lm._shared import (
     REPLACEMENT_MARKER,
     SUPPORTED_MLX_LM,
@@ -30,6 +40,7 @@ from mlx_dualnorm.integrations.mlx_lm.gated_delta import (
     ORIGINAL_NORMALIZE_QK,
     gated_delta_module,
 )
+from mlx_dualnorm.integrations.mlx_lm.state import STATE, Hold
 
 MLX_LM_PACKAGE = "mlx_lm"
 PATCHED_ATTRIBUTE = "normalize_qk"
@@ -41,22 +52,20 @@ def _normalize_qk_is_proven() -> bool:
     )
 
 
-def _unproven_pieces() -> dict[str, str]:
-    """Class (or function) name -> what of it is not the recorded code, for
-    everything the registry names: what the warning lists. Read after the
-    engine's install."""
+def _unproven_pieces(install_plan: engine.Plan) -> dict[str, str]:
+    """Class, function or module name -> what of it is not the recorded
+    code (or why it was left alone), for everything the registry names:
+    what the warning lists."""
     unproven = {
         registry.class_name(cls): ", ".join(pieces)
-        for cls, pieces in engine.unproven_classes.items()
+        for cls, pieces in install_plan.unproven.items()
     }
     for part_class in registry.reproduced_part_classes():
         pieces = registry.unproven_attributes(part_class, ("__call__",))
         if pieces:
             unproven[registry.class_name(part_class)] = ", ".join(pieces)
-    for cache_class, (_, methods) in registry.written_cache_classes().items():
-        pieces = registry.unproven_attributes(cache_class, methods)
-        if pieces:
-            unproven[registry.class_name(cache_class)] = ", ".join(pieces)
+    for name, methods in registry.unproven_cache_methods().items():
+        unproven[name] = ", ".join(methods)
     for name in engine.replaced_mlx_functions():
         unproven[name] = "not MLX's own function: no attention layer engages"
     if ORIGINAL_NORMALIZE_QK is None:
@@ -66,20 +75,22 @@ def _unproven_pieces() -> dict[str, str]:
             )
     elif not _normalize_qk_is_proven():
         unproven[registry.NORMALIZE_QK_PIECE] = "its code: gated-delta layers run it (no fold)"
+    for module_name, error in STATE.import_failures.items():
+        unproven[module_name] = f"does not import ({error}): left alone"
     return unproven
 
 
-def _say_what_is_left() -> None:
-    """After an install: raises RuntimeError where the patch could change
+def _say_what_is_left(install_plan: engine.Plan) -> None:
+    """Before an install: raises RuntimeError where the patch could change
     nothing at all (no class and no normalize_qk proven), else warns once
     per process what runs its own code."""
-    if not engine.patched_classes() and not _normalize_qk_is_proven():
+    if not install_plan.proven and not _normalize_qk_is_proven():
         raise RuntimeError(
-            f"[{PATCH_OPERATION}] {engine.installed_mlx_lm()} has none of the code the patch "
+            f"[{PATCH_OPERATION}] {reports.installed_mlx_lm()} has none of the code the patch "
             f"was proven on: nothing would change; it supports {SUPPORTED_MLX_LM}: "
             "pip install 'mlx-lm==0.32.2'"
         )
-    engine.warn_unproven_once(_unproven_pieces())
+    reports.warn_unproven_once(_unproven_pieces(install_plan))
 
 
 def _is_ours_or_original(function) -> bool:
@@ -98,11 +109,11 @@ def _is_ours_or_original(function) -> bool:
     return marked and getattr(function, "__wrapped__", None) is ORIGINAL_NORMALIZE_QK
 
 
-def _point_mlx_lm_at(function) -> None:
-    """Sets ``normalize_qk`` in gated_delta and in every loaded mlx-lm module
-    that holds the original or one of our replacements (a function the
-    user put there stays). Modules imported later copy gated_delta's
-    attribute, whichever it is then."""
+def _modules_to_point(function) -> list:
+    """The loaded modules whose ``normalize_qk`` :func:`_point_mlx_lm_at`
+    sets: gated_delta and every mlx-lm module that holds the original or one
+    of our replacements (a function the user put there stays)."""
+    found = []
     for module_name, module in list(sys.modules.items()):
         if module is None or not (
             module is gated_delta_module
@@ -115,53 +126,106 @@ def _point_mlx_lm_at(function) -> None:
         except TypeError:  # an entry without a __dict__
             continue
         if current is not function and _is_ours_or_original(current):
-            setattr(module, PATCHED_ATTRIBUTE, function)
+            found.append(module)
+    return found
 
 
-_UNPATCHED = object()  # the installed state when mlx-lm runs its own function
-_patch_state_lock = threading.RLock()
-_installed_mode = _UNPATCHED
+def _point_mlx_lm_at(function) -> None:
+    """Sets ``normalize_qk`` where :func:`_modules_to_point` says. Modules
+    imported later copy gated_delta's attribute, whichever it is then."""
+    for module in _modules_to_point(function):
+        setattr(module, PATCHED_ATTRIBUTE, function)
 
 
-def _install(mode) -> None:
-    """Installs ``mode``'s replacements, or the originals for ``_UNPATCHED``;
-    the caller holds ``_patch_state_lock``."""
-    global _installed_mode
-    # Without normalize_qk (an mlx-lm before 0.32.0) there is nothing to
-    # fold; where its code is not the recorded one, it is left as it is.
-    if mode is _UNPATCHED:
+def _install(patched: bool, mode) -> None:
+    """Installs what ``(patched, mode)`` says, with every check that can
+    fail run first; the caller holds ``STATE.lock``."""
+    if not patched:
         if ORIGINAL_NORMALIZE_QK is not None:
             _point_mlx_lm_at(ORIGINAL_NORMALIZE_QK)
         engine.restore()
-    else:
-        if _normalize_qk_is_proven():
-            _point_mlx_lm_at(gated_delta._replacement_for(mode))
-        cache_update.forget_cache_proofs()
-        engine.install(mode)
-    _installed_mode = mode
+        STATE.patched, STATE.mode = False, None
+        return
+    install_plan = engine.plan()
+    _say_what_is_left(install_plan)
+    replacement = gated_delta._replacement_for(mode) if _normalize_qk_is_proven() else None
+    # Nothing past this line raises: the checks are done.
+    if replacement is not None:
+        _point_mlx_lm_at(replacement)
+    cache_update.forget_cache_proofs()
+    engine.install(install_plan, mode)
+    STATE.patched = True
+
+
+def _take_hold(hold: Hold) -> None:
+    """Installs ``hold``'s setting and adds it as the newest hold; raises
+    (nothing changed) where the install does."""
+    with STATE.lock:
+        previous = (STATE.patched, STATE.mode)
+        _install(hold.patched, hold.mode)
+        hold.previous = previous
+        STATE.holds = _merged(STATE.holds) + [hold]
+
+
+def _merged(holds: list) -> list:
+    """``holds`` with each run of one thread's plain calls (no block can end
+    between them) as its newest call, which takes the oldest's
+    ``previous``: the list stays as long as the blocks open, twice over."""
+    merged: list = []
+    for hold in holds:
+        last = merged[-1] if merged else None
+        if last is not None and last.is_plain() and hold.is_plain() and last.thread == hold.thread:
+            hold.previous = last.previous
+            merged[-1] = hold
+        else:
+            merged.append(hold)
+    return merged
+
+
+def _release(hold: Hold) -> None:
+    """Ends a block's ``hold``. The plain calls its thread made inside the
+    block end with it. Where the newest hold ends, the setting it found
+    comes back; where an older one ends (another thread's block is still
+    open, or a plain call was made since in another thread), the next newer
+    hold takes over what it found, so the last block to end restores it."""
+    with STATE.lock:
+        holds = STATE.holds
+        if not any(held is hold for held in holds):
+            return
+        start = next(index for index, held in enumerate(holds) if held is hold)
+        ending = [hold] + [
+            held for held in holds[start + 1:] if held.thread == hold.thread and held.is_plain()
+        ]
+        target = None
+        for held in reversed(ending):
+            index = next(index for index, other in enumerate(holds) if other is held)
+            if index == len(holds) - 1:
+                target = held.previous
+            else:
+                holds[index + 1].previous = held.previous
+            del holds[index]
+        if target is not None and target != (STATE.patched, STATE.mode):
+            _install(*target)
 
 
 class MlxLmPatch:
     """What :func:`patch` and :func:`unpatch` return. The change is made
-    already; used as a context manager, leaving the block restores the state
-    from before the call, so nested blocks unwind in order."""
+    already; used as a context manager, leaving the block brings back the
+    setting from before the call, so nested blocks unwind in order, and of
+    blocks that overlap in several threads the last to end restores it."""
 
-    __slots__ = ("patched", "mode", "_previous_state", "_restored")
+    __slots__ = ("patched", "mode", "_hold", "__weakref__")
 
-    def __init__(self, patched: bool, mode: Optional[Mode], previous_state: object) -> None:
+    def __init__(self, patched: bool, mode: Optional[Mode]) -> None:
         self.patched = patched
         self.mode = mode
-        self._previous_state = previous_state
-        self._restored = False
+        self._hold = Hold(patched, mode, weakref.ref(self))
 
     def __enter__(self) -> "MlxLmPatch":
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        with _patch_state_lock:
-            if not self._restored:
-                self._restored = True
-                _install(self._previous_state)
+        _release(self._hold)
 
     def __repr__(self) -> str:
         if not self.patched:
@@ -180,32 +244,39 @@ def patch(mode: Optional[Mode] = None) -> MlxLmPatch:
 
     Returns:
         An :class:`MlxLmPatch`: keep calling for the rest of the process, or
-        use as ``with patch(): ...`` to undo it at the end of the block.
-        Patching again is harmless; :func:`unpatch` undoes every patch.
+        use as ``with patch(): ...`` to undo it at the end of the block
+        (blocks nest, and overlap across threads: the patch stays on until
+        the last one ends). Patching again is harmless; a plain
+        :func:`unpatch` undoes every plain patch.
 
     Raises:
-        ValueError: ``mode`` cannot run here.
+        TypeError: ``mode`` is not a str (or None).
+        ValueError: ``mode`` names no mode, or cannot run here.
         RuntimeError: nothing the patch covers has the code it was proven
             on (no attention class, no ``normalize_qk``); the message names
             the supported releases. Where some of it differs (a newer or
             older mlx-lm, a class changed by the program), the rest is
             patched, what differs runs its own code, and one RuntimeWarning
             per process names it.
+        Any of these, or the warning raised as an error by a warning
+        filter, leaves the process as it was before the call.
     """
     if mode is not None:
         _check_mode(mode)
-    with _patch_state_lock:
-        handle = MlxLmPatch(True, mode, _installed_mode)
-        _install(mode)
-        try:
-            _say_what_is_left()
-        except RuntimeError:
-            _install(handle._previous_state)
-            raise
+    handle = MlxLmPatch(True, mode)
+    _take_hold(handle._hold)
     return handle
 
 
 def _check_mode(mode: Mode) -> None:
+    names = ", ".join(map(repr, _MODES))
+    if not isinstance(mode, str):
+        raise TypeError(
+            f"[{PATCH_OPERATION}] mode must be None or one of {names}, "
+            f"not {type(mode).__name__}"
+        )
+    if mode not in _MODES:
+        raise ValueError(f"[{PATCH_OPERATION}] mode must be None or one of {names}, not {mode!r}")
     try:
         gated_delta._new_dual_head_norm(1e-6, mode).close()
     except (TypeError, ValueError) as error:
@@ -213,21 +284,20 @@ def _check_mode(mode: Mode) -> None:
 
 
 def unpatch() -> MlxLmPatch:
-    """Puts mlx-lm's own ``normalize_qk`` back everywhere, now; harmless when
-    not patched. As ``with unpatch(): ...``, the block runs mlx-lm's function
-    and the previous state comes back after it."""
-    with _patch_state_lock:
-        handle = MlxLmPatch(False, None, _installed_mode)
-        _install(_UNPATCHED)
+    """Puts mlx-lm's own code back everywhere, now; harmless when not
+    patched. As ``with unpatch(): ...``, the block runs mlx-lm's code and
+    the setting in force before it comes back after it."""
+    handle = MlxLmPatch(False, None)
+    _take_hold(handle._hold)
     return handle
 
 
 def is_patched() -> bool:
     """Whether the patch is on (what it engaged: :func:`report`)."""
-    return _installed_mode is not _UNPATCHED
+    return STATE.patched
 
 
-def report() -> engine.PatchReport:
+def report() -> reports.PatchReport:
     """What the patch engaged in this process: per registered attention
     class, whether it is patched or left unproven (and which pieces
     differ), its layers engaged and left (and why), and
@@ -236,9 +306,9 @@ def report() -> engine.PatchReport:
     ``normalize_qk``'s calls.
     ``report().summary()`` says it in one line."""
     calls = gated_delta.call_counts
-    return engine.PatchReport(
-        engine.installed_mlx_lm(), is_patched(), engine.class_reports(), gated_delta.fold_count(),
-        calls["calls"], calls["original"],
+    return reports.PatchReport(
+        reports.installed_mlx_lm(), is_patched(), reports.class_reports(),
+        gated_delta.fold_count(), calls["calls"], calls["original"],
     )
 
 

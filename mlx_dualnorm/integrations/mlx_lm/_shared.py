@@ -9,12 +9,12 @@ from typing import Callable
 
 LOGGER = logging.getLogger("mlx_dualnorm.integrations.mlx_lm")
 
-# mlx-lm gained gated_delta.normalize_qk in 0.32.0 (0.31.x normalizes q and k
-# inside each model, so there only full attention is patched); the
-# integration is tested on 0.32.2, the mlx-lm extra, and on 0.31.3.
+# The releases proven (docs/mlx-lm.md's table): mlx-lm gained
+# gated_delta.normalize_qk in 0.32.0 (before, its gated-delta layers
+# normalize inline, so only attention layers are patched).
 SUPPORTED_MLX_LM = (
-    "mlx-lm 0.32.0 to 0.32.2 (tested on 0.32.2, which the mlx-lm extra installs); "
-    "on mlx-lm 0.31.x the full-attention layers only (tested on 0.31.3)"
+    "mlx-lm 0.32.0 to 0.32.2 (the mlx-lm extra installs 0.32.2), and 0.30.7 and 0.31.3 "
+    "for attention layers only"
 )
 
 # Marks our replacements, so a reloaded copy of this package still knows them.
@@ -26,6 +26,16 @@ PLAIN_SCALAR_TYPES = (float, int)
 # keys are model constants (a few per model); past this, new keys run the
 # original instead of growing the cache.
 MAX_CACHED_OBJECTS = 256
+
+
+def is_mlx_function(name: str, function: object) -> bool:
+    """Whether ``function`` is MLX's own ``mx.fast.NAME`` (a nanobind
+    function of that name in ``mlx.core.fast``)."""
+    return (
+        type(function).__name__ == "nb_func"
+        and getattr(function, "__module__", None) == "mlx.core.fast"
+        and getattr(function, "__name__", None) == name
+    )
 
 
 def cached_or_built(cache: dict, lock, key, build: Callable[[], object], when_full):

@@ -25,6 +25,7 @@ from mlx_dualnorm._binding import assign_array
 # wrapper set there (a tool counting calls) sees every call.
 from mlx_dualnorm.integrations.mlx_lm import engine, norm_rope, registry
 from mlx_dualnorm.integrations.mlx_lm.norm_rope import LayerPrework
+from mlx_dualnorm.integrations.mlx_lm.state import STATE
 from mlx_dualnorm.integrations.mlx_lm._shared import log_fallback_once
 
 
@@ -32,55 +33,64 @@ _ARRAY = mx.array
 _PLAIN, _BATCHED = registry.PLAIN_CACHE, registry.BATCHED_CACHE
 _ROTATING, _BATCHED_ROTATING = registry.ROTATING_CACHE, registry.BATCHED_ROTATING_CACHE
 
-# class -> (its kind where every method the step restates was proven, else
-# None; its update_and_fetch as proven; the names of the methods, which an
-# object of the class must not hold itself). Filled once per class and
-# patch(), and again where update_and_fetch is no longer the function
-# proven (a monkeypatch).
-_cache_entries: dict = {}
-_cache_entries_lock = threading.Lock()
+class _CacheClass(NamedTuple):
+    """What is known of one cache class: its kind where every method a
+    step of the one call restates resolves to recorded code (None: the
+    class keeps its own update); ``methods``: ``(name, function)`` as the
+    class resolved them when proven, tested by identity at every call (a
+    method changed since is proven again); ``names``: the method names,
+    which an object of the class must not hold itself."""
+
+    kind: Optional[str]
+    methods: tuple
+    names: frozenset
+
+
+# class -> _CacheClass, filled once per class, and again where one of its
+# methods is no longer the function proven (a monkeypatch).
+_cache_classes: dict = {}
+_cache_classes_lock = threading.Lock()
 
 
 def _cache_kind(cache) -> Optional[str]:
     """The bookkeeping kind of ``cache`` where the one call may write it
-    (its class in :data:`.registry.WRITTEN_CACHES` with every method listed
-    there proven, and none of them set on the object itself), else None.
-    An identity test and a set test per call."""
+    (each method it restates resolving to recorded code, and none of them
+    set on the object itself), else None. A few identity tests and a set
+    test per call."""
     cache_class = type(cache)
-    entry = _cache_entries.get(cache_class)
-    if entry is None or getattr(cache_class, "update_and_fetch", None) is not entry[1]:
-        entry = _prove_cache_class(cache_class)
-    kind = entry[0]
-    if kind is not None and not entry[2].isdisjoint(getattr(cache, "__dict__", ())):
+    known = _cache_classes.get(cache_class)
+    if known is None:
+        known = _prove_cache_class(cache_class)
+    else:
+        for name, function in known.methods:
+            if getattr(cache_class, name, None) is not function:
+                known = _prove_cache_class(cache_class)
+                break
+    kind = known.kind
+    if kind is not None and not known.names.isdisjoint(getattr(cache, "__dict__", ())):
         return None  # the object's own method runs for it
     return kind
 
 
 def forget_cache_proofs() -> None:
-    """Drops every cache class's proof: each is proven again at its next
-    use (``patch()`` does this, so a method changed since is seen)."""
-    with _cache_entries_lock:
-        _cache_entries.clear()
+    """Drops every cache class's proof: each is proven again at its next use."""
+    with _cache_classes_lock:
+        _cache_classes.clear()
 
 
-_written_classes: Optional[dict] = None
-
-
-def _prove_cache_class(cache_class: type) -> tuple:
-    global _written_classes
-    with _cache_entries_lock:
-        if _written_classes is None:
-            _written_classes = registry.written_cache_classes()
-        written = _written_classes.get(cache_class)
-        update = getattr(cache_class, "update_and_fetch", None)
-        if written is None:
-            entry: tuple = (None, update, frozenset())
-        else:
-            kind, methods = written
-            proven = not registry.unproven_attributes(cache_class, methods)
-            entry = (kind if proven else None, update, frozenset(methods))
-        _cache_entries[cache_class] = entry
-        return entry
+def _prove_cache_class(cache_class: type) -> _CacheClass:
+    """Recognises ``cache_class`` by the code its methods resolve to (not
+    by its name): a kind of :data:`.registry.WRITTEN_CACHES`, or None."""
+    with _cache_classes_lock:
+        found = registry.cache_kind_of(cache_class)
+        names = ("update_and_fetch",) if found is None else found[1]
+        known = _CacheClass(
+            None if found is None else found[0],
+            tuple((name, getattr(cache_class, name, None)) for name in names),
+            frozenset(names),
+        )
+        _cache_classes[cache_class] = known
+        return known
 
 
 class _CacheStep(NamedTuple):
@@ -215,13 +225,13 @@ def prework_and_cache_update(prework: LayerPrework, queries, keys, values, cache
         return None
     written = _written_in_one_call(layer_call, prework, queries, keys, values, cache)
     if written is not None:
-        if engine.prework_log is not None:  # a tool is recording
+        if STATE.prework_log is not None:  # a tool is recording
             engine.note_prework(engine.NORM_ROPE)
         return written
     rotated = norm_rope.rotated_queries_and_keys(layer_call, prework, queries, keys, cache)
     if rotated is None:
         return None
-    if engine.prework_log is not None:  # a tool is recording
+    if STATE.prework_log is not None:  # a tool is recording
         engine.note_prework(engine.NORM_ROPE)
     rotated_queries, rotated_keys = rotated
     return with_cache_update(rotated_queries, rotated_keys, values, cache)

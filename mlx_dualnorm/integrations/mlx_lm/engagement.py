@@ -29,6 +29,7 @@ import mlx.nn as nn
 
 from mlx_dualnorm.integrations.mlx_lm import engine, registry
 from mlx_dualnorm.integrations.mlx_lm.gated_delta import fold_count
+from mlx_dualnorm.integrations.mlx_lm.state import STATE
 
 __all__ = [
     "LayerEngagement", "NORM_ONLY", "NORM_ROPE", "UNNAMED_PREWORK", "fold_count",
@@ -107,8 +108,8 @@ def _place(
         return
     if layer_class in registered:
         name = registry.class_name(layer_class)
-        if layer_class in engine.unproven_classes:
-            yield False, name, UNPROVEN.format(pieces=", ".join(engine.unproven_classes[layer_class]))
+        if layer_class in STATE.unproven_classes:
+            yield False, name, UNPROVEN.format(pieces=", ".join(STATE.unproven_classes[layer_class]))
         elif engine.is_installed(layer_class):
             yield False, name, NOT_CALLED
         else:

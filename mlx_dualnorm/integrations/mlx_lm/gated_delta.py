@@ -54,8 +54,10 @@ from mlx_dualnorm.integrations.mlx_lm._shared import (
     PLAIN_SCALAR_TYPES,
     REPLACEMENT_MARKER,
     cached_or_built,
+    is_mlx_function,
     log_fallback_once,
 )
+from mlx_dualnorm.integrations.mlx_lm.state import STATE
 
 GATED_DELTA_MODULE = "mlx_lm.models.gated_delta"
 
@@ -265,16 +267,35 @@ def _fall_back(queries, keys, inv_scale, eps):
 call_counts = {"calls": 0, "original": 0}
 
 
+# MLX's own mx.fast.rms_norm, the function the original calls and the fold
+# computes: where the program has replaced it (a profiler's wrapper, say),
+# every call runs the original, which calls the program's function.
+_mlx_rms_norm = None
+
+
+def _rms_norm_is_mlx_s() -> bool:
+    """Whether ``mx.fast.rms_norm`` is MLX's own now (remembered by identity)."""
+    global _mlx_rms_norm
+    function = mx.fast.rms_norm
+    if function is _mlx_rms_norm:
+        return True
+    if is_mlx_function("rms_norm", function):
+        _mlx_rms_norm = function
+        return True
+    return False
+
+
 def _normalize_qk(queries, keys, inv_scale, eps, mode):
     call_counts["calls"] += 1
-    try:
-        fold_key = _fold_key(queries, keys, inv_scale, eps, mode)
-        if fold_key is not None:
-            folded = _folded_norm_for(fold_key)
-            if folded is not _UNFOLDABLE:
-                return folded(queries, keys)
-    except Exception as error:  # any failure runs the original, never a guess
-        log_fallback_once("normalize_qk", error)
+    if mx.fast.rms_norm is _mlx_rms_norm or _rms_norm_is_mlx_s():
+        try:
+            fold_key = _fold_key(queries, keys, inv_scale, eps, mode)
+            if fold_key is not None:
+                folded = _folded_norm_for(fold_key)
+                if folded is not _UNFOLDABLE:
+                    return folded(queries, keys)
+        except Exception as error:  # any failure runs the original, never a guess
+            log_fallback_once("normalize_qk", error)
     call_counts["original"] += 1
     return _fall_back(queries, keys, inv_scale, eps)
 
@@ -282,7 +303,9 @@ def _normalize_qk(queries, keys, inv_scale, eps, mode):
 def normalize_qk(
     q: mx.array, k: mx.array, *, inv_scale: float, eps: float
 ) -> tuple[mx.array, mx.array]:
-    """Drop-in for ``mlx_lm.models.gated_delta.normalize_qk``, bit-identical.
+    """Drop-in for ``mlx_lm.models.gated_delta.normalize_qk``, bit-identical,
+    that folds whether or not the patch is on (the function :func:`patch`
+    installs in mlx-lm is another, which runs mlx-lm's own once unpatched).
 
     Returns ``(inv_scale**2 * rms_norm(q, None, eps * inv_scale**2),
     inv_scale * rms_norm(k, None, eps * inv_scale**2))`` from one call of
@@ -314,30 +337,38 @@ def _mark_replacement(function, mode: Optional[Mode]):
     return function
 
 
-_replacements: dict[Optional[Mode], Callable[..., tuple[mx.array, mx.array]]] = {
-    None: _mark_replacement(normalize_qk, None)
-}
+_mark_replacement(normalize_qk, None)
+# mode -> the function patch() installs for it.
+_replacements: dict[Optional[Mode], Callable[..., tuple[mx.array, mx.array]]] = {}
 
 
 def is_replacement(function: object) -> bool:
     """Whether ``function`` is one of this module's replacements (by
     identity, not by its marker)."""
-    return any(function is replacement for replacement in list(_replacements.values()))
+    return function is normalize_qk or any(
+        function is replacement for replacement in list(_replacements.values())
+    )
 
 
 def _replacement_for(mode: Optional[Mode]):
-    """One replacement function per mode, so patching twice installs the
-    same object."""
+    """The function :func:`patch` installs for ``mode``, one per mode, so
+    patching twice installs the same object. It reads the patch's state at
+    every call: a reference to it that outlives the patch (a ``from
+    mlx_lm.models.gated_delta import normalize_qk`` made while patched)
+    runs mlx-lm's own function once unpatched."""
     replacement = _replacements.get(mode)
     if replacement is None:
 
         def normalize_qk(
             q: mx.array, k: mx.array, *, inv_scale: float, eps: float
         ) -> tuple[mx.array, mx.array]:
-            return _normalize_qk(q, k, inv_scale, eps, mode)
+            if STATE.patched:
+                return _normalize_qk(q, k, inv_scale, eps, mode)
+            return ORIGINAL_NORMALIZE_QK(q, k, inv_scale=inv_scale, eps=eps)
 
         normalize_qk.__doc__ = (
-            f"mlx-lm's normalize_qk through mlx_dualnorm (mode {mode!r}), bit-identical."
+            f"mlx-lm's normalize_qk through mlx_dualnorm (mode {mode!r}) while the patch is "
+            "on, bit-identical; mlx-lm's own function once it is off."
         )
         normalize_qk.__module__ = "mlx_dualnorm.integrations.mlx_lm"
         normalize_qk.__qualname__ = "normalize_qk"

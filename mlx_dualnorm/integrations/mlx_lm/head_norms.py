@@ -41,6 +41,7 @@ import mlx.nn as nn
 
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
 from mlx_dualnorm.integrations.mlx_lm import engine, norm_rope, registry
+from mlx_dualnorm.integrations.mlx_lm.state import STATE
 from mlx_dualnorm.integrations.mlx_lm._shared import (
     PLAIN_SCALAR_TYPES,
     cached_or_built,
@@ -101,9 +102,9 @@ def norm_kinds() -> dict:
     if not _norm_kinds:
         with _norm_kinds_lock:
             if not _norm_kinds:
-                kinds: dict = {nn.RMSNorm: _PLAIN}
+                kinds: dict = {norm_rope.RMS_NORM: _PLAIN}
                 for module_name, class_name, kind in MODEL_NORM_KINDS:
-                    norm_class = registry.class_of(module_name, class_name)
+                    norm_class = registry.defined_class(module_name, class_name)
                     if norm_class is not None:
                         kinds[norm_class] = kind
                 _norm_kinds.update(kinds)
@@ -135,7 +136,7 @@ def dual_norm_for(eps) -> Optional[CompiledDualHeadNorm]:
     """The CompiledDualHeadNorm of epsilon ``eps`` (and of the mode the
     integration runs in), built once and shared by every layer whose q/k
     norm pair it computes; None once the cache is full."""
-    mode = engine.mode
+    mode = STATE.mode
     return cached_or_built(
         _dual_norms, _dual_norms_lock, (mode, eps, type(eps)),
         lambda: CompiledDualHeadNorm(eps, **({} if mode is None else {"mode": mode})),
@@ -153,7 +154,7 @@ def normalized_pair(queries, keys, query_norm, key_norm):
         log_fallback_once("the q/k norm pair", error)
         return None
     if normalized is not None:
-        if engine.prework_log is not None:  # a tool is recording
+        if STATE.prework_log is not None:  # a tool is recording
             engine.note_prework(engine.NORM_ONLY)
     return normalized
 
@@ -178,10 +179,10 @@ def stand_in_norm(eps) -> nn.RMSNorm:
     ``rms_norm`` with that eps without being one (another weight, or no
     module at all) where the package reads a norm's type and eps only."""
     stand_in = cached_or_built(
-        _stand_in_norms, _stand_in_norms_lock, (type(eps), eps), lambda: nn.RMSNorm(1, eps),
+        _stand_in_norms, _stand_in_norms_lock, (type(eps), eps), lambda: norm_rope.RMS_NORM(1, eps),
         None,
     )
-    return nn.RMSNorm(1, eps) if stand_in is None else stand_in
+    return norm_rope.RMS_NORM(1, eps) if stand_in is None else stand_in
 
 
 def norm_rope_prework(place: str, rope, query_norm, key_norm, queries, keys):
@@ -194,7 +195,7 @@ def norm_rope_prework(place: str, rope, query_norm, key_norm, queries, keys):
     reading them raises (logged once for ``place``, the caller's kind of
     layer, which then takes its other path)."""
     try:
-        if type(rope) is not nn.RoPE and type(rope) not in norm_rope.SCALED_ROPE_CLASSES:
+        if type(rope) is not norm_rope.ROPE and type(rope) not in norm_rope.SCALED_ROPE_CLASSES:
             return None
         kind_and_epsilon = _kind_and_epsilon(query_norm, key_norm)
         if kind_and_epsilon is None:
@@ -219,19 +220,19 @@ def normalized_rotated_heads(queries, keys, query_norm, key_norm, rope, offset):
     in one call, then the layer's own RoPE. None where neither computes the
     layer exactly."""
     try:
-        if type(rope) is nn.RoPE or type(rope) in norm_rope.SCALED_ROPE_CLASSES:
+        if type(rope) is norm_rope.ROPE or type(rope) in norm_rope.SCALED_ROPE_CLASSES:
             layer_call = norm_rope.norm_rope_for(rope, query_norm, key_norm)
             if layer_call is not None:
                 rotated = layer_call(
                     queries, keys, query_norm["weight"], key_norm["weight"], offset=offset
                 )
-                if engine.prework_log is not None:  # a tool is recording
+                if STATE.prework_log is not None:  # a tool is recording
                     engine.note_prework(engine.NORM_ROPE)
                 return rotated
         normalized = _normalized_pair(queries, keys, query_norm, key_norm)
         if normalized is None:
             return None
-        if engine.prework_log is not None:  # a tool is recording
+        if STATE.prework_log is not None:  # a tool is recording
             engine.note_prework(engine.NORM_ONLY)
         normalized_queries, normalized_keys = normalized
         return (

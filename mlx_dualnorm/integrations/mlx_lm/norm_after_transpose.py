@@ -262,28 +262,32 @@ def _norms_engage(query_norm_name, key_norm_name, flag=None):
 _QK_NORMS = _norms_engage("q_norm", "k_norm")
 _BAILING_NORMS = _norms_engage("query_layernorm", "key_layernorm", flag="use_qk_norm")
 REFUSAL = "its q/k norms are off, or not a known norm class with one plain eps"
+# The switch these classes' own code reads at every call: a layer engaged
+# with it on runs that code at any call where it is off.
+_USE_QK_NORM = (("use_qk_norm", True),)
 
 register_attention_families(
     AttentionFamily("mlx_lm.models.afmoe", "Attention", _afmoe_attention_call, _QK_NORMS, REFUSAL),
     AttentionFamily(
         "mlx_lm.models.openelm", "Attention", _openelm_attention_call,
         _norms_engage("q_norm", "k_norm", flag="normalize_qk_projections"), REFUSAL,
+        switches=(("normalize_qk_projections", True),),
     ),
     AttentionFamily(
         "mlx_lm.models.bailing_moe", "BailingMoeAttention", _bailing_attention_call,
-        _BAILING_NORMS, REFUSAL,
+        _BAILING_NORMS, REFUSAL, switches=_USE_QK_NORM,
     ),
     AttentionFamily(
         "mlx_lm.models.bailing_moe_linear", "Attention", _bailing_attention_call,
-        _BAILING_NORMS, REFUSAL,
+        _BAILING_NORMS, REFUSAL, switches=_USE_QK_NORM,
     ),
     AttentionFamily(
         "mlx_lm.models.bailing_moe_linear", "LinearAttention",
-        _bailing_linear_attention_call, _BAILING_NORMS, REFUSAL,
+        _bailing_linear_attention_call, _BAILING_NORMS, REFUSAL, switches=_USE_QK_NORM,
     ),
     AttentionFamily(
         "mlx_lm.models.bailing_hybrid", "LinearAttention",
-        _bailing_hybrid_linear_attention_call, _BAILING_NORMS, REFUSAL,
+        _bailing_hybrid_linear_attention_call, _BAILING_NORMS, REFUSAL, switches=_USE_QK_NORM,
     ),
     AttentionFamily(
         "mlx_lm.models.gemma3_text", "Attention", _gemma3_text_attention_call, _QK_NORMS, REFUSAL
@@ -293,6 +297,6 @@ register_attention_families(
     ),
     AttentionFamily(
         "mlx_lm.models.minimax_m3_vl", "Attention", _minimax_m3_attention_call,
-        _norms_engage("q_norm", "k_norm", flag="use_qk_norm"), REFUSAL,
+        _norms_engage("q_norm", "k_norm", flag="use_qk_norm"), REFUSAL, switches=_USE_QK_NORM,
     ),
 )

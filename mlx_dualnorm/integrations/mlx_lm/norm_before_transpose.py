@@ -175,11 +175,11 @@ _KV_SHARED_REFUSAL = "it is KV-shared (q only is normalized), or " + REFUSAL
 register_attention_families(
     AttentionFamily(
         "mlx_lm.models.gemma3n", "Gemma3nAttention", _gemma3n_attention_call, _gemma3n_engages,
-        _KV_SHARED_REFUSAL,
+        _KV_SHARED_REFUSAL, switches=(("is_kv_shared_layer", False),),
     ),
     AttentionFamily(
         "mlx_lm.models.gemma4_text", "Attention", _gemma4_text_attention_call,
-        _gemma4_text_engages, _KV_SHARED_REFUSAL,
+        _gemma4_text_engages, _KV_SHARED_REFUSAL, switches=(("has_kv", True),),
     ),
     AttentionFamily(
         "mlx_lm.models.gear", "Attention", _gear_attention_call, _gear_engages, REFUSAL

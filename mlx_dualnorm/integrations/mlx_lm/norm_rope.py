@@ -19,20 +19,26 @@ CUDA backend the call is one kernel launch (the fused mode).
 from __future__ import annotations
 
 import functools
-import importlib
 import threading
 from typing import NamedTuple, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx.nn.layers.normalization import RMSNorm
+from mlx.nn.layers.positional_encoding import RoPE
 
 from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
-from mlx_dualnorm.integrations.mlx_lm import engine
+from mlx_dualnorm.integrations.mlx_lm import registry
 from mlx_dualnorm.integrations.mlx_lm._shared import (
     PLAIN_SCALAR_TYPES,
     cached_or_built,
     log_fallback_once,
 )
+from mlx_dualnorm.integrations.mlx_lm.state import STATE
+
+# The classes as MLX defines them, from their own modules (a name the
+# program rebinds, such as ``nn.RMSNorm = MyNorm``, changes nothing here).
+RMS_NORM = RMSNorm
+ROPE = RoPE
 
 # Built objects by the constants they depend on (see norm_rope_for).
 _norm_ropes: dict = {}
@@ -59,17 +65,17 @@ def norm_rope_for(rope, query_norm, key_norm):
     of the key: it is an input of each call, so a replaced table is used
     as it is, never a stale copy."""
     rope_type = type(rope)
-    if rope_type is not nn.RoPE and rope_type in SCALED_ROPE_CLASSES:  # nn.RoPE: one test
+    if rope_type is not ROPE and rope_type in SCALED_ROPE_CLASSES:  # nn.RoPE: one test
         return _scaled_norm_rope_for(rope, query_norm, key_norm)
     key = (
-        engine.mode, type(rope), type(query_norm), type(key_norm),
+        STATE.mode, type(rope), type(query_norm), type(key_norm),
         query_norm.eps, key_norm.eps, rope.dims, type(rope.dims),
         rope.traditional, type(rope.traditional), rope.base, rope.scale,
     )
     norm_rope = _norm_ropes.get(key)
     if norm_rope is not None or not is_plain_norm_rope(rope, query_norm, key_norm):
         return norm_rope
-    mode = engine.mode
+    mode = STATE.mode
     return cached_or_built(
         _norm_ropes, _norm_ropes_lock, key,
         lambda: CompiledDualHeadNormRope(
@@ -85,7 +91,7 @@ def is_plain_norm_rope(rope, query_norm, key_norm) -> bool:
     nn.RMSNorm on both sides with one plain eps, then plain nn.RoPE with
     plain constants, or one of the scaled RoPEs of :data:`SCALED_ROPE_CLASSES`
     (exact types) with plain constants and an ``mx.array`` table."""
-    if not (type(query_norm) is type(key_norm) is nn.RMSNorm):
+    if not (type(query_norm) is type(key_norm) is RMSNorm):
         return False
     eps = query_norm.eps
     if type(eps) not in PLAIN_SCALAR_TYPES or type(key_norm.eps) is not type(eps):
@@ -95,7 +101,7 @@ def is_plain_norm_rope(rope, query_norm, key_norm) -> bool:
     if type(rope) in SCALED_ROPE_CLASSES:
         constants = _scaled_rope_constants(rope)
         return constants is not None and type(_rope_table(rope)) is mx.array
-    if type(rope) is not nn.RoPE or type(rope.dims) is not int:
+    if type(rope) is not RoPE or type(rope.dims) is not int:
         return False
     if type(rope.traditional) is not bool:
         return False
@@ -109,12 +115,9 @@ def _scaled_rope_classes() -> tuple:
     multiplied by a Python float: Llama3RoPE, YarnRoPE (``mscale``, when not
     1), SuScaledRoPE (``_scale``, always), ProportionalRoPE. Empty without
     mlx-lm (or with one whose rope_utils lacks a class: those present)."""
-    try:
-        rope_utils = importlib.import_module("mlx_lm.models.rope_utils")
-    except ImportError:
-        return ()
     names = ("Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE")
-    return tuple(getattr(rope_utils, name) for name in names if hasattr(rope_utils, name))
+    found = (registry.defined_class("mlx_lm.models.rope_utils", name) for name in names)
+    return tuple(cls for cls in found if cls is not None)
 
 
 SCALED_ROPE_CLASSES = _scaled_rope_classes()
@@ -156,7 +159,7 @@ def _scaled_norm_rope_for(rope, query_norm, key_norm):
     constants, bound to the table read now."""
     constants = _scaled_rope_constants(rope)
     key = (
-        engine.mode, type(rope), type(query_norm), type(key_norm),
+        STATE.mode, type(rope), type(query_norm), type(key_norm),
         query_norm.eps, key_norm.eps, constants,
     )
     norm_rope = _norm_ropes.get(key)
@@ -164,7 +167,7 @@ def _scaled_norm_rope_for(rope, query_norm, key_norm):
         if not is_plain_norm_rope(rope, query_norm, key_norm):
             return None
         dims, traditional, input_scale = constants
-        mode = engine.mode
+        mode = STATE.mode
         norm_rope = cached_or_built(
             _norm_ropes, _norm_ropes_lock, key,
             lambda: CompiledDualHeadNormRope(
@@ -202,7 +205,9 @@ def layer_prework(attention) -> LayerPrework:
         rope, query_norm, key_norm = attention.rope, attention.q_norm, attention.k_norm
     query_weight, key_weight = item(query_norm, "weight"), item(key_norm, "weight")
     if query_weight is None or key_weight is None:
-        query_weight, key_weight = query_norm.weight, key_norm.weight
+        # As nn.RMSNorm reads it (``self["weight"]``): a norm without one
+        # raises here, and the class's own code raises as unpatched.
+        query_weight, key_weight = query_norm["weight"], key_norm["weight"]
     return LayerPrework(rope, query_norm, key_norm, query_weight, key_weight)
 
 

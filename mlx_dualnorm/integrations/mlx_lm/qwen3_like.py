@@ -32,14 +32,15 @@ runs its class's own ``__call__``, decided at its first call
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.normalization import RMSNorm
 
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
-from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, head_norms, norm_rope
+from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, head_norms, norm_rope, registry
+from mlx_dualnorm.integrations.mlx_lm.state import STATE
 from mlx_dualnorm.integrations.mlx_lm._shared import PLAIN_SCALAR_TYPES, log_fallback_once
 from mlx_dualnorm.integrations.mlx_lm.cache_update import (
     attended,
@@ -79,7 +80,9 @@ def _rms_norms(query_name: str = "q_norm", key_name: str = "k_norm", flag: str =
         if flag and not getattr(attention, flag):
             return None
         query_norm, key_norm = _item(attention, query_name), _item(attention, key_name)
-        return query_norm, key_norm, _item(query_norm, "weight"), _item(key_norm, "weight")
+        # As nn.RMSNorm reads its weight (``self["weight"]``): a norm without
+        # one raises here, and the class's own code raises as unpatched.
+        return query_norm, key_norm, query_norm["weight"], key_norm["weight"]
 
     return read
 
@@ -89,8 +92,7 @@ def _zero_centered_norms(attention) -> NormsRead:
     ``mx.fast.rms_norm(x, self.weight, self.eps)``, nn.RMSNorm's expression,
     so an nn.RMSNorm of their one eps stands for both (None where their
     types or eps differ: the layer is then left alone)."""
-    # The model module's own class, looked up as its code does.
-    zero_centered = sys.modules[type(attention).__module__].ZeroCenteredRMSNorm
+    zero_centered = _zero_centered_class()
     query_norm, key_norm = _item(attention, "q_norm"), _item(attention, "k_norm")
     if not (type(query_norm) is type(key_norm) is zero_centered):
         return None
@@ -99,6 +101,16 @@ def _zero_centered_norms(attention) -> NormsRead:
         return None
     stand_in = head_norms.stand_in_norm(eps)
     return stand_in, stand_in, _item(query_norm, "weight"), _item(key_norm, "weight")
+
+
+_ZERO_CENTERED: list = []
+
+
+def _zero_centered_class():
+    """step3p5's ZeroCenteredRMSNorm, as that module defines it (found once)."""
+    if not _ZERO_CENTERED:
+        _ZERO_CENTERED.append(registry.defined_class("mlx_lm.models.step3p5", "ZeroCenteredRMSNorm"))
+    return _ZERO_CENTERED[0]
 
 
 def _weightless_norms(attention) -> NormsRead:
@@ -176,7 +188,7 @@ def _head_norm_for(query_norm, key_norm) -> Optional[CompiledDualHeadNorm]:
 
 
 def _is_plain_norm(query_norm, key_norm) -> bool:
-    if not (type(query_norm) is type(key_norm) is nn.RMSNorm):
+    if not (type(query_norm) is type(key_norm) is RMSNorm):
         return False
     eps = query_norm.eps
     return type(eps) in PLAIN_SCALAR_TYPES and type(key_norm.eps) is type(eps) and (
@@ -193,7 +205,7 @@ def _normalized_heads(query_norm, key_norm, query_weight, key_weight, queries, k
         if head_norm is None:
             return None
         queries, keys = head_norm(queries, keys, query_weight, key_weight)
-        if engine.prework_log is not None:  # a tool is recording
+        if STATE.prework_log is not None:  # a tool is recording
             engine.note_prework(engine.NORM_ONLY)
         return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
     except Exception as error:  # anything unexpected runs mlx-lm's own code instead

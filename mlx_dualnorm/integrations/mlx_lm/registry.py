@@ -16,14 +16,16 @@ taken). Nothing engages on a piece that is not proven:
 * a layer engages only where each part of it whose class is in
   :data:`REPRODUCED_PART_CLASSES` (its norms and RoPE) has a proven
   ``__call__`` and MLX's ``mx.fast.rms_norm`` and ``mx.fast.rope`` are
-  MLX's own (checked at the layer's first call, and again for every
-  decided layer at each ``patch()``);
-* a cache is written by the one call only where its class is in
-  :data:`WRITTEN_CACHES`, every method listed there is proven (at first
-  use and at each ``patch()``), its ``update_and_fetch`` is still the
-  function proven and the object holds none of those methods itself (an
-  identity test and a set test per call);
-* the gated-delta fold only where ``normalize_qk`` is proven.
+  MLX's own (proven at the layer's first call; what each resolved to is
+  then tested by identity at every call, the layer decided again where
+  one differs);
+* a cache is written by the one call only where the methods of
+  :data:`WRITTEN_CACHES` that its class resolves to are the recorded code
+  of one entry (by code, whatever the class's name), each still the
+  function proven (identity tests per call) and the object holds none of
+  those methods itself;
+* the gated-delta fold only where ``normalize_qk`` is proven and
+  ``mx.fast.rms_norm`` is MLX's own (tested at every call).
 
 So a newer mlx-lm, or a user's change to any of these, runs its own code
 bit for bit, and what did not change keeps the package's path. Adding a
@@ -39,6 +41,7 @@ from typing import Callable, Iterable, Optional
 
 from mlx_dualnorm.integrations.mlx_lm._shared import REPLACEMENT_MARKER
 from mlx_dualnorm.integrations.mlx_lm.fingerprints import function_fingerprint, live_function
+from mlx_dualnorm.integrations.mlx_lm.state import STATE
 
 # ---- The recorded code -----------------------------------------------------------
 
@@ -110,12 +113,14 @@ RECORDED_CODE: dict[str, frozenset[str]] = {
 
 NORMALIZE_QK_PIECE = "mlx_lm.models.gated_delta.normalize_qk"
 
-# (module, class) of the parts whose __call__ a replacement computes itself
-# when a layer holds one (the norms and RoPEs the shapes know); a module
-# that does not import is skipped.
+# (module that defines it, class) of the parts whose __call__ a replacement
+# computes itself when a layer holds one (the norms and RoPEs the shapes
+# know); a module that does not import is skipped. Each is looked up where
+# it is defined, and only a class of that very module and name counts, so a
+# name rebound by the program (``nn.RMSNorm = MyNorm``) changes nothing here.
 REPRODUCED_PART_CLASSES = (
-    ("mlx.nn", "RMSNorm"),
-    ("mlx.nn", "RoPE"),
+    ("mlx.nn.layers.normalization", "RMSNorm"),
+    ("mlx.nn.layers.positional_encoding", "RoPE"),
     ("mlx_lm.models.rope_utils", "SuScaledRoPE"),
     ("mlx_lm.models.rope_utils", "Llama3RoPE"),
     ("mlx_lm.models.rope_utils", "YarnRoPE"),
@@ -131,8 +136,11 @@ CACHE_MODULE = "mlx_lm.models.cache"
 PLAIN_CACHE, BATCHED_CACHE = "plain", "batched"
 ROTATING_CACHE, BATCHED_ROTATING_CACHE = "rotating", "batched rotating"
 
-# mlx-lm cache class -> (the bookkeeping kind the one call keeps for it, the
-# methods whose work a decode step of the call does: all must be proven).
+# mlx-lm cache class name -> (the bookkeeping kind the one call keeps for
+# it, the methods whose work a decode step of the call does). A class is of
+# a kind where each of those methods resolves to recorded code of that
+# class's piece (a subclass that overrides none, whatever its name, is of
+# its base's kind; one that overrides any keeps its own update).
 WRITTEN_CACHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "KVCache": (PLAIN_CACHE, ("update_and_fetch", "keys_and_values")),
     "BatchKVCache": (BATCHED_CACHE, ("update_and_fetch", "keys_and_values")),
@@ -143,6 +151,18 @@ WRITTEN_CACHES: dict[str, tuple[str, tuple[str, ...]]] = {
         BATCHED_ROTATING_CACHE, ("update_and_fetch", "_update_in_place", "keys_and_values"),
     ),
 }
+
+
+def cache_kind_of(cache_class: type) -> Optional[tuple[str, tuple[str, ...]]]:
+    """(kind, methods) of :data:`WRITTEN_CACHES` whose every method
+    ``cache_class`` resolves to recorded code of that entry, or None."""
+    for name, (kind, methods) in WRITTEN_CACHES.items():
+        if all(
+            is_proven_function(f"{CACHE_MODULE}.{name}.{method}", live_function(cache_class, method))
+            for method in methods
+        ):
+            return kind, methods
+    return None
 
 
 def class_name(cls: type) -> str:
@@ -206,9 +226,11 @@ class AttentionFamily:
 
     ``call`` becomes the ``__call__`` of the layers that engage; it calls
     :func:`~.engine.original_call` where a call cannot take the package's
-    path. ``engages`` decides once per layer, at its first call, whether the
+    path. ``engages`` decides for a layer, at its first call, whether the
     layer's norms and RoPE are exactly what ``call`` computes; a layer it
     refuses runs the class's own ``__call__``, and ``refusal`` says why.
+    What the class's code reads at every call, ``call`` reads at every
+    call too (``switches`` for the flags ``engages`` requires).
     ``pieces`` are the class's attributes whose code ``call`` restates:
     each must be proven (:data:`RECORDED_CODE`) for the class to be patched."""
 
@@ -218,6 +240,10 @@ class AttentionFamily:
     engages: Callable[[object], bool]
     refusal: str = "its norms or RoPE are not plain nn.RMSNorm / nn.RoPE"
     pieces: tuple[str, ...] = ("__call__",)
+    # (attribute, value) of a layer that the class's own code reads at every
+    # call and ``engages`` requires: an engaged layer whose attribute is
+    # another value at a call runs the class's own code for that call.
+    switches: tuple[tuple[str, object], ...] = ()
 
     @property
     def name(self) -> str:
@@ -260,54 +286,63 @@ def families_by_class() -> dict[type, AttentionFamily]:
 
 def class_of(module_name: str, name: str) -> Optional[type]:
     """The class ``module_name.name`` of this install, or None where the
-    module does not import or has no such class."""
+    module does not import or has no such class. A module that raises
+    anything but ImportError on import (a newer mlx-lm's file that needs a newer MLX) is
+    left alone and named in :data:`.state.STATE`'s ``import_failures``."""
     try:
         module = importlib.import_module(module_name)
-    except ImportError:
+    except ImportError:  # an mlx-lm without it (or without what it imports)
+        return None
+    except Exception as error:  # any other failure to import: that module is left alone
+        first_line = (str(error).splitlines() or [""])[0]
+        if len(first_line) > 48:
+            first_line = first_line[:45] + "..."
+        STATE.import_failures[module_name] = f"{type(error).__name__}: {first_line}"
         return None
     cls = getattr(module, name, None)
     return cls if isinstance(cls, type) else None
 
 
-def _classes_of(names: Iterable[tuple[str, str]]) -> list[type]:
-    found = (class_of(module_name, name) for module_name, name in names)
-    return [cls for cls in found if cls is not None]
+def defined_class(module_name: str, name: str) -> Optional[type]:
+    """:func:`class_of`, where the class is the one that module defines
+    under that name (not another class bound to the name since)."""
+    cls = class_of(module_name, name)
+    if cls is None or cls.__module__ != module_name or cls.__qualname__ != name:
+        return None
+    return cls
 
 
-def reproduced_part_classes() -> list[type]:
-    """The classes of :data:`REPRODUCED_PART_CLASSES` this install has."""
-    return _classes_of(REPRODUCED_PART_CLASSES)
+_part_classes: Optional[tuple] = None
 
 
-def written_cache_classes() -> dict[type, tuple[str, tuple[str, ...]]]:
-    """class -> (kind, methods) of :data:`WRITTEN_CACHES` this mlx-lm has."""
-    return {
-        cls: WRITTEN_CACHES[cls.__name__]
-        for cls in _classes_of((CACHE_MODULE, name) for name in WRITTEN_CACHES)
-    }
+def reproduced_part_classes() -> tuple:
+    """The classes of :data:`REPRODUCED_PART_CLASSES` this install has, as
+    their modules define them (found once: class objects do not change)."""
+    global _part_classes
+    if _part_classes is None:
+        found = (defined_class(module_name, name) for module_name, name in REPRODUCED_PART_CLASSES)
+        _part_classes = tuple(cls for cls in found if cls is not None)
+    return _part_classes
 
 
-def registered_pieces() -> list[tuple[str, object]]:
-    """``(piece, live function)`` of every piece the registry names that
-    this install has: the families' classes (their ``__call__`` as mlx-lm
-    gives it, the patch's own left out), the part classes, the written
-    caches and ``normalize_qk``. What the fingerprint test records."""
-    from mlx_dualnorm.integrations.mlx_lm import engine  # the originals it recorded
+def reproduced_part_class_set() -> frozenset:
+    """:func:`reproduced_part_classes` as a set."""
+    return frozenset(reproduced_part_classes())
 
-    pieces: list[tuple[str, object]] = []
-    for attention_class, family in families_by_class().items():
-        for attribute in family.pieces:
-            pieces.append(
-                (piece_name(attention_class, attribute),
-                 engine.unpatched_function(attention_class, attribute))
+
+def unproven_cache_methods() -> dict[str, list[str]]:
+    """``mlx_lm.models.cache.NAME`` -> the methods of :data:`WRITTEN_CACHES`
+    whose code differs, for each class mlx-lm's cache module holds under a
+    name there now (whatever its ``__name__``) that is of no kind."""
+    unproven = {}
+    for name, (_, methods) in WRITTEN_CACHES.items():
+        cache_class = class_of(CACHE_MODULE, name)
+        if cache_class is None or cache_kind_of(cache_class) is not None:
+            continue
+        unproven[f"{CACHE_MODULE}.{name}"] = [
+            method for method in methods
+            if not is_proven_function(
+                f"{CACHE_MODULE}.{name}.{method}", live_function(cache_class, method)
             )
-    for part_class in reproduced_part_classes():
-        pieces.append((piece_name(part_class, "__call__"), live_function(part_class, "__call__")))
-    for cache_class, (_, methods) in written_cache_classes().items():
-        for method in methods:
-            pieces.append((piece_name(cache_class, method), live_function(cache_class, method)))
-    from mlx_dualnorm.integrations.mlx_lm.gated_delta import ORIGINAL_NORMALIZE_QK
-
-    if ORIGINAL_NORMALIZE_QK is not None:
-        pieces.append((NORMALIZE_QK_PIECE, ORIGINAL_NORMALIZE_QK))
-    return pieces
+        ] or ["its methods"]
+    return unproven

@@ -18,6 +18,8 @@ class: those layers run the class's own ``__call__``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms
 from mlx_dualnorm.integrations.mlx_lm.cache_update import (
     attended,
@@ -106,6 +108,9 @@ register_attention_families(
     _family("mlx_lm.models.olmo2", "Attention", _olmo2_attention_call),
     _family("mlx_lm.models.olmoe", "Attention", _olmo2_attention_call),
     _family("mlx_lm.models.olmo3", "Olmo3Attention", _olmo3_attention_call),
-    _family("mlx_lm.models.minimax", "MiniMaxAttention", _olmo3_attention_call),
+    dataclasses.replace(
+        _family("mlx_lm.models.minimax", "MiniMaxAttention", _olmo3_attention_call),
+        switches=(("use_qk_norm", True),),  # read by its own code at every call
+    ),
     _family("mlx_lm.models.olmo_hybrid", "Attention", _olmo_hybrid_attention_call),
 )

@@ -1,0 +1,131 @@
+"""The integration's state, in one place: what is installed, in which
+mode, the holds of :func:`~.patch` and :func:`~.unpatch` that decide it,
+the decisions per layer and what was recorded for the report.
+
+One object, :data:`STATE`. :mod:`._patching` writes the setting and the
+holds, :mod:`.engine` what is installed and decided, :mod:`.registry` the
+modules that failed to import, :mod:`.report` that the warning was given
+and :mod:`.recording` what a tool records; the layer shapes only read it
+(the mode their objects are built with, whether a tool records, whether
+the patch is on). This module imports nothing of the integration.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Any, Callable, Optional
+
+from mlx_dualnorm._composite import Mode
+
+
+@dataclasses.dataclass
+class Tally:
+    """One patched class since it was installed: its layers decided (alive
+    or not: a command's model may be gone by the time it reports), and the
+    calls of engaged layers, through the package and those that ran the
+    class's own code."""
+
+    engaged_layers: int = 0
+    left_layers: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    calls: int = 0
+    fallbacks: int = 0
+
+
+class Decision:
+    """What the dispatcher decided for one layer.
+
+    ``layer``: a weak reference to it (a new object at a reused id is
+    decided afresh); ``function``: what its calls run (the family's
+    replacement, or the class's own ``__call__``); ``engaged``; ``reason``
+    it was left (None where engaged); ``tally``: its class's; ``checks``:
+    ``(owner, attribute, value)`` for everything the decision relied on
+    (MLX's fast functions, its parts' classes' ``__call__``), tested by
+    identity at every call, the layer decided again where one differs;
+    ``switches``: ``(attribute, value)`` of the layer that its original
+    reads at every call, tested at every call of an engaged layer, which
+    runs the class's own code where one differs."""
+
+    __slots__ = ("layer", "function", "engaged", "reason", "tally", "checks", "switches")
+
+    def __init__(self, layer, function, engaged, reason, tally, checks=(), switches=()):
+        self.layer = layer
+        self.function = function
+        self.engaged = engaged
+        self.reason = reason
+        self.tally = tally
+        self.checks = checks
+        self.switches = switches
+
+    def holds(self) -> bool:
+        """Whether everything the decision relied on is as it was."""
+        for owner, attribute, value in self.checks:
+            if getattr(owner, attribute, None) is not value:
+                return False
+        return True
+
+
+@dataclasses.dataclass
+class Installed:
+    """One attention class running the dispatcher."""
+
+    family: Any  # registry.AttentionFamily
+    original: Callable  # the class's own __call__, as it resolved before the patch
+    inherited: bool  # the class had no __call__ of its own: restoring deletes ours
+    dispatcher: Callable
+    tally: Tally
+
+
+class Hold:
+    """One :func:`~.patch` or :func:`~.unpatch` call: the setting it
+    installed (``patched``, ``mode``), the setting it found (``previous``),
+    the thread that made it, and a weak reference to the call's handle (a
+    plain call's is gone once its result is dropped; a block's lives until
+    the block ends)."""
+
+    __slots__ = ("patched", "mode", "previous", "thread", "handle")
+
+    def __init__(self, patched: bool, mode, handle) -> None:
+        self.patched = patched
+        self.mode = mode
+        self.previous: tuple = (False, None)
+        self.thread = threading.get_ident()
+        self.handle = handle
+
+    def is_plain(self) -> bool:
+        return self.handle() is None
+
+
+class PatchState:
+    """The integration's whole state (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        # Held by patch(), unpatch(), a block's end and every decision.
+        self.lock = threading.RLock()
+        self.patched = False
+        self.mode: Optional[Mode] = None  # the mode the replacements build with
+        # The holds in force, oldest first: the newest one's setting is installed.
+        self.holds: list[Hold] = []
+        self.installed: dict[type, Installed] = {}
+        # class -> its own __call__, kept after restore() so a replacement
+        # still running (another thread) can reach it.
+        self.originals: dict[type, Callable] = {}
+        # Registered classes this mlx-lm has whose pieces are not all proven:
+        # class -> the pieces that differ, at the last install.
+        self.unproven_classes: dict[type, list[str]] = {}
+        # Modules of mlx-lm that raised on import: name -> the error, in one line.
+        self.import_failures: dict[str, str] = {}
+        # id(layer) -> Decision. Modules are dicts (unhashable), hence ids.
+        # No weakref callbacks (one could run inside the lock); dead entries
+        # are pruned whenever the table has doubled since the last pruning.
+        self.decisions: dict[int, Decision] = {}
+        self.decisions_lock = threading.Lock()
+        self.decisions_pruned_size = 64
+        self.warned_unproven = False
+        # While a tool records: id(layer) -> kinds of package call it made.
+        self.prework_log: Optional[dict[int, set[str]]] = None
+        self.calling_layer: Optional[int] = None
+
+
+STATE = PatchState()
