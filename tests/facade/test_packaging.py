@@ -181,10 +181,11 @@ def test_the_sdist_holds_every_file_its_documents_link(sdist) -> None:
 
 
 def test_the_sdist_holds_what_release_md_says_it_does(sdist) -> None:
-    """docs/release.md: the build scripts (``scripts/``, every file), the
-    whole test suite, README.md and LICENSE."""
+    """docs/release.md: the scripts (``scripts/``, every file), the whole
+    test suite, the documents (``docs/``, ``bench/``), README.md and
+    LICENSE."""
     members = sdist[0]
-    for folder in ("scripts", "tests", "docs"):
+    for folder in ("scripts", "tests", "docs", "bench"):
         for path in (ROOT / folder).rglob("*"):
             if path.is_file() and "__pycache__" not in path.parts and not path.name.endswith(".pyc"):
                 relative = str(path.relative_to(ROOT))
