@@ -195,3 +195,24 @@ def test_the_sdist_holds_what_release_md_says_it_does(sdist) -> None:
 
 def test_the_sdist_metadata_is_the_wheel_s(sdist) -> None:
     _check_license_and_classifiers(sdist[1])
+
+
+def test_the_stable_abi_floor_is_the_oldest_python_the_package_supports() -> None:
+    """The wheel is tagged for the stable ABI of the oldest CPython the
+    package supports, so that one wheel installs on each later one; the
+    bridge's nanobind runtime comes from the package that ships it per
+    CPython."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mlx_dualnorm_build_ffi", ROOT / "build_ffi.py")
+    assert spec and spec.loader
+    build_ffi = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_ffi)
+    major, minor = (int(part) for part in MLX_PYTHONS[0].split("."))
+    assert build_ffi.STABLE_ABI_FLOOR == (major, minor)
+    assert build_ffi.WHEEL_PYTHON_TAG == f"cp{major}{minor}"
+    assert int(build_ffi.PY_LIMITED_API, 16) == (major << 24) | (minor << 16)
+    project = _pyproject()["project"]
+    assert project["requires-python"] == f">={MLX_PYTHONS[0]}"
+    backend = _requirement(project["dependencies"], build_ffi.NANOBIND_BACKEND_DISTRIBUTION)
+    assert re.fullmatch(r"nanobind-backend>=1\.0,<2", backend), backend
