@@ -49,7 +49,12 @@ def test_typing_data_and_build_record_are_beside_the_package() -> None:
 def test_the_installed_distribution_declares_its_license_by_expression() -> None:
     """PEP 639: the wheel's metadata names the license by its SPDX
     expression and carries the license file in its .dist-info."""
-    distribution = importlib.metadata.distribution("mlx_dualnorm")
+    # The installed one (pip writes INSTALLER), not the egg-info a build of
+    # the source tree leaves there, which a run from the tree also sees.
+    (distribution,) = [
+        found for found in importlib.metadata.distributions(name="mlx_dualnorm")
+        if found.read_text("INSTALLER") is not None
+    ]
     assert distribution.metadata["License-Expression"] == "MIT"
     assert distribution.metadata.get_all("License-File") == ["LICENSE"]
     license_files = [path for path in distribution.files or [] if path.name == "LICENSE"]
