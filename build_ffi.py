@@ -11,6 +11,9 @@ Two extension modules, one MLX runtime:
 * ``mlx_dualnorm._interop`` (nanobind, MLX's domain): hands ``mx.array``
   objects to the composite without copies, since cffi has no ``PyObject*``.
 
+Both are built against Python's stable ABI, so one wheel serves every
+CPython from 3.10 on (``make_interop_extension`` says how).
+
 Both link the very ``libmlx.so`` of the importable ``mlx`` package (found
 through ``mlx.__path__``; the ``mlx[cpu]`` and ``mlx[cuda13]`` backends
 install the same layout) with an rpath to it, and the package imports
@@ -431,28 +434,57 @@ def make_ffibuilder() -> FFI:
     return builder
 
 
+# The nanobind bridge is built in nanobind's split mode: the module holds
+# only nanobind's headers' code, compiled against Python's stable ABI from
+# STABLE_ABI_FLOOR on (one _interop.abi3.so for every later CPython), and
+# reaches nanobind's runtime through the nanobind-backend package, which
+# PyPI carries per interpreter. That runtime is not limited-API, so it shares
+# MLX's nanobind domain with mlx.core's own runtime (the same internals key);
+# a runtime compiled into this module under the stable ABI would keep a type
+# registry apart from MLX's and never see mx.array.
+STABLE_ABI_FLOOR = (3, 10)
+PY_LIMITED_API = f"0x{STABLE_ABI_FLOOR[0]:02X}{STABLE_ABI_FLOOR[1]:02X}0000"
+WHEEL_PYTHON_TAG = f"cp{STABLE_ABI_FLOOR[0]}{STABLE_ABI_FLOOR[1]}"
+NANOBIND_BACKEND_MODULE = "nanobind_backend"
+NANOBIND_BACKEND_DISTRIBUTION = "nanobind-backend"
+
+
+def stable_abi_problem() -> str | None:
+    """Why this interpreter cannot build the stable-ABI modules, or None."""
+    import platform
+    import sysconfig
+
+    if platform.python_implementation() != "CPython":
+        return f"{platform.python_implementation()}: the extensions target CPython's stable ABI"
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return (
+            "a free-threaded CPython: the extensions target the stable ABI of the "
+            "GIL build (abi3)"
+        )
+    return None
+
+
 def make_interop_extension():
-    """The nanobind bridge, compiled with nanobind's single-file build."""
+    """The nanobind bridge: one stable-ABI module, nanobind's split mode."""
     import nanobind
     from setuptools import Extension
 
+    problem = stable_abi_problem()
+    if problem:
+        raise RuntimeError(f"[build mlx_dualnorm] {problem}")
     mlx = find_mlx_install()
     mlx_c = find_mlx_c()
-    nanobind_dir = pathlib.Path(nanobind.source_dir()).parent
     return Extension(
         INTEROP_MODULE,
-        sources=[
-            "csrc/interop/array_bridge.cpp",
-            "csrc/interop/nanobind_runtime.cpp",
+        sources=["csrc/interop/array_bridge.cpp"],
+        include_dirs=[str(CSRC), str(mlx_c.include_dir), nanobind.include_dir()],
+        define_macros=[
+            ("NB_DOMAIN", "mlx"),
+            ("NB_BACKEND_MODULE", NANOBIND_BACKEND_MODULE),
+            ("NB_BACKEND_PYPI", NANOBIND_BACKEND_DISTRIBUTION),
+            ("Py_LIMITED_API", PY_LIMITED_API),
         ],
-        include_dirs=[
-            str(CSRC),
-            str(mlx_c.include_dir),
-            nanobind.include_dir(),
-            nanobind.source_dir(),
-            str(nanobind_dir / "ext" / "robin_map" / "include"),
-        ],
-        define_macros=[("NB_DOMAIN", "mlx")],
+        py_limited_api=True,
         library_dirs=[str(mlx.library_dir)],
         libraries=["mlx", "stdc++"],
         extra_compile_args=["-isystem", str(mlx.include_dir), "-O2"],

@@ -1,6 +1,7 @@
 """setuptools driver: the cffi module comes from build_ffi.py, the nanobind
-bridge from build_ffi.make_interop_extension; C and C++ sources get their own
-language standard (one Extension mixes both)."""
+bridge from build_ffi.make_interop_extension, both against Python's stable
+ABI; C and C++ sources get their own language standard (one Extension mixes
+both)."""
 
 import os
 import pathlib
@@ -44,7 +45,12 @@ setup(
     cffi_modules=["build_ffi.py:ffibuilder"],
     ext_modules=[build_ffi.make_interop_extension()],
     cmdclass={"build_ext": BuildExtWithLanguageFlags},
-    # The two extension modules compile side by side (each is one long
-    # compiler run or several, on machines with few cores).
-    options={"build_ext": {"parallel": max(1, min(2, os.cpu_count() or 1))}},
+    options={
+        # The two extension modules compile side by side (each is one long
+        # compiler run or several, on machines with few cores).
+        "build_ext": {"parallel": max(1, min(2, os.cpu_count() or 1))},
+        # Both are built against the stable ABI (build_ffi.py): the wheel is
+        # tagged cp310-abi3, one for every CPython from 3.10 on.
+        "bdist_wheel": {"py_limited_api": build_ffi.WHEEL_PYTHON_TAG},
+    },
 )

@@ -315,7 +315,10 @@ PROFILE_FRAMES = (
     ("build loop (all calls)", r"^_build_batch "),
     ("release loop (graph teardown)", r"^_release_batch "),
     ("facade CompiledDualHeadNorm.__call__", r"^CompiledDualHeadNorm\.__call__ "),
-    ("nanobind dispatch (nb_func_vectorcall)", r"nb_func_vectorcall"),
+    # nanobind's runtime is the nanobind-backend package's library (the
+    # bridge is built in split mode), which ships without symbol names: its
+    # frames are matched by the library's name too.
+    ("nanobind dispatch (nb_func_vectorcall)", r"nb_func_vectorcall|_nb_backend_v\d"),
     ("bridge apply (array_bridge.cpp)", r"^(\(anonymous namespace\)::)?apply \(array_bridge"),
     ("C apply mlx_dualnorm_compiled_dual_head_norm_apply", r"^mlx_dualnorm_compiled_dual_head_norm_apply"),
     ("mlx_vector_array_new_data / _free", r"^mlx_vector_array_(new_data|free) "),

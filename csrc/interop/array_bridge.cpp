@@ -208,7 +208,12 @@ nb::tuple outputs_as_tuple(OwnedOutputVector& outputs) {
   }
   for (size_t index = 0; index < output_arrays.size(); ++index) {
     nb::object output = nb::cast(std::move(output_arrays[index]), nb::rv_policy::move);
-    PyTuple_SET_ITEM(graph_outputs.ptr(), index, output.release().ptr());
+    // The stable ABI's setter (the macro reads the tuple's layout); it
+    // steals the reference.
+    if (PyTuple_SetItem(graph_outputs.ptr(), static_cast<Py_ssize_t>(index),
+                        output.release().ptr()) != 0) {
+      throw nb::python_error();
+    }
   }
   return nb::borrow<nb::tuple>(graph_outputs);
 }

@@ -7,6 +7,7 @@ never from the source tree."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 import pathlib
 import subprocess
@@ -43,6 +44,30 @@ def test_typing_data_and_build_record_are_beside_the_package() -> None:
     for stub in SOURCE_PACKAGE.rglob("*.pyi"):
         assert (IMPORTED_PACKAGE / stub.relative_to(SOURCE_PACKAGE)).is_file(), stub
     assert (IMPORTED_PACKAGE / "_built_against.py").is_file()
+
+
+def test_the_installed_distribution_declares_its_license_by_expression() -> None:
+    """PEP 639: the wheel's metadata names the license by its SPDX
+    expression and carries the license file in its .dist-info."""
+    # The installed one (pip writes INSTALLER), not the egg-info a build of
+    # the source tree leaves there, which a run from the tree also sees.
+    (distribution,) = [
+        found for found in importlib.metadata.distributions(name="mlx_dualnorm")
+        if found.read_text("INSTALLER") is not None
+    ]
+    assert distribution.metadata["License-Expression"] == "MIT"
+    assert distribution.metadata.get_all("License-File") == ["LICENSE"]
+    license_files = [path for path in distribution.files or [] if path.name == "LICENSE"]
+    assert [str(path.parent).split("/", 1)[-1] for path in license_files] == ["licenses"], license_files
+    assert license_files[0].read_text().startswith("MIT License")
+
+
+def test_both_extension_modules_are_built_for_the_stable_abi() -> None:
+    """One wheel serves every CPython from 3.10 on: the cffi module and the
+    nanobind bridge are both abi3 modules."""
+    for name in ("_native", "_interop"):
+        module = importlib.import_module(f"mlx_dualnorm.{name}")
+        assert pathlib.Path(module.__file__).name == f"{name}.abi3.so", module.__file__
 
 
 @pytest.mark.skipif(
