@@ -113,6 +113,14 @@ __all__ = [
 # ---- Command line -----------------------------------------------------------------------
 
 
+# The bounds of the counts: each repeat holds one value per metric, and
+# each decode token chains --layers calls into one graph held until it is
+# evaluated, so these bound the run's memory (and its time).
+MAX_REPEATS = 1000
+MAX_LAYERS = 512
+MAX_EPS = 1.0
+
+
 def progress_to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -130,14 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "(created if missing; checked before the run)")
     parser.add_argument("--quick", action="store_true",
                         help="a few-second smoke run (fewer repeats and samples)")
-    parser.add_argument("--repeats", type=command.positive_int, default=None,
+    parser.add_argument("--repeats", type=command.Count(1, MAX_REPEATS), default=None,
                         help="repeats (default: 11, or 3 with --quick)")
-    parser.add_argument("--layers", type=command.positive_int, default=48,
+    parser.add_argument("--layers", type=command.Count(1, MAX_LAYERS), default=48,
                         help="chained dual calls per decode token")
     parser.add_argument("--paths", default=None,
                         help=f"comma-separated paths (default: all of {', '.join(PATH_REGISTRY)}); "
                              f"{BASELINE_PATH} is always added")
-    parser.add_argument("--eps", type=command.non_negative_float, default=1e-6, help="RMS epsilon")
+    parser.add_argument("--eps", type=command.Number(0.0, MAX_EPS), default=1e-6, help="RMS epsilon")
     command.add_device_argument(parser)
     parser.add_argument("--no-plot", action="store_true",
                         help="with --output-dir, skip the PNG chart")

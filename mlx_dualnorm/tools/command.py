@@ -22,11 +22,13 @@ import this module; it imports none of them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
@@ -40,6 +42,9 @@ __all__ = [
     "EXIT_MISMATCH",
     "EXIT_OK",
     "EXIT_USAGE",
+    "Count",
+    "CountList",
+    "Number",
     "InterruptedWithPartialResult",
     "PROGRAM",
     "SEED_MAX",
@@ -48,12 +53,8 @@ __all__ = [
     "Unavailable",
     "add_device_argument",
     "error_line",
-    "non_negative_float",
     "output_file",
     "output_folder",
-    "positive_int",
-    "positive_int_at_most",
-    "positive_int_list",
     "ratio_of_medians",
     "run_tool",
     "seed",
@@ -76,12 +77,16 @@ class Unavailable(Exception):
 
 
 class DefaultShownOnceFormatter(argparse.HelpFormatter):
-    """Appends "(default: X)" to an option's help, except where the help
-    already says its default, for flags (off unless given) and where the
-    default is None (the help says what leaving it out does)."""
+    """Appends an option's range (from its bounded ``type``) and
+    "(default: X)" to its help, except where the help already says its
+    default, for flags (off unless given) and where the default is None
+    (the help says what leaving it out does)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
+        bounds = getattr(action.type, "range_text", None)
+        if bounds is not None and help_text is not argparse.SUPPRESS:
+            help_text = f"{help_text} ({bounds})"
         if (
             "(default" in help_text
             or "default:" in help_text
@@ -136,104 +141,154 @@ class InterruptedWithPartialResult(KeyboardInterrupt):
         self.partial = partial
 
 
-def positive_int(text: str) -> int:
-    """argparse ``type`` of a count that must be at least 1: a bad value is
-    a usage error (exit 2) naming the option, not a traceback later."""
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
-def positive_int_at_most(maximum: int) -> Callable[[str], int]:
-    """argparse ``type`` of a count from 1 to ``maximum``."""
+@dataclasses.dataclass(frozen=True)
+class Count:
+    """argparse ``type`` of an integer option from ``minimum`` to
+    ``maximum``: every integer option of every command is one, so each has
+    a range, checked where argparse reads it (a bad value is a usage error
+    naming the option, exit 2, before any work) and shown in its help
+    (``range_text``). The maximum bounds what the option can make a
+    command hold in memory or run for."""
 
-    def bounded_count(text: str) -> int:
-        value = positive_int(text)
-        if value > maximum:
-            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
+    minimum: int
+    maximum: int
+
+    @property
+    def range_text(self) -> str:
+        return f"{self.minimum} to {self.maximum}"
+
+    def __call__(self, text: str) -> int:
+        value = _integer(text)
+        if self.minimum <= value <= self.maximum:
+            return value
+        if self.minimum == 1:  # a count: "at least 1" / "at most N" reads best
+            bound = "at least 1" if value < 1 else f"at most {self.maximum}"
+        else:
+            bound = f"from {self.minimum} to {self.maximum}"
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Number:
+    """argparse ``type`` of a finite number from ``minimum`` to
+    ``maximum`` (an epsilon); its help shows the range."""
+
+    minimum: float
+    maximum: float
+
+    @property
+    def range_text(self) -> str:
+        return f"{self.minimum:g} to {self.maximum:g}"
+
+    def __call__(self, text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (math.isfinite(value) and self.minimum <= value <= self.maximum):
+            raise argparse.ArgumentTypeError(
+                f"must be finite, from {self.minimum:g} to {self.maximum:g}, got {text}"
+            )
         return value
 
-    return bounded_count
+
+@dataclasses.dataclass(frozen=True)
+class CountList:
+    """argparse ``type`` of comma-separated integers, each in ``item``'s
+    range, at most ``max_items`` of them; an empty string is an empty list
+    (measure none), an empty item between commas (``36,,48``) is refused."""
+
+    item: Count
+    max_items: int
+
+    @property
+    def range_text(self) -> str:
+        return f"up to {self.max_items} values, each {self.item.range_text}"
+
+    def __call__(self, text: str) -> list[int]:
+        if not text.strip():
+            return []
+        parts = [part.strip() for part in text.split(",")]
+        if not all(parts):
+            raise argparse.ArgumentTypeError(f"an empty value in {text!r}")
+        if len(parts) > self.max_items:
+            raise argparse.ArgumentTypeError(
+                f"at most {self.max_items} values, got {len(parts)}"
+            )
+        return [self.item(part) for part in parts]
 
 
 # Every tool's seed is an integer in numpy's seed range: MLX keys take 64
 # bits, but parity's case keys use the seed's low 32 bits, so a wider seed
 # would repeat another's values.
 SEED_MAX = 2**32 - 1
+seed = Count(0, SEED_MAX)
+"""argparse ``type`` of ``--seed``, the same for every command: an
+integer from 0 to ``SEED_MAX`` (2**32 - 1)."""
 
 
-def seed(text: str) -> int:
-    """argparse ``type`` of ``--seed``, the same for every command: an
-    integer from 0 to ``SEED_MAX`` (2**32 - 1)."""
+def _try_writing_into(folder: pathlib.Path, shown: str) -> None:
+    """Creates and removes a file in ``folder``: permission bits say
+    nothing for root, nor for a read-only mount or a /proc folder; this
+    asks the file system itself."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 0 <= value <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"must be from 0 to {SEED_MAX}, got {value}")
-    return value
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".mlx_dualnorm-write-check-"):
+            pass
+    except OSError as failed:
+        raise argparse.ArgumentTypeError(
+            f"cannot write into {shown}: {failed.strerror or failed}"
+        ) from None
 
 
-def _writable(folder: pathlib.Path) -> bool:
-    return os.access(folder, os.W_OK | os.X_OK)
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a path")
+    return text
 
 
 def output_folder(text: str) -> pathlib.Path:
     """argparse ``type`` of a folder a command writes files into: an
-    existing writable folder, or one it can create (its nearest existing
-    parent is a writable folder). Checked when the arguments are read, so
-    a bad path stops the command before it measures anything."""
-    path = pathlib.Path(text).expanduser()
+    existing folder a file can be created in (tried), or one it can create
+    (its nearest existing parent is such a folder; it is not created yet).
+    Checked when the arguments are read, so a bad path stops the command
+    before it measures anything."""
+    path = pathlib.Path(_non_empty(text)).expanduser()
     if path.exists():
         if not path.is_dir():
             raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
-        if not _writable(path):
-            raise argparse.ArgumentTypeError(f"folder {text} is not writable")
+        _try_writing_into(path, f"folder {text}")
         return path
     existing = path.absolute().parent
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
         raise argparse.ArgumentTypeError(f"cannot create {text}: {existing} is not a folder")
-    if not _writable(existing):
-        raise argparse.ArgumentTypeError(f"cannot create {text}: {existing} is not writable")
+    _try_writing_into(existing, f"{existing} (to create {text})")
     return path
 
 
 def output_file(text: str) -> pathlib.Path:
     """argparse ``type`` of a file a command writes: not a folder, in an
-    existing writable folder (none is created), itself writable if it
-    exists. Checked when the arguments are read, before any work."""
-    path = pathlib.Path(text).expanduser()
+    existing folder (none is created) where a file can be created (tried),
+    itself writable if it exists. Checked when the arguments are read,
+    before any work."""
+    path = pathlib.Path(_non_empty(text)).expanduser()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; give the path of a file")
     folder = path.absolute().parent
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"no folder {folder} to write {path.name} into")
-    if not _writable(folder) or (path.exists() and not os.access(path, os.W_OK)):
+    _try_writing_into(folder, f"{folder} (to write {path.name})")
+    if path.exists() and not os.access(path, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text} is not writable")
     return path
-
-
-def non_negative_float(text: str) -> float:
-    """argparse ``type`` of a finite number >= 0 (an epsilon)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be finite and at least 0, got {text}")
-    return value
-
-
-def positive_int_list(text: str) -> list[int]:
-    """argparse ``type`` of comma-separated counts, each at least 1; an
-    empty string is an empty list (measure none)."""
-    return [positive_int(part.strip()) for part in text.split(",") if part.strip()]
 
 
 DEVICE_CHOICES = ("default", "cpu", "gpu")

@@ -106,6 +106,19 @@ QUICK_DEFAULTS = {
     "prework_tokens": 50, "prework_repeats": 3, "tokens": 32, "generation_repeats": 2,
     "decode_steps": 4, "decode_rounds": 2,
 }
+# The most each count may ask for: a round holds one time per token or
+# step, a decode model's cache grows by a position per step, and a prework
+# token chains that many layers into one graph, so these bound the run's
+# memory (and its time).
+MAX_COUNTS = {
+    "prework_tokens": 10000, "prework_repeats": 100, "tokens": 1024,
+    "generation_repeats": 100, "decode_steps": 1024, "decode_rounds": 100,
+}
+MAX_PREWORK_LAYERS = 512
+MAX_LAYER_COUNTS = 8  # values of --layers, each a prework measurement
+# Each rank is a process with its own copy of the unsharded parts of the
+# model; more than this is no benchmark on one machine.
+MAX_RANKS = 8
 DECODE_PROMPT_TOKENS = 16
 QUICK_DECODE_VOCABULARY = 8192  # the real 151936 makes a quick build slow on 2 cores
 WARM_UP_DECODE_STEPS = 2
@@ -383,7 +396,7 @@ def _add_workload(
     for count_flag, what in counts:
         name = count_flag.lstrip("-").replace("-", "_")
         parser.add_argument(
-            count_flag, type=command.positive_int,
+            count_flag, type=command.Count(1, MAX_COUNTS[name]),
             help=f"{what} (default: {FULL_DEFAULTS[name]}, or {QUICK_DEFAULTS[name]} reduced)",
         )
 
@@ -399,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload(
         parser, "--layers",
         (("--prework-tokens", "tokens per prework round"), ("--prework-repeats", "prework rounds")),
-        type=command.positive_int_list, default="36,48",
+        type=command.CountList(command.Count(1, MAX_PREWORK_LAYERS), MAX_LAYER_COUNTS),
+        default="36,48",
         help="comma-separated chained layer counts for the prework ('' for none)",
     )
     _add_workload(
@@ -437,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the report as JSON to PATH (its folder must exist; checked before the run)",
     )
     parser.add_argument(
-        "--ranks", type=int, default=None,
+        "--ranks", type=command.Count(2, MAX_RANKS), default=None,
         help="instead: the decode models with Model.shard, tensor-parallel over this many ranks "
         "on loopback (mlx.launch, ring backend), patched vs unpatched ms/token",
     )
@@ -576,8 +590,6 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command.select_device(arguments.device, parser)
     layer_counts, model_types, decode_models = _checked_arguments(arguments, parser)
     if arguments.ranks is not None:  # mlx_dualnorm.tools.mlx_lm_launcher launches them
-        if arguments.ranks < 2:
-            parser.error("--ranks must be at least 2")
         from mlx_dualnorm.tools.mlx_lm_launcher import run_ranks_command
 
         return run_ranks_command(arguments, decode_models, QUICK_DECODE_VOCABULARY)

@@ -76,6 +76,11 @@ DEFAULT_TIMING_ROUNDS = 3
 # of mlx-lm's 2048-token prefill chunks. Each run processes the prompt
 # again, and on a CPU a 4096-token prompt takes minutes a run.
 MAX_PROMPT_TOKENS = 4096
+# Every generated token keeps its step's logits (a vocabulary of them) in
+# each compared run, and every round generates them again both ways: these
+# bound the check's memory and time.
+MAX_TOKENS = 1024
+MAX_TIMING_ROUNDS = 100
 # From this prompt length on, each generation run is a progress line on
 # stderr with the time left.
 LONG_PROMPT_TOKENS = 256
@@ -526,7 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"{', '.join(SYNTHETIC_MODEL_TYPES)}",
     )
     parser.add_argument(
-        "--tokens", type=command.positive_int, default=64, help="greedy tokens to generate"
+        "--tokens", type=command.Count(1, MAX_TOKENS), default=64,
+        help="greedy tokens to generate"
     )
     parser.add_argument(
         "--prompt",
@@ -534,12 +540,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"{MAX_PROMPT_TOKENS} tokens); default: a fixed prompt of token ids",
     )
     parser.add_argument(
-        "--prompt-tokens", type=command.positive_int_at_most(MAX_PROMPT_TOKENS), default=12,
-        help=f"length of the fixed prompt, at most {MAX_PROMPT_TOKENS}",
+        "--prompt-tokens", type=command.Count(1, MAX_PROMPT_TOKENS), default=12,
+        help="length of the fixed prompt",
     )
     parser.add_argument(
         "--rounds",
-        type=command.positive_int,
+        type=command.Count(1, MAX_TIMING_ROUNDS),
         default=DEFAULT_TIMING_ROUNDS,
         help="timing rounds, each way once per round (the first is the compared one)",
     )
@@ -551,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seed", type=command.seed, default=DEFAULT_SEED,
-        help=f"--synthetic only: weight seed, 0 to {command.SEED_MAX}",
+        help="--synthetic only: weight seed",
     )
     command.add_device_argument(parser)
     return parser

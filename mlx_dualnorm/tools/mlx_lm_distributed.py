@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from mlx_dualnorm.tools.command import Count
 from mlx_dualnorm.tools.mlx_lm_attention_families import ATTENTION_FAMILY_CONFIGS
 from mlx_dualnorm.tools.mlx_lm_synthetic_qwen3_like import (
     QWEN3_LIKE_CONFIGS,
@@ -503,14 +504,14 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="tokens, logits and package calls of every scenario")
     check.add_argument("--families", type=lambda text: text.split(","), default=list(FAMILIES))
-    check.add_argument("--tokens", type=int, default=4)
+    check.add_argument("--tokens", type=Count(1, 1024), default=4)
     check.add_argument("--out", required=True, help="folder for rank<r>.json / rank<r>.npz")
     bench = commands.add_parser("bench", help="decode ms/token, patched vs unpatched")
     bench.add_argument("--model", default="qwen3-1024")
-    bench.add_argument("--layers", type=int, default=None)
-    bench.add_argument("--vocab-size", type=int, default=None)
-    bench.add_argument("--steps", type=int, default=16)
-    bench.add_argument("--rounds", type=int, default=5)
+    bench.add_argument("--layers", type=Count(1, 512), default=None)
+    bench.add_argument("--vocab-size", type=Count(2, 1 << 20), default=None)
+    bench.add_argument("--steps", type=Count(1, 1024), default=16)
+    bench.add_argument("--rounds", type=Count(1, 100), default=5)
     bench.add_argument("--out", required=True, help="folder for rank 0's bench.json")
     return parser
 

@@ -212,7 +212,7 @@ def _parity_parser(selection: PathSelection) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seed", type=command.seed, default=DEFAULT_PARITY_SEED,
-        help=f"seed of the matrix and its values, 0 to {command.SEED_MAX}",
+        help="seed of the matrix and its values",
     )
     parser.add_argument(
         "--family",

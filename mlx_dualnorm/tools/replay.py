@@ -581,6 +581,9 @@ def format_replay_report(report: ReplayReport) -> str:
 
 
 PROGRESS_INTERVAL_SECONDS = 2.0
+# Each step adds a hidden state per path and a position to the attention
+# layer's cache: this bounds both.
+MAX_DECODE_STEPS = 4096
 _DTYPES_BY_NAME = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 
@@ -593,12 +596,12 @@ def _replay_parser(selection: PathSelection) -> argparse.ArgumentParser:
     )
     selection.add_path_argument(parser, "replay")
     parser.add_argument(
-        "--steps", type=command.positive_int, default=DEFAULT_DECODE_STEPS,
+        "--steps", type=command.Count(1, MAX_DECODE_STEPS), default=DEFAULT_DECODE_STEPS,
         help="greedy tokens to decode",
     )
     parser.add_argument(
         "--seed", type=command.seed, default=ReplayModelConfig.seed,
-        help=f"seed of the weights and prompt, 0 to {command.SEED_MAX}",
+        help="seed of the weights and prompt",
     )
     parser.add_argument(
         "--dtype", choices=sorted(_DTYPES_BY_NAME), default="bfloat16", help="model dtype"
