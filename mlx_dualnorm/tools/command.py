@@ -22,6 +22,7 @@ import this module; it imports none of them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -52,6 +53,7 @@ __all__ = [
     "ToolParser",
     "Unavailable",
     "add_device_argument",
+    "cause",
     "error_line",
     "output_file",
     "output_folder",
@@ -100,8 +102,16 @@ class DefaultShownOnceFormatter(argparse.HelpFormatter):
 
 def error_line(operation: str, message: str) -> str:
     """The one line a command prints on stderr when it refuses to run:
-    ``[operation] message``."""
-    return f"[{operation}] {message}"
+    ``[operation] message``, a message of several lines (a library's
+    exception, say) joined into one."""
+    return f"[{operation}] {' '.join(message.split())}"
+
+
+def cause(error: BaseException) -> str:
+    """``error`` as the end of a one-line message: its type and its text
+    (the type alone where it has none)."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 class ToolParser(argparse.ArgumentParser):
@@ -234,7 +244,11 @@ seed = Count(0, SEED_MAX)
 integer from 0 to ``SEED_MAX`` (2**32 - 1)."""
 
 
-def _try_writing_into(folder: pathlib.Path, shown: str) -> None:
+def _refusal(text: str, failed: OSError) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(f"cannot write {text}: {failed.strerror or failed}")
+
+
+def _try_writing_into(folder: pathlib.Path, text: str) -> None:
     """Creates and removes a file in ``folder``: permission bits say
     nothing for root, nor for a read-only mount or a /proc folder; this
     asks the file system itself."""
@@ -242,52 +256,88 @@ def _try_writing_into(folder: pathlib.Path, shown: str) -> None:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".mlx_dualnorm-write-check-"):
             pass
     except OSError as failed:
-        raise argparse.ArgumentTypeError(
-            f"cannot write into {shown}: {failed.strerror or failed}"
-        ) from None
+        raise _refusal(text, failed) from None
 
 
-def _non_empty(text: str) -> str:
+def _path(text: str) -> pathlib.Path:
+    """The path an output option names: not empty (an empty name would be
+    the current folder), ``~`` expanded."""
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path; give a path")
-    return text
+    try:
+        return pathlib.Path(text).expanduser()
+    except RuntimeError as no_home:  # "~nouser/x"
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {no_home}") from None
 
 
 def output_folder(text: str) -> pathlib.Path:
-    """argparse ``type`` of a folder a command writes files into: an
-    existing folder a file can be created in (tried), or one it can create
-    (its nearest existing parent is such a folder; it is not created yet).
-    Checked when the arguments are read, so a bad path stops the command
-    before it measures anything."""
-    path = pathlib.Path(_non_empty(text)).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
-        _try_writing_into(path, f"folder {text}")
-        return path
-    existing = path.absolute().parent
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot create {text}: {existing} is not a folder")
-    _try_writing_into(existing, f"{existing} (to create {text})")
-    return path
+    """argparse ``type`` of a folder a command writes files into, tried
+    for real when the arguments are read, so a bad path stops the command
+    before it measures anything: a folder missing is created (with its
+    missing parents) and a file created and removed in it, then what was
+    created is removed again; the command creates it for good when it
+    writes."""
+    try:
+        return _output_folder(text)
+    except OSError as failed:  # a name too long, a loop of links, ...
+        raise _refusal(text, failed) from None
 
 
 def output_file(text: str) -> pathlib.Path:
-    """argparse ``type`` of a file a command writes: not a folder, in an
-    existing folder (none is created) where a file can be created (tried),
-    itself writable if it exists. Checked when the arguments are read,
-    before any work."""
-    path = pathlib.Path(_non_empty(text)).expanduser()
+    """argparse ``type`` of a file a command writes, in an existing folder
+    (none is created), tried for real when the arguments are read, before
+    any work: an existing file is opened for appending (nothing written),
+    a new one created and removed."""
+    try:
+        return _output_file(text)
+    except OSError as failed:
+        raise _refusal(text, failed) from None
+
+
+def _output_folder(text: str) -> pathlib.Path:
+    path = _path(text)
+    if path.exists():
+        if not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+        _try_writing_into(path, text)
+        return path
+    created = []
+    folder = path.absolute()
+    while not folder.exists():
+        created.append(folder)
+        folder = folder.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot create {text}: {folder} is not a folder")
+    try:
+        for missing in reversed(created):
+            missing.mkdir()
+        _try_writing_into(path, text)
+    except OSError as failed:
+        raise _refusal(text, failed) from None
+    finally:
+        for made in created:  # deepest first
+            with contextlib.suppress(OSError):
+                made.rmdir()
+    return path
+
+
+def _output_file(text: str) -> pathlib.Path:
+    path = _path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; give the path of a file")
     folder = path.absolute().parent
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"no folder {folder} to write {path.name} into")
-    _try_writing_into(folder, f"{folder} (to write {path.name})")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text} is not writable")
+    try:
+        if path.exists():
+            with open(path, "a"):
+                pass
+        else:
+            with open(path, "x"):
+                pass
+            path.unlink()
+    except OSError as failed:
+        raise _refusal(text, failed) from None
     return path
 
 

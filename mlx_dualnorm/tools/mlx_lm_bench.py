@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import importlib
 import json
 import os
 import platform
@@ -589,10 +590,8 @@ def _report_mismatches(measurements: list[DecodeMeasurement]) -> bool:
 def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command.select_device(arguments.device, parser)
     layer_counts, model_types, decode_models = _checked_arguments(arguments, parser)
-    if arguments.ranks is not None:  # mlx_dualnorm.tools.mlx_lm_launcher launches them
-        from mlx_dualnorm.tools.mlx_lm_launcher import run_ranks_command
-
-        return run_ranks_command(arguments, decode_models, QUICK_DECODE_VOCABULARY)
+    if arguments.ranks is not None:
+        return _run_over_ranks(arguments, decode_models)
     started = time.perf_counter()
     results = _Results()
     try:
@@ -607,6 +606,86 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _print_report(arguments, results, time.perf_counter() - started)
         raise
     return _print_report(arguments, results, time.perf_counter() - started)
+
+
+def _has_shard(name: str) -> bool:
+    """Whether decode model ``name``'s mlx-lm family has ``Model.shard``."""
+    model_type = DECODE_MODELS[name].config["model_type"]
+    return hasattr(importlib.import_module(f"mlx_lm.models.{model_type}").Model, "shard")
+
+
+def _indivisible(ranks: int, name: str) -> dict[str, int]:
+    """The sizes of decode model ``name`` that mlx-lm's ``Model.shard``
+    splits across the ranks (every layer's query and key/value heads, its
+    MLP widths) and ``ranks`` does not divide."""
+    return {
+        key: value for key, value in DECODE_MODELS[name].config.items()
+        if (key in ("num_attention_heads", "num_key_value_heads")
+            or (key.endswith("intermediate_size") and isinstance(value, int) and value > 0))
+        and value % ranks
+    }
+
+
+def ranks_refusal(ranks: int, decode_models: Sequence[str]) -> Optional[str]:
+    """Why ``ranks`` tensor-parallel ranks cannot run ``decode_models``, or
+    None: the rank count must divide every size ``Model.shard`` splits
+    (else shard_linear fails in every rank, or a head count is silently
+    floored)."""
+    for name in decode_models:
+        indivisible = _indivisible(ranks, name)
+        if indivisible:
+            shown = ", ".join(f"{key} {value}" for key, value in indivisible.items())
+            possible = [
+                count for count in range(2, MAX_RANKS + 1)
+                if not any(_indivisible(count, model) for model in decode_models)
+            ]
+            return (
+                f"{ranks} ranks cannot shard {name}: the rank count must divide its {shown} "
+                f"(--ranks one of {', '.join(map(str, possible)) or 'none'} for "
+                f"{', '.join(decode_models)})"
+            )
+    return None
+
+
+def _run_over_ranks(arguments: argparse.Namespace, decode_models: Sequence[str]) -> int:
+    """``--ranks N``: each decode model whose family has ``Model.shard``,
+    tensor-parallel over N loopback ranks that this command starts itself
+    (the rank program, :mod:`~mlx_dualnorm.tools.mlx_lm_launcher`), patched
+    vs unpatched; prints the table (and writes ``--json``). The rank count
+    is checked against every model before any rank starts. 1 on a token
+    mismatch or a failed rank."""
+    from mlx_dualnorm.tools.mlx_lm_launcher import bench_over_ranks, format_bench_report
+
+    shardable = [name for name in decode_models if _has_shard(name)]
+    if not shardable:
+        named = f"none of {', '.join(decode_models)} has" if decode_models else "none named"
+        raise command.Unavailable(
+            f"--ranks times the decode models whose mlx-lm family has Model.shard: {named} "
+            f"(--decode-models any of {', '.join(n for n in DECODE_MODELS if _has_shard(n))})"
+        )
+    refusal = ranks_refusal(arguments.ranks, shardable)
+    if refusal is not None:
+        raise command.Unavailable(refusal)
+    for name in decode_models:
+        if name not in shardable:
+            model_type = DECODE_MODELS[name].config["model_type"]
+            print(f"{name}: mlx-lm's {model_type} has no Model.shard; left out", file=sys.stderr)
+    reports = []
+    for name in shardable:
+        print(f"decode over {arguments.ranks} ranks, {name} ...", file=sys.stderr, flush=True)
+        # The reduced run (asked for, or a CPU's default) as for one rank.
+        report = bench_over_ranks(
+            name, ranks=arguments.ranks, steps=arguments.decode_steps,
+            rounds=arguments.decode_rounds,
+            layers=DECODE_MODELS[name].quick_layers if arguments.reduced else None,
+            vocab_size=QUICK_DECODE_VOCABULARY if arguments.reduced else None,
+        )
+        print(format_bench_report(report), flush=True)
+        reports.append(report)
+    if arguments.json:
+        write_json_report(arguments.json, {"ranks": reports})
+    failed = any(report["token_mismatches"] or not report["ok"] for report in reports)
+    return 1 if failed else 0
 
 
 def _print_report(arguments: argparse.Namespace, results: _Results, seconds: float) -> int:

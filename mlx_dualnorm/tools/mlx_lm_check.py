@@ -296,7 +296,12 @@ def run_check(
     is called after each generation run with what it was."""
     run_done = progress or (lambda detail: None)
     with integration.unpatch():
-        greedy_generate(model, prompt, WARM_UP_TOKENS)
+        try:
+            greedy_generate(model, prompt, WARM_UP_TOKENS)
+        except Exception as error:  # mlx-lm's own run of it: the model cannot run here
+            raise command.Unavailable(
+                f"mlx-lm cannot run this model here, unpatched: {command.cause(error)}"
+            ) from error
     run_done("unpatched warm-up")
     with integration.patch(mode), recording_prework() as kinds:
         greedy_generate(model, prompt, WARM_UP_TOKENS)
@@ -455,8 +460,13 @@ def _ratio_text(result: CheckResult) -> str:
 
 
 def _load_local_model(path_text: str) -> tuple[nn.Module, dict, Path]:
-    """mlx_lm.utils.load_model on an existing folder; never downloads."""
-    path = Path(path_text).expanduser()
+    """mlx_lm.utils.load_model on an existing folder; never downloads. Any
+    exception while loading (its config, its weights, the model class) is
+    a usage error naming the folder and the cause."""
+    try:
+        path = Path(path_text).expanduser()
+    except RuntimeError as no_home:  # "~nouser/x": no such user
+        raise _UsageError(f"no model folder at {path_text}: {no_home}") from no_home
     if not path.exists():
         raise _UsageError(
             f"no model folder at {path}: give the path of a local mlx-lm model "
@@ -468,10 +478,35 @@ def _load_local_model(path_text: str) -> tuple[nn.Module, dict, Path]:
 
     try:
         model, config = load_model(path)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise _UsageError(f"mlx-lm could not load {path}: {error}") from error
+        if not isinstance(config, dict):
+            raise TypeError(f"config.json holds a {type(config).__name__}, not an object")
+    except Exception as error:  # whatever the config, weights or model class raise
+        raise _UsageError(f"mlx-lm could not load {path}: {command.cause(error)}") from error
     model.eval()
     return model, config, path
+
+
+def cpu_refusal(model: nn.Module) -> Optional[str]:
+    """Why the default device cannot run ``model``, or None. MLX's CPU
+    gather_mm, the matmul of mlx-lm's unquantized experts (SwitchLinear,
+    in every mixture-of-experts family), takes float32 only, and fails
+    mid-run on anything else (the quantized gather_qmm takes them all)."""
+    if mx.default_device().type != mx.cpu:
+        return None
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    dtypes = sorted({
+        str(module.weight.dtype).rsplit(".", 1)[-1]
+        for module in model.modules()
+        if isinstance(module, SwitchLinear) and module.weight.dtype != mx.float32
+    })
+    if not dtypes:
+        return None
+    return (
+        f"its experts' weights are {', '.join(dtypes)}, and MLX's CPU gather_mm (the "
+        "experts' matmul) takes float32 only: on a CPU use float32 weights "
+        "(--dtype float32 for a synthetic model), or --device gpu"
+    )
 
 
 class _UsageError(Exception):
@@ -503,7 +538,9 @@ def _encoded_prompt(folder: Path, text: str) -> mx.array:
 
 
 def _vocabulary_size(config: dict) -> int:
-    for source in (config, config.get("text_config") or {}):
+    for source in (config, config.get("text_config")):
+        if not isinstance(source, dict):
+            continue
         vocabulary = source.get("vocab_size")
         if isinstance(vocabulary, int) and vocabulary > 1:
             return vocabulary
@@ -556,8 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=tuple(DTYPES), help="--synthetic only: weight dtype (default per model)"
     )
     parser.add_argument(
-        "--seed", type=command.seed, default=DEFAULT_SEED,
-        help="--synthetic only: weight seed",
+        "--seed", type=command.seed, default=None,
+        help=f"--synthetic only: weight seed (default: {DEFAULT_SEED})",
     )
     command.add_device_argument(parser)
     return parser
@@ -584,7 +621,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 raise _UsageError("--prompt needs --model (synthetic models have no tokenizer)")
             model = build_synthetic_model(
                 args.synthetic,
-                seed=args.seed,
+                seed=DEFAULT_SEED if args.seed is None else args.seed,
                 dtype=DTYPES[args.dtype] if args.dtype else None,
             )
             model_name = f"synthetic {args.synthetic}"
@@ -592,14 +629,18 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 _vocabulary_size(synthetic_model_config(args.synthetic)), args.prompt_tokens
             )
         else:
-            if args.dtype is not None:
-                raise _UsageError("--dtype is for --synthetic models only")
+            for flag, value in (("--dtype", args.dtype), ("--seed", args.seed)):
+                if value is not None:
+                    raise _UsageError(f"{flag} is for --synthetic models only")
             model, config, path = _load_local_model(args.model)
             model_name = str(path)
             if args.prompt is not None:
                 prompt = _encoded_prompt(path, args.prompt)
             else:
                 prompt = prompt_token_ids(_vocabulary_size(config), args.prompt_tokens)
+        refusal = cpu_refusal(model)
+        if refusal is not None:
+            raise _UsageError(f"{model_name} cannot run on this device: {refusal}")
     except (_UsageError, ValueError) as error:
         print(command.error_line("mlx-lm-check", str(error)), file=sys.stderr)
         return EXIT_USAGE

@@ -5,8 +5,9 @@
 (127.0.0.1, free ports chosen here), through ``mlx.launch`` or directly with
 what it hands the ranks, bounded in time, and kills every process it
 started when the time runs out, a rank fails, or it is interrupted.
-:func:`bench_over_ranks` and :func:`run_ranks_command` (``mlx-lm-bench
---ranks N``) launch the rank program's ``bench``.
+:func:`bench_over_ranks` launches the rank program's ``bench`` (for
+``mlx-lm-bench --ranks N``, whose command imports this module: this one
+imports no command).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ __all__ = [
     "format_bench_report",
     "free_port_run",
     "launch",
-    "run_ranks_command",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -311,36 +311,3 @@ def format_bench_report(report: dict) -> str:
     if report["token_mismatches"]:
         lines.append(f"  TOKEN MISMATCH in {report['token_mismatches']} rounds")
     return "\n".join(lines)
-
-
-def run_ranks_command(arguments, decode_models: Sequence[str], quick_vocabulary: int) -> int:
-    """``mlx-lm-bench --ranks N``: each decode model whose family has
-    ``Model.shard``, tensor-parallel over N loopback ranks, patched vs
-    unpatched; prints the table (and writes ``--json``). 1 on a token
-    mismatch or a failed rank."""
-    from mlx_dualnorm.tools.mlx_lm_synthetic import DECODE_MODELS
-
-    import importlib
-
-    reports = []
-    for name in decode_models:
-        model_type = DECODE_MODELS[name].config["model_type"]
-        if not hasattr(importlib.import_module(f"mlx_lm.models.{model_type}").Model, "shard"):
-            print(f"{name}: mlx-lm's {model_type} has no Model.shard; left out", file=sys.stderr)
-            continue
-        print(f"decode over {arguments.ranks} ranks, {name} ...", file=sys.stderr, flush=True)
-        # The reduced run (asked for, or a CPU's default) as for one rank.
-        quick_layers = DECODE_MODELS[name].quick_layers if arguments.reduced else None
-        report = bench_over_ranks(
-            name, ranks=arguments.ranks, steps=arguments.decode_steps,
-            rounds=arguments.decode_rounds, layers=quick_layers,
-            vocab_size=quick_vocabulary if arguments.reduced else None,
-        )
-        print(format_bench_report(report), flush=True)
-        reports.append(report)
-    if arguments.json:
-        from mlx_dualnorm.tools.mlx_lm_bench import write_json_report
-
-        write_json_report(arguments.json, {"ranks": reports})
-    failed = any(report["token_mismatches"] or not report["ok"] for report in reports)
-    return 1 if failed else 0
