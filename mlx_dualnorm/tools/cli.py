@@ -77,7 +77,8 @@ SUBCOMMANDS: tuple[SubCommand, ...] = (
     SubCommand(
         "mlx-lm-bench",
         "mlx_dualnorm.tools.mlx_lm_bench",
-        "time mlx-lm's normalize_qk against the patch (q/k prework, per-token generation)",
+        "time mlx-lm unpatched against patched: the q/k prework, generation with small "
+        "random models, decode at released model sizes (or over --ranks)",
     ),
 )
 

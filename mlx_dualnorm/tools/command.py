@@ -31,10 +31,12 @@ import statistics
 import sys
 import tempfile
 import time
+import typing
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import mlx.core as mx
 
+from mlx_dualnorm import Mode
 from mlx_dualnorm.tools.compared_paths import PathUnavailable
 
 __all__ = [
@@ -52,7 +54,9 @@ __all__ = [
     "StepProgress",
     "ToolParser",
     "Unavailable",
+    "MODE_CHOICES",
     "add_device_argument",
+    "add_mode_argument",
     "cause",
     "error_line",
     "output_file",
@@ -342,6 +346,17 @@ def _output_file(text: str) -> pathlib.Path:
 
 
 DEVICE_CHOICES = ("default", "cpu", "gpu")
+# The package's modes, by name: a name not among them is a usage error
+# naming the choices; a mode among them that this build or device lacks
+# is refused by patch() as one that cannot run here.
+MODE_CHOICES: tuple[str, ...] = typing.get_args(Mode)
+
+
+def add_mode_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mode", choices=MODE_CHOICES, default=None,
+        help="mode for mlx_dualnorm.integrations.mlx_lm.patch() (default: patch()'s own)",
+    )
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:

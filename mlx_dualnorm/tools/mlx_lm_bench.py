@@ -406,9 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line's parser."""
     parser = command.tool_parser(
         "mlx-lm-bench",
-        "mlx-lm's normalize_qk against the mlx_dualnorm patch: q/k prework at the "
-        "Qwen3-Next decode shape and per-token generation time of small random models. "
-        "Ratios are patched time / unpatched time: lower is better.",
+        "mlx-lm unpatched against patched by mlx_dualnorm: the q/k prework at the "
+        "Qwen3-Next decode shape, per-token generation time of small random models, and "
+        "decode time of random models at released dimensions (or, with --ranks, of those "
+        "tensor-parallel over loopback ranks). Ratios are patched time / unpatched time: "
+        "lower is better.",
     )
     _add_workload(
         parser, "--layers",
@@ -432,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated models at released dimensions to time decode tokens with "
         f"({', '.join(DECODE_MODELS)}; '' for none)",
     )
-    parser.add_argument("--mode", default=None, help="mode for patch() (default: its own)")
+    command.add_mode_argument(parser)
     size = parser.add_mutually_exclusive_group()
     size.add_argument(
         "--quick",
@@ -453,8 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--ranks", type=command.Count(2, MAX_RANKS), default=None,
-        help="instead: the decode models with Model.shard, tensor-parallel over this many ranks "
-        "on loopback (mlx.launch, ring backend), patched vs unpatched ms/token",
+        help="instead: the decode models whose mlx-lm family has Model.shard ("
+        f"{', '.join(name for name in DECODE_MODELS if _has_shard(name))}), tensor-parallel "
+        "over this many ranks that this command starts on loopback (ring backend), "
+        "patched vs unpatched ms/token; the count must divide every model's head counts "
+        "and MLP widths",
     )
     command.add_device_argument(parser)
     return parser

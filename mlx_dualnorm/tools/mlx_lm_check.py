@@ -586,9 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TIMING_ROUNDS,
         help="timing rounds, each way once per round (the first is the compared one)",
     )
-    parser.add_argument(
-        "--mode", default=None, help="mode for patch() (default: patch()'s own)"
-    )
+    command.add_mode_argument(parser)
     parser.add_argument(
         "--dtype", choices=tuple(DTYPES), help="--synthetic only: weight dtype (default per model)"
     )
