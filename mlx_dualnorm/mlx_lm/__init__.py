@@ -17,7 +17,10 @@ mlx-lm sees them (anywhere before a bare ``--``):
 Unless quiet, one line on stderr at exit (normal exit, ``SystemExit``,
 ``KeyboardInterrupt``, SIGTERM) says what the patch engaged, from
 :func:`mlx_dualnorm.integrations.mlx_lm.report`. A SIGTERM still ends the
-process by SIGTERM, as it ends mlx-lm's.
+process by SIGTERM, as it ends mlx-lm's. Ctrl-C (SIGINT) is mlx-lm's own
+to handle: its ``server`` then ends with status 0 or, in a race while the
+interpreter shuts down, by SIGABRT, the same two whether patched or not
+(docs/mlx-lm.md).
 """
 
 from __future__ import annotations
