@@ -161,7 +161,10 @@ def _config_from_arguments(
     if arguments.repeats is not None:
         overrides["repeats"] = arguments.repeats
     if arguments.paths:
-        overrides["paths"] = tuple(name.strip() for name in arguments.paths.split(",") if name.strip())
+        names = [name.strip() for name in arguments.paths.split(",")]
+        if not all(names):
+            parser.error(f"--paths: an empty name in {arguments.paths!r}")
+        overrides["paths"] = tuple(dict.fromkeys(names))  # each path timed once
     config = BenchmarkConfig.quick(**overrides) if arguments.quick else BenchmarkConfig(**overrides)
     try:
         config.selected_paths()

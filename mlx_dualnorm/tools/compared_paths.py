@@ -304,8 +304,9 @@ class PathSelection:
         )
 
     def named(self, arguments: argparse.Namespace) -> list[str]:
-        """The paths ``--path`` named, or the default ones."""
-        return arguments.path_names or self.default_names
+        """The paths ``--path`` named (each once, however often named), or
+        the default ones."""
+        return list(dict.fromkeys(arguments.path_names or ())) or self.default_names
 
     def factories_named(self, names: Sequence[str]) -> dict[str, DualNormPathFactory]:
         """The dual norm paths among ``names`` (extra names left out)."""

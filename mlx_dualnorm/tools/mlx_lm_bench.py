@@ -469,8 +469,13 @@ def _known_names(
     parser: argparse.ArgumentParser, flag: str, text: str, known: Collection[str]
 ) -> list[str]:
     """The comma-separated names of ``flag``, each one of ``known`` (any
-    other exits 2, naming the choices)."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    other exits 2, naming the choices), each once: a name repeated is
+    measured once, so the list cannot make the run longer than all of
+    ``known``. An empty name between commas is refused."""
+    parts = [name.strip() for name in text.split(",")]
+    if text.strip() and not all(parts):
+        parser.error(f"{flag}: an empty name in {text!r}")
+    names = list(dict.fromkeys(name for name in parts if name))
     unknown = sorted(set(names) - set(known))
     if unknown:
         parser.error(f"{flag}: unknown {unknown}; choose from {', '.join(known)}")

@@ -144,3 +144,61 @@ def test_a_count_past_its_maximum_is_refused_before_any_work(subcommand, argumen
         pytest.importorskip("mlx_lm")
     error = _refused(cli.main, [subcommand, *arguments], capsys)
     assert f"[{subcommand}] argument {message}" in error
+
+
+def _bad_values(bounded) -> list[str]:
+    """Values every option of this range must refuse: not a number, empty,
+    just outside each end, and (for an integer) a fraction."""
+    if isinstance(bounded, command.CountList):
+        item = bounded.item
+        return ["abc", f"{item.maximum + 1}", "1,,2", ",".join(["1"] * (bounded.max_items + 1))]
+    values = ["abc", "", f"{bounded.minimum - 1}", "nan", "inf"]
+    if isinstance(bounded, command.Count):
+        values += [f"{bounded.maximum + 1}", "1.5"]
+    else:
+        values += [f"{bounded.maximum * 2 + 1}"]
+    return values
+
+
+def _each_bad_value():
+    for name, option, action in numeric_options():
+        if name in SUBCOMMANDS:
+            for value in _bad_values(action.type):
+                yield pytest.param(name, option, value, id=f"{name} {option}={value!r}")
+
+
+@pytest.mark.parametrize("subcommand, option, value", list(_each_bad_value()))
+def test_every_numeric_option_refuses_bad_values_in_one_line(subcommand, option, value, capsys):
+    """Driven from the parsers: an option added later is covered too."""
+    error = _refused(cli.main, [subcommand, f"{option}={value}"], capsys)
+    assert error.startswith(f"[{subcommand}] argument {option}: "), error
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["bench", "--paths", "compiled,,composed"], "--paths: an empty name"),
+        (["mlx-lm-bench", "--models", "qwen3,,qwen3_5"], "--models: an empty name"),
+    ],
+)
+def test_an_empty_name_in_a_list_is_refused(arguments, message, capsys):
+    if arguments[0].startswith("mlx-lm"):
+        pytest.importorskip("mlx_lm")
+    assert message in _refused(cli.main, arguments, capsys)
+
+
+def test_a_name_repeated_in_a_list_is_measured_once():
+    """A list of names cannot make a run longer than all of them once."""
+    pytest.importorskip("mlx_lm")
+    from mlx_dualnorm.tools import benchmark, compared_paths, mlx_lm_bench, replay
+
+    parser = cli.subcommand_parser("mlx-lm-bench")
+    names = mlx_lm_bench._known_names(parser, "--models", ",".join(["qwen3"] * 1000), ["qwen3"])
+    assert names == ["qwen3"]
+    parser = benchmark.build_parser()
+    arguments = parser.parse_args(["--paths", "compiled,compiled,composed"])
+    config = benchmark._config_from_arguments(arguments, parser)
+    assert config.paths == ("compiled", "composed")
+    selection = compared_paths.PathSelection.of(None, replay.PATH_FACTORIES)
+    arguments = argparse.Namespace(path_names=["compiled"] * 1000)
+    assert selection.named(arguments) == ["compiled"]
