@@ -465,14 +465,16 @@ def _load_local_model(path_text: str) -> tuple[nn.Module, dict, Path]:
     a usage error naming the folder and the cause."""
     try:
         path = Path(path_text).expanduser()
-    except RuntimeError as no_home:  # "~nouser/x": no such user
-        raise _UsageError(f"no model folder at {path_text}: {no_home}") from no_home
-    if not path.exists():
+        exists = path.exists()
+        has_config = exists and path.is_dir() and (path / "config.json").is_file()
+    except (RuntimeError, OSError) as unusable:  # "~nouser/x", a name too long, ...
+        raise _UsageError(f"no model folder at {path_text}: {command.cause(unusable)}") from None
+    if not exists:
         raise _UsageError(
             f"no model folder at {path}: give the path of a local mlx-lm model "
             "(config.json and model*.safetensors); this check never downloads"
         )
-    if not path.is_dir() or not (path / "config.json").is_file():
+    if not has_config:
         raise _UsageError(f"{path} is not an mlx-lm model folder: it has no config.json")
     from mlx_lm.utils import load_model
 

@@ -102,6 +102,12 @@ def test_the_good_folder_of_the_corpus_loads(model_folders, capsys):
     assert "RESULT: identical" in capsys.readouterr().out
 
 
+def test_a_model_path_the_file_system_refuses_is_one_line(tmp_path, capsys):
+    folder = tmp_path / NAME_TOO_LONG
+    status = cli.main(["mlx-lm-check", "--model", str(folder), "--tokens", "2"])
+    assert_one_line_refusal(status, capsys.readouterr(), "mlx-lm-check", "File name too long")
+
+
 def test_a_home_folder_of_no_user_is_one_line_in_a_real_process():
     process = run_python(
         "import sys\nfrom mlx_dualnorm.tools.cli import main\n"
