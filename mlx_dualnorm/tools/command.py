@@ -83,25 +83,26 @@ class Unavailable(Exception):
 
 
 class DefaultShownOnceFormatter(argparse.HelpFormatter):
-    """Appends an option's range (from its bounded ``type``) and
-    "(default: X)" to its help, except where the help already says its
-    default, for flags (off unless given) and where the default is None
-    (the help says what leaving it out does)."""
+    """Appends an option's range (from its bounded ``type``) and its
+    default to its help, "(1 to 512; default: 48)"; the default is left
+    out where the help already says it, for flags (off unless given) and
+    where it is None (the help says what leaving it out does)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
+        notes = []
         bounds = getattr(action.type, "range_text", None)
         if bounds is not None and help_text is not argparse.SUPPRESS:
-            help_text = f"{help_text} ({bounds})"
-        if (
+            notes.append(bounds)
+        if not (
             "(default" in help_text
             or "default:" in help_text
             or action.default in (None, False, argparse.SUPPRESS)
             or action.nargs == 0  # a flag: store_true, store_const, help
             or not action.option_strings
         ):
-            return help_text
-        return f"{help_text} (default: %(default)s)"
+            notes.append("default: %(default)s")
+        return f"{help_text} ({'; '.join(notes)})" if notes else help_text
 
 
 def error_line(operation: str, message: str) -> str:

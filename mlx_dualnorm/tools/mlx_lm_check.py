@@ -594,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seed", type=command.seed, default=None,
-        help=f"--synthetic only: weight seed (default: {DEFAULT_SEED})",
+        help=f"--synthetic only: weight seed, {DEFAULT_SEED} unless given",
     )
     command.add_device_argument(parser)
     return parser
