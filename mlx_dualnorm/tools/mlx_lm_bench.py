@@ -455,8 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--ranks", type=command.Count(2, MAX_RANKS), default=None,
-        help="instead: the decode models whose mlx-lm family has Model.shard ("
-        f"{', '.join(name for name in DECODE_MODELS if _has_shard(name))}), tensor-parallel "
+        help="instead: the decode models whose mlx-lm family has Model.shard, tensor-parallel "
         "over this many ranks that this command starts on loopback (ring backend), "
         "patched vs unpatched ms/token; the count must divide every model's head counts "
         "and MLP widths",
@@ -621,7 +620,11 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _has_shard(name: str) -> bool:
     """Whether decode model ``name``'s mlx-lm family has ``Model.shard``."""
     model_type = DECODE_MODELS[name].config["model_type"]
-    return hasattr(importlib.import_module(f"mlx_lm.models.{model_type}").Model, "shard")
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    except ImportError:  # a family this mlx-lm cannot load runs nowhere
+        return False
+    return hasattr(module.Model, "shard")
 
 
 def _indivisible(ranks: int, name: str) -> dict[str, int]:
