@@ -7,8 +7,10 @@ once, and reports a bad argument in one line, ``[NAME] message``;
 :func:`run_tool` turns argparse's exits, a path or package that cannot
 run here, and Ctrl-C into exit statuses, so each tool's ``main(argv)``
 returns an int whether it runs from the shell or from a test. The
-argument types here (counts, seeds, output paths) check each value where
-argparse reads it, the same way for every command, before any work.
+argument types here check each value where argparse reads it, the same
+way for every command, before any work: every number is a :class:`Count`
+or :class:`Number` (or a :class:`CountList` of counts) with a range that
+its help shows, and output paths are tried for real.
 
 Exit statuses, the same for every command: 0 ok, 1 a mismatch (outputs,
 tokens or bits differ), 2 bad usage or something that cannot run here (a
@@ -40,21 +42,21 @@ from mlx_dualnorm import Mode
 from mlx_dualnorm.tools.compared_paths import PathUnavailable
 
 __all__ = [
+    "Count",
+    "CountList",
     "DefaultShownOnceFormatter",
     "EXIT_INTERRUPTED",
     "EXIT_MISMATCH",
     "EXIT_OK",
     "EXIT_USAGE",
-    "Count",
-    "CountList",
-    "Number",
     "InterruptedWithPartialResult",
+    "MODE_CHOICES",
+    "Number",
     "PROGRAM",
     "SEED_MAX",
     "StepProgress",
     "ToolParser",
     "Unavailable",
-    "MODE_CHOICES",
     "add_device_argument",
     "add_mode_argument",
     "cause",
