@@ -15,8 +15,8 @@ pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import qwen3  # noqa: E402
-from mlx_dualnorm.tools import mlx_lm_bench  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
+from mlx_dualnorm.commands import mlx_lm_bench  # noqa: E402
+from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
     DECODE_MODELS,
     decode_model_config,
 )

@@ -1,0 +1,756 @@
+"""Benchmarks of the mlx-lm patch: mlx-lm's ``normalize_qk`` vs the patch.
+
+Two measurements on the default MLX device, each as ``repeats`` rounds with
+both paths interleaved (order alternating per round, so drift hits both
+alike), reported as the median over rounds with the per-round time ratio
+``patched / unpatched`` (lower is better; below 1 the patch is faster):
+
+* prework: only the q/k normalization at the Qwen3-Next decode shape, q and
+  k ``(1, 1, 16, 128)`` bfloat16, ``inv_scale = 128**-0.5``, ``eps = 1e-6``,
+  through ``layers`` gated-delta layers chained (each layer's outputs are the
+  next layer's inputs) and one ``mx.eval`` per token: microseconds per token,
+  graph build and evaluation together. Qwen3-Next-80B has 48 layers, 36 of
+  them gated-delta.
+* generation: milliseconds per decode token of the small random models of
+  :mod:`~mlx_dualnorm.commands.shared.synthetic`, greedy through mlx-lm's
+  ``generate_step`` (median over the decode tokens of a round). These models
+  are tiny, so the prework is a larger share of a token than in a real one.
+* decode: milliseconds per decode token of random bfloat16 models at the
+  dimensions of released checkpoints (``DECODE_MODELS`` of
+  :mod:`~mlx_dualnorm.commands.shared.synthetic`: Qwen3-0.6B-, Qwen3-1.7B-,
+  Gemma 3 1B-, OLMo 2 1B-, GLM-4.5- and Qwen3-Next-like, one of each layer
+  shape; ``--decode-models`` picks them by name), where the patch replaces
+  the gated-delta ``normalize_qk`` and the full-attention q/k prework it
+  covers. Each row says what the patch engaged in the model (from its own
+  record; a model it covers nothing of is flagged, its ratio noise). Each run
+  prefills a short prompt, then decodes greedily through mlx-lm's
+  ``generate_step`` (KV cache, one evaluation per token); a round's time is
+  the median over its decode steps. Every round's greedy tokens must equal
+  those of the first unpatched round: a mismatch is reported and the command
+  exits 1. ``--quick`` keeps the per-layer shapes but fewer layers and a
+  smaller vocabulary, and says so.
+
+``main(argv)`` is the command line (``python -m mlx_dualnorm
+mlx-lm-bench``); ``run_prework``, ``run_generation`` and ``run_decode`` the
+programmatic API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import importlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Collection, Iterator, Optional, Sequence
+
+import mlx.core as mx
+import mlx_lm.models.gated_delta as gated_delta_module
+
+from mlx_dualnorm import Mode
+from mlx_dualnorm.integrations import mlx_lm as integration
+from mlx_dualnorm.commands.shared import command
+from mlx_dualnorm.commands.mlx_lm_bench.results import (
+    DECODE_DTYPE_OF_WEIGHTS,
+    DECODE_SHAPE,
+    PATCHED,
+    UNPATCHED,
+    DecodeMeasurement,
+    PairedTiming,
+    format_decode_table,
+    format_table,
+)
+from mlx_dualnorm.commands.shared.recording import recording
+from mlx_dualnorm.commands.mlx_lm_check import count_normalize_qk_calls, greedy_generate
+from mlx_dualnorm.commands.shared.synthetic import (
+    DECODE_MODELS,
+    DEFAULT_DTYPES,
+    GATED_DELTA_MODEL_TYPES,
+    SYNTHETIC_MODEL_TYPES,
+    build_model,
+    build_synthetic_model,
+    decode_model_config,
+    prompt_token_ids,
+    synthetic_model_config,
+)
+
+__all__ = [
+    "DecodeMeasurement",
+    "PairedTiming",
+    "build_parser",
+    "main",
+    "run_decode",
+    "run_generation",
+    "run_prework",
+    "timed_greedy_decode",
+]
+
+REPORT_SCHEMA = "mlx_dualnorm.mlx_lm_bench/3"
+DECODE_DTYPE = mx.bfloat16
+HEAD_WIDTH = DECODE_SHAPE[-1]
+INV_SCALE = HEAD_WIDTH**-0.5  # what qwen3_next / qwen3_5 pass
+EPS = 1e-6
+FULL_DEFAULTS = {
+    "prework_tokens": 200, "prework_repeats": 7, "tokens": 64, "generation_repeats": 5,
+    "decode_steps": 32, "decode_rounds": 5,
+}
+QUICK_DEFAULTS = {
+    "prework_tokens": 50, "prework_repeats": 3, "tokens": 32, "generation_repeats": 2,
+    "decode_steps": 4, "decode_rounds": 2,
+}
+# The most each count may ask for: a round holds one time per token or
+# step, a decode model's cache grows by a position per step, and a prework
+# token chains that many layers into one graph, so these bound the run's
+# memory (and its time).
+MAX_COUNTS = {
+    "prework_tokens": 10000, "prework_repeats": 100, "tokens": 1024,
+    "generation_repeats": 100, "decode_steps": 1024, "decode_rounds": 100,
+}
+MAX_PREWORK_LAYERS = 512
+MAX_LAYER_COUNTS = 8  # values of --layers, each a prework measurement
+# Each rank is a process with its own copy of the unsharded parts of the
+# model; more than this is no benchmark on one machine.
+MAX_RANKS = 8
+DECODE_PROMPT_TOKENS = 16
+QUICK_DECODE_VOCABULARY = 8192  # the real 151936 makes a quick build slow on 2 cores
+WARM_UP_DECODE_STEPS = 2
+
+NormalizeQk = Callable[..., "tuple[mx.array, mx.array]"]
+StepReport = Callable[[str], None]
+"""Called after each step of a measurement with what the step was."""
+
+
+def _report(progress: Optional[StepReport], detail: str) -> None:
+    if progress is not None:
+        progress(detail)
+
+
+def _paired_rounds(rounds: int) -> Iterator[tuple[int, bool]]:
+    """``(round index, patched)`` in run order: each round runs both paths,
+    the first one alternating (round 0 unpatched first), so neither path
+    always runs on what the other just warmed."""
+    for round_index in range(rounds):
+        for patched in (False, True) if round_index % 2 == 0 else (True, False):
+            yield round_index, patched
+
+
+@contextlib.contextmanager
+def _partial_on_interrupt(partial: object) -> Iterator[None]:
+    """Ctrl-C inside the block raises InterruptedWithPartialResult carrying
+    ``partial``, the result being filled in, so the rounds done are printed."""
+    try:
+        yield
+    except command.InterruptedWithPartialResult:
+        raise
+    except KeyboardInterrupt:
+        raise command.InterruptedWithPartialResult(partial) from None
+
+
+# ---- Prework at the decode shape ---------------------------------------------
+
+
+def _decode_inputs() -> tuple[mx.array, mx.array]:
+    key = mx.random.key(HEAD_WIDTH)
+    query_key, key_key = mx.random.split(key)
+    queries = mx.random.normal(DECODE_SHAPE, key=query_key).astype(DECODE_DTYPE)
+    keys = mx.random.normal(DECODE_SHAPE, key=key_key).astype(DECODE_DTYPE)
+    mx.eval(queries, keys)
+    return queries, keys
+
+
+def _prework_seconds_per_token(
+    normalize_qk: NormalizeQk, queries: mx.array, keys: mx.array, layers: int, tokens: int
+) -> float:
+    started = time.perf_counter()
+    for _ in range(tokens):
+        normalized_queries, normalized_keys = queries, keys
+        for _ in range(layers):
+            normalized_queries, normalized_keys = normalize_qk(
+                normalized_queries, normalized_keys, inv_scale=INV_SCALE, eps=EPS
+            )
+        mx.eval(normalized_queries, normalized_keys)
+    return (time.perf_counter() - started) / tokens
+
+
+def run_prework(
+    layers: int,
+    tokens: int = 200,
+    repeats: int = 7,
+    mode: Optional[Mode] = None,
+    progress: Optional[StepReport] = None,
+) -> PairedTiming:
+    """Microseconds per token of ``layers`` chained q/k normalizations.
+    ``progress`` hears of each path's round; on Ctrl-C the rounds so far
+    come with the interrupt (:class:`~mlx_dualnorm.commands.shared.command.InterruptedWithPartialResult`)."""
+    queries, keys = _decode_inputs()
+    with integration.patch(mode):  # what mlx-lm's layers call while patched
+        patched = gated_delta_module.normalize_qk
+    paths = {UNPATCHED: integration.ORIGINAL_NORMALIZE_QK, PATCHED: patched}
+    timing = PairedTiming(f"prework_{layers}_layers", "us/token", [], [])
+    with _partial_on_interrupt(timing):
+        for normalize_qk in paths.values():  # warm-up: traces, folds, allocator
+            _prework_seconds_per_token(normalize_qk, queries, keys, layers, max(tokens // 10, 3))
+        for round_index, patched in _paired_rounds(repeats):
+            name = PATCHED if patched else UNPATCHED
+            seconds = _prework_seconds_per_token(paths[name], queries, keys, layers, tokens)
+            timing.times_of(name).append(1e6 * seconds)
+            _report(progress, f"round {round_index + 1}/{repeats} {name}")
+    return timing
+
+
+# ---- Generation with the small models ---------------------------------------
+
+
+def run_generation(
+    model_type: str,
+    tokens: int = 64,
+    repeats: int = 3,
+    mode: Optional[Mode] = None,
+    dtype: Optional[mx.Dtype] = None,
+    progress: Optional[StepReport] = None,
+) -> PairedTiming:
+    """Milliseconds per decode token of a synthetic model, unpatched vs
+    patched; the token ids of every round must be the same. ``progress``
+    and Ctrl-C as for :func:`run_prework`."""
+    model = build_synthetic_model(model_type, dtype=dtype)
+    prompt = prompt_token_ids(_vocabulary_size(model_type))
+    expected_tokens: Optional[list[int]] = None
+
+    def one_round(patched: bool) -> float:
+        nonlocal expected_tokens
+        with integration.patch(mode) if patched else integration.unpatch():
+            trace = greedy_generate(model, prompt, tokens)
+        if expected_tokens is None:
+            expected_tokens = trace.token_ids
+        elif trace.token_ids != expected_tokens:
+            raise GenerationMismatch(f"{model_type}: greedy token ids changed between rounds")
+        return trace.median_decode_ms
+
+    dtype_name = str(dtype or DEFAULT_DTYPES[model_type]).rsplit(".", 1)[-1]
+    timing = PairedTiming(f"generation_{model_type}_{dtype_name}", "ms/token", [], [])
+    with _partial_on_interrupt(timing):
+        for patched in (False, True):  # warm-up: mlx-lm's compiled helpers, folds
+            one_round(patched)
+        for round_index, patched in _paired_rounds(repeats):
+            name = PATCHED if patched else UNPATCHED
+            timing.times_of(name).append(one_round(patched))
+            _report(progress, f"round {round_index + 1}/{repeats} {name}")
+    return timing
+
+
+def _vocabulary_size(model_type: str) -> int:
+    config = synthetic_model_config(model_type)
+    return (config.get("text_config") or config)["vocab_size"]
+
+
+# ---- Decode at the dimensions of released models -----------------------------
+
+
+def timed_greedy_decode(
+    model, prompt: mx.array, steps: int, progress: Optional[StepReport] = None, detail: str = ""
+) -> tuple[list[int], float]:
+    """Prefill ``prompt``, then ``steps`` greedy decode steps through
+    mlx-lm's ``generate_step``: the token ids after the prompt (``steps + 1``)
+    and the median milliseconds per decode step. The first token, which
+    carries the prefill, is not timed. ``progress`` hears of every token,
+    the prefill's included (on a CPU a full-size step takes seconds)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import greedy_sampler
+
+    token_ids: list[int] = []
+    step_seconds: list[float] = []
+    previous = time.perf_counter()
+    for token_id, _ in generate_step(prompt, model, max_tokens=steps + 1, sampler=greedy_sampler):
+        now = time.perf_counter()
+        if token_ids:
+            step_seconds.append(now - previous)
+        previous = now
+        token_ids.append(int(token_id))
+        _report(progress, f"{detail} token {len(token_ids)}/{steps + 1}")
+    return token_ids, 1e3 * statistics.median(step_seconds)
+
+
+def first_token_mismatch(expected: list[int], actual: list[int]) -> Optional[str]:
+    """None when the two greedy token lists are equal, else where they
+    first differ (or where the shorter one ends)."""
+    for step, (expected_id, actual_id) in enumerate(zip(expected, actual)):
+        if expected_id != actual_id:
+            return f"step {step}: token {actual_id}, expected {expected_id}"
+    if len(expected) != len(actual):
+        return f"{len(actual)} tokens, expected {len(expected)}"
+    return None
+
+
+def run_decode(
+    model: str, steps: int = 32, rounds: int = 5, mode: Optional[Mode] = None,
+    quick: bool = False, config: Optional[dict] = None, progress: Optional[StepReport] = None,
+) -> DecodeMeasurement:
+    """Milliseconds per decode token of ``DECODE_MODELS[model]`` in
+    bfloat16, unpatched vs patched, ``rounds`` paired rounds of ``steps``
+    steps. ``quick`` builds the model with its ``quick_layers`` and a
+    ``QUICK_DECODE_VOCABULARY``; ``config`` (tests) replaces the config.
+    ``progress`` hears of every token (:func:`decode_progress_steps` of
+    them); on Ctrl-C the rounds so far come with the interrupt."""
+    spec = DECODE_MODELS[model]
+    if config is None:
+        config = (
+            decode_model_config(
+                model, layers=spec.quick_layers, vocab_size=QUICK_DECODE_VOCABULARY
+            )
+            if quick
+            else decode_model_config(model)
+        )
+    network = build_model(config, dtype=DECODE_DTYPE_OF_WEIGHTS)
+    prompt = prompt_token_ids(config["vocab_size"], DECODE_PROMPT_TOKENS)
+
+    def one_run(patched: bool, run_steps: int, detail: str) -> tuple[list[int], float]:
+        with integration.patch(mode) if patched else integration.unpatch():
+            return timed_greedy_decode(network, prompt, run_steps, progress, detail)
+
+    def warm_up_recording_engagement() -> None:
+        """The patched warm-up, with what the patch engaged in it."""
+        with integration.patch(mode), count_normalize_qk_calls() as calls, \
+                recording() as record:
+            timed_greedy_decode(
+                network, prompt, WARM_UP_DECODE_STEPS, progress, f"warm-up {PATCHED}"
+            )
+            engagement = record.engagement(network)
+        measurement.engaged = {
+            "attention_layers_engaged": engagement.engaged_layers,
+            "attention_layers_left": engagement.left_layers,
+            "by_prework": engagement.engaged_by_prework(),
+            "gated_delta_calls_folded": calls.folded,
+        }
+
+    measurement = DecodeMeasurement(
+        model=model,
+        resembles=spec.resembles,
+        config=config,
+        quick_reduced=config != decode_model_config(model),
+        prompt_tokens=DECODE_PROMPT_TOKENS,
+        decode_steps=steps,
+        timing=PairedTiming(f"decode_{model}_bfloat16", "ms/token", [], []),
+        token_mismatch=None,
+    )
+    reference_tokens: Optional[list[int]] = None
+    with _partial_on_interrupt(measurement):
+        # warm-up: compiled helpers, folds, allocator
+        one_run(False, WARM_UP_DECODE_STEPS, f"warm-up {UNPATCHED}")
+        warm_up_recording_engagement()
+        for round_index, patched in _paired_rounds(rounds):
+            path = PATCHED if patched else UNPATCHED
+            token_ids, milliseconds = one_run(
+                patched, steps, f"round {round_index + 1}/{rounds} {path}"
+            )
+            measurement.timing.times_of(path).append(milliseconds)
+            if reference_tokens is None:  # round 0 runs unpatched first
+                reference_tokens = token_ids
+            difference = first_token_mismatch(reference_tokens, token_ids)
+            if difference is not None and measurement.token_mismatch is None:
+                measurement.token_mismatch = (
+                    f"round {round_index}, {PATCHED if patched else 'unpatched'}: {difference}"
+                )
+    return measurement
+
+
+def decode_progress_steps(steps: int, rounds: int) -> int:
+    """How many tokens :func:`run_decode` reports: the warm-up runs', then
+    every round's, both ways, the prefill's first token included."""
+    return 2 * (WARM_UP_DECODE_STEPS + 1) + 2 * rounds * (steps + 1)
+
+
+def _environment() -> dict:
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": str(mx.default_device()),
+        "mlx": getattr(mx, "__version__"),  # not in MLX's type stubs
+        "mlx_lm": _mlx_lm_version(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _mlx_lm_version() -> str:
+    from mlx_lm import __version__
+
+    return __version__
+
+
+def _add_workload(
+    parser: argparse.ArgumentParser, flag: str, counts: tuple[tuple[str, str], ...], **options: Any
+) -> None:
+    """A workload's list argument, then the positive counts of its rounds,
+    each ``(flag, what it counts)``: their help states both defaults from
+    FULL_DEFAULTS and QUICK_DEFAULTS, so it cannot drift from what the run
+    fills in."""
+    parser.add_argument(flag, **options)
+    for count_flag, what in counts:
+        name = count_flag.lstrip("-").replace("-", "_")
+        parser.add_argument(
+            count_flag, type=command.Count(1, MAX_COUNTS[name]),
+            help=f"{what} (default: {FULL_DEFAULTS[name]}, or {QUICK_DEFAULTS[name]} reduced)",
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser."""
+    parser = command.tool_parser(
+        "mlx-lm-bench",
+        "mlx-lm unpatched against patched by mlx_dualnorm: the q/k prework at the "
+        "Qwen3-Next decode shape, per-token generation time of small random models, and "
+        "decode time of random models at released dimensions (or, with --ranks, of those "
+        "tensor-parallel over loopback ranks). Ratios are patched time / unpatched time: "
+        "lower is better.",
+    )
+    _add_workload(
+        parser, "--layers",
+        (("--prework-tokens", "tokens per prework round"), ("--prework-repeats", "prework rounds")),
+        type=command.CountList(command.Count(1, MAX_PREWORK_LAYERS), MAX_LAYER_COUNTS),
+        default="36,48",
+        help="comma-separated chained layer counts for the prework ('' for none)",
+    )
+    _add_workload(
+        parser, "--models", (("--tokens", "greedy tokens per generation round"),
+                             ("--generation-repeats", "generation rounds")),
+        default=",".join(GATED_DELTA_MODEL_TYPES),
+        help="comma-separated synthetic models to generate with ('' for none; any of "
+        f"{', '.join(SYNTHETIC_MODEL_TYPES)})",
+    )
+    _add_workload(
+        parser, "--decode-models",
+        (("--decode-steps", "greedy decode steps per round"),
+         ("--decode-rounds", "decode rounds, each path once per round")),
+        default=",".join(DECODE_MODELS),
+        help="comma-separated models at released dimensions to time decode tokens with "
+        f"({', '.join(DECODE_MODELS)}; '' for none)",
+    )
+    command.add_mode_argument(parser)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument(
+        "--quick",
+        action="store_true",
+        help="the reduced run: the smaller defaults above; decode models keep their layer "
+        f"shapes but get fewer layers and a vocabulary of {QUICK_DECODE_VOCABULARY} "
+        "(the default on a CPU)",
+    )
+    size.add_argument(
+        "--full-size",
+        action="store_true",
+        help="the full run even on a CPU: the larger defaults and decode models at their "
+        "released sizes (over an hour on 2 CPU cores; the default on a GPU)",
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", type=command.output_file,
+        help="also write the report as JSON to PATH (its folder must exist; checked before the run)",
+    )
+    parser.add_argument(
+        "--ranks", type=command.Count(2, MAX_RANKS), default=None,
+        help="instead: the decode models whose mlx-lm family has Model.shard, tensor-parallel "
+        "over this many ranks that this command starts on loopback (ring backend), "
+        "patched vs unpatched ms/token; the count must divide every model's head counts "
+        "and MLP widths",
+    )
+    command.add_device_argument(parser)
+    return parser
+
+
+def _known_names(
+    parser: argparse.ArgumentParser, flag: str, text: str, known: Collection[str]
+) -> list[str]:
+    """The comma-separated names of ``flag``, each one of ``known`` (any
+    other exits 2, naming the choices), each once: a name repeated is
+    measured once, so the list cannot make the run longer than all of
+    ``known``. An empty name between commas is refused."""
+    parts = [name.strip() for name in text.split(",")]
+    if text.strip() and not all(parts):
+        parser.error(f"{flag}: an empty name in {text!r}")
+    names = list(dict.fromkeys(name for name in parts if name))
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"{flag}: unknown {unknown}; choose from {', '.join(known)}")
+    return names
+
+
+def _checked_arguments(
+    arguments: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[list[int], list[str], list[str]]:
+    """Layer counts, small model names and decode model names, defaults
+    filled in (``arguments.reduced``: the reduced run, asked for or on a
+    CPU); bad usage exits 2."""
+    layer_counts = arguments.layers
+    model_types = _known_names(parser, "--models", arguments.models, SYNTHETIC_MODEL_TYPES)
+    decode_models = _known_names(parser, "--decode-models", arguments.decode_models, DECODE_MODELS)
+    # Full-size decode on a CPU takes over an hour (bfloat16 matmuls on 2
+    # cores): a CPU gets the reduced run unless --full-size asks otherwise.
+    on_cpu = mx.default_device().type == mx.cpu
+    arguments.reduced = arguments.quick or (on_cpu and not arguments.full_size)
+    defaults = QUICK_DEFAULTS if arguments.reduced else FULL_DEFAULTS
+    for name, default in defaults.items():
+        if getattr(arguments, name) is None:
+            setattr(arguments, name, default)
+    try:
+        with integration.patch(arguments.mode):
+            pass  # a mode that cannot run here fails before any measurement
+    except ValueError as error:
+        parser.error(str(error))
+    except RuntimeError as unsupported_mlx_lm:  # patch() names the supported releases
+        raise command.Unavailable(str(unsupported_mlx_lm)) from unsupported_mlx_lm
+    if layer_counts and not hasattr(gated_delta_module, "normalize_qk"):
+        raise command.Unavailable(
+            "the q/k prework rows (--layers) time mlx-lm's gated_delta.normalize_qk, which "
+            "this mlx-lm lacks (mlx-lm 0.32.0 and later have it); --layers '' times the rest"
+        )
+    return layer_counts, model_types, decode_models
+
+
+class GenerationMismatch(Exception):
+    """A generation round gave other tokens than the first: the runs being
+    timed no longer compute the same thing, so their times compare nothing."""
+
+
+@dataclasses.dataclass
+class _Results:
+    """What the run measured so far, in order: printed at the end, or when
+    Ctrl-C stops it (``interrupted_in`` then names the measurement cut short,
+    whose complete rounds are included)."""
+
+    timings: list[PairedTiming] = dataclasses.field(default_factory=list)
+    decode_measurements: list[DecodeMeasurement] = dataclasses.field(default_factory=list)
+    interrupted_in: Optional[str] = None
+
+    def keep_partial(self, partial: object) -> None:
+        if isinstance(partial, DecodeMeasurement) and partial.timing.complete_rounds:
+            self.decode_measurements.append(partial)
+        elif isinstance(partial, PairedTiming) and partial.complete_rounds:
+            self.timings.append(partial)
+
+
+def _measure_all(
+    arguments: argparse.Namespace,
+    layer_counts: list[int],
+    model_types: list[str],
+    decode_models: list[str],
+    results: _Results,
+) -> None:
+    """Every measurement asked for, into ``results`` as each completes,
+    with per-step progress (and the time left) on stderr."""
+    stages = len(layer_counts) + len(model_types) + len(decode_models)
+    stage = 0
+
+    def next_stage(name: str, steps: int) -> StepReport:
+        nonlocal stage
+        stage += 1
+        results.interrupted_in = name
+        return command.StepProgress(f"[{stage}/{stages}] {name}", steps, min_interval_s=1.0).step
+
+    # The paired timings in stage order, each (stage, progress steps, the run
+    # without its progress report).
+    paired_timings: list[tuple[str, int, Callable[..., PairedTiming]]] = [
+        (f"prework, {layers} layers", 2 * arguments.prework_repeats, functools.partial(
+            run_prework, layers, arguments.prework_tokens, arguments.prework_repeats, arguments.mode
+        ))
+        for layers in layer_counts
+    ] + [
+        (f"generation, {model_type}", 2 * arguments.generation_repeats, functools.partial(
+            run_generation, model_type, arguments.tokens, arguments.generation_repeats,
+            arguments.mode,
+        ))
+        for model_type in model_types
+    ]
+    for name, steps, run in paired_timings:
+        results.timings.append(run(progress=next_stage(name, steps)))
+    for model in decode_models:
+        progress = next_stage(
+            f"decode, {model}",
+            decode_progress_steps(arguments.decode_steps, arguments.decode_rounds),
+        )
+        results.decode_measurements.append(
+            run_decode(
+                model, arguments.decode_steps, arguments.decode_rounds, arguments.mode,
+                quick=arguments.reduced, progress=progress,
+            )
+        )
+    results.interrupted_in = None
+
+
+def _report_mismatches(measurements: list[DecodeMeasurement]) -> bool:
+    """Print every decode model whose rounds gave different greedy tokens;
+    True when there was one."""
+    mismatched = [m for m in measurements if m.token_mismatch is not None]
+    for measurement in mismatched:
+        print(
+            f"TOKEN MISMATCH: {measurement.model}: greedy tokens differ from the first "
+            f"unpatched round at {measurement.token_mismatch}",
+            file=sys.stderr,
+        )
+    return bool(mismatched)
+
+
+def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    command.select_device(arguments.device, parser)
+    layer_counts, model_types, decode_models = _checked_arguments(arguments, parser)
+    if arguments.ranks is not None:
+        return _run_over_ranks(arguments, decode_models)
+    started = time.perf_counter()
+    results = _Results()
+    try:
+        _measure_all(arguments, layer_counts, model_types, decode_models, results)
+    except GenerationMismatch as mismatch:
+        _print_report(arguments, results, time.perf_counter() - started)
+        print(f"TOKEN MISMATCH: {mismatch}", file=sys.stderr)
+        return command.EXIT_MISMATCH
+    except KeyboardInterrupt as interrupt:
+        if isinstance(interrupt, command.InterruptedWithPartialResult):
+            results.keep_partial(interrupt.partial)
+        _print_report(arguments, results, time.perf_counter() - started)
+        raise
+    return _print_report(arguments, results, time.perf_counter() - started)
+
+
+def _has_shard(name: str) -> bool:
+    """Whether decode model ``name``'s mlx-lm family has ``Model.shard``."""
+    model_type = DECODE_MODELS[name].config["model_type"]
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    except ImportError:  # a family this mlx-lm cannot load runs nowhere
+        return False
+    return hasattr(module.Model, "shard")
+
+
+def _indivisible(ranks: int, name: str) -> dict[str, int]:
+    """The sizes of decode model ``name`` that mlx-lm's ``Model.shard``
+    splits across the ranks (every layer's query and key/value heads, its
+    MLP widths) and ``ranks`` does not divide."""
+    return {
+        key: value for key, value in DECODE_MODELS[name].config.items()
+        if (key in ("num_attention_heads", "num_key_value_heads")
+            or (key.endswith("intermediate_size") and isinstance(value, int) and value > 0))
+        and value % ranks
+    }
+
+
+def ranks_refusal(ranks: int, decode_models: Sequence[str]) -> Optional[str]:
+    """Why ``ranks`` tensor-parallel ranks cannot run ``decode_models``, or
+    None: the rank count must divide every size ``Model.shard`` splits
+    (else shard_linear fails in every rank, or a head count is silently
+    floored)."""
+    for name in decode_models:
+        indivisible = _indivisible(ranks, name)
+        if indivisible:
+            shown = ", ".join(f"{key} {value}" for key, value in indivisible.items())
+            possible = [
+                count for count in range(2, MAX_RANKS + 1)
+                if not any(_indivisible(count, model) for model in decode_models)
+            ]
+            return (
+                f"{ranks} ranks cannot shard {name}: the rank count must divide its {shown} "
+                f"(--ranks one of {', '.join(map(str, possible)) or 'none'} for "
+                f"{', '.join(decode_models)})"
+            )
+    return None
+
+
+def _run_over_ranks(arguments: argparse.Namespace, decode_models: Sequence[str]) -> int:
+    """``--ranks N``: each decode model whose family has ``Model.shard``,
+    tensor-parallel over N loopback ranks that this command starts itself
+    (the rank program, :mod:`~mlx_dualnorm.commands.mlx_lm_bench.launcher`), patched
+    vs unpatched; prints the table (and writes ``--json``). The rank count
+    is checked against every model before any rank starts. 1 on a token
+    mismatch or a failed rank."""
+    from mlx_dualnorm.commands.mlx_lm_bench.ranks import bench_over_ranks, format_bench_report
+
+    shardable = [name for name in decode_models if _has_shard(name)]
+    if not shardable:
+        named = f"none of {', '.join(decode_models)} has" if decode_models else "none named"
+        raise command.Unavailable(
+            f"--ranks times the decode models whose mlx-lm family has Model.shard: {named} "
+            f"(--decode-models any of {', '.join(n for n in DECODE_MODELS if _has_shard(n))})"
+        )
+    refusal = ranks_refusal(arguments.ranks, shardable)
+    if refusal is not None:
+        raise command.Unavailable(refusal)
+    for name in decode_models:
+        if name not in shardable:
+            model_type = DECODE_MODELS[name].config["model_type"]
+            print(f"{name}: mlx-lm's {model_type} has no Model.shard; left out", file=sys.stderr)
+    reports = []
+    for name in shardable:
+        print(f"decode over {arguments.ranks} ranks, {name} ...", file=sys.stderr, flush=True)
+        # The reduced run (asked for, or a CPU's default) as for one rank.
+        report = bench_over_ranks(
+            name, ranks=arguments.ranks, steps=arguments.decode_steps,
+            rounds=arguments.decode_rounds,
+            layers=DECODE_MODELS[name].quick_layers if arguments.reduced else None,
+            vocab_size=QUICK_DECODE_VOCABULARY if arguments.reduced else None,
+        )
+        print(format_bench_report(report), flush=True)
+        reports.append(report)
+    if arguments.json:
+        write_json_report(arguments.json, {"ranks": reports})
+    failed = any(report["token_mismatches"] or not report["ok"] for report in reports)
+    return 1 if failed else 0
+
+
+def _print_report(arguments: argparse.Namespace, results: _Results, seconds: float) -> int:
+    """The tables (and the JSON file) of what was measured; the exit status."""
+    timings, decode_measurements = results.timings, results.decode_measurements
+    environment = _environment()
+    size = "reduced run" if arguments.reduced else "full run"
+    if arguments.reduced and not arguments.quick:
+        size += " (the CPU default; --full-size for the released sizes)"
+    print(
+        f"mlx-lm patch benchmark on {environment['device']} (MLX {environment['mlx']}, "
+        f"mlx-lm {environment['mlx_lm']}, {environment['cpu_count']} CPUs), {size}, "
+        f"{seconds:.0f} s"
+    )
+    if results.interrupted_in is not None:
+        print(
+            f"INTERRUPTED during {results.interrupted_in}: the tables hold what was measured "
+            "before it and that measurement's complete rounds"
+        )
+    if timings:
+        print(format_table(timings))
+    if decode_measurements:
+        print(format_decode_table(decode_measurements, environment["device"]))
+    if arguments.json:
+        report = {
+            "schema": REPORT_SCHEMA,
+            "environment": environment,
+            "mode": arguments.mode,
+            "reduced": arguments.reduced,
+            "interrupted_in": results.interrupted_in,
+            "timings": [timing.summary() for timing in timings],
+            "decode": [measurement.summary() for measurement in decode_measurements],
+        }
+        write_json_report(arguments.json, report)
+    return 1 if _report_mismatches(decode_measurements) else 0
+
+
+def write_json_report(path: Path, report: object) -> None:
+    """Writes ``--json`` after the tables are printed; a write that fails
+    anyway (the path was checked when the arguments were read) is one line
+    and exit 2, the measurements already on stdout."""
+    sys.stdout.flush()
+    try:
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as failed:
+        raise command.Unavailable(f"could not write {path}: {failed.strerror or failed}") from failed
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m mlx_dualnorm mlx-lm-bench``; see the module doc."""
+    return command.run_tool(build_parser(), _run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
