@@ -50,7 +50,8 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.commands.mlx_lm_bench import DECODE_DTYPE_OF_WEIGHTS, timed_greedy_decode
+from mlx_dualnorm.commands.mlx_lm_bench import DECODE_DTYPE_OF_WEIGHTS
+from mlx_dualnorm.commands.shared.generation import timed_greedy_decode
 from mlx_dualnorm.commands.shared.synthetic import decode_model_config
 
 from decode_rounds import decode_parser, network_and_prompt, round_robin

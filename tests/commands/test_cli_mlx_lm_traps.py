@@ -91,7 +91,7 @@ def test_tokens_that_change_between_rounds_are_a_mismatch_with_exit_1(monkeypatc
     traceback). The change is made in the tool's own trace, MLX runs as is."""
     from mlx_dualnorm.commands import mlx_lm_bench
 
-    generate = mlx_lm_bench.greedy_generate
+    generate = mlx_lm_bench.measurements.greedy_generate
     rounds = []
 
     def generate_with_a_changed_round(*arguments, **options):
@@ -101,7 +101,7 @@ def test_tokens_that_change_between_rounds_are_a_mismatch_with_exit_1(monkeypatc
             trace.token_ids[-1] += 1
         return trace
 
-    monkeypatch.setattr(mlx_lm_bench, "greedy_generate", generate_with_a_changed_round)
+    monkeypatch.setattr(mlx_lm_bench.measurements, "greedy_generate", generate_with_a_changed_round)
     arguments = [
         "--quick", "--layers", "2", "--prework-tokens", "2", "--models", "qwen3_5",
         "--tokens", "2", "--generation-repeats", "2", "--decode-models", "",

@@ -273,7 +273,7 @@ def _warm_up(model, prompt) -> None:
     constants are built and probed before anything is counted (a probe runs
     the package's object once more, outside any layer)."""
     from mlx_dualnorm.integrations import mlx_lm as integration
-    from mlx_dualnorm.commands.mlx_lm_check import greedy_generate
+    from mlx_dualnorm.commands.shared.generation import greedy_generate
 
     with integration.patch():
         greedy_generate(model, prompt, 1)
@@ -283,7 +283,7 @@ def _generate(model, prompt, tokens: int, counter: CallCounter) -> dict:
     """Greedy tokens, the logits of every step and the package's calls."""
     import mlx.core as mx
 
-    from mlx_dualnorm.commands.mlx_lm_check import greedy_generate
+    from mlx_dualnorm.commands.shared.generation import greedy_generate
 
     counter.reset()
     trace = greedy_generate(model, prompt, tokens)

@@ -35,13 +35,13 @@ def tiny_config(model: str) -> dict:
 def patch_states_per_run(monkeypatch):
     """Whether the patch was installed during each decode run, in order."""
     states = []
-    timed_decode = mlx_lm_bench.timed_greedy_decode
+    timed_decode = mlx_lm_bench.measurements.timed_greedy_decode
 
     def recording(model, prompt, steps, *progress_arguments):
         states.append(integration.is_patched())
         return timed_decode(model, prompt, steps, *progress_arguments)
 
-    monkeypatch.setattr(mlx_lm_bench, "timed_greedy_decode", recording)
+    monkeypatch.setattr(mlx_lm_bench.measurements, "timed_greedy_decode", recording)
     return states
 
 

@@ -21,7 +21,7 @@ from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import engagement, registry  # noqa: E402
 from mlx_dualnorm.commands import mlx_lm_check  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engine import recording_prework  # noqa: E402
-from mlx_dualnorm.commands.mlx_lm_check import greedy_generate  # noqa: E402
+from mlx_dualnorm.commands.shared.generation import greedy_generate  # noqa: E402
 from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
     SYNTHETIC_MODEL_TYPES,
     build_model,

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import engine, head_norms, qwen3_like  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
-from mlx_dualnorm.commands.mlx_lm_check import greedy_generate  # noqa: E402
+from mlx_dualnorm.commands.shared.generation import greedy_generate  # noqa: E402
 from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
     DEFAULT_DTYPES,
     build_model,

@@ -38,7 +38,7 @@ from mlx_dualnorm import CompiledDualHeadNormRope  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, qwen3 as qwen3_shape  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
-from mlx_dualnorm.commands.mlx_lm_check import greedy_generate  # noqa: E402
+from mlx_dualnorm.commands.shared.generation import greedy_generate  # noqa: E402
 from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model, prompt_token_ids  # noqa: E402
 
 INSTALLED_MLX_LM = pathlib.Path(mlx_lm.__file__).parent
@@ -100,7 +100,7 @@ NEWER_RELEASE = """
     import mlx_lm
     from mlx_dualnorm.integrations import mlx_lm as integration
     from mlx_dualnorm.integrations.mlx_lm.engagement import layer_engagement
-    from mlx_dualnorm.commands.mlx_lm_check import compare_traces, greedy_generate
+    from mlx_dualnorm.commands.shared.generation import compare_traces, greedy_generate
     from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model, prompt_token_ids
 
     print("MLX_LM_FROM", mlx_lm.__file__)

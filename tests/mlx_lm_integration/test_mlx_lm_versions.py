@@ -49,7 +49,7 @@ GREEDY_PARITY = """
     import mlx_lm
     from mlx_dualnorm.integrations import mlx_lm as integration
     from mlx_dualnorm.integrations.mlx_lm import engine, qwen3
-    from mlx_dualnorm.commands.mlx_lm_check import compare_traces, greedy_generate
+    from mlx_dualnorm.commands.shared.generation import compare_traces, greedy_generate
     from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model, prompt_token_ids
 
     print("MLX_LM", mlx_lm.__version__)
@@ -459,7 +459,7 @@ def test_a_layer_whose_part_is_not_proven_is_left() -> None:
             from mlx_dualnorm.integrations import mlx_lm as integration
             from mlx_dualnorm.integrations.mlx_lm import registry
             from mlx_dualnorm.integrations.mlx_lm.engagement import layer_engagement
-            from mlx_dualnorm.commands.mlx_lm_check import compare_traces, greedy_generate
+            from mlx_dualnorm.commands.shared.generation import compare_traces, greedy_generate
             from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model, prompt_token_ids
 
             model = build_synthetic_model("step3p5")

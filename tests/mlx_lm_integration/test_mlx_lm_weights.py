@@ -25,7 +25,7 @@ from helpers.greedy_traces import assert_traces_bit_identical  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import registry  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import layer_engagement  # noqa: E402
-from mlx_dualnorm.commands.mlx_lm_check import count_normalize_qk_calls, greedy_generate  # noqa: E402
+from mlx_dualnorm.commands.shared.generation import count_normalize_qk_calls, greedy_generate  # noqa: E402
 from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
     DEFAULT_DTYPES,
     SYNTHETIC_MODEL_TYPES,

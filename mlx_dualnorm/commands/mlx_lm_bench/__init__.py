@@ -38,7 +38,6 @@ programmatic API.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -46,46 +45,48 @@ import importlib
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import mlx.core as mx
 import mlx_lm.models.gated_delta as gated_delta_module
 
-from mlx_dualnorm import Mode
-from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.commands.shared import command
-from mlx_dualnorm.commands.mlx_lm_bench.results import (
+from mlx_dualnorm.commands.mlx_lm_bench import measurements
+from mlx_dualnorm.commands.mlx_lm_bench.measurements import (
     DECODE_DTYPE_OF_WEIGHTS,
-    DECODE_SHAPE,
-    PATCHED,
-    UNPATCHED,
+    DECODE_PROMPT_TOKENS,
+    QUICK_DECODE_VOCABULARY,
     DecodeMeasurement,
+    GenerationMismatch,
     PairedTiming,
+    StepReport,
+    decode_progress_steps,
+    first_token_mismatch,
     format_decode_table,
     format_table,
+    run_decode,
+    run_generation,
+    run_prework,
 )
-from mlx_dualnorm.commands.shared.recording import recording
-from mlx_dualnorm.commands.mlx_lm_check import count_normalize_qk_calls, greedy_generate
+from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.synthetic import (
     DECODE_MODELS,
-    DEFAULT_DTYPES,
     GATED_DELTA_MODEL_TYPES,
     SYNTHETIC_MODEL_TYPES,
-    build_model,
-    build_synthetic_model,
-    decode_model_config,
-    prompt_token_ids,
-    synthetic_model_config,
 )
+from mlx_dualnorm.integrations import mlx_lm as integration
 
 __all__ = [
+    "DECODE_DTYPE_OF_WEIGHTS",
+    "DECODE_PROMPT_TOKENS",
     "DecodeMeasurement",
     "PairedTiming",
     "build_parser",
+    "first_token_mismatch",
+    "format_decode_table",
+    "measurements",
     "main",
     "run_decode",
     "run_generation",
@@ -94,10 +95,6 @@ __all__ = [
 ]
 
 REPORT_SCHEMA = "mlx_dualnorm.mlx_lm_bench/3"
-DECODE_DTYPE = mx.bfloat16
-HEAD_WIDTH = DECODE_SHAPE[-1]
-INV_SCALE = HEAD_WIDTH**-0.5  # what qwen3_next / qwen3_5 pass
-EPS = 1e-6
 FULL_DEFAULTS = {
     "prework_tokens": 200, "prework_repeats": 7, "tokens": 64, "generation_repeats": 5,
     "decode_steps": 32, "decode_rounds": 5,
@@ -119,252 +116,6 @@ MAX_LAYER_COUNTS = 8  # values of --layers, each a prework measurement
 # Each rank is a process with its own copy of the unsharded parts of the
 # model; more than this is no benchmark on one machine.
 MAX_RANKS = 8
-DECODE_PROMPT_TOKENS = 16
-QUICK_DECODE_VOCABULARY = 8192  # the real 151936 makes a quick build slow on 2 cores
-WARM_UP_DECODE_STEPS = 2
-
-NormalizeQk = Callable[..., "tuple[mx.array, mx.array]"]
-StepReport = Callable[[str], None]
-"""Called after each step of a measurement with what the step was."""
-
-
-def _report(progress: Optional[StepReport], detail: str) -> None:
-    if progress is not None:
-        progress(detail)
-
-
-def _paired_rounds(rounds: int) -> Iterator[tuple[int, bool]]:
-    """``(round index, patched)`` in run order: each round runs both paths,
-    the first one alternating (round 0 unpatched first), so neither path
-    always runs on what the other just warmed."""
-    for round_index in range(rounds):
-        for patched in (False, True) if round_index % 2 == 0 else (True, False):
-            yield round_index, patched
-
-
-@contextlib.contextmanager
-def _partial_on_interrupt(partial: object) -> Iterator[None]:
-    """Ctrl-C inside the block raises InterruptedWithPartialResult carrying
-    ``partial``, the result being filled in, so the rounds done are printed."""
-    try:
-        yield
-    except command.InterruptedWithPartialResult:
-        raise
-    except KeyboardInterrupt:
-        raise command.InterruptedWithPartialResult(partial) from None
-
-
-# ---- Prework at the decode shape ---------------------------------------------
-
-
-def _decode_inputs() -> tuple[mx.array, mx.array]:
-    key = mx.random.key(HEAD_WIDTH)
-    query_key, key_key = mx.random.split(key)
-    queries = mx.random.normal(DECODE_SHAPE, key=query_key).astype(DECODE_DTYPE)
-    keys = mx.random.normal(DECODE_SHAPE, key=key_key).astype(DECODE_DTYPE)
-    mx.eval(queries, keys)
-    return queries, keys
-
-
-def _prework_seconds_per_token(
-    normalize_qk: NormalizeQk, queries: mx.array, keys: mx.array, layers: int, tokens: int
-) -> float:
-    started = time.perf_counter()
-    for _ in range(tokens):
-        normalized_queries, normalized_keys = queries, keys
-        for _ in range(layers):
-            normalized_queries, normalized_keys = normalize_qk(
-                normalized_queries, normalized_keys, inv_scale=INV_SCALE, eps=EPS
-            )
-        mx.eval(normalized_queries, normalized_keys)
-    return (time.perf_counter() - started) / tokens
-
-
-def run_prework(
-    layers: int,
-    tokens: int = 200,
-    repeats: int = 7,
-    mode: Optional[Mode] = None,
-    progress: Optional[StepReport] = None,
-) -> PairedTiming:
-    """Microseconds per token of ``layers`` chained q/k normalizations.
-    ``progress`` hears of each path's round; on Ctrl-C the rounds so far
-    come with the interrupt (:class:`~mlx_dualnorm.commands.shared.command.InterruptedWithPartialResult`)."""
-    queries, keys = _decode_inputs()
-    with integration.patch(mode):  # what mlx-lm's layers call while patched
-        patched = gated_delta_module.normalize_qk
-    paths = {UNPATCHED: integration.ORIGINAL_NORMALIZE_QK, PATCHED: patched}
-    timing = PairedTiming(f"prework_{layers}_layers", "us/token", [], [])
-    with _partial_on_interrupt(timing):
-        for normalize_qk in paths.values():  # warm-up: traces, folds, allocator
-            _prework_seconds_per_token(normalize_qk, queries, keys, layers, max(tokens // 10, 3))
-        for round_index, patched in _paired_rounds(repeats):
-            name = PATCHED if patched else UNPATCHED
-            seconds = _prework_seconds_per_token(paths[name], queries, keys, layers, tokens)
-            timing.times_of(name).append(1e6 * seconds)
-            _report(progress, f"round {round_index + 1}/{repeats} {name}")
-    return timing
-
-
-# ---- Generation with the small models ---------------------------------------
-
-
-def run_generation(
-    model_type: str,
-    tokens: int = 64,
-    repeats: int = 3,
-    mode: Optional[Mode] = None,
-    dtype: Optional[mx.Dtype] = None,
-    progress: Optional[StepReport] = None,
-) -> PairedTiming:
-    """Milliseconds per decode token of a synthetic model, unpatched vs
-    patched; the token ids of every round must be the same. ``progress``
-    and Ctrl-C as for :func:`run_prework`."""
-    model = build_synthetic_model(model_type, dtype=dtype)
-    prompt = prompt_token_ids(_vocabulary_size(model_type))
-    expected_tokens: Optional[list[int]] = None
-
-    def one_round(patched: bool) -> float:
-        nonlocal expected_tokens
-        with integration.patch(mode) if patched else integration.unpatch():
-            trace = greedy_generate(model, prompt, tokens)
-        if expected_tokens is None:
-            expected_tokens = trace.token_ids
-        elif trace.token_ids != expected_tokens:
-            raise GenerationMismatch(f"{model_type}: greedy token ids changed between rounds")
-        return trace.median_decode_ms
-
-    dtype_name = str(dtype or DEFAULT_DTYPES[model_type]).rsplit(".", 1)[-1]
-    timing = PairedTiming(f"generation_{model_type}_{dtype_name}", "ms/token", [], [])
-    with _partial_on_interrupt(timing):
-        for patched in (False, True):  # warm-up: mlx-lm's compiled helpers, folds
-            one_round(patched)
-        for round_index, patched in _paired_rounds(repeats):
-            name = PATCHED if patched else UNPATCHED
-            timing.times_of(name).append(one_round(patched))
-            _report(progress, f"round {round_index + 1}/{repeats} {name}")
-    return timing
-
-
-def _vocabulary_size(model_type: str) -> int:
-    config = synthetic_model_config(model_type)
-    return (config.get("text_config") or config)["vocab_size"]
-
-
-# ---- Decode at the dimensions of released models -----------------------------
-
-
-def timed_greedy_decode(
-    model, prompt: mx.array, steps: int, progress: Optional[StepReport] = None, detail: str = ""
-) -> tuple[list[int], float]:
-    """Prefill ``prompt``, then ``steps`` greedy decode steps through
-    mlx-lm's ``generate_step``: the token ids after the prompt (``steps + 1``)
-    and the median milliseconds per decode step. The first token, which
-    carries the prefill, is not timed. ``progress`` hears of every token,
-    the prefill's included (on a CPU a full-size step takes seconds)."""
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import greedy_sampler
-
-    token_ids: list[int] = []
-    step_seconds: list[float] = []
-    previous = time.perf_counter()
-    for token_id, _ in generate_step(prompt, model, max_tokens=steps + 1, sampler=greedy_sampler):
-        now = time.perf_counter()
-        if token_ids:
-            step_seconds.append(now - previous)
-        previous = now
-        token_ids.append(int(token_id))
-        _report(progress, f"{detail} token {len(token_ids)}/{steps + 1}")
-    return token_ids, 1e3 * statistics.median(step_seconds)
-
-
-def first_token_mismatch(expected: list[int], actual: list[int]) -> Optional[str]:
-    """None when the two greedy token lists are equal, else where they
-    first differ (or where the shorter one ends)."""
-    for step, (expected_id, actual_id) in enumerate(zip(expected, actual)):
-        if expected_id != actual_id:
-            return f"step {step}: token {actual_id}, expected {expected_id}"
-    if len(expected) != len(actual):
-        return f"{len(actual)} tokens, expected {len(expected)}"
-    return None
-
-
-def run_decode(
-    model: str, steps: int = 32, rounds: int = 5, mode: Optional[Mode] = None,
-    quick: bool = False, config: Optional[dict] = None, progress: Optional[StepReport] = None,
-) -> DecodeMeasurement:
-    """Milliseconds per decode token of ``DECODE_MODELS[model]`` in
-    bfloat16, unpatched vs patched, ``rounds`` paired rounds of ``steps``
-    steps. ``quick`` builds the model with its ``quick_layers`` and a
-    ``QUICK_DECODE_VOCABULARY``; ``config`` (tests) replaces the config.
-    ``progress`` hears of every token (:func:`decode_progress_steps` of
-    them); on Ctrl-C the rounds so far come with the interrupt."""
-    spec = DECODE_MODELS[model]
-    if config is None:
-        config = (
-            decode_model_config(
-                model, layers=spec.quick_layers, vocab_size=QUICK_DECODE_VOCABULARY
-            )
-            if quick
-            else decode_model_config(model)
-        )
-    network = build_model(config, dtype=DECODE_DTYPE_OF_WEIGHTS)
-    prompt = prompt_token_ids(config["vocab_size"], DECODE_PROMPT_TOKENS)
-
-    def one_run(patched: bool, run_steps: int, detail: str) -> tuple[list[int], float]:
-        with integration.patch(mode) if patched else integration.unpatch():
-            return timed_greedy_decode(network, prompt, run_steps, progress, detail)
-
-    def warm_up_recording_engagement() -> None:
-        """The patched warm-up, with what the patch engaged in it."""
-        with integration.patch(mode), count_normalize_qk_calls() as calls, \
-                recording() as record:
-            timed_greedy_decode(
-                network, prompt, WARM_UP_DECODE_STEPS, progress, f"warm-up {PATCHED}"
-            )
-            engagement = record.engagement(network)
-        measurement.engaged = {
-            "attention_layers_engaged": engagement.engaged_layers,
-            "attention_layers_left": engagement.left_layers,
-            "by_prework": engagement.engaged_by_prework(),
-            "gated_delta_calls_folded": calls.folded,
-        }
-
-    measurement = DecodeMeasurement(
-        model=model,
-        resembles=spec.resembles,
-        config=config,
-        quick_reduced=config != decode_model_config(model),
-        prompt_tokens=DECODE_PROMPT_TOKENS,
-        decode_steps=steps,
-        timing=PairedTiming(f"decode_{model}_bfloat16", "ms/token", [], []),
-        token_mismatch=None,
-    )
-    reference_tokens: Optional[list[int]] = None
-    with _partial_on_interrupt(measurement):
-        # warm-up: compiled helpers, folds, allocator
-        one_run(False, WARM_UP_DECODE_STEPS, f"warm-up {UNPATCHED}")
-        warm_up_recording_engagement()
-        for round_index, patched in _paired_rounds(rounds):
-            path = PATCHED if patched else UNPATCHED
-            token_ids, milliseconds = one_run(
-                patched, steps, f"round {round_index + 1}/{rounds} {path}"
-            )
-            measurement.timing.times_of(path).append(milliseconds)
-            if reference_tokens is None:  # round 0 runs unpatched first
-                reference_tokens = token_ids
-            difference = first_token_mismatch(reference_tokens, token_ids)
-            if difference is not None and measurement.token_mismatch is None:
-                measurement.token_mismatch = (
-                    f"round {round_index}, {PATCHED if patched else 'unpatched'}: {difference}"
-                )
-    return measurement
-
-
-def decode_progress_steps(steps: int, rounds: int) -> int:
-    """How many tokens :func:`run_decode` reports: the warm-up runs', then
-    every round's, both ways, the prefill's first token included."""
-    return 2 * (WARM_UP_DECODE_STEPS + 1) + 2 * rounds * (steps + 1)
 
 
 def _environment() -> dict:
@@ -510,11 +261,6 @@ def _checked_arguments(
             "this mlx-lm lacks (mlx-lm 0.32.0 and later have it); --layers '' times the rest"
         )
     return layer_counts, model_types, decode_models
-
-
-class GenerationMismatch(Exception):
-    """A generation round gave other tokens than the first: the runs being
-    timed no longer compute the same thing, so their times compare nothing."""
 
 
 @dataclasses.dataclass

@@ -282,7 +282,7 @@ def run_bench(
     import mlx.core as mx
 
     from mlx_dualnorm.integrations import mlx_lm as integration
-    from mlx_dualnorm.commands.mlx_lm_check import greedy_generate
+    from mlx_dualnorm.commands.shared.generation import greedy_generate
     from mlx_dualnorm.commands.shared.synthetic import (
         build_model,
         decode_model_config,
