@@ -1,25 +1,17 @@
 """The benchmark's measurements: deterministic inputs per scenario, the
 timing loops (host graph builds, decode tokens, prefill calls), the paths
-taking their samples in turn, and the run that records every number once
-per repeat (:func:`run_benchmark`).
-
-Inside a repeat the paths take their samples in turn (one batch or call
-each, decode tokens ``decode_tokens_per_turn`` at a time, as decode runs
-one path token after token; the order rotating and reversing), so load
-that comes and goes on the machine falls on all of them alike. A factory,
-or a call, that raises :class:`~mlx_dualnorm.commands.shared.paths.PathUnavailable`
-marks the path (or that path at that shape) as skipped instead of failing
-the run.
+taking their samples in turn (one batch or call each, decode tokens
+``decode_tokens_per_turn`` at a time; the order rotating and reversing),
+and the run that records every number once per repeat
+(:func:`run_benchmark`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import datetime
 import functools
 import gc
-import os
-import platform
 import statistics
 import time
 from typing import Callable, Iterator, Optional, Sequence
@@ -43,20 +35,16 @@ from mlx_dualnorm.commands.bench.results import (
     MetricKind,
     MetricResult,
     Scenario,
+    collect_metadata,
+    cpu_pressure,
+    load_average,
     metric_key,
 )
 from mlx_dualnorm.commands.shared.paths import PATH_REGISTRY, DualNormPath, PathUnavailable
 
 __all__ = [
-    "ScenarioInputs",
-    "build_batch",
-    "collect_metadata",
-    "interleaved_samples",
-    "make_inputs",
-    "run_benchmark",
-    "run_decode_token",
-    "run_prefill_call",
-    "time_graph_builds",
+    "ScenarioInputs", "build_batch", "interleaved_samples", "make_inputs", "run_benchmark",
+    "run_decode_token", "run_prefill_call", "time_graph_builds",
 ]
 
 # Host timing only keeps a call's outputs, so it also takes calls that return
@@ -73,6 +61,10 @@ class ScenarioInputs:
     keys: mx.array
     query_weight: Optional[mx.array]
     key_weight: Optional[mx.array]
+
+    @property
+    def arguments(self) -> tuple:
+        return self.queries, self.keys, self.query_weight, self.key_weight
 
 
 def make_inputs(scenario: Scenario, seed: int) -> ScenarioInputs:
@@ -95,15 +87,15 @@ def make_inputs(scenario: Scenario, seed: int) -> ScenarioInputs:
     return ScenarioInputs(queries, keys, query_weight, key_weight)
 
 
-class _GarbageCollectionPaused:
+@contextlib.contextmanager
+def _garbage_collection_paused() -> Iterator[None]:
     """Keeps the cyclic collector out of timed loops (as timeit does)."""
-
-    def __enter__(self) -> None:
-        self.was_enabled = gc.isenabled()
-        gc.disable()
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self.was_enabled:
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
             gc.enable()
 
 
@@ -134,7 +126,7 @@ def time_graph_builds(
 ) -> tuple[float, float]:
     """One path alone: (median us per call to build, median us per call to
     release) over ``batches`` batches."""
-    with _GarbageCollectionPaused():
+    with _garbage_collection_paused():
         samples = [build_batch(call, inputs, calls_per_batch) for _ in range(batches)]
     return (
         statistics.median(build for build, _ in samples),
@@ -165,7 +157,7 @@ def run_prefill_call(call: DualNormPath, inputs: ScenarioInputs) -> tuple[int, i
     mx.reset_peak_memory()
     resident_bytes = mx.get_active_memory()
     started = time.perf_counter_ns()
-    outputs = call(inputs.queries, inputs.keys, inputs.query_weight, inputs.key_weight)
+    outputs = call(*inputs.arguments)
     mx.eval(outputs)
     finished = time.perf_counter_ns()
     peak_bytes = mx.get_peak_memory()
@@ -177,11 +169,8 @@ Sample = tuple
 
 
 def interleaved_samples(
-    calls: dict[str, DualNormPath],
-    take_sample: Callable[[DualNormPath], Sample],
-    samples: int,
-    warmup: int,
-    per_turn: int = 1,
+    calls: dict[str, DualNormPath], take_sample: Callable[[DualNormPath], Sample],
+    samples: int, warmup: int, per_turn: int = 1,
 ) -> dict[str, list[Sample]]:
     """``samples`` samples of every path, taken round-robin in turns of
     ``per_turn`` consecutive samples of one path (the order rotating each
@@ -190,7 +179,7 @@ def interleaved_samples(
     each path first."""
     names = list(calls)
     results: dict[str, list[Sample]] = {name: [] for name in names}
-    with _GarbageCollectionPaused():
+    with _garbage_collection_paused():
         for name in names:
             for _ in range(warmup):
                 take_sample(calls[name])
@@ -212,64 +201,6 @@ def _rotated(names: Sequence[str], offset: int) -> list[str]:
 
 
 # ---- The run ---------------------------------------------------------------------------
-
-
-def collect_metadata() -> dict:
-    cpu_model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    cpu_model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    usable_cores: Optional[int]
-    try:
-        usable_cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable_cores = os.cpu_count()
-    import mlx_dualnorm
-
-    device = mx.default_device()
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "device": str(device),
-        "device_type": "gpu" if device.type == mx.gpu else "cpu",
-        "cpu_model": cpu_model,
-        "cpu_cores": usable_cores,
-        "machine": platform.machine(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "mlx_version": getattr(mx, "__version__"),  # not in MLX's type stubs
-        "mlx_dualnorm_version": mlx_dualnorm.__version__,
-        # 1/5/15-minute load averages at the end of the run: other work on
-        # the machine shows up here (and in the min-max spread).
-        "load_average": _load_average(),
-        # Linux pressure stall information: % of time some task waited for
-        # a CPU (10 s / 60 s averages), another sign of a busy machine.
-        "cpu_pressure_some": _cpu_pressure(),
-    }
-
-
-def _cpu_pressure() -> Optional[dict[str, float]]:
-    try:
-        with open("/proc/pressure/cpu", encoding="utf-8") as pressure:
-            fields = pressure.readline().split()[1:]
-    except OSError:
-        return None
-    averages = dict(field.split("=", 1) for field in fields if "=" in field)
-    try:
-        return {key: float(averages[key]) for key in ("avg10", "avg60")}
-    except (KeyError, ValueError):
-        return None
-
-
-def _load_average() -> Optional[list[float]]:
-    try:
-        return [round(load, 2) for load in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
 
 
 def _progress(message: str, progress: Optional[Callable[[str], None]]) -> None:
@@ -294,9 +225,7 @@ def _build_paths(
 
 
 def _warm_up(
-    calls: dict[str, DualNormPath],
-    status: dict[str, dict],
-    inputs: dict[str, ScenarioInputs],
+    calls: dict[str, DualNormPath], status: dict[str, dict], inputs: dict[str, ScenarioInputs]
 ) -> dict[str, set[str]]:
     """Traces and JIT-compiles every path at every scenario (outside the
     clock). Returns, per path, the scenarios it cannot run."""
@@ -305,14 +234,7 @@ def _warm_up(
         for scenario_name, scenario_inputs in inputs.items():
             try:
                 for _ in range(2):
-                    mx.eval(
-                        call(
-                            scenario_inputs.queries,
-                            scenario_inputs.keys,
-                            scenario_inputs.query_weight,
-                            scenario_inputs.key_weight,
-                        )
-                    )
+                    mx.eval(call(*scenario_inputs.arguments))
             except PathUnavailable as unavailable:
                 skipped[name].add(scenario_name)
                 status[name].setdefault("skipped_scenarios", {})[scenario_name] = str(unavailable)
@@ -361,10 +283,7 @@ class _Measurement:
         )[0]
 
     def _decode_scenario_samples(
-        self,
-        repeat: int,
-        measure: Callable[[DualNormPath, ScenarioInputs], Sample],
-        count: int,
+        self, repeat: int, measure: Callable[[DualNormPath, ScenarioInputs], Sample], count: int,
         **sampling: int,
     ) -> Iterator[tuple[Scenario, str, list[Sample]]]:
         """``(scenario, path, its samples)`` of ``measure(call, inputs)`` at
@@ -374,10 +293,8 @@ class _Measurement:
         for scenario in DECODE_SCENARIOS:
             scenario_inputs = self.inputs[scenario.name]
             samples_by_path = interleaved_samples(
-                self.paths_for(scenario, repeat),
-                lambda call: measure(call, scenario_inputs),
-                count,
-                **sampling,
+                self.paths_for(scenario, repeat), lambda call: measure(call, scenario_inputs),
+                count, **sampling,
             )
             for name, samples in samples_by_path.items():
                 yield scenario, name, samples
@@ -441,8 +358,8 @@ def run_benchmark(
     if config.repeats < 1 or config.layers < 1:
         raise ValueError("repeats and layers must be >= 1")
     run_started = time.perf_counter()
-    load_average_at_start = _load_average()
-    cpu_pressure_at_start = _cpu_pressure()
+    load_average_at_start = load_average()
+    cpu_pressure_at_start = cpu_pressure()
     measurement = _Measurement(config, progress)
     host_loop_us = measurement.host_loop_overhead_us()
     repeats_progress = command.StepProgress(

@@ -11,7 +11,12 @@ ratios taken per repeat give its spread.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import os
+import platform
 from typing import Any, Optional
+
+import mlx.core as mx
 
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.command import spread
@@ -26,6 +31,9 @@ __all__ = [
     "MetricResult",
     "REPORT_SCHEMA",
     "Scenario",
+    "collect_metadata",
+    "cpu_pressure",
+    "load_average",
     "metric_key",
 ]
 
@@ -244,3 +252,64 @@ class BenchmarkReport:
             },
             "metrics": {key: metric.to_json() for key, metric in self.metrics.items()},
         }
+
+
+# ---- Where it ran ----------------------------------------------------------------
+
+
+def collect_metadata() -> dict:
+    cpu_model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    cpu_model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    usable_cores: Optional[int]
+    try:
+        usable_cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable_cores = os.cpu_count()
+    import mlx_dualnorm
+
+    device = mx.default_device()
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": str(device),
+        "device_type": "gpu" if device.type == mx.gpu else "cpu",
+        "cpu_model": cpu_model,
+        "cpu_cores": usable_cores,
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mlx_version": getattr(mx, "__version__"),  # not in MLX's type stubs
+        "mlx_dualnorm_version": mlx_dualnorm.__version__,
+        # 1/5/15-minute load averages at the end of the run: other work on
+        # the machine shows up here (and in the min-max spread).
+        "load_average": load_average(),
+        # Linux pressure stall information: % of time some task waited for
+        # a CPU (10 s / 60 s averages), another sign of a busy machine.
+        "cpu_pressure_some": cpu_pressure(),
+    }
+
+
+def cpu_pressure() -> Optional[dict[str, float]]:
+    try:
+        with open("/proc/pressure/cpu", encoding="utf-8") as pressure:
+            fields = pressure.readline().split()[1:]
+    except OSError:
+        return None
+    averages = dict(field.split("=", 1) for field in fields if "=" in field)
+    try:
+        return {key: float(averages[key]) for key in ("avg10", "avg60")}
+    except (KeyError, ValueError):
+        return None
+
+
+def load_average() -> Optional[list[float]]:
+    try:
+        return [round(load, 2) for load in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
