@@ -23,18 +23,9 @@ from mlx_dualnorm.commands.shared.command import spread
 from mlx_dualnorm.commands.shared.paths import PATH_REGISTRY, REFERENCE_PATH
 
 __all__ = [
-    "BASELINE_PATH",
-    "BenchmarkConfig",
-    "BenchmarkReport",
-    "DECODE_SCENARIOS",
-    "MetricKind",
-    "MetricResult",
-    "REPORT_SCHEMA",
-    "Scenario",
-    "collect_metadata",
-    "cpu_pressure",
-    "load_average",
-    "metric_key",
+    "BASELINE_PATH", "BenchmarkConfig", "BenchmarkReport", "DECODE_SCENARIOS", "MetricKind",
+    "MetricResult", "REPORT_SCHEMA", "Scenario", "collect_metadata", "cpu_pressure",
+    "load_average", "metric_key",
 ]
 
 REPORT_SCHEMA = "mlx_dualnorm.benchmark/2"

@@ -1,38 +1,11 @@
-"""Benchmarks of the mlx-lm patch: mlx-lm's ``normalize_qk`` vs the patch.
-
-Two measurements on the default MLX device, each as ``repeats`` rounds with
-both paths interleaved (order alternating per round, so drift hits both
-alike), reported as the median over rounds with the per-round time ratio
-``patched / unpatched`` (lower is better; below 1 the patch is faster):
-
-* prework: only the q/k normalization at the Qwen3-Next decode shape, q and
-  k ``(1, 1, 16, 128)`` bfloat16, ``inv_scale = 128**-0.5``, ``eps = 1e-6``,
-  through ``layers`` gated-delta layers chained (each layer's outputs are the
-  next layer's inputs) and one ``mx.eval`` per token: microseconds per token,
-  graph build and evaluation together. Qwen3-Next-80B has 48 layers, 36 of
-  them gated-delta.
-* generation: milliseconds per decode token of the small random models of
-  :mod:`~mlx_dualnorm.commands.shared.synthetic`, greedy through mlx-lm's
-  ``generate_step`` (median over the decode tokens of a round). These models
-  are tiny, so the prework is a larger share of a token than in a real one.
-* decode: milliseconds per decode token of random bfloat16 models at the
-  dimensions of released checkpoints (``DECODE_MODELS`` of
-  :mod:`~mlx_dualnorm.commands.shared.synthetic`: Qwen3-0.6B-, Qwen3-1.7B-,
-  Gemma 3 1B-, OLMo 2 1B-, GLM-4.5- and Qwen3-Next-like, one of each layer
-  shape; ``--decode-models`` picks them by name), where the patch replaces
-  the gated-delta ``normalize_qk`` and the full-attention q/k prework it
-  covers. Each row says what the patch engaged in the model (from its own
-  record; a model it covers nothing of is flagged, its ratio noise). Each run
-  prefills a short prompt, then decodes greedily through mlx-lm's
-  ``generate_step`` (KV cache, one evaluation per token); a round's time is
-  the median over its decode steps. Every round's greedy tokens must equal
-  those of the first unpatched round: a mismatch is reported and the command
-  exits 1. ``--quick`` keeps the per-layer shapes but fewer layers and a
-  smaller vocabulary, and says so.
-
-``main(argv)`` is the command line (``python -m mlx_dualnorm
-mlx-lm-bench``); ``run_prework``, ``run_generation`` and ``run_decode`` the
-programmatic API.
+"""``python -m mlx_dualnorm mlx-lm-bench``: mlx-lm unpatched against
+patched, in interleaved rounds: the q/k prework at the Qwen3-Next decode
+shape, per-token generation of small random models, and decode tokens of
+random bfloat16 models at released dimensions, every round's greedy tokens
+compared (a mismatch exits 1); with ``--ranks N``, those decode models
+tensor-parallel over N loopback ranks
+(:mod:`~mlx_dualnorm.commands.mlx_lm_bench.ranks`). What is measured and
+how it prints: :mod:`~mlx_dualnorm.commands.mlx_lm_bench.measurements`.
 """
 
 from __future__ import annotations
@@ -41,7 +14,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import importlib
 import json
 import os
 import platform
@@ -79,19 +51,9 @@ from mlx_dualnorm.commands.shared.synthetic import (
 from mlx_dualnorm.integrations import mlx_lm as integration
 
 __all__ = [
-    "DECODE_DTYPE_OF_WEIGHTS",
-    "DECODE_PROMPT_TOKENS",
-    "DecodeMeasurement",
-    "PairedTiming",
-    "build_parser",
-    "first_token_mismatch",
-    "format_decode_table",
-    "measurements",
-    "main",
-    "run_decode",
-    "run_generation",
-    "run_prework",
-    "timed_greedy_decode",
+    "DECODE_DTYPE_OF_WEIGHTS", "DECODE_PROMPT_TOKENS", "DecodeMeasurement", "PairedTiming",
+    "build_parser", "first_token_mismatch", "format_decode_table", "main", "measurements",
+    "run_decode", "run_generation", "run_prework",
 ]
 
 REPORT_SCHEMA = "mlx_dualnorm.mlx_lm_bench/3"
@@ -113,9 +75,6 @@ MAX_COUNTS = {
 }
 MAX_PREWORK_LAYERS = 512
 MAX_LAYER_COUNTS = 8  # values of --layers, each a prework measurement
-# Each rank is a process with its own copy of the unsharded parts of the
-# model; more than this is no benchmark on one machine.
-MAX_RANKS = 8
 
 
 def _environment() -> dict:
@@ -154,6 +113,7 @@ def _add_workload(
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser."""
+    from mlx_dualnorm.commands.mlx_lm_bench.ranks import MAX_RANKS
     parser = command.tool_parser(
         "mlx-lm-bench",
         "mlx-lm unpatched against patched by mlx_dualnorm: the q/k prework at the "
@@ -345,7 +305,9 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command.select_device(arguments.device, parser)
     layer_counts, model_types, decode_models = _checked_arguments(arguments, parser)
     if arguments.ranks is not None:
-        return _run_over_ranks(arguments, decode_models)
+        from mlx_dualnorm.commands.mlx_lm_bench.ranks import run_over_ranks
+
+        return run_over_ranks(arguments, decode_models, write_json_report)
     started = time.perf_counter()
     results = _Results()
     try:
@@ -360,90 +322,6 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _print_report(arguments, results, time.perf_counter() - started)
         raise
     return _print_report(arguments, results, time.perf_counter() - started)
-
-
-def _has_shard(name: str) -> bool:
-    """Whether decode model ``name``'s mlx-lm family has ``Model.shard``."""
-    model_type = DECODE_MODELS[name].config["model_type"]
-    try:
-        module = importlib.import_module(f"mlx_lm.models.{model_type}")
-    except ImportError:  # a family this mlx-lm cannot load runs nowhere
-        return False
-    return hasattr(module.Model, "shard")
-
-
-def _indivisible(ranks: int, name: str) -> dict[str, int]:
-    """The sizes of decode model ``name`` that mlx-lm's ``Model.shard``
-    splits across the ranks (every layer's query and key/value heads, its
-    MLP widths) and ``ranks`` does not divide."""
-    return {
-        key: value for key, value in DECODE_MODELS[name].config.items()
-        if (key in ("num_attention_heads", "num_key_value_heads")
-            or (key.endswith("intermediate_size") and isinstance(value, int) and value > 0))
-        and value % ranks
-    }
-
-
-def ranks_refusal(ranks: int, decode_models: Sequence[str]) -> Optional[str]:
-    """Why ``ranks`` tensor-parallel ranks cannot run ``decode_models``, or
-    None: the rank count must divide every size ``Model.shard`` splits
-    (else shard_linear fails in every rank, or a head count is silently
-    floored)."""
-    for name in decode_models:
-        indivisible = _indivisible(ranks, name)
-        if indivisible:
-            shown = ", ".join(f"{key} {value}" for key, value in indivisible.items())
-            possible = [
-                count for count in range(2, MAX_RANKS + 1)
-                if not any(_indivisible(count, model) for model in decode_models)
-            ]
-            return (
-                f"{ranks} ranks cannot shard {name}: the rank count must divide its {shown} "
-                f"(--ranks one of {', '.join(map(str, possible)) or 'none'} for "
-                f"{', '.join(decode_models)})"
-            )
-    return None
-
-
-def _run_over_ranks(arguments: argparse.Namespace, decode_models: Sequence[str]) -> int:
-    """``--ranks N``: each decode model whose family has ``Model.shard``,
-    tensor-parallel over N loopback ranks that this command starts itself
-    (the rank program, :mod:`~mlx_dualnorm.commands.mlx_lm_bench.launcher`), patched
-    vs unpatched; prints the table (and writes ``--json``). The rank count
-    is checked against every model before any rank starts. 1 on a token
-    mismatch or a failed rank."""
-    from mlx_dualnorm.commands.mlx_lm_bench.ranks import bench_over_ranks, format_bench_report
-
-    shardable = [name for name in decode_models if _has_shard(name)]
-    if not shardable:
-        named = f"none of {', '.join(decode_models)} has" if decode_models else "none named"
-        raise command.Unavailable(
-            f"--ranks times the decode models whose mlx-lm family has Model.shard: {named} "
-            f"(--decode-models any of {', '.join(n for n in DECODE_MODELS if _has_shard(n))})"
-        )
-    refusal = ranks_refusal(arguments.ranks, shardable)
-    if refusal is not None:
-        raise command.Unavailable(refusal)
-    for name in decode_models:
-        if name not in shardable:
-            model_type = DECODE_MODELS[name].config["model_type"]
-            print(f"{name}: mlx-lm's {model_type} has no Model.shard; left out", file=sys.stderr)
-    reports = []
-    for name in shardable:
-        print(f"decode over {arguments.ranks} ranks, {name} ...", file=sys.stderr, flush=True)
-        # The reduced run (asked for, or a CPU's default) as for one rank.
-        report = bench_over_ranks(
-            name, ranks=arguments.ranks, steps=arguments.decode_steps,
-            rounds=arguments.decode_rounds,
-            layers=DECODE_MODELS[name].quick_layers if arguments.reduced else None,
-            vocab_size=QUICK_DECODE_VOCABULARY if arguments.reduced else None,
-        )
-        print(format_bench_report(report), flush=True)
-        reports.append(report)
-    if arguments.json:
-        write_json_report(arguments.json, {"ranks": reports})
-    failed = any(report["token_mismatches"] or not report["ok"] for report in reports)
-    return 1 if failed else 0
 
 
 def _print_report(arguments: argparse.Namespace, results: _Results, seconds: float) -> int:

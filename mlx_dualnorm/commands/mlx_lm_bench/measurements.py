@@ -1,12 +1,20 @@
-"""What the mlx-lm bench (:mod:`mlx_dualnorm.commands.mlx_lm_bench`)
-measures and how it prints: paired timings of mlx-lm's ``normalize_qk`` and
-the patch (:func:`run_prework`, :func:`run_generation`), decode
-measurements at released models' dimensions (:func:`run_decode`), and their
-tables.
+"""What ``mlx-lm-bench`` measures, and its tables. Each measurement is
+``repeats`` rounds with mlx-lm's code and the patch interleaved (the order
+alternating per round, so drift hits both alike), reported as the median
+over rounds with the per-round ratios ``patched / unpatched`` (lower is
+better) as its spread:
 
-Every table gives each measurement's median time per round for both paths,
-the ratio of the two medians (patched / unpatched: lower is better, below 1
-the patch is faster) and the per-round ratios' min..max as its spread.
+* :func:`run_prework`: the q/k normalization alone at the Qwen3-Next decode
+  shape (q and k ``(1, 1, 16, 128)`` bfloat16) through ``layers`` chained
+  gated-delta layers, one ``mx.eval`` per token: us per token;
+* :func:`run_generation`: ms per decode token of the small random models of
+  :mod:`~mlx_dualnorm.commands.shared.synthetic`, greedy through mlx-lm's
+  ``generate_step`` (tiny models: the prework is a larger share of a token);
+* :func:`run_decode`: ms per decode token of random bfloat16 models at the
+  dimensions of released checkpoints (``DECODE_MODELS``), with what the
+  patch engaged in each; every round's greedy tokens must equal the first
+  unpatched round's. ``quick`` keeps the layer shapes with fewer layers and
+  a smaller vocabulary, and says so.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 import mlx_lm.models.gated_delta as gated_delta_module
@@ -40,20 +48,9 @@ from mlx_dualnorm.commands.shared.synthetic import (
 from mlx_dualnorm.integrations import mlx_lm as integration
 
 __all__ = [
-    "DECODE_DTYPE_OF_WEIGHTS",
-    "DECODE_SHAPE",
-    "DecodeMeasurement",
-    "GenerationMismatch",
-    "PATCHED",
-    "PairedTiming",
-    "UNPATCHED",
-    "decode_progress_steps",
-    "first_token_mismatch",
-    "format_decode_table",
-    "format_table",
-    "run_decode",
-    "run_generation",
-    "run_prework",
+    "DECODE_DTYPE_OF_WEIGHTS", "DECODE_SHAPE", "DecodeMeasurement", "GenerationMismatch",
+    "PATCHED", "PairedTiming", "UNPATCHED", "decode_progress_steps", "first_token_mismatch",
+    "format_decode_table", "format_table", "run_decode", "run_generation", "run_prework",
 ]
 
 UNPATCHED = "mlx-lm"
@@ -407,13 +404,16 @@ def first_token_mismatch(expected: list[int], actual: list[int]) -> Optional[str
 def run_decode(
     model: str, steps: int = 32, rounds: int = 5, mode: Optional[Mode] = None,
     quick: bool = False, config: Optional[dict] = None, progress: Optional[StepReport] = None,
+    group: Any = None,
 ) -> DecodeMeasurement:
     """Milliseconds per decode token of ``DECODE_MODELS[model]`` in
     bfloat16, unpatched vs patched, ``rounds`` paired rounds of ``steps``
     steps. ``quick`` builds the model with its ``quick_layers`` and a
     ``QUICK_DECODE_VOCABULARY``; ``config`` (tests) replaces the config.
     ``progress`` hears of every token (:func:`decode_progress_steps` of
-    them); on Ctrl-C the rounds so far come with the interrupt."""
+    them); on Ctrl-C the rounds so far come with the interrupt. With an
+    ``mx.distributed`` ``group``, the model is tensor-parallel over it
+    (``Model.shard``)."""
     spec = DECODE_MODELS[model]
     if config is None:
         config = (
@@ -424,6 +424,8 @@ def run_decode(
             else decode_model_config(model)
         )
     network = build_model(config, dtype=DECODE_DTYPE_OF_WEIGHTS)
+    if group is not None:
+        network.shard(group)
     prompt = prompt_token_ids(config["vocab_size"], DECODE_PROMPT_TOKENS)
 
     def one_run(patched: bool, run_steps: int, detail: str) -> tuple[list[int], float]:

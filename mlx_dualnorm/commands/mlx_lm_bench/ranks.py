@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 import signal
@@ -28,23 +29,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
+from mlx_dualnorm.commands.mlx_lm_bench.measurements import QUICK_DECODE_VOCABULARY
+from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.command import Count
+from mlx_dualnorm.commands.shared.synthetic import DECODE_MODELS
 
 __all__ = [
-    "LAUNCHERS",
-    "LaunchResult",
-    "bench_over_ranks",
-    "format_bench_report",
-    "free_port_run",
-    "launch",
-    "main",
-    "run_bench",
+    "LAUNCHERS", "LaunchResult", "bench_over_ranks", "format_bench_report", "free_port_run",
+    "launch", "main", "ranks_refusal", "run_bench", "run_over_ranks",
 ]
 
 RANK_PROGRAM = ("-m", "mlx_dualnorm.commands.mlx_lm_bench.ranks")
-SEED = 20261201
+# Each rank is a process with its own copy of the unsharded parts of the
+# model; more than this is no benchmark on one machine.
+MAX_RANKS = 8
 
 LOOPBACK = "127.0.0.1"
 # mlx.launch is a console script; its entry point is resolved in the child,
@@ -226,13 +226,13 @@ def _launch_once(rank_arguments, ranks, timeout_s, cwd, launcher) -> LaunchResul
         processes: list[subprocess.Popen] = []
         returncode: Optional[int] = None
         try:
-            for index, (command, rank_environment) in enumerate(zip(commands, environments)):
+            for index, (process_command, rank_environment) in enumerate(zip(commands, environments)):
                 # Each process leads a process group of its own, so one kill
                 # per group reaches it and everything it started.
                 # mlx.launch polls its stdin: a pipe left open keeps that
                 # poll blocking (at end of file it would spin a core).
                 processes.append(subprocess.Popen(
-                    command, stdin=subprocess.PIPE, stdout=outputs[index][0],
+                    process_command, stdin=subprocess.PIPE, stdout=outputs[index][0],
                     stderr=outputs[index][1], cwd=str(cwd or scratch), env=rank_environment,
                     start_new_session=True,
                 ))
@@ -268,50 +268,17 @@ def _launch_once(rank_arguments, ranks, timeout_s, cwd, launcher) -> LaunchResul
 
 
 def run_bench(
-    model_name: str,
-    group,
-    *,
-    layers: Optional[int],
-    vocab_size: Optional[int],
-    steps: int,
+    model_name: str, group, *, layers: Optional[int], vocab_size: Optional[int], steps: int,
     rounds: int,
 ) -> dict:
     """Milliseconds per decode token of one tensor-parallel model on this
-    rank, unpatched and patched in interleaved rounds (order alternating per
-    round); every round's tokens must equal the first unpatched round's."""
-    import mlx.core as mx
-
-    from mlx_dualnorm.integrations import mlx_lm as integration
-    from mlx_dualnorm.commands.shared.generation import greedy_generate
-    from mlx_dualnorm.commands.shared.synthetic import (
-        build_model,
-        decode_model_config,
-        prompt_token_ids,
-    )
+    rank, unpatched and patched in interleaved rounds (``run_decode``)."""
+    from mlx_dualnorm.commands.mlx_lm_bench.measurements import run_decode
+    from mlx_dualnorm.commands.shared.synthetic import decode_model_config
 
     config = decode_model_config(model_name, layers=layers, vocab_size=vocab_size)
-    integration.unpatch()
-    model = build_model(config, seed=SEED, dtype=mx.bfloat16)
-    model.shard(group)
-    prompt = prompt_token_ids(config.get("text_config", config)["vocab_size"], 16)
-    times: dict = {"unpatched": [], "patched": []}
-    expected_tokens = None
-    mismatches = 0
-    for patched in (False, True):  # warm-up of both paths
-        with integration.patch() if patched else integration.unpatch():
-            greedy_generate(model, prompt, 3)
-    for round_index in range(rounds):
-        order = (False, True) if round_index % 2 == 0 else (True, False)
-        for patched in order:
-            with integration.patch() if patched else integration.unpatch():
-                trace = greedy_generate(model, prompt, steps + 1)
-            if expected_tokens is None:
-                expected_tokens = trace.token_ids
-            elif trace.token_ids != expected_tokens:
-                mismatches += 1
-            seconds = statistics.median(trace.decode_token_seconds)
-            times["patched" if patched else "unpatched"].append(1e3 * seconds)
-    ratios = [p / u for u, p in zip(times["unpatched"], times["patched"])]
+    measurement = run_decode(model_name, steps, rounds, config=config, group=group)
+    timing = measurement.timing
     return {
         "model": model_name,
         "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str))},
@@ -320,10 +287,10 @@ def run_bench(
         "decode_steps": steps,
         "rounds": rounds,
         "unit": "ms/token",
-        "unpatched": times["unpatched"],
-        "patched": times["patched"],
-        "ratios_patched_over_unpatched": ratios,
-        "token_mismatches": mismatches,
+        "unpatched": timing.unpatched,
+        "patched": timing.patched,
+        "ratios_patched_over_unpatched": timing.time_ratios,
+        "token_mismatch": measurement.token_mismatch,
     }
 
 
@@ -334,7 +301,7 @@ def _bench_main(arguments, group) -> int:
     )
     if group.rank() == 0:
         (Path(arguments.out) / "bench.json").write_text(json.dumps(report, indent=1))
-    return 1 if report["token_mismatches"] else 0
+    return 1 if report["token_mismatch"] else 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -360,9 +327,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     arguments = _parser().parse_args(argv)
     return _bench_main(arguments, mx.distributed.init(strict=True, backend="ring"))
 
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 # ---- Launched bench ------------------------------------------------------------
@@ -419,6 +383,97 @@ def format_bench_report(report: dict) -> str:
         f"  patched    {spread(report['patched'], 2)} ms/token",
         f"  patched / unpatched  {spread(report['ratios_patched_over_unpatched'], 3)}",
     ]
-    if report["token_mismatches"]:
-        lines.append(f"  TOKEN MISMATCH in {report['token_mismatches']} rounds")
+    if report["token_mismatch"]:
+        lines.append(f"  TOKEN MISMATCH at {report['token_mismatch']}")
     return "\n".join(lines)
+
+
+# ---- mlx-lm-bench --ranks --------------------------------------------------------
+
+
+def _has_shard(name: str) -> bool:
+    """Whether decode model ``name``'s mlx-lm family has ``Model.shard``."""
+    model_type = DECODE_MODELS[name].config["model_type"]
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    except ImportError:  # a family this mlx-lm cannot load runs nowhere
+        return False
+    return hasattr(module.Model, "shard")
+
+
+def _indivisible(ranks: int, name: str) -> dict[str, int]:
+    """The sizes of decode model ``name`` that mlx-lm's ``Model.shard``
+    splits across the ranks (every layer's query and key/value heads, its
+    MLP widths) and ``ranks`` does not divide."""
+    return {
+        key: value for key, value in DECODE_MODELS[name].config.items()
+        if (key in ("num_attention_heads", "num_key_value_heads")
+            or (key.endswith("intermediate_size") and isinstance(value, int) and value > 0))
+        and value % ranks
+    }
+
+
+def ranks_refusal(ranks: int, decode_models: Sequence[str]) -> Optional[str]:
+    """Why ``ranks`` tensor-parallel ranks cannot run ``decode_models``, or
+    None: the rank count must divide every size ``Model.shard`` splits
+    (else shard_linear fails in every rank, or a head count is silently
+    floored)."""
+    for name in decode_models:
+        indivisible = _indivisible(ranks, name)
+        if indivisible:
+            shown = ", ".join(f"{key} {value}" for key, value in indivisible.items())
+            possible = [
+                count for count in range(2, MAX_RANKS + 1)
+                if not any(_indivisible(count, model) for model in decode_models)
+            ]
+            return (
+                f"{ranks} ranks cannot shard {name}: the rank count must divide its {shown} "
+                f"(--ranks one of {', '.join(map(str, possible)) or 'none'} for "
+                f"{', '.join(decode_models)})"
+            )
+    return None
+
+
+def run_over_ranks(
+    arguments: argparse.Namespace, decode_models: Sequence[str], write_json_report: Callable
+) -> int:
+    """``--ranks N``: each decode model whose family has ``Model.shard``,
+    tensor-parallel over N loopback ranks that this command starts itself
+    (the rank program above), patched
+    vs unpatched; prints the table (and writes ``--json``). The rank count
+    is checked against every model before any rank starts. 1 on a token
+    mismatch or a failed rank."""
+    shardable = [name for name in decode_models if _has_shard(name)]
+    if not shardable:
+        named = f"none of {', '.join(decode_models)} has" if decode_models else "none named"
+        raise command.Unavailable(
+            f"--ranks times the decode models whose mlx-lm family has Model.shard: {named} "
+            f"(--decode-models any of {', '.join(n for n in DECODE_MODELS if _has_shard(n))})"
+        )
+    refusal = ranks_refusal(arguments.ranks, shardable)
+    if refusal is not None:
+        raise command.Unavailable(refusal)
+    for name in decode_models:
+        if name not in shardable:
+            model_type = DECODE_MODELS[name].config["model_type"]
+            print(f"{name}: mlx-lm's {model_type} has no Model.shard; left out", file=sys.stderr)
+    reports = []
+    for name in shardable:
+        print(f"decode over {arguments.ranks} ranks, {name} ...", file=sys.stderr, flush=True)
+        # The reduced run (asked for, or a CPU's default) as for one rank.
+        report = bench_over_ranks(
+            name, ranks=arguments.ranks, steps=arguments.decode_steps,
+            rounds=arguments.decode_rounds,
+            layers=DECODE_MODELS[name].quick_layers if arguments.reduced else None,
+            vocab_size=QUICK_DECODE_VOCABULARY if arguments.reduced else None,
+        )
+        print(format_bench_report(report), flush=True)
+        reports.append(report)
+    if arguments.json:
+        write_json_report(arguments.json, {"ranks": reports})
+    failed = any(report["token_mismatch"] or not report["ok"] for report in reports)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -49,25 +49,11 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 __all__ = [
-    "BATCH_SIZES",
-    "DEFAULT_PARITY_SEED",
-    "DTYPE_CONFIGURATIONS",
-    "DtypeConfiguration",
-    "FAMILY_NAMES",
-    "FULL_MATRIX_ELEMENT_BUDGET",
-    "HEAD_COUNTS",
-    "HeadCounts",
-    "InputLayout",
-    "NON_CONTIGUOUS_INPUT_LAYOUTS",
-    "NON_CONTIGUOUS_WEIGHT_LAYOUTS",
-    "ParityCase",
-    "SPECIAL_VALUE_PROFILES",
-    "ValueProfile",
-    "WIDTHS",
-    "WeightLayout",
-    "Weighting",
-    "build_full_parity_matrix",
-    "build_quick_parity_matrix",
+    "BATCH_SIZES", "DEFAULT_PARITY_SEED", "DTYPE_CONFIGURATIONS", "DtypeConfiguration",
+    "FAMILY_NAMES", "FULL_MATRIX_ELEMENT_BUDGET", "HEAD_COUNTS", "HeadCounts",
+    "InputLayout", "NON_CONTIGUOUS_INPUT_LAYOUTS", "NON_CONTIGUOUS_WEIGHT_LAYOUTS",
+    "ParityCase", "SPECIAL_VALUE_PROFILES", "ValueProfile", "WIDTHS", "WeightLayout",
+    "Weighting", "build_full_parity_matrix", "build_quick_parity_matrix",
 ]
 
 DEFAULT_PARITY_SEED = 20261129

@@ -22,14 +22,8 @@ from mlx_dualnorm.commands.parity.matrix import FAMILY_NAMES
 from mlx_dualnorm.commands.shared.paths import REFERENCE_PATH, describe_paths
 
 __all__ = [
-    "DescribedCase",
-    "OutputDifference",
-    "ParityMismatch",
-    "ParityReport",
-    "compare_call",
-    "compare_dual_outputs",
-    "format_parity_report",
-    "parity_verdict",
+    "DescribedCase", "OutputDifference", "ParityMismatch", "ParityReport", "compare_call",
+    "compare_dual_outputs", "format_parity_report", "parity_verdict",
 ]
 
 @dataclass(frozen=True)

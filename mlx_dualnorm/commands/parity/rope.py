@@ -41,14 +41,9 @@ from mlx_dualnorm.commands.parity.inputs import DualNormInputs, case_key
 from mlx_dualnorm.commands.parity.report import ParityReport, compare_call
 
 __all__ = [
-    "ROPE_PATH_DESCRIPTIONS",
-    "ROPE_REFERENCE_DESCRIPTION",
-    "RopeParityCase",
-    "available_rope_paths",
-    "build_rope_parity_matrix",
-    "rope_case_inputs",
-    "run_rope_parity_matrix",
-    "unavailable_rope_paths",
+    "ROPE_PATH_DESCRIPTIONS", "ROPE_REFERENCE_DESCRIPTION", "RopeParityCase",
+    "available_rope_paths", "build_rope_parity_matrix", "rope_case_inputs",
+    "run_rope_parity_matrix", "unavailable_rope_paths",
 ]
 
 ROPE_FAMILY = "norm_rope"

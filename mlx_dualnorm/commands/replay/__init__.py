@@ -49,18 +49,9 @@ from mlx_dualnorm.commands.shared.paths import (
 )
 
 __all__ = [
-    "DEFAULT_DECODE_STEPS",
-    "GreedyDecodeTrace",
-    "ReplayComparison",
-    "ReplayModelConfig",
-    "ReplayReport",
-    "build_parser",
-    "build_replay_model",
-    "compare_decode_traces",
-    "format_replay_report",
-    "greedy_decode",
-    "main",
-    "run_replay",
+    "DEFAULT_DECODE_STEPS", "GreedyDecodeTrace", "ReplayComparison", "ReplayModelConfig",
+    "ReplayReport", "build_parser", "build_replay_model", "compare_decode_traces",
+    "format_replay_report", "greedy_decode", "main", "run_replay",
 ]
 
 DEFAULT_DECODE_STEPS = 128

@@ -21,14 +21,8 @@ from mlx_dualnorm.bits import same_bits
 from mlx_dualnorm.integrations import mlx_lm as integration
 
 __all__ = [
-    "AttentionLayerCounts",
-    "GreedyTrace",
-    "NormalizeQkCallCounts",
-    "TraceComparison",
-    "compare_traces",
-    "count_normalize_qk_calls",
-    "count_package_calls",
-    "greedy_generate",
+    "AttentionLayerCounts", "GreedyTrace", "NormalizeQkCallCounts", "TraceComparison",
+    "compare_traces", "count_normalize_qk_calls", "count_package_calls", "greedy_generate",
     "timed_greedy_decode",
 ]
 

@@ -40,30 +40,12 @@ from mlx_dualnorm import (
 )
 
 __all__ = [
-    "COMPILED_PATH",
-    "DualNormPath",
-    "DualNormPathFactory",
-    "FUSED_PATH",
-    "PATH_REGISTRY",
-    "PYTHON_COMPILE_PATH",
-    "PYTHON_COMPILE_SHAPED_PATH",
-    "PathSelection",
-    "PathUnavailable",
-    "REFERENCE_PATH",
-    "RegisteredPath",
-    "build_path",
-    "describe_paths",
-    "make_compiled_path",
-    "make_composed_path",
-    "make_fused_path",
-    "make_mx_compile_path",
-    "make_mx_compile_shaped_path",
-    "package_mode_factory",
-    "refuse_unavailable",
-    "register_path",
-    "routinely_checked_paths",
-    "skipped_path_lines",
-    "unavailable_paths",
+    "COMPILED_PATH", "DualNormPath", "DualNormPathFactory", "FUSED_PATH", "PATH_REGISTRY",
+    "PYTHON_COMPILE_PATH", "PYTHON_COMPILE_SHAPED_PATH", "PathSelection", "PathUnavailable",
+    "REFERENCE_PATH", "RegisteredPath", "build_path", "describe_paths",
+    "make_compiled_path", "make_composed_path", "make_fused_path", "make_mx_compile_path",
+    "make_mx_compile_shaped_path", "package_mode_factory", "refuse_unavailable",
+    "register_path", "routinely_checked_paths", "skipped_path_lines", "unavailable_paths",
 ]
 
 DualNormPath = Callable[

@@ -69,17 +69,9 @@ from mlx_dualnorm.commands.shared.synthetic_qwen3_like import (
 )
 
 __all__ = [
-    "DEFAULT_DTYPES",
-    "DEFAULT_SEED",
-    "GATED_DELTA_MODEL_TYPES",
-    "DECODE_MODELS",
-    "DecodeModel",
-    "build_model",
-    "SYNTHETIC_MODEL_TYPES",
-    "build_synthetic_model",
-    "decode_model_config",
-    "prompt_token_ids",
-    "synthetic_model_config",
+    "DEFAULT_DTYPES", "DEFAULT_SEED", "GATED_DELTA_MODEL_TYPES", "DECODE_MODELS",
+    "DecodeModel", "build_model", "SYNTHETIC_MODEL_TYPES", "build_synthetic_model",
+    "decode_model_config", "prompt_token_ids", "synthetic_model_config",
 ]
 
 DEFAULT_SEED = 20261129
