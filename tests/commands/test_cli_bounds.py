@@ -42,7 +42,7 @@ def every_parser() -> dict[str, argparse.ArgumentParser]:
     for name in SUBCOMMANDS:
         parsers[name] = cli.subcommand_parser(name)
     if HAS_MLX_LM:
-        from mlx_dualnorm.commands.mlx_lm_bench import ranks
+        from mlx_dualnorm.commands.mlx_lm_bench import report as ranks
 
         parsers["rank program"] = ranks._parser()
     return parsers

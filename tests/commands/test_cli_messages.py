@@ -89,7 +89,7 @@ def test_the_top_level_help_describes_mlx_lm_bench_as_what_it_times(capsys):
 
 
 def shardable_models() -> list[str]:
-    return [name for name in DECODE_MODELS if mlx_lm_bench.ranks._has_shard(name)]
+    return [name for name in DECODE_MODELS if mlx_lm_bench.report._has_shard(name)]
 
 
 def test_ranks_help_says_which_models_it_times_and_who_starts_the_ranks():

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import qwen3  # noqa: E402
 from mlx_dualnorm.commands import mlx_lm_bench  # noqa: E402
+from mlx_dualnorm.commands.mlx_lm_bench import report  # noqa: E402
 from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
     DECODE_MODELS,
     decode_model_config,
@@ -145,7 +146,7 @@ def test_a_model_the_patch_covers_nothing_of_is_flagged():
         "olmo2-2048", "OLMo 2 1B", decode_model_config("olmo2-2048"), False, 16, 1, timing, None,
         nothing,
     )
-    table = mlx_lm_bench.format_decode_table([measurement], "cpu")
+    table = report.format_decode_table([measurement], "cpu")
     assert "NOTHING: the patch covers no layer of this model, the ratio is noise" in table
 
 

@@ -4,8 +4,8 @@ shape, per-token generation of small random models, and decode tokens of
 random bfloat16 models at released dimensions, every round's greedy tokens
 compared (a mismatch exits 1); with ``--ranks N``, those decode models
 tensor-parallel over N loopback ranks
-(:mod:`~mlx_dualnorm.commands.mlx_lm_bench.ranks`). What is measured and
-how it prints: :mod:`~mlx_dualnorm.commands.mlx_lm_bench.measurements`.
+(:mod:`~mlx_dualnorm.commands.mlx_lm_bench.report`). What is measured:
+:mod:`~mlx_dualnorm.commands.mlx_lm_bench.measurements`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ from mlx_dualnorm.commands.mlx_lm_bench.measurements import (
     StepReport,
     decode_progress_steps,
     first_token_mismatch,
-    format_decode_table,
-    format_table,
     run_decode,
     run_generation,
     run_prework,
@@ -52,7 +50,7 @@ from mlx_dualnorm.integrations import mlx_lm as integration
 
 __all__ = [
     "DECODE_DTYPE_OF_WEIGHTS", "DECODE_PROMPT_TOKENS", "DecodeMeasurement", "PairedTiming",
-    "build_parser", "first_token_mismatch", "format_decode_table", "main", "measurements",
+    "build_parser", "first_token_mismatch", "main", "measurements",
     "run_decode", "run_generation", "run_prework",
 ]
 
@@ -113,7 +111,7 @@ def _add_workload(
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser."""
-    from mlx_dualnorm.commands.mlx_lm_bench.ranks import MAX_RANKS
+    from mlx_dualnorm.commands.mlx_lm_bench.report import MAX_RANKS
     parser = command.tool_parser(
         "mlx-lm-bench",
         "mlx-lm unpatched against patched by mlx_dualnorm: the q/k prework at the "
@@ -305,7 +303,7 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command.select_device(arguments.device, parser)
     layer_counts, model_types, decode_models = _checked_arguments(arguments, parser)
     if arguments.ranks is not None:
-        from mlx_dualnorm.commands.mlx_lm_bench.ranks import run_over_ranks
+        from mlx_dualnorm.commands.mlx_lm_bench.report import run_over_ranks
 
         return run_over_ranks(arguments, decode_models, write_json_report)
     started = time.perf_counter()
@@ -341,6 +339,9 @@ def _print_report(arguments: argparse.Namespace, results: _Results, seconds: flo
             f"INTERRUPTED during {results.interrupted_in}: the tables hold what was measured "
             "before it and that measurement's complete rounds"
         )
+    # The rank program's module, so imported only here: ``python -m`` runs it.
+    from mlx_dualnorm.commands.mlx_lm_bench.report import format_decode_table, format_table
+
     if timings:
         print(format_table(timings))
     if decode_measurements:

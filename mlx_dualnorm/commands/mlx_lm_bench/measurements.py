@@ -50,7 +50,7 @@ from mlx_dualnorm.integrations import mlx_lm as integration
 __all__ = [
     "DECODE_DTYPE_OF_WEIGHTS", "DECODE_SHAPE", "DecodeMeasurement", "GenerationMismatch",
     "PATCHED", "PairedTiming", "UNPATCHED", "decode_progress_steps", "first_token_mismatch",
-    "format_decode_table", "format_table", "run_decode", "run_generation", "run_prework",
+    "run_decode", "run_generation", "run_prework",
 ]
 
 UNPATCHED = "mlx-lm"
@@ -154,106 +154,6 @@ class DecodeMeasurement:
             "token_mismatch": self.token_mismatch,
             "patch_engaged": self.engaged,
         }
-
-
-# ---- Tables ------------------------------------------------------------------
-
-
-def _table_header(first_column: str, width: int) -> str:
-    return (
-        f"{first_column:<{width}} {'unit':<9} {'unpatched':>10} {PATCHED:>10} {'ratio':>7}"
-        "  (per-round min..max)"
-    )
-
-
-def _table_row(name: str, width: int, unit: str, summary: dict, ratio_digits: int) -> str:
-    """One paired measurement: median times, their ratio, then the range of
-    the per-round ratios, with ``ratio_digits`` decimals."""
-    spread = summary["time_ratio_patched_over_unpatched"]
-    return (
-        f"{name:<{width}} {unit:<9} "
-        f"{summary['unpatched_time']['median']:>10.3f} "
-        f"{summary['patched_time']['median']:>10.3f} "
-        f"{summary['time_ratio_of_medians']:>6.{ratio_digits}f}x  "
-        f"({spread['min']:.{ratio_digits}f}..{spread['max']:.{ratio_digits}f}, "
-        f"{summary['rounds']} rounds)"
-    )
-
-
-def format_table(timings: list[PairedTiming]) -> str:
-    lines = [_table_header("measurement", 34)]
-    lines += [
-        _table_row(timing.name, 34, timing.unit, timing.summary(), ratio_digits=2)
-        for timing in timings
-    ]
-    lines += [
-        "columns: median time per round, unpatched (mlx-lm's normalize_qk) and patched "
-        "(mlx_dualnorm.integrations.mlx_lm.patch());",
-        "  ratio = median patched time / median unpatched time, then the per-round ratios' "
-        "min..max: lower is better, below 1.00x the patch is faster",
-        f"  prework_N_layers: N chained q/k normalizations at {DECODE_SHAPE} bfloat16, "
-        "one eval per token",
-        "  generation_MODEL_DTYPE: ms per decode token of a small random mlx-lm model",
-    ]
-    return "\n".join(lines)
-
-
-def _dimensions_text(dimensions: dict) -> str:
-    layers = f"{dimensions['num_hidden_layers']} layers"
-    if "gated_delta_layers" in dimensions:
-        layers += (
-            f" ({dimensions['gated_delta_layers']} gated-delta, "
-            f"{dimensions['full_attention_layers']} full-attention)"
-        )
-    return (
-        f"{layers}, hidden {dimensions['hidden_size']}, MLP {dimensions['intermediate_size']}, "
-        f"{dimensions['num_attention_heads']}/{dimensions['num_key_value_heads']} heads x "
-        f"{dimensions['head_dim']}, vocabulary {dimensions['vocab_size']}"
-    )
-
-
-def _engaged_text(engaged: dict) -> str:
-    attention = engaged["attention_layers_engaged"]
-    text = (
-        f"patch engaged: attention layers {attention}"
-        + "".join(f" ({prework} {layers})" for prework, layers in engaged["by_prework"].items())
-        + f", left to mlx-lm {engaged['attention_layers_left']}; "
-        f"gated-delta calls folded {engaged['gated_delta_calls_folded']} (warm-up run)"
-    )
-    if attention == 0 and engaged["gated_delta_calls_folded"] == 0:
-        text += "; NOTHING: the patch covers no layer of this model, the ratio is noise"
-    return text
-
-
-def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> str:
-    if not measurements:
-        return ""
-    first = measurements[0]
-    lines = [
-        f"decode, random bfloat16 weights at released models' dimensions, on {device}: "
-        f"{first.prompt_tokens}-token prompt, then {first.decode_steps} greedy decode steps "
-        "per round (KV cache, one eval per token)",
-        _table_header("model", 16),
-    ]
-    for measurement in measurements:
-        summary = measurement.summary()
-        lines.append(_table_row(measurement.model, 16, "ms/token", summary, ratio_digits=3))
-        lines.append(f"  like {measurement.resembles}: {_dimensions_text(summary['dimensions'])}")
-        if measurement.quick_reduced:
-            real = DECODE_MODELS[measurement.model].config
-            lines.append(
-                f"  QUICK: reduced from {real['num_hidden_layers']} layers and vocabulary "
-                f"{real['vocab_size']}; not the real model's time per token"
-            )
-        if measurement.engaged is not None:
-            lines.append("  " + _engaged_text(measurement.engaged))
-        tokens = "identical" if measurement.token_mismatch is None else "MISMATCH"
-        lines.append(f"  greedy tokens, patched vs unpatched, every round: {tokens}")
-    lines.append(
-        "  ratio = median patched / median unpatched time per decode token, then the "
-        "per-round ratios' min..max: lower is better, below 1.000x the patch is faster"
-    )
-    return "\n".join(lines)
 
 
 # ---- The measurements ----------------------------------------------------------
