@@ -32,20 +32,20 @@ from mlx_dualnorm import composed_dual_head_norm
 from mlx_dualnorm.commands.shared import command, paths as compared_paths
 from mlx_dualnorm.commands.parity import rope as rope_parity
 from mlx_dualnorm.commands.parity.inputs import (
-    DualNormInputs,
-    build_case_inputs,
-    generate_head_values,
-)
-from mlx_dualnorm.commands.parity.matrix import (
     DEFAULT_PARITY_SEED,
-    FAMILY_NAMES,
     DtypeConfiguration,
+    DualNormInputs,
     HeadCounts,
     InputLayout,
     ParityCase,
     ValueProfile,
     WeightLayout,
     Weighting,
+    build_case_inputs,
+    generate_head_values,
+)
+from mlx_dualnorm.commands.parity.matrix import (
+    FAMILY_NAMES,
     build_full_parity_matrix,
     build_quick_parity_matrix,
 )

@@ -1,5 +1,6 @@
-"""The inputs of a parity case: values of each kind of row, laid out in
-memory as the case says.
+"""A parity case (:class:`ParityCase`: its shape, dtypes, epsilon,
+weighting, memory layouts and value profile, each axis a type here) and its
+inputs: values of each kind of row, laid out in memory as the case says.
 
 Values come from an MLX key derived from the seed and the case's
 description (:func:`case_key`), so a case reproduces from its description
@@ -18,15 +19,138 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from mlx_dualnorm.commands.parity.matrix import (
-    DEFAULT_PARITY_SEED,
-    InputLayout,
-    ParityCase,
-    ValueProfile,
-    WeightLayout,
-)
+__all__ = [
+    "DEFAULT_PARITY_SEED", "DtypeConfiguration", "DualNormInputs", "HeadCounts", "InputLayout",
+    "ParityCase", "ValueProfile", "WeightLayout", "Weighting", "build_case_inputs", "case_key",
+    "generate_head_values",
+]
 
-__all__ = ["DualNormInputs", "build_case_inputs", "case_key", "generate_head_values"]
+DEFAULT_PARITY_SEED = 20261129
+PRODUCTION_RMS_NORM_EPSILON = 1e-6
+
+# ---- A case: its axes ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DtypeConfiguration:
+    """Input and weight dtypes of one case. A float32 weight on half
+    precision input exercises promotion (the output becomes float32)."""
+
+    name: str
+    query_dtype: mx.Dtype
+    key_dtype: mx.Dtype
+    weight_dtype: mx.Dtype
+
+
+@dataclass(frozen=True)
+class HeadCounts:
+    query_heads: int
+    key_heads: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.query_heads}/{self.key_heads}"
+
+
+class Weighting(enum.Enum):
+    WEIGHTLESS = "weightless"
+    WEIGHTED = "weighted"
+    QUERY_WEIGHT_ONLY = "query-weight-only"
+    KEY_WEIGHT_ONLY = "key-weight-only"
+
+    @property
+    def has_query_weight(self) -> bool:
+        return self in (Weighting.WEIGHTED, Weighting.QUERY_WEIGHT_ONLY)
+
+    @property
+    def has_key_weight(self) -> bool:
+        return self in (Weighting.WEIGHTED, Weighting.KEY_WEIGHT_ONLY)
+
+
+class InputLayout(enum.Enum):
+    """How a ``(batch, sequence, heads, width)`` input sits in memory. Every
+    non-contiguous layout is a view of a larger or permuted buffer whose
+    unused slots hold NaN, so a path reading outside the view shows."""
+
+    CONTIGUOUS = "contiguous"
+    HEADS_SEQUENCE_TRANSPOSED = "heads-sequence-transposed"
+    LAST_AXIS_STRIDED = "last-axis-strided"
+    ROW_SLICED = "row-sliced"
+    WIDTH_SLICED = "width-sliced"
+    STEPPED_LAST_AXIS = "stepped-last-axis"
+    BROADCAST_HEADS = "broadcast-heads"
+
+
+class WeightLayout(enum.Enum):
+    CONTIGUOUS = "contiguous"
+    STRIDED_COLUMN = "strided-column"
+    REVERSED = "reversed"
+    STEPPED = "stepped"
+    BROADCAST_SCALAR = "broadcast-scalar"
+
+
+class ValueProfile(enum.Enum):
+    """Which kinds of rows an input holds (the row kinds of each profile are
+    :mod:`mlx_dualnorm.commands.parity.inputs`'s)."""
+
+    VARIED_ROWS = "varied-rows"
+    NEAR_EPSILON = "near-epsilon"
+    ZERO_ROWS = "zero-rows"
+    OVERFLOWING_SQUARES = "overflowing-squares"
+    SUBNORMAL_ROWS = "subnormal-rows"
+    NAN_AND_INF = "nan-and-inf"
+    ALL_SPECIAL_ROWS = "all-special-rows"
+
+
+@dataclass(frozen=True)
+class ParityCase:
+    """One point of the matrix. Inputs are ``(batch, sequence, heads,
+    width)``; queries and keys share all but the head count."""
+
+    family: str
+    width: int
+    dtypes: DtypeConfiguration
+    heads: HeadCounts
+    batch_size: int
+    sequence_length: int
+    eps: float = PRODUCTION_RMS_NORM_EPSILON
+    weighting: Weighting = Weighting.WEIGHTLESS
+    query_layout: InputLayout = InputLayout.CONTIGUOUS
+    key_layout: InputLayout = InputLayout.CONTIGUOUS
+    weight_layout: WeightLayout = WeightLayout.CONTIGUOUS
+    value_profile: ValueProfile = ValueProfile.VARIED_ROWS
+
+    @property
+    def query_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch_size, self.sequence_length, self.heads.query_heads, self.width)
+
+    @property
+    def key_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch_size, self.sequence_length, self.heads.key_heads, self.width)
+
+    @property
+    def query_element_count(self) -> int:
+        return math.prod(self.query_shape)
+
+    def describe(self) -> str:
+        """Every field, in a stable order: the key the case's values are
+        generated from, and what a mismatch report prints."""
+        parts = [
+            f"width={self.width}", f"dtypes={self.dtypes.name}", f"heads={self.heads.name}",
+            f"batch={self.batch_size}", f"seq={self.sequence_length}", f"eps={self.eps!r}",
+            self.weighting.value, f"values={self.value_profile.value}",
+        ]
+        if self.query_layout is not InputLayout.CONTIGUOUS:
+            parts.append(f"q-layout={self.query_layout.value}")
+        if self.key_layout is not InputLayout.CONTIGUOUS:
+            parts.append(f"k-layout={self.key_layout.value}")
+        if self.weight_layout is not WeightLayout.CONTIGUOUS:
+            parts.append(f"w-layout={self.weight_layout.value}")
+        return " ".join(parts)
+
+
+# ---- Its inputs ----------------------------------------------------------------------
+
 
 class _RowKind(enum.Enum):
     VARIED = "varied"  # magnitudes 2^-3 .. 2^3 per row

@@ -1,137 +1,48 @@
-"""The parity matrix: the cases every dual head norm path is checked on.
+"""The parity matrix: the cases every dual head norm path is checked on
+(the families, as docs/parity.md lists them: ``FAMILY_NAMES``).
 
-Why a designed matrix rather than the Cartesian product: the axes below
-(11 widths x 5 dtype configurations x 3 head counts x 8 batch sizes x 2
-sequence lengths x 4 epsilons x 4 weightings x 7 memory layouts x 7 value
-profiles) multiply to millions of cases, and on a CPU every case costs
-input generation plus two evaluations. Instead each family fixes the axes it
-is about and rotates the rest:
-
-- ``width_by_dtype``: every width with every dtype configuration, rotating
-  head counts, batch, sequence length and weighting.
-- ``head_counts``: each pair of q/k head counts at decode and prefill, for the
-  gated-delta shape (weightless, width 128) and the full-attention shape
-  (weighted, width 256).
-- ``batch_and_sequence``: batch 1..8 at decode and at prefill.
-- ``epsilon``: each epsilon with each dtype, weighted and weightless, on rows
-  whose mean square is near epsilon (and zero rows), where epsilon changes
-  the result; elsewhere it is lost in rounding.
-- ``non_contiguous``: transposed, strided, sliced and broadcast inputs, with
-  strided, reversed and broadcast weight views.
-- ``special_values``: zero rows, squares that overflow, subnormals, NaN and
-  infinities, for every dtype configuration.
-- ``mixed_dtypes``: queries and keys of different dtypes, cross promotions.
-
-Rotations are drawn from ``random.Random(seed)``; input values come from an
-MLX key derived from the seed and the case's description, so a case
-reproduces from its description alone (``build_case_inputs``). The quick
-matrix picks a few cases per family and shrinks them to small sizes.
+A designed matrix, not the Cartesian product: the axes below (widths,
+dtype configurations, head counts, batch sizes, sequence lengths,
+epsilons, weightings, memory layouts, value profiles) multiply to millions
+of cases, each costing input generation and two evaluations on a CPU.
+Instead each family fixes the axes it is about and rotates the rest, drawn
+from ``random.Random(seed)``; input values come from an MLX key derived
+from the seed and the case's description, so a case reproduces from its
+description alone (:mod:`mlx_dualnorm.commands.parity.inputs` builds
+them). The quick matrix picks a few cases per family and shrinks them.
 
 Epsilons other than the production 1e-6 appear only in the ``epsilon``
-family: on CPU every epsilon, dtype and weighting compiles its own fused
-kernel (g++, about half a second each on a cold kernel cache), so spreading
-epsilons over every family would multiply the cold-start time without
-covering anything new.
-
-A case only describes its inputs; :mod:`mlx_dualnorm.commands.parity.inputs`
-builds them, :mod:`mlx_dualnorm.commands.parity` runs the paths on them.
+family: on a CPU every epsilon, dtype and weighting compiles its own fused
+kernel (g++, about half a second each on a cold kernel cache).
 """
 
 from __future__ import annotations
 
-import enum
 import functools
-import math
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import mlx.core as mx
 
+from mlx_dualnorm.commands.parity.inputs import (
+    DEFAULT_PARITY_SEED,
+    DtypeConfiguration,
+    HeadCounts,
+    InputLayout,
+    ParityCase,
+    ValueProfile,
+    WeightLayout,
+    Weighting,
+)
+
 __all__ = [
-    "BATCH_SIZES", "DEFAULT_PARITY_SEED", "DTYPE_CONFIGURATIONS", "DtypeConfiguration",
-    "FAMILY_NAMES", "FULL_MATRIX_ELEMENT_BUDGET", "HEAD_COUNTS", "HeadCounts",
-    "InputLayout", "NON_CONTIGUOUS_INPUT_LAYOUTS", "NON_CONTIGUOUS_WEIGHT_LAYOUTS",
-    "ParityCase", "SPECIAL_VALUE_PROFILES", "ValueProfile", "WIDTHS", "WeightLayout",
-    "Weighting", "build_full_parity_matrix", "build_quick_parity_matrix",
+    "BATCH_SIZES", "DTYPE_CONFIGURATIONS", "FAMILY_NAMES", "FULL_MATRIX_ELEMENT_BUDGET",
+    "HEAD_COUNTS", "NON_CONTIGUOUS_INPUT_LAYOUTS", "NON_CONTIGUOUS_WEIGHT_LAYOUTS",
+    "SPECIAL_VALUE_PROFILES", "WIDTHS", "build_full_parity_matrix", "build_quick_parity_matrix",
 ]
 
-DEFAULT_PARITY_SEED = 20261129
-PRODUCTION_RMS_NORM_EPSILON = 1e-6
-
-# ---- The axes of the matrix ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DtypeConfiguration:
-    """Input and weight dtypes of one case. A float32 weight on half
-    precision input exercises promotion (the output becomes float32)."""
-
-    name: str
-    query_dtype: mx.Dtype
-    key_dtype: mx.Dtype
-    weight_dtype: mx.Dtype
-
-
-@dataclass(frozen=True)
-class HeadCounts:
-    query_heads: int
-    key_heads: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.query_heads}/{self.key_heads}"
-
-
-class Weighting(enum.Enum):
-    WEIGHTLESS = "weightless"
-    WEIGHTED = "weighted"
-    QUERY_WEIGHT_ONLY = "query-weight-only"
-    KEY_WEIGHT_ONLY = "key-weight-only"
-
-    @property
-    def has_query_weight(self) -> bool:
-        return self in (Weighting.WEIGHTED, Weighting.QUERY_WEIGHT_ONLY)
-
-    @property
-    def has_key_weight(self) -> bool:
-        return self in (Weighting.WEIGHTED, Weighting.KEY_WEIGHT_ONLY)
-
-
-class InputLayout(enum.Enum):
-    """How a ``(batch, sequence, heads, width)`` input sits in memory. Every
-    non-contiguous layout is a view of a larger or permuted buffer whose
-    unused slots hold NaN, so a path reading outside the view shows."""
-
-    CONTIGUOUS = "contiguous"
-    HEADS_SEQUENCE_TRANSPOSED = "heads-sequence-transposed"
-    LAST_AXIS_STRIDED = "last-axis-strided"
-    ROW_SLICED = "row-sliced"
-    WIDTH_SLICED = "width-sliced"
-    STEPPED_LAST_AXIS = "stepped-last-axis"
-    BROADCAST_HEADS = "broadcast-heads"
-
-
-class WeightLayout(enum.Enum):
-    CONTIGUOUS = "contiguous"
-    STRIDED_COLUMN = "strided-column"
-    REVERSED = "reversed"
-    STEPPED = "stepped"
-    BROADCAST_SCALAR = "broadcast-scalar"
-
-
-class ValueProfile(enum.Enum):
-    """Which kinds of rows an input holds (the row kinds of each profile are
-    :mod:`mlx_dualnorm.commands.parity.inputs`'s)."""
-
-    VARIED_ROWS = "varied-rows"
-    NEAR_EPSILON = "near-epsilon"
-    ZERO_ROWS = "zero-rows"
-    OVERFLOWING_SQUARES = "overflowing-squares"
-    SUBNORMAL_ROWS = "subnormal-rows"
-    NAN_AND_INF = "nan-and-inf"
-    ALL_SPECIAL_ROWS = "all-special-rows"
-
+# ---- The axes' values -----------------------------------------------------------
 
 
 WIDTHS: tuple[int, ...] = (64, 80, 96, 128, 200, 256, 512, 1024, 2048, 4096, 8192)
@@ -161,9 +72,7 @@ EPSILONS: tuple[float, ...] = (1e-6, 1e-5, 1e-12, 0.0)
 """1e-6 and 1e-5 are what models use, 1e-12 sits far below any float32
 mean square of O(1) rows, and 0 turns zero rows into 0 * inf = NaN."""
 WEIGHTED_WEIGHTINGS: tuple[Weighting, ...] = (
-    Weighting.WEIGHTED,
-    Weighting.QUERY_WEIGHT_ONLY,
-    Weighting.KEY_WEIGHT_ONLY,
+    Weighting.WEIGHTED, Weighting.QUERY_WEIGHT_ONLY, Weighting.KEY_WEIGHT_ONLY,
 )
 NON_CONTIGUOUS_INPUT_LAYOUTS: tuple[InputLayout, ...] = tuple(
     layout for layout in InputLayout if layout is not InputLayout.CONTIGUOUS
@@ -172,69 +81,14 @@ NON_CONTIGUOUS_WEIGHT_LAYOUTS: tuple[WeightLayout, ...] = tuple(
     layout for layout in WeightLayout if layout is not WeightLayout.CONTIGUOUS
 )
 SPECIAL_VALUE_PROFILES: tuple[ValueProfile, ...] = (
-    ValueProfile.ZERO_ROWS,
-    ValueProfile.OVERFLOWING_SQUARES,
-    ValueProfile.SUBNORMAL_ROWS,
-    ValueProfile.NAN_AND_INF,
-    ValueProfile.ALL_SPECIAL_ROWS,
+    ValueProfile.ZERO_ROWS, ValueProfile.OVERFLOWING_SQUARES, ValueProfile.SUBNORMAL_ROWS,
+    ValueProfile.NAN_AND_INF, ValueProfile.ALL_SPECIAL_ROWS,
 )
 
 FULL_MATRIX_ELEMENT_BUDGET = 1 << 22
 """Most elements one query input may hold (4 Mi): a prefill of 8 x 512 x 32
 heads x 8192 would take seconds per case on CPU to generate and normalize."""
 QUICK_MATRIX_ELEMENT_BUDGET = 1 << 17
-
-
-@dataclass(frozen=True)
-class ParityCase:
-    """One point of the matrix. Inputs are ``(batch, sequence, heads,
-    width)``; queries and keys share all but the head count."""
-
-    family: str
-    width: int
-    dtypes: DtypeConfiguration
-    heads: HeadCounts
-    batch_size: int
-    sequence_length: int
-    eps: float = PRODUCTION_RMS_NORM_EPSILON
-    weighting: Weighting = Weighting.WEIGHTLESS
-    query_layout: InputLayout = InputLayout.CONTIGUOUS
-    key_layout: InputLayout = InputLayout.CONTIGUOUS
-    weight_layout: WeightLayout = WeightLayout.CONTIGUOUS
-    value_profile: ValueProfile = ValueProfile.VARIED_ROWS
-
-    @property
-    def query_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch_size, self.sequence_length, self.heads.query_heads, self.width)
-
-    @property
-    def key_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch_size, self.sequence_length, self.heads.key_heads, self.width)
-
-    @property
-    def query_element_count(self) -> int:
-        return math.prod(self.query_shape)
-
-    def describe(self) -> str:
-        """Every field, in a stable order: the key the case's values are
-        generated from, and what a mismatch report prints."""
-        parts = [
-            f"width={self.width}",
-            f"dtypes={self.dtypes.name}",
-            f"heads={self.heads.name}",
-            f"batch={self.batch_size}",
-            f"seq={self.sequence_length}",
-            f"eps={self.eps!r}",
-            self.weighting.value,
-            f"values={self.value_profile.value}",
-        ]
-        if self.query_layout is not InputLayout.CONTIGUOUS:
-            parts.append(f"q-layout={self.query_layout.value}")
-        if self.key_layout is not InputLayout.CONTIGUOUS:
-            parts.append(f"k-layout={self.key_layout.value}")
-        if self.weight_layout is not WeightLayout.CONTIGUOUS:
-            parts.append(f"w-layout={self.weight_layout.value}")
-        return " ".join(parts)
 
 
 # ---- Building the matrix ------------------------------------------------------
@@ -264,12 +118,8 @@ _CaseOfFamily = Callable[..., ParityCase]
 
 
 def _rotated_case(
-    case: _CaseOfFamily,
-    rotation: _SeededRotation,
-    axis: str,
-    position: int,
-    widths: Sequence[int],
-    **fields: object,
+    case: _CaseOfFamily, rotation: _SeededRotation, axis: str, position: int,
+    widths: Sequence[int], **fields: object,
 ) -> ParityCase:
     """A case whose width, then head counts, rotate on the family's own
     axes (``axis/width``, ``axis/heads``)."""
@@ -308,16 +158,12 @@ def _width_by_dtype_family(rotation: _SeededRotation, case: _CaseOfFamily) -> li
         (width, dtypes) for width in WIDTHS for dtypes in DTYPE_CONFIGURATIONS
     ):
         weighting = _rotated_weighting(rotation, "width", dtypes, position)
-        cases.append(
-            case(
-                width=width,
-                dtypes=dtypes,
-                heads=rotation.pick("width/heads", HEAD_COUNTS, position),
-                batch_size=rotation.pick("width/batch", BATCH_SIZES, position),
-                sequence_length=rotation.pick("width/seq", SEQUENCE_LENGTHS, position),
-                weighting=weighting,
-            )
-        )
+        cases.append(case(
+            width=width, dtypes=dtypes, heads=rotation.pick("width/heads", HEAD_COUNTS, position),
+            batch_size=rotation.pick("width/batch", BATCH_SIZES, position),
+            sequence_length=rotation.pick("width/seq", SEQUENCE_LENGTHS, position),
+            weighting=weighting,
+        ))
     return cases
 
 
@@ -331,16 +177,11 @@ def _head_counts_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[
     for heads in HEAD_COUNTS:
         for sequence_length in SEQUENCE_LENGTHS:
             for width, weighting in model_shapes:
-                cases.append(
-                    case(
-                        width=width,
-                        dtypes=BFLOAT16_DTYPES,
-                        heads=heads,
-                        batch_size=rotation.pick("heads/batch", BATCH_SIZES, position),
-                        sequence_length=sequence_length,
-                        weighting=weighting,
-                    )
-                )
+                cases.append(case(
+                    width=width, dtypes=BFLOAT16_DTYPES, heads=heads,
+                    batch_size=rotation.pick("heads/batch", BATCH_SIZES, position),
+                    sequence_length=sequence_length, weighting=weighting,
+                ))
                 position += 1
     return cases
 
@@ -353,16 +194,10 @@ def _batch_and_sequence_family(rotation: _SeededRotation, case: _CaseOfFamily) -
         dtypes = rotation.pick("batch/dtypes", BASE_DTYPE_CONFIGURATIONS, position)
         decode_and_prefill = ((DECODE_SEQUENCE_LENGTH, 128), (PREFILL_SEQUENCE_LENGTH, 64))
         for sequence_length, width in decode_and_prefill:
-            cases.append(
-                case(
-                    width=width,
-                    dtypes=dtypes,
-                    heads=HeadCounts(16, 16),
-                    batch_size=batch_size,
-                    sequence_length=sequence_length,
-                    weighting=Weighting.WEIGHTLESS,
-                )
-            )
+            cases.append(case(
+                width=width, dtypes=dtypes, heads=HeadCounts(16, 16), batch_size=batch_size,
+                sequence_length=sequence_length, weighting=Weighting.WEIGHTLESS,
+            ))
     return cases
 
 
@@ -375,13 +210,11 @@ def _epsilon_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[Pari
     for eps in EPSILONS:
         for dtypes in BASE_DTYPE_CONFIGURATIONS:
             for weighting in (Weighting.WEIGHTLESS, Weighting.WEIGHTED):
-                cases.append(
-                    _rotated_case(
-                        case, rotation, "eps", position, (128, 256),
-                        dtypes=dtypes, batch_size=1, sequence_length=4, eps=eps,
-                        weighting=weighting, value_profile=ValueProfile.NEAR_EPSILON,
-                    )
-                )
+                cases.append(_rotated_case(
+                    case, rotation, "eps", position, (128, 256),
+                    dtypes=dtypes, batch_size=1, sequence_length=4, eps=eps,
+                    weighting=weighting, value_profile=ValueProfile.NEAR_EPSILON,
+                ))
                 position += 1
     return cases
 
@@ -406,19 +239,14 @@ def _non_contiguous_family(rotation: _SeededRotation, case: _CaseOfFamily) -> li
                     "views/weight-layout", NON_CONTIGUOUS_WEIGHT_LAYOUTS, weighted_position
                 )
                 weighted_position += 1
-            cases.append(
-                case(
-                    width=rotation.pick("views/width", (64, 128, 200, 256), position),
-                    dtypes=dtypes,
-                    heads=rotation.pick("views/heads", HEAD_COUNTS, position),
-                    batch_size=rotation.pick("views/batch", (1, 2, 3), position),
-                    sequence_length=rotation.pick("views/seq", (1, 7), position),
-                    weighting=weighting,
-                    query_layout=query_layout,
-                    key_layout=key_layout,
-                    weight_layout=weight_layout,
-                )
-            )
+            cases.append(case(
+                width=rotation.pick("views/width", (64, 128, 200, 256), position),
+                dtypes=dtypes, heads=rotation.pick("views/heads", HEAD_COUNTS, position),
+                batch_size=rotation.pick("views/batch", (1, 2, 3), position),
+                sequence_length=rotation.pick("views/seq", (1, 7), position),
+                weighting=weighting, query_layout=query_layout, key_layout=key_layout,
+                weight_layout=weight_layout,
+            ))
             position += 1
     return cases
 
@@ -430,17 +258,14 @@ def _special_values_family(rotation: _SeededRotation, case: _CaseOfFamily) -> li
     position = 0
     for value_profile in SPECIAL_VALUE_PROFILES:
         for dtypes in DTYPE_CONFIGURATIONS:
-            cases.append(
-                case(
-                    width=rotation.pick("special/width", WIDTHS, position),
-                    dtypes=dtypes,
-                    heads=rotation.pick("special/heads", HEAD_COUNTS, position),
-                    batch_size=rotation.pick("special/batch", (1, 2), position),
-                    sequence_length=rotation.pick("special/seq", (1, 5), position),
-                    weighting=_rotated_weighting(rotation, "special", dtypes, position),
-                    value_profile=value_profile,
-                )
-            )
+            cases.append(case(
+                width=rotation.pick("special/width", WIDTHS, position), dtypes=dtypes,
+                heads=rotation.pick("special/heads", HEAD_COUNTS, position),
+                batch_size=rotation.pick("special/batch", (1, 2), position),
+                sequence_length=rotation.pick("special/seq", (1, 5), position),
+                weighting=_rotated_weighting(rotation, "special", dtypes, position),
+                value_profile=value_profile,
+            ))
             position += 1
     return cases
 
@@ -458,13 +283,11 @@ def _mixed_dtypes_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list
             else (Weighting.WEIGHTED,)
         )
         for weighting in weightings:
-            cases.append(
-                _rotated_case(
-                    case, rotation, "mixed", position, (128, 256),
-                    dtypes=dtypes, batch_size=2, sequence_length=3,
-                    weighting=weighting, value_profile=ValueProfile.ALL_SPECIAL_ROWS,
-                )
-            )
+            cases.append(_rotated_case(
+                case, rotation, "mixed", position, (128, 256),
+                dtypes=dtypes, batch_size=2, sequence_length=3,
+                weighting=weighting, value_profile=ValueProfile.ALL_SPECIAL_ROWS,
+            ))
             position += 1
     return cases
 
