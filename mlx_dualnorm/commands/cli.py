@@ -31,16 +31,8 @@ from mlx_dualnorm.commands import bench as benchmark, parity
 
 from mlx_dualnorm.commands.parity import rope as rope_parity
 from mlx_dualnorm.commands.shared.command import (
-    EXIT_MISMATCH,
-    EXIT_OK,
-    EXIT_USAGE,
-    PROGRAM,
-    DefaultShownOnceFormatter,
-    ToolParser,
-    add_device_argument,
-    error_line,
-    run_tool,
-    select_device,
+    EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, PROGRAM, DefaultShownOnceFormatter, ToolParser,
+    add_device_argument, error_line, run_tool, select_device,
 )
 from mlx_dualnorm.commands.shared.paths import PATH_REGISTRY, REFERENCE_PATH, unavailable_paths
 

@@ -33,31 +33,15 @@ from typing import Any, Optional, Sequence
 
 from mlx_dualnorm.commands.bench.measurements import interleaved_samples, run_benchmark
 from mlx_dualnorm.commands.bench.results import (
-    BASELINE_PATH,
-    DECODE_SCENARIOS,
-    DECODE_TOKEN,
-    FULL_ATTENTION_DECODE,
-    GATED_DELTA_DECODE,
-    GATED_DELTA_PREFILL,
-    HOST_CALL,
-    PREFILL_CALL,
-    REPORT_SCHEMA,
-    BenchmarkConfig,
-    BenchmarkReport,
-    MetricResult,
-    Scenario,
-    metric_key,
+    BASELINE_PATH, DECODE_SCENARIOS, DECODE_TOKEN, FULL_ATTENTION_DECODE,
+    GATED_DELTA_DECODE, GATED_DELTA_PREFILL, HOST_CALL, PREFILL_CALL, REPORT_SCHEMA,
+    BenchmarkConfig, BenchmarkReport, MetricResult, Scenario, metric_key,
 )
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.command import spread
 from mlx_dualnorm.commands.shared.paths import (
-    PATH_REGISTRY,
-    PathUnavailable,
-    describe_paths,
-    package_mode_factory,
-    refuse_unavailable,
-    register_path,
-    unavailable_paths,
+    PATH_REGISTRY, PathUnavailable, describe_paths, package_mode_factory,
+    refuse_unavailable, register_path, unavailable_paths,
 )
 
 __all__ = [

@@ -20,25 +20,10 @@ import mlx.core as mx
 
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.bench.results import (
-    BASELINE_PATH,
-    DECODE_BUILD,
-    DECODE_SCENARIOS,
-    DECODE_TOKEN,
-    GATED_DELTA_DECODE,
-    GATED_DELTA_PREFILL,
-    HOST_CALL,
-    HOST_RELEASE,
-    PREFILL_CALL,
-    PREFILL_PEAK,
-    BenchmarkConfig,
-    BenchmarkReport,
-    MetricKind,
-    MetricResult,
-    Scenario,
-    collect_metadata,
-    cpu_pressure,
-    load_average,
-    metric_key,
+    BASELINE_PATH, DECODE_BUILD, DECODE_SCENARIOS, DECODE_TOKEN, GATED_DELTA_DECODE,
+    GATED_DELTA_PREFILL, HOST_CALL, HOST_RELEASE, PREFILL_CALL, PREFILL_PEAK,
+    BenchmarkConfig, BenchmarkReport, MetricKind, MetricResult, Scenario,
+    collect_metadata, cpu_pressure, load_average, metric_key,
 )
 from mlx_dualnorm.commands.shared.paths import PATH_REGISTRY, DualNormPath, PathUnavailable
 

@@ -27,24 +27,14 @@ import mlx_lm.models.gated_delta as gated_delta_module
 
 from mlx_dualnorm.commands.mlx_lm_bench import measurements
 from mlx_dualnorm.commands.mlx_lm_bench.measurements import (
-    DECODE_DTYPE_OF_WEIGHTS,
-    DECODE_PROMPT_TOKENS,
-    QUICK_DECODE_VOCABULARY,
-    DecodeMeasurement,
-    GenerationMismatch,
-    PairedTiming,
-    StepReport,
-    decode_progress_steps,
-    first_token_mismatch,
-    run_decode,
-    run_generation,
+    DECODE_DTYPE_OF_WEIGHTS, DECODE_PROMPT_TOKENS, QUICK_DECODE_VOCABULARY,
+    DecodeMeasurement, GenerationMismatch, PairedTiming, StepReport,
+    decode_progress_steps, first_token_mismatch, run_decode, run_generation,
     run_prework,
 )
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.synthetic import (
-    DECODE_MODELS,
-    GATED_DELTA_MODEL_TYPES,
-    SYNTHETIC_MODEL_TYPES,
+    DECODE_MODELS, GATED_DELTA_MODEL_TYPES, SYNTHETIC_MODEL_TYPES,
 )
 from mlx_dualnorm.integrations import mlx_lm as integration
 

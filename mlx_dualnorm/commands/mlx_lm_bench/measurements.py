@@ -37,13 +37,8 @@ from mlx_dualnorm.commands.shared.generation import (
 )
 from mlx_dualnorm.commands.shared.recording import recording
 from mlx_dualnorm.commands.shared.synthetic import (
-    DECODE_MODELS,
-    DEFAULT_DTYPES,
-    build_model,
-    build_synthetic_model,
-    decode_model_config,
-    prompt_token_ids,
-    synthetic_model_config,
+    DECODE_MODELS, DEFAULT_DTYPES, build_model, build_synthetic_model,
+    decode_model_config, prompt_token_ids, synthetic_model_config,
 )
 from mlx_dualnorm.integrations import mlx_lm as integration
 

@@ -21,11 +21,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from mlx_dualnorm.commands.mlx_lm_bench.measurements import (
-    DECODE_SHAPE,
-    PATCHED,
-    QUICK_DECODE_VOCABULARY,
-    DecodeMeasurement,
-    PairedTiming,
+    DECODE_SHAPE, PATCHED, QUICK_DECODE_VOCABULARY, DecodeMeasurement, PairedTiming,
 )
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.command import Count

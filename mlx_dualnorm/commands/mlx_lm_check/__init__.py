@@ -39,10 +39,7 @@ from mlx_dualnorm.commands.mlx_lm_check.check import (
 )
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.synthetic import (
-    DEFAULT_SEED,
-    SYNTHETIC_MODEL_TYPES,
-    build_synthetic_model,
-    prompt_token_ids,
+    DEFAULT_SEED, SYNTHETIC_MODEL_TYPES, build_synthetic_model, prompt_token_ids,
     synthetic_model_config,
 )
 from mlx_dualnorm.integrations import mlx_lm as integration

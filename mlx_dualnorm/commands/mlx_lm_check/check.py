@@ -14,14 +14,8 @@ import mlx.nn as nn
 from mlx_dualnorm import Mode
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.generation import (
-    AttentionLayerCounts,
-    GreedyTrace,
-    NormalizeQkCallCounts,
-    TraceComparison,
-    compare_traces,
-    count_normalize_qk_calls,
-    count_package_calls,
-    greedy_generate,
+    AttentionLayerCounts, GreedyTrace, NormalizeQkCallCounts, TraceComparison,
+    compare_traces, count_normalize_qk_calls, count_package_calls, greedy_generate,
 )
 from mlx_dualnorm.commands.shared.recording import NORM_ONLY, NORM_ROPE, LayerEngagement, recording
 from mlx_dualnorm.integrations import mlx_lm as integration

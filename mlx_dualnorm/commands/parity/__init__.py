@@ -32,16 +32,8 @@ from mlx_dualnorm import composed_dual_head_norm
 from mlx_dualnorm.commands.shared import command, paths as compared_paths
 from mlx_dualnorm.commands.parity import rope as rope_parity
 from mlx_dualnorm.commands.parity.inputs import (
-    DEFAULT_PARITY_SEED,
-    DtypeConfiguration,
-    DualNormInputs,
-    HeadCounts,
-    InputLayout,
-    ParityCase,
-    ValueProfile,
-    WeightLayout,
-    Weighting,
-    build_case_inputs,
+    DEFAULT_PARITY_SEED, DtypeConfiguration, DualNormInputs, HeadCounts, InputLayout,
+    ParityCase, ValueProfile, WeightLayout, Weighting, build_case_inputs,
     generate_head_values,
 )
 from mlx_dualnorm.commands.parity.matrix import (
@@ -50,26 +42,13 @@ from mlx_dualnorm.commands.parity.matrix import (
     build_quick_parity_matrix,
 )
 from mlx_dualnorm.commands.parity.report import (
-    OutputDifference,
-    ParityMismatch,
-    ParityReport,
-    compare_call,
-    compare_dual_outputs,
-    format_parity_report,
-    parity_verdict,
+    OutputDifference, ParityMismatch, ParityReport, compare_call, compare_dual_outputs,
+    format_parity_report, parity_verdict,
 )
 from mlx_dualnorm.commands.shared.paths import (
-    PATH_REGISTRY,
-    DualNormPath,
-    DualNormPathFactory,
-    PathSelection,
-    build_path,
-    make_compiled_path,
-    make_composed_path,
-    make_mx_compile_path,
-    refuse_unavailable,
-    routinely_checked_paths,
-    unavailable_paths,
+    PATH_REGISTRY, DualNormPath, DualNormPathFactory, PathSelection, build_path,
+    make_compiled_path, make_composed_path, make_mx_compile_path, refuse_unavailable,
+    routinely_checked_paths, unavailable_paths,
 )
 
 __all__ = [

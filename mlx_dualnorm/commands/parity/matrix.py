@@ -26,14 +26,8 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from mlx_dualnorm.commands.parity.inputs import (
-    DEFAULT_PARITY_SEED,
-    DtypeConfiguration,
-    HeadCounts,
-    InputLayout,
-    ParityCase,
-    ValueProfile,
-    WeightLayout,
-    Weighting,
+    DEFAULT_PARITY_SEED, DtypeConfiguration, HeadCounts, InputLayout, ParityCase,
+    ValueProfile, WeightLayout, Weighting,
 )
 
 __all__ = [

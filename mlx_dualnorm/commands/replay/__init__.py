@@ -27,24 +27,13 @@ import mlx.core as mx
 
 from mlx_dualnorm.bits import bit_difference_mask
 from mlx_dualnorm.commands.replay.model import (
-    FULL_ATTENTION_LAYER,
-    GATED_DELTA_LAYER,
-    LayerCache,
-    ReplayModelConfig,
-    build_replay_model,
-    forward,
+    FULL_ATTENTION_LAYER, GATED_DELTA_LAYER, LayerCache, ReplayModelConfig,
+    build_replay_model, forward,
 )
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.paths import (
-    REFERENCE_PATH,
-    DualNormPath,
-    DualNormPathFactory,
-    PathSelection,
-    build_path,
-    describe_paths,
-    make_composed_path,
-    routinely_checked_paths,
-    skipped_path_lines,
+    REFERENCE_PATH, DualNormPath, DualNormPathFactory, PathSelection, build_path,
+    describe_paths, make_composed_path, routinely_checked_paths, skipped_path_lines,
     unavailable_paths,
 )
 

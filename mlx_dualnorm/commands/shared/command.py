@@ -36,13 +36,7 @@ import mlx.core as mx
 
 from mlx_dualnorm import Mode
 from mlx_dualnorm.commands.shared.arguments import (
-    SEED_MAX,
-    Count,
-    CountList,
-    Number,
-    output_file,
-    output_folder,
-    seed,
+    SEED_MAX, Count, CountList, Number, output_file, output_folder, seed,
 )
 from mlx_dualnorm.commands.shared.paths import PathUnavailable
 

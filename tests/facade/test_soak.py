@@ -4,7 +4,7 @@
 MLX's active memory must not grow at all once the outputs are dropped
 (every array a call makes is freed), and the resident set may only move by
 allocator noise. The full run, 10**6 calls, is the slow test at the end
-(MLX_DUALNORM_SOAK_CALLS=1000000 pytest -m slow tests/tools/test_soak.py) or
+(MLX_DUALNORM_SOAK_CALLS=1000000 pytest -m slow tests/facade/test_soak.py) or
 `python bench/soak.py`.
 """
 
