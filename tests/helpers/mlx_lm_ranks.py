@@ -244,6 +244,40 @@ class CallCounter:
                 setattr(target, method, original)
 
 
+def layer_kinds(model) -> dict:
+    """How many of the layers this rank runs are gated-delta layers, how
+    many are full-attention layers of a class whose q/k norm + RoPE the
+    patch makes one call, and how many are attention layers of the other
+    shapes whose q/k norm pair, as they are now, it makes one call (read
+    from the integration's registry: a test may look inside it)."""
+    from mlx_dualnorm.integrations.mlx_lm import (
+        norm_after_transpose, norm_before_transpose, registry, whole_projection,
+    )
+
+    norm_pair_modules = {
+        module.__name__
+        for module in (norm_after_transpose, norm_before_transpose, whole_projection)
+    }
+    families = registry.families_by_class()
+    gated_delta = full_attention = norm_pair = 0
+    for layer in model.layers:
+        if layer is None:  # another pipeline rank's layer
+            continue
+        attention = getattr(layer, "self_attn", None)
+        family = next(
+            (families[cls] for cls in type(attention).__mro__ if cls in families), None
+        )
+        if getattr(layer, "is_linear", False):
+            gated_delta += 1
+        elif family is None:
+            continue
+        elif family.call.__module__ not in norm_pair_modules:
+            full_attention += 1
+        elif family.engages(attention):
+            norm_pair += 1
+    return {"gated_delta": gated_delta, "full_attention": full_attention, "norm_pair": norm_pair}
+
+
 # ---- The rank program: check -------------------------------------------------
 
 
@@ -297,7 +331,6 @@ def _generate(model, prompt, tokens: int, counter: CallCounter) -> dict:
 def run_check(families: Sequence[str], tokens: int, group, log=None) -> tuple[dict, dict]:
     """Every scenario of every family on this rank: (json-ready results,
     logits arrays keyed ``family/scenario``)."""
-    from mlx_dualnorm.commands.shared import recording
     from mlx_dualnorm.commands.shared.synthetic import prompt_token_ids
     from mlx_dualnorm.integrations import mlx_lm as integration
 
@@ -325,7 +358,7 @@ def run_check(families: Sequence[str], tokens: int, group, log=None) -> tuple[di
                 outcome = _generate(model, prompt, tokens, counter)
             integration.unpatch()
             arrays[f"{name}/{scenario}"] = outcome.pop("logits")
-            results[name][scenario] = {**outcome, "layers": recording.layer_kinds(model)}
+            results[name][scenario] = {**outcome, "layers": layer_kinds(model)}
             if log is not None:
                 log(f"{name} {scenario}: {time.perf_counter() - started:.2f} s")
     return results, arrays
