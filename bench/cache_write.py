@@ -1,7 +1,7 @@
 """Decode with the KV-cache write in the package's call, against its peers.
 
 Times mlx-lm greedy decode of a qwen3-like model at released dimensions
-(random weights, ``mlx_dualnorm.tools.mlx_lm_synthetic``) four ways,
+(random weights, ``mlx_dualnorm.commands.shared.synthetic``) four ways,
 round-robin within each round:
 
   mlx-lm            mlx-lm's own attention
@@ -50,8 +50,9 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.tools.mlx_lm_bench import DECODE_DTYPE_OF_WEIGHTS, timed_greedy_decode
-from mlx_dualnorm.tools.mlx_lm_synthetic import decode_model_config
+from mlx_dualnorm.commands.mlx_lm_bench import DECODE_DTYPE_OF_WEIGHTS
+from mlx_dualnorm.commands.shared.generation import timed_greedy_decode
+from mlx_dualnorm.commands.shared.synthetic import decode_model_config
 
 from decode_rounds import decode_parser, network_and_prompt, round_robin
 

@@ -1,7 +1,7 @@
 """Device experiment: how much of the reachable decode gain the patch takes.
 
 Times mlx-lm greedy decode of a qwen3-like model at released dimensions
-(random bfloat16 weights, ``mlx_dualnorm.tools.mlx_lm_synthetic``) three
+(random bfloat16 weights, ``mlx_dualnorm.commands.shared.synthetic``) three
 ways, round-robin within each round:
 
   mlx-lm       mlx-lm's own attention
@@ -32,8 +32,8 @@ from mlx_lm.models import qwen3
 
 from mlx_dualnorm.integrations import mlx_lm as integration
 from mlx_dualnorm.integrations.mlx_lm import cache_update
-from mlx_dualnorm.tools.mlx_lm_bench import timed_greedy_decode
-from mlx_dualnorm.tools.mlx_lm_synthetic import decode_model_config
+from mlx_dualnorm.commands.shared.generation import timed_greedy_decode
+from mlx_dualnorm.commands.shared.synthetic import decode_model_config
 
 from decode_rounds import decode_parser, network_and_prompt, round_robin
 

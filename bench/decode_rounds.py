@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Sequence, TypeVar
 
-from mlx_dualnorm.tools.mlx_lm_bench import DECODE_DTYPE_OF_WEIGHTS, DECODE_PROMPT_TOKENS
-from mlx_dualnorm.tools.mlx_lm_synthetic import build_model, prompt_token_ids
+from mlx_dualnorm.commands.mlx_lm_bench import DECODE_DTYPE_OF_WEIGHTS, DECODE_PROMPT_TOKENS
+from mlx_dualnorm.commands.shared.synthetic import build_model, prompt_token_ids
 
 Measured = TypeVar("Measured")
 

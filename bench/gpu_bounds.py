@@ -55,7 +55,7 @@ from mlx_dualnorm import (
     composed_dual_head_norm,
     fused_outputs_in_device_pool,
 )
-from mlx_dualnorm.dual_head_norm_rope import composed_dual_head_norm_rope
+from mlx_dualnorm import composed_dual_head_norm_rope
 
 EPS = 1e-6
 ROPE = {"dims": 128, "base": 1_000_000.0, "traditional": False, "scale": 1.0}

@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 from mlx_dualnorm import available_modes
 from mlx_dualnorm.bits import count_bit_differences
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model
+from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from helpers.mlx_lm_patch import one_token_step_loss  # noqa: E402  (the tests' step)

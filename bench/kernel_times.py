@@ -7,7 +7,7 @@ of the MLX kernels it replaces, at the decode shapes.
 import mlx.core as mx
 
 from mlx_dualnorm import CompiledDualHeadNorm, CompiledDualHeadNormRope, composed_dual_head_norm
-from mlx_dualnorm.dual_head_norm_rope import composed_dual_head_norm_rope
+from mlx_dualnorm import composed_dual_head_norm_rope
 
 EPS = 1e-6
 ROPE = {"dims": 128, "base": 1e6}

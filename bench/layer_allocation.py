@@ -21,7 +21,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
 from mlx_dualnorm.integrations.mlx_lm import cache_update, norm_rope
-from mlx_dualnorm.tools.mlx_lm_synthetic import decode_model_config
+from mlx_dualnorm.commands.shared.synthetic import decode_model_config
 
 from cache_write import attention_of
 from decode_rounds import network_and_prompt

@@ -26,7 +26,7 @@ export OPENBLAS_NUM_THREADS=1
 "${python}" bench/targets.py "${output_dir}/benchmark.json" \
     | tee -a "${output_dir}/benchmark.txt" || true
 
-"${python}" scripts/profile_host_path.py --output-dir "${output_dir}" \
+"${python}" bench/profile_host_path.py --output-dir "${output_dir}" \
     | tee "${output_dir}/host_path_profile.txt"
 
 echo "results in ${output_dir}"

@@ -15,7 +15,7 @@ samples and the growth from the first (taken after a warm-up, once every
 graph is traced and every kernel built) to the last. Exits 1 when active
 memory grew at all or the resident set grew by more than
 --max-rss-growth-mib; 0 otherwise. The loop is the test suite's own
-(tests/helpers/memory.py; tests/tools/test_soak.py runs it CI-sized).
+(tests/helpers/memory.py; tests/facade/test_soak.py runs it CI-sized).
 """
 
 from __future__ import annotations

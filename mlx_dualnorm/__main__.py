@@ -1,4 +1,4 @@
-"""``python -m mlx_dualnorm``: see :mod:`mlx_dualnorm.tools.cli` (or run it
+"""``python -m mlx_dualnorm``: see :mod:`mlx_dualnorm.commands.cli` (or run it
 with ``--help``).
 
 Python imports the package before this module runs, so an installed MLX
@@ -9,7 +9,7 @@ ImportError."""
 
 import sys
 
-from mlx_dualnorm.tools.cli import main
+from mlx_dualnorm.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -71,6 +71,16 @@ class _NativeComposite:
         composite._handle = _NO_NATIVE
         return composite
 
+    def __getattr__(self, name: str) -> Any:
+        """Called only where normal lookup failed: ``_handle`` of an object
+        whose class's ``__new__`` never ran (``object.__new__(cls)``, which
+        leaves the slot empty) is the empty handle, so such an object is
+        uninitialized like one made by ``cls.__new__(cls)``: its repr says
+        so and its use is the same TypeError. Costs the calls nothing."""
+        if name == "_handle":
+            return _NO_NATIVE
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def _refuse_reinitialization(self) -> None:
         if self._handle is not _NO_NATIVE:
             raise TypeError(

@@ -9,11 +9,13 @@ compares that record with the installed MLX before any extension module,
 ``mlx.core`` included, is loaded, and raises an ImportError that says both
 and how to fix it.
 
-The command line (``python -m mlx_dualnorm``) gets the same message as
-one line on stderr and exit status 2, "cannot run here", in place of the
-ImportError's traceback: Python imports the package before it runs its
-``__main__``, so the guard itself tells that start-up apart (by runpy's
-frame on the stack); every other import gets the ImportError.
+The command line (``python -m mlx_dualnorm``, and the package's console
+scripts) gets the same message as one line on stderr and exit status 2,
+"cannot run here", in place of the ImportError's traceback: Python imports
+the package before it runs its ``__main__`` (or the script's entry point),
+so the guard itself tells that start-up apart (by runpy's frame on the
+stack, or the script as ``__main__``); every other import gets the
+ImportError.
 
 This module reads package metadata only (no MLX import), so ``build_ffi.py``
 loads it by path to describe the MLX it builds against in the same terms.
@@ -145,27 +147,49 @@ COMMAND_LINE_PACKAGE = "mlx_dualnorm"
 EXIT_CANNOT_RUN_HERE = 2  # the command line's status for "cannot run here"
 
 
+def _in_this_package(module: str) -> bool:
+    return module == COMMAND_LINE_PACKAGE or module.startswith(COMMAND_LINE_PACKAGE + ".")
+
+
 def _imported_to_run_the_command_line() -> bool:
     """Whether this import is ``python -m mlx_dualnorm`` (or ``-m`` of one
     of its modules) loading the package to run it: runpy's
-    ``_run_module_as_main`` for that module is on the stack."""
+    ``_run_module_as_main`` for that module is on the stack; or one of the
+    package's console scripts (``mlx-lm-dualnorm``) doing so: the script
+    is ``__main__``."""
     frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         if (
             frame.f_code.co_name == "_run_module_as_main"
             and frame.f_globals.get("__name__") == "runpy"
         ):
-            module = str(frame.f_locals.get("mod_name", ""))
-            return module == COMMAND_LINE_PACKAGE or module.startswith(COMMAND_LINE_PACKAGE + ".")
+            return _in_this_package(str(frame.f_locals.get("mod_name", "")))
         frame = frame.f_back
-    return False
+    return _running_a_console_script()
+
+
+def _running_a_console_script() -> bool:
+    """Whether ``__main__`` is a console script of this package: its file
+    is named as one whose entry point is in the package (read from the
+    installed metadata only on this failure path)."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not script:
+        return False
+    name = pathlib.Path(script).name
+    for suffix in ("-script.pyw", "-script.py", ".exe"):  # the forms of Windows launchers
+        name = name.removesuffix(suffix)
+    try:
+        scripts = importlib.metadata.entry_points(group="console_scripts", name=name)
+    except Exception:  # unreadable metadata: not known to be ours
+        return False
+    return any(_in_this_package(script.value.split(":")[0].strip()) for script in scripts)
 
 
 def check_installed_mlx() -> None:
     """Raises ImportError unless the installed MLX is the one the extension
     modules were compiled against (same release, same backend); under
-    ``python -m mlx_dualnorm``, prints its message as one line on stderr
-    and exits 2 instead."""
+    ``python -m mlx_dualnorm`` and the package's console scripts, prints
+    its message as one line on stderr and exits 2 instead."""
     try:
         _check_installed_mlx()
     except ImportError as refusal:

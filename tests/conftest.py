@@ -9,7 +9,7 @@ import pytest
 
 # pytest's default ("prepend") import mode puts this file's folder on
 # sys.path as it loads it, so the test modules of every group folder
-# (core, facade, errors, mlx_lm_integration, tools, c) import
+# (core, facade, errors, mlx_lm_integration, commands, c) import
 # ``helpers.<module>``. Each test module is imported by its basename, so
 # basenames stay unique across the folders (SLOW_TESTS below names files by
 # basename too). No folder here may take an installed package's name: this

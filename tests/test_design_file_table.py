@@ -30,6 +30,7 @@ TABLE_HEADER = "| layer | file | what it holds |"
 # Where a row's entries that are not from the root are read from.
 LAYER_FOLDERS = {
     "facade": "mlx_dualnorm",
+    "commands": "mlx_dualnorm",
     "bridge": "csrc/interop",
     "C core": "csrc",
     "plug-in": "csrc/fused",
@@ -163,4 +164,4 @@ def test_an_entry_is_read_as_the_files_it_names():
     assert "csrc/cmake/mlx_dualnorm.map" in files_named("build", "csrc/cmake/")
     assert files_named("facade", "no_such_module.py") == set()
     assert layer_of("csrc/fused/output_memory.h") == "plug-in"
-    assert layer_of("mlx_dualnorm/tools/cli.py") == "facade"
+    assert layer_of("mlx_dualnorm/commands/cli.py") == "facade"

@@ -8,6 +8,6 @@ none of them, so ``import mlx_dualnorm`` never pulls in mlx-lm.
   norm (same bits).
 
 The tools that check and time this patch on mlx-lm's models live in
-:mod:`mlx_dualnorm.tools` (``python -m mlx_dualnorm mlx-lm-check`` and
+:mod:`mlx_dualnorm.commands` (``python -m mlx_dualnorm mlx-lm-check`` and
 ``mlx-lm-bench``).
 """

@@ -9,14 +9,18 @@ Every subcommand mlx-lm's CLI dispatches (``generate``, ``server``,
 are mlx-lm's. Two flags of this command, taken out of the arguments before
 mlx-lm sees them (anywhere before a bare ``--``):
 
-* ``--dualnorm-mode MODE``: passed to ``patch(MODE)``; a mode that cannot
-  run here is one line on stderr and exit status 2, before mlx-lm runs.
+* ``--dualnorm-mode MODE``: passed to ``patch(MODE)``; a name that is no
+  mode, or a mode that cannot run here, is one line on stderr (which of
+  the two, and the modes) and exit status 2, before mlx-lm runs.
 * ``--quiet-dualnorm``: no engagement line at exit.
 
 Unless quiet, one line on stderr at exit (normal exit, ``SystemExit``,
 ``KeyboardInterrupt``, SIGTERM) says what the patch engaged, from
 :func:`mlx_dualnorm.integrations.mlx_lm.report`. A SIGTERM still ends the
-process by SIGTERM, as it ends mlx-lm's.
+process by SIGTERM, as it ends mlx-lm's. Ctrl-C (SIGINT) is mlx-lm's own
+to handle: its ``server`` then ends with status 0 or, in a race while the
+interpreter shuts down, by SIGABRT, the same two whether patched or not
+(docs/mlx-lm.md).
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ import os
 import signal
 import sys
 import threading
+import typing
 from typing import NamedTuple, Optional, Sequence
+
+from mlx_dualnorm import Mode
 
 __all__ = [
     "EXIT_USAGE", "MODE_FLAG", "PROGRAM", "QUIET_FLAG", "UsageError", "main", "split_arguments",
@@ -89,7 +96,11 @@ def _say(message: str) -> None:
 
 def _apply_patch(mode: Optional[str]) -> None:
     """Imports the integration and patches mlx-lm; raises UsageError (one
-    line) where that cannot be done here."""
+    line) for a mode of no such name (naming the modes), or where the
+    patch cannot be applied here."""
+    modes = typing.get_args(Mode)
+    if mode is not None and mode not in modes:
+        raise UsageError(f"{MODE_FLAG} {mode}: no such mode; choose from {', '.join(modes)}")
     try:
         from mlx_dualnorm.integrations import mlx_lm as integration
     except ModuleNotFoundError as missing:

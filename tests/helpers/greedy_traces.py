@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from helpers.bit_parity import assert_bit_identical
-from mlx_dualnorm.tools.mlx_lm_check import GreedyTrace, compare_traces
+from mlx_dualnorm.commands.shared.generation import GreedyTrace, compare_traces
 
 
 def assert_traces_bit_identical(

@@ -34,10 +34,10 @@ from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, head_norms  #
 from mlx_dualnorm.integrations.mlx_lm import norm_rope  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
-from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_attention_families import randomize_norm_weights  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
+from mlx_dualnorm.commands import mlx_lm_check  # noqa: E402
+from mlx_dualnorm.commands.shared.synthetic_attention import randomize_norm_weights  # noqa: E402
+from mlx_dualnorm.commands.shared.generation import compare_traces, greedy_generate  # noqa: E402
+from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
     build_model,
     build_synthetic_model,
     prompt_token_ids,

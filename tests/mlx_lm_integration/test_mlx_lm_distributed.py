@@ -30,8 +30,9 @@ pytestmark = [pytest.mark.usefixtures("unpatched_mlx_lm"), pytest.mark.slow]
 
 from helpers.bit_parity import assert_bit_identical  # noqa: E402
 
-from mlx_dualnorm.tools import mlx_lm_distributed as distributed  # noqa: E402
-from mlx_dualnorm.tools import mlx_lm_launcher  # noqa: E402
+from helpers import mlx_lm_ranks as distributed  # noqa: E402
+
+from mlx_dualnorm.commands.shared import launch as mlx_lm_launcher  # noqa: E402
 
 RANKS = 2
 TOKENS = 3
@@ -48,7 +49,7 @@ def ranks(tmp_path_factory) -> list[tuple[dict, dict]]:
     out = tmp_path_factory.mktemp("mlx_lm_distributed")
     result = mlx_lm_launcher.launch(
         ["check", "--tokens", str(TOKENS), "--out", str(out)],
-        ranks=RANKS, timeout_s=LAUNCH_TIMEOUT_S,
+        ranks=RANKS, timeout_s=LAUNCH_TIMEOUT_S, program=distributed.PROGRAM,
     )
     assert result.ok, result.describe()
     loaded = distributed.load_check_results(out, RANKS)
@@ -215,7 +216,7 @@ def test_every_engaged_family_with_shard_is_covered():
 def test_launch_reports_a_failing_rank_although_mlx_launch_exits_0(tmp_path, launcher):
     result = mlx_lm_launcher.launch(
         ["check", "--families", "no_such_family", "--out", str(tmp_path)],
-        ranks=RANKS, timeout_s=120, launcher=launcher,
+        ranks=RANKS, timeout_s=120, launcher=launcher, program=distributed.PROGRAM,
     )
     assert not result.timed_out, result.describe()
     assert not result.ok and result.failed_ranks, result.describe()
@@ -226,7 +227,7 @@ def test_launch_reports_a_failing_rank_although_mlx_launch_exits_0(tmp_path, lau
 def test_launch_kills_the_launcher_and_its_ranks_at_the_time_limit(tmp_path, launcher):
     result = mlx_lm_launcher.launch(
         ["check", "--tokens", "64", "--out", str(tmp_path)], ranks=RANKS, timeout_s=3,
-        launcher=launcher,
+        launcher=launcher, program=distributed.PROGRAM,
     )
     assert result.timed_out and not result.ok
     deadline = time.monotonic() + 20  # killed ranks are reaped by their new parent

@@ -19,11 +19,11 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import engagement, registry  # noqa: E402
-from mlx_dualnorm.tools import mlx_lm_check  # noqa: E402
+from mlx_dualnorm.commands import mlx_lm_check  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engine import recording_prework  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_check import greedy_generate  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
+from mlx_dualnorm.commands.shared.generation import greedy_generate  # noqa: E402
+from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
     SYNTHETIC_MODEL_TYPES,
     build_model,
     build_synthetic_model,
@@ -188,8 +188,8 @@ def test_the_summary_counts_layers_package_calls_and_folded_calls_with_plurals()
     """One full-attention layer and three gated-delta layers: the line says
     "1 attention layer", and its package calls are the attention calls plus
     the normalize_qk calls that ran the fold (not the folds built)."""
-    from mlx_dualnorm.tools.mlx_lm_check import greedy_generate
-    from mlx_dualnorm.tools.mlx_lm_synthetic import build_synthetic_model
+    from mlx_dualnorm.commands.shared.generation import greedy_generate
+    from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model
 
     model = build_synthetic_model("qwen3_next")
     before = integration.report()

@@ -24,8 +24,8 @@ from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import engine, norm_rope, qwen3  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_check import compare_traces, greedy_generate  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
+from mlx_dualnorm.commands.shared.generation import compare_traces, greedy_generate  # noqa: E402
+from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
     build_synthetic_model,
     synthetic_model_config,
 )

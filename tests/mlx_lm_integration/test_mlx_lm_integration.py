@@ -26,12 +26,12 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import _shared  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import gated_delta as fold_module  # noqa: E402
-from mlx_dualnorm.tools import mlx_lm_bench, mlx_lm_check  # noqa: E402
-from mlx_dualnorm.tools.mlx_lm_check import (  # noqa: E402
+from mlx_dualnorm.commands import mlx_lm_bench, mlx_lm_check  # noqa: E402
+from mlx_dualnorm.commands.shared.generation import (  # noqa: E402
     count_normalize_qk_calls,
     greedy_generate,
 )
-from mlx_dualnorm.tools.mlx_lm_synthetic import (  # noqa: E402
+from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
     build_synthetic_model,
     prompt_token_ids,
     synthetic_model_config,

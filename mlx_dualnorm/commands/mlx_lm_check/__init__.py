@@ -1,0 +1,272 @@
+"""``python -m mlx_dualnorm mlx-lm-check``: does the patch change a model's output?
+
+Greedy-generates the same tokens twice through mlx-lm's own
+``mlx_lm.generate.generate_step``, from the same prompt and a fresh cache:
+first with mlx-lm's ``normalize_qk``, then under
+:func:`mlx_dualnorm.integrations.mlx_lm.patch`. It reports whether the token
+ids are identical and the logits bit-identical at every step, the decode
+time per token both ways, how many ``normalize_qk`` calls per token went
+through the fold or ran mlx-lm's function, and what the patch engaged, read
+from its own record (:mod:`mlx_dualnorm.integrations.mlx_lm.engagement`):
+gated-delta calls folded, norm-only and norm + RoPE attention layers by class, and
+the attention layers left to mlx-lm's code with the reason. If the runs
+diverge, the unpatched run is repeated, to tell a nondeterministic model
+from a patch that changes results.
+
+The model is a LOCAL mlx-lm folder (``--model PATH``: config.json and
+model*.safetensors, loaded with ``mlx_lm.utils.load_model``; nothing is ever
+downloaded) or one of the small random models of
+:mod:`~mlx_dualnorm.commands.shared.synthetic` (``--synthetic NAME``).
+
+Exit status: 0 identical, 1 diverged, 2 bad arguments or an unloadable model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_dualnorm.commands.mlx_lm_check.check import (
+    DEFAULT_TIMING_ROUNDS,
+    CheckResult,
+    format_result,
+    run_check,
+)
+from mlx_dualnorm.commands.shared import command
+from mlx_dualnorm.commands.shared.synthetic import (
+    DEFAULT_SEED, SYNTHETIC_MODEL_TYPES, build_synthetic_model, prompt_token_ids,
+    synthetic_model_config,
+)
+from mlx_dualnorm.integrations import mlx_lm as integration
+
+__all__ = ["CheckResult", "build_parser", "cpu_refusal", "format_result", "main", "run_check"]
+
+PROGRAM = "python -m mlx_dualnorm mlx-lm-check"
+EXIT_IDENTICAL = 0
+EXIT_DIVERGED = 1
+EXIT_USAGE = 2
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+FALLBACK_VOCABULARY = 1000  # prompt ids stay below this when the config has none
+# The longest prompt taken (--prompt-tokens, or --prompt once encoded): two
+# of mlx-lm's 2048-token prefill chunks. Each run processes the prompt
+# again, and on a CPU a 4096-token prompt takes minutes a run.
+MAX_PROMPT_TOKENS = 4096
+# Every generated token keeps its step's logits (a vocabulary of them) in
+# each compared run, and every round generates them again both ways: these
+# bound the check's memory and time.
+MAX_TOKENS = 1024
+MAX_TIMING_ROUNDS = 100
+# From this prompt length on, each generation run is a progress line on
+# stderr with the time left.
+LONG_PROMPT_TOKENS = 256
+# The files of a Hugging Face tokenizer, one of which --prompt needs.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+    "spiece.model",
+)
+
+
+def _load_local_model(path_text: str) -> tuple[nn.Module, dict, Path]:
+    """mlx_lm.utils.load_model on an existing folder; never downloads. Any
+    exception while loading (its config, its weights, the model class) is
+    a usage error naming the folder and the cause."""
+    try:
+        path = Path(path_text).expanduser()
+        exists = path.exists()
+        has_config = exists and path.is_dir() and (path / "config.json").is_file()
+    except (RuntimeError, OSError) as unusable:  # "~nouser/x", a name too long, ...
+        raise _UsageError(f"no model folder at {path_text}: {command.cause(unusable)}") from None
+    if not exists:
+        raise _UsageError(
+            f"no model folder at {path}: give the path of a local mlx-lm model "
+            "(config.json and model*.safetensors); this check never downloads"
+        )
+    if not has_config:
+        raise _UsageError(f"{path} is not an mlx-lm model folder: it has no config.json")
+    from mlx_lm.utils import load_model
+
+    try:
+        model, config = load_model(path)
+        if not isinstance(config, dict):
+            raise TypeError(f"config.json holds a {type(config).__name__}, not an object")
+    except Exception as error:  # whatever the config, weights or model class raise
+        raise _UsageError(f"mlx-lm could not load {path}: {command.cause(error)}") from error
+    model.eval()
+    return model, config, path
+
+
+def cpu_refusal(model: nn.Module) -> Optional[str]:
+    """Why the default device cannot run ``model``, or None. MLX's CPU
+    gather_mm, the matmul of mlx-lm's unquantized experts (SwitchLinear,
+    in every mixture-of-experts family), takes float32 only, and fails
+    mid-run on anything else (the quantized gather_qmm takes them all)."""
+    if mx.default_device().type != mx.cpu:
+        return None
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    dtypes = sorted({
+        str(module.weight.dtype).rsplit(".", 1)[-1]
+        for module in model.modules()
+        if isinstance(module, SwitchLinear) and module.weight.dtype != mx.float32
+    })
+    if not dtypes:
+        return None
+    return (
+        f"its experts' weights are {', '.join(dtypes)}, and MLX's CPU gather_mm (the "
+        "experts' matmul) takes float32 only: on a CPU use float32 weights "
+        "(--dtype float32 for a synthetic model), or --device gpu"
+    )
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _encoded_prompt(folder: Path, text: str) -> mx.array:
+    """``--prompt``: the token ids of ``text`` from the folder's own
+    tokenizer; a folder without one, a tokenizer mlx-lm cannot load, or a
+    prompt of no tokens or too many is a usage error."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise _UsageError(
+            f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), so --prompt "
+            "cannot be encoded; leave --prompt out to use a fixed prompt of token ids"
+        )
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        token_ids = list(load_tokenizer(folder).encode(text))
+    except Exception as error:  # whatever transformers raises for a broken tokenizer
+        raise _UsageError(f"mlx-lm could not load the tokenizer of {folder}: {error}") from error
+    if not token_ids:
+        raise _UsageError(f"the tokenizer of {folder} encodes the prompt {text!r} to no tokens")
+    if len(token_ids) > MAX_PROMPT_TOKENS:
+        raise _UsageError(
+            f"the prompt encodes to {len(token_ids)} tokens; at most {MAX_PROMPT_TOKENS}"
+        )
+    return mx.array(token_ids)
+
+
+def _vocabulary_size(config: dict) -> int:
+    for source in (config, config.get("text_config")):
+        if not isinstance(source, dict):
+            continue
+        vocabulary = source.get("vocab_size")
+        if isinstance(vocabulary, int) and vocabulary > 1:
+            return vocabulary
+    return FALLBACK_VOCABULARY
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = command.tool_parser(
+        "mlx-lm-check",
+        "Greedy generation through mlx-lm with and without the mlx_dualnorm patch: "
+        "identical token ids and bit-identical logits (exit 0), a divergence (exit 1), "
+        "or bad arguments / an unloadable model (exit 2).",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--model",
+        metavar="PATH",
+        help="local mlx-lm model folder (config.json, model*.safetensors); never downloaded",
+    )
+    source.add_argument(
+        "--synthetic",
+        choices=SYNTHETIC_MODEL_TYPES,
+        metavar="NAME",
+        help="a small random model of the mlx-lm family NAME, built here: "
+        f"{', '.join(SYNTHETIC_MODEL_TYPES)}",
+    )
+    parser.add_argument(
+        "--tokens", type=command.Count(1, MAX_TOKENS), default=64,
+        help="greedy tokens to generate"
+    )
+    parser.add_argument(
+        "--prompt",
+        help="prompt text, encoded with the model folder's tokenizer (--model only; at most "
+        f"{MAX_PROMPT_TOKENS} tokens); default: a fixed prompt of token ids",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=command.Count(1, MAX_PROMPT_TOKENS), default=12,
+        help="length of the fixed prompt",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=command.Count(1, MAX_TIMING_ROUNDS),
+        default=DEFAULT_TIMING_ROUNDS,
+        help="timing rounds, each way once per round (the first is the compared one)",
+    )
+    command.add_mode_argument(parser)
+    parser.add_argument(
+        "--dtype", choices=tuple(DTYPES), help="--synthetic only: weight dtype (default per model)"
+    )
+    parser.add_argument(
+        "--seed", type=command.seed, default=None,
+        help=f"--synthetic only: weight seed, {DEFAULT_SEED} unless given",
+    )
+    command.add_device_argument(parser)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m mlx_dualnorm mlx-lm-check``; see the module doc."""
+    return command.run_tool(build_parser(), _run, argv)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    command.select_device(args.device, parser)
+    try:
+        # An unsupported mlx-lm, or a mode that cannot run here, is refused
+        # before any model is built.
+        with integration.patch(args.mode):
+            pass
+    except (RuntimeError, ValueError) as error:
+        print(command.error_line("mlx-lm-check", str(error)), file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if args.synthetic is not None:
+            if args.prompt is not None:
+                raise _UsageError("--prompt needs --model (synthetic models have no tokenizer)")
+            model = build_synthetic_model(
+                args.synthetic,
+                seed=DEFAULT_SEED if args.seed is None else args.seed,
+                dtype=DTYPES[args.dtype] if args.dtype else None,
+            )
+            model_name = f"synthetic {args.synthetic}"
+            prompt = prompt_token_ids(
+                _vocabulary_size(synthetic_model_config(args.synthetic)), args.prompt_tokens
+            )
+        else:
+            for flag, value in (("--dtype", args.dtype), ("--seed", args.seed)):
+                if value is not None:
+                    raise _UsageError(f"{flag} is for --synthetic models only")
+            model, config, path = _load_local_model(args.model)
+            model_name = str(path)
+            if args.prompt is not None:
+                prompt = _encoded_prompt(path, args.prompt)
+            else:
+                prompt = prompt_token_ids(_vocabulary_size(config), args.prompt_tokens)
+        refusal = cpu_refusal(model)
+        if refusal is not None:
+            raise _UsageError(f"{model_name} cannot run on this device: {refusal}")
+    except (_UsageError, ValueError) as error:
+        print(command.error_line("mlx-lm-check", str(error)), file=sys.stderr)
+        return EXIT_USAGE
+
+    progress = None
+    if prompt.size >= LONG_PROMPT_TOKENS:
+        runs = 2 + 2 * args.rounds  # two warm-ups, then each way once per round
+        progress = command.StepProgress(f"mlx-lm-check, {prompt.size}-token prompt, runs", runs).step
+    result = run_check(
+        model, prompt, args.tokens, args.mode, timing_rounds=args.rounds, progress=progress
+    )
+    print(format_result(result, model_name, int(prompt.size)))
+    return EXIT_IDENTICAL if result.comparison.identical else EXIT_DIVERGED
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

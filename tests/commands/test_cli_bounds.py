@@ -1,0 +1,208 @@
+"""Every numeric option of every command has a range, checked before any
+work, shown in its help and listed in docs/cli.md: the parsers are walked
+(their actions), so an option added without a bound fails here.
+
+A count without a maximum once let ``bench --layers 100000000`` grow to
+24 GB, and ``mlx-lm-check --rounds 100000000`` run for ever."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+import re
+
+import pytest
+
+from mlx_dualnorm.commands import cli
+
+from mlx_dualnorm.commands.shared import command
+
+HAS_MLX_LM = importlib.util.find_spec("mlx_lm") is not None
+CLI_PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "cli.md"
+SUBCOMMANDS = [
+    subcommand.name for subcommand in cli.SUBCOMMANDS
+    if HAS_MLX_LM or not subcommand.name.startswith("mlx-lm")
+]
+BOUNDED_TYPES = (command.Count, command.Number, command.CountList)
+
+
+def _walk(name: str, parser: argparse.ArgumentParser):
+    """(command name, action) of ``parser`` and of every parser below it."""
+    for action in parser._actions:  # argparse lists no actions publicly
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub_parser in action.choices.items():
+                yield from _walk(f"{name} {sub_name}".strip(), sub_parser)
+        else:
+            yield name, action
+
+
+def every_parser() -> dict[str, argparse.ArgumentParser]:
+    parsers = {"": cli._main_parser()}
+    for name in SUBCOMMANDS:
+        parsers[name] = cli.subcommand_parser(name)
+    if HAS_MLX_LM:
+        from mlx_dualnorm.commands.mlx_lm_bench import report as ranks
+
+        parsers["rank program"] = ranks._parser()
+    return parsers
+
+
+def _is_numeric(action: argparse.Action) -> bool:
+    if isinstance(action.type, BOUNDED_TYPES) or action.type in (int, float):
+        return True
+    default = action.default
+    return isinstance(default, (int, float)) and not isinstance(default, bool)
+
+
+def numeric_options() -> list[tuple[str, str, argparse.Action]]:
+    found = []
+    for parser_name, parser in every_parser().items():
+        for name, action in _walk(parser_name, parser):
+            if action.option_strings and action.nargs != 0 and _is_numeric(action):
+                found.append((name, action.option_strings[-1], action))
+    return found
+
+
+def test_the_walk_finds_the_numeric_options():
+    """The walk is not empty by accident: the counts known to exist are found."""
+    found = {(name, option) for name, option, _ in numeric_options()}
+    assert {("bench", "--layers"), ("replay", "--steps"), ("parity", "--seed")} <= found
+    if HAS_MLX_LM:
+        assert {("mlx-lm-check", "--tokens"), ("mlx-lm-check", "--rounds"),
+                ("mlx-lm-bench", "--ranks"), ("mlx-lm-bench", "--decode-steps"),
+                ("rank program bench", "--steps")} <= found
+
+
+def test_every_numeric_option_has_a_bounded_type():
+    unbounded = [
+        f"{name} {option}" for name, option, action in numeric_options()
+        if not isinstance(action.type, BOUNDED_TYPES)
+    ]
+    assert unbounded == [], "numeric options without a range"
+
+
+def test_every_bounded_option_shows_its_range_in_its_help():
+    for parser_name in SUBCOMMANDS:
+        help_text = " ".join(cli.subcommand_parser(parser_name).format_help().split())
+        for name, option, action in numeric_options():
+            if name == parser_name:
+                assert re.search(rf"\({re.escape(action.type.range_text)}[;)]", help_text), \
+                    f"{name} {option}"
+
+
+def documented_ranges() -> dict[tuple[str, str], str]:
+    text = CLI_PAGE.read_text(encoding="utf-8")
+    (table,) = re.findall(r"<!-- ranges -->(.*?)<!-- /ranges -->", text, re.DOTALL)
+    rows = re.findall(r"^\| `([^`]+)` \| `([^`]+)` \| ([^|]+?) \|$", table, re.MULTILINE)
+    return {(name, option): bounds for name, option, bounds in rows}
+
+
+@pytest.mark.skipif(not CLI_PAGE.is_file(), reason="not a source tree")
+def test_docs_list_every_range_as_the_code_has_it():
+    actual = {
+        (name, option): action.type.range_text
+        for name, option, action in numeric_options()
+        if name in SUBCOMMANDS
+    }
+    documented = {
+        key: bounds for key, bounds in documented_ranges().items()
+        if HAS_MLX_LM or not key[0].startswith("mlx-lm")
+    }
+    assert documented == actual
+
+
+# ---- The bounds hold before any work --------------------------------------------
+
+
+def _refused(main, arguments, capsys) -> str:
+    assert main(arguments) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured
+    return captured.err
+
+
+@pytest.mark.parametrize(
+    "subcommand, arguments, message",
+    [
+        ("bench", ["--quick", "--layers", "100000000"], "--layers: must be at most 512"),
+        ("bench", ["--quick", "--repeats", "1000000"], "--repeats: must be at most 1000"),
+        ("bench", ["--quick", "--eps", "1e30"], "--eps: must be finite, from 0 to 1"),
+        ("replay", ["--steps", "1000000000000"], "--steps: must be at most 4096"),
+        ("mlx-lm-check", ["--synthetic", "qwen3", "--tokens", "1000000000000"],
+         "--tokens: must be at most 1024"),
+        ("mlx-lm-check", ["--synthetic", "qwen3", "--rounds", "100000000"],
+         "--rounds: must be at most 100"),
+        ("mlx-lm-bench", ["--decode-steps", "100000000"], "--decode-steps: must be at most 1024"),
+        ("mlx-lm-bench", ["--prework-tokens", "100000000"],
+         "--prework-tokens: must be at most 10000"),
+        ("mlx-lm-bench", ["--layers", "36,100000000"], "--layers: must be at most 512"),
+        ("mlx-lm-bench", ["--layers", ",".join(["1"] * 9)], "--layers: at most 8 values"),
+        ("mlx-lm-bench", ["--ranks", "1000"], "--ranks: must be from 2 to 8, got 1000"),
+    ],
+)
+def test_a_count_past_its_maximum_is_refused_before_any_work(subcommand, arguments, message,
+                                                              capsys):
+    if subcommand.startswith("mlx-lm"):
+        pytest.importorskip("mlx_lm")
+    error = _refused(cli.main, [subcommand, *arguments], capsys)
+    assert f"[{subcommand}] argument {message}" in error
+
+
+def _bad_values(bounded) -> list[str]:
+    """Values every option of this range must refuse: not a number, empty,
+    just outside each end, and (for an integer) a fraction."""
+    if isinstance(bounded, command.CountList):
+        item = bounded.item
+        return ["abc", f"{item.maximum + 1}", "1,,2", ",".join(["1"] * (bounded.max_items + 1))]
+    values = ["abc", "", f"{bounded.minimum - 1}", "nan", "inf"]
+    if isinstance(bounded, command.Count):
+        values += [f"{bounded.maximum + 1}", "1.5"]
+    else:
+        values += [f"{bounded.maximum * 2 + 1}"]
+    return values
+
+
+def _each_bad_value():
+    for name, option, action in numeric_options():
+        if name in SUBCOMMANDS:
+            for value in _bad_values(action.type):
+                yield pytest.param(name, option, value, id=f"{name} {option}={value!r}")
+
+
+@pytest.mark.parametrize("subcommand, option, value", list(_each_bad_value()))
+def test_every_numeric_option_refuses_bad_values_in_one_line(subcommand, option, value, capsys):
+    """Driven from the parsers: an option added later is covered too."""
+    error = _refused(cli.main, [subcommand, f"{option}={value}"], capsys)
+    assert error.startswith(f"[{subcommand}] argument {option}: "), error
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["bench", "--paths", "compiled,,composed"], "--paths: an empty name"),
+        (["mlx-lm-bench", "--models", "qwen3,,qwen3_5"], "--models: an empty name"),
+    ],
+)
+def test_an_empty_name_in_a_list_is_refused(arguments, message, capsys):
+    if arguments[0].startswith("mlx-lm"):
+        pytest.importorskip("mlx_lm")
+    assert message in _refused(cli.main, arguments, capsys)
+
+
+def test_a_name_repeated_in_a_list_is_measured_once():
+    """A list of names cannot make a run longer than all of them once."""
+    pytest.importorskip("mlx_lm")
+    from mlx_dualnorm.commands import bench as benchmark, mlx_lm_bench, replay
+    from mlx_dualnorm.commands.shared import paths as compared_paths
+
+    parser = cli.subcommand_parser("mlx-lm-bench")
+    names = mlx_lm_bench._known_names(parser, "--models", ",".join(["qwen3"] * 1000), ["qwen3"])
+    assert names == ["qwen3"]
+    parser = benchmark.build_parser()
+    arguments = parser.parse_args(["--paths", "compiled,compiled,composed"])
+    config = benchmark._config_from_arguments(arguments, parser)
+    assert config.paths == ("compiled", "composed")
+    selection = compared_paths.PathSelection.of(None, replay.PATH_FACTORIES)
+    arguments = argparse.Namespace(path_names=["compiled"] * 1000)
+    assert selection.named(arguments) == ["compiled"]

@@ -1,0 +1,149 @@
+"""The greedy-decode replay: the real paths decode exactly as the composed
+path does, and the replay notices a path that is off, even by one ulp in
+one element."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from helpers.bit_parity import assert_bit_identical
+from mlx_dualnorm import available_modes
+from mlx_dualnorm.commands import replay
+from mlx_dualnorm.commands.shared.paths import DualNormPath, make_composed_path
+from mlx_dualnorm.commands.replay import (
+    GreedyDecodeTrace,
+    ReplayModelConfig,
+    build_replay_model,
+    compare_decode_traces,
+    greedy_decode,
+    run_replay,
+)
+
+
+def make_path_nudging_one_key_element_by_one_ulp(eps: float) -> DualNormPath:
+    """The composed path, except the first element of the normalized keys
+    is one ulp larger (its bit pattern plus one): the smallest possible
+    error a kernel could make."""
+    composed_path = make_composed_path(eps)
+
+    def nudging(queries, keys, query_weight, key_weight):
+        normalized_queries, normalized_keys = composed_path(queries, keys, query_weight, key_weight)
+        unsigned_dtype = {2: mx.uint16, 4: mx.uint32}[normalized_keys.dtype.size]
+        first_element = (mx.arange(normalized_keys.size) == 0).reshape(normalized_keys.shape)
+        key_bits = mx.view(normalized_keys, unsigned_dtype)
+        nudged_bits = key_bits + first_element.astype(unsigned_dtype)
+        return normalized_queries, mx.view(nudged_bits, normalized_keys.dtype)
+
+    return nudging
+
+
+def make_path_ignoring_norm_weights(eps: float) -> DualNormPath:
+    """Drops the q/k norm weights: a fused kernel that forgot them."""
+    composed_path = make_composed_path(eps)
+
+    def ignoring(queries, keys, query_weight, key_weight):
+        return composed_path(queries, keys, None, None)
+
+    return ignoring
+
+
+def test_every_registered_path_decodes_exactly_like_the_composed_path() -> None:
+    report = run_replay()
+
+    assert report.steps == replay.DEFAULT_DECODE_STEPS == 128
+    assert sorted(comparison.path_name for comparison in report.comparisons) == sorted(
+        ["compiled", "mx_compile", *(["fused"] if "fused" in available_modes() else [])]
+    )
+    for comparison in report.comparisons:
+        assert comparison.tokens_identical
+        assert comparison.final_hidden_state_identical
+        assert comparison.first_divergence_step is None
+        assert not comparison.diverged
+    assert report.passed, replay.format_replay_report(report)
+    # A decode stuck on one token would make "tokens identical" cheap.
+    assert len(set(report.reference.token_ids)) >= 16
+
+
+def test_one_ulp_in_one_normalized_key_is_detected() -> None:
+    report = run_replay({"one-ulp": make_path_nudging_one_key_element_by_one_ulp}, steps=32)
+
+    (comparison,) = report.comparisons
+    assert comparison.diverged
+    assert comparison.first_divergent_hidden_step is not None
+    assert not comparison.final_hidden_state_identical
+    assert not report.passed
+
+
+def test_ignored_norm_weights_change_the_generated_tokens() -> None:
+    report = run_replay({"weights-ignored": make_path_ignoring_norm_weights}, steps=32)
+
+    (comparison,) = report.comparisons
+    assert not comparison.tokens_identical
+    assert comparison.first_divergent_token_step is not None
+    assert comparison.first_divergence_step == comparison.first_divergent_hidden_step == 0
+
+
+def test_decoding_is_deterministic() -> None:
+    """Two composed decodes agree bit for bit, so a divergence is the path's."""
+    config = ReplayModelConfig()
+    parameters = build_replay_model(config)
+    first = greedy_decode(make_composed_path(config.rms_norm_eps), parameters, config, steps=24)
+    second = greedy_decode(make_composed_path(config.rms_norm_eps), parameters, config, steps=24)
+
+    assert first.token_ids == second.token_ids
+    assert_bit_identical(first.step_hidden_states, second.step_hidden_states)
+    assert first.step_hidden_states.shape == (24, config.model_width)
+    assert first.step_hidden_states.dtype == mx.bfloat16
+
+
+def test_float32_model_replays_identically() -> None:
+    report = run_replay(
+        {"compiled": replay.PATH_FACTORIES["compiled"]},
+        config=ReplayModelConfig(dtype=mx.float32),
+        steps=24,
+    )
+
+    assert report.passed, replay.format_replay_report(report)
+
+
+def test_comparison_names_the_first_divergent_steps() -> None:
+    hidden_states = mx.zeros((5, 4), dtype=mx.bfloat16)
+    reference = GreedyDecodeTrace("composed", (1, 2, 3, 4, 5), hidden_states, 0.0)
+    # -0.0 equals 0.0 as a value but not as bits: the comparison is bitwise.
+    shifted_hidden_states = mx.where(
+        (mx.arange(5)[:, None] == 2) & (mx.arange(4)[None, :] == 1),
+        mx.array(-0.0, dtype=mx.bfloat16),
+        hidden_states,
+    )
+    trace = GreedyDecodeTrace("path", (1, 2, 3, 9, 5), shifted_hidden_states, 0.0)
+
+    comparison = compare_decode_traces(trace, reference)
+
+    assert not comparison.tokens_identical
+    assert comparison.first_divergent_token_step == 3
+    assert comparison.first_divergent_hidden_step == 2
+    assert comparison.final_hidden_state_identical
+    assert comparison.first_divergence_step == 2
+
+
+def test_main_prints_a_summary_and_returns_zero_when_paths_agree(capsys) -> None:
+    exit_status = replay.main(["--steps", "16", "--path", "compiled"])
+
+    printed = capsys.readouterr().out
+    assert exit_status == 0
+    assert "compiled" in printed and "bit-identical" in printed and "PASS" in printed
+
+
+def test_main_returns_nonzero_on_divergence(capsys) -> None:
+    exit_status = replay.main(
+        ["--steps", "8"], path_factories={"one-ulp": make_path_nudging_one_key_element_by_one_ulp}
+    )
+
+    printed = capsys.readouterr().out
+    assert exit_status == 1
+    assert "DIVERGED" in printed and "FAIL" in printed
+
+
+def test_main_rejects_a_nonpositive_step_count(capsys) -> None:
+    assert replay.main(["--steps", "0"]) == 2
+    assert "argument --steps: must be at least 1, got 0" in capsys.readouterr().err
