@@ -123,7 +123,7 @@ def _run_subcommand(subcommand: SubCommand, argv: Sequence[str]) -> int:
         if not (missing.name or "").startswith("mlx_lm"):
             raise
         print(
-            error_line(subcommand.name, "needs mlx-lm (pip install 'mlx_dualnorm[mlx-lm]')"),
+            error_line(subcommand.name, "needs mlx-lm (pip install 'mlx-lm==0.32.2')"),
             file=sys.stderr,
         )
         return EXIT_USAGE

@@ -170,7 +170,7 @@ def test_without_mlx_lm_it_says_what_to_install(work_folder):
     assert process.returncode == command.EXIT_USAGE, describe(process)
     assert process.stdout == ""
     (line,) = process.stderr.splitlines()
-    assert line.startswith(LINE_PREFIX) and "pip install 'mlx_dualnorm[mlx-lm]'" in line
+    assert line.startswith(LINE_PREFIX) and "pip install 'mlx-lm==0.32.2'" in line
 
 
 # ---- mlx-lm's dispatcher, its arguments, output and exit status ---------------------

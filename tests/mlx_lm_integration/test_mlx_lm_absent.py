@@ -34,5 +34,5 @@ def test_importing_the_integration_without_mlx_lm_says_what_to_install():
     assert "TYPE ModuleNotFoundError True" in process.stdout, describe(process)
     assert "NAME mlx_lm" in process.stdout
     assert "needs mlx-lm, which is not installed" in process.stdout
-    assert "pip install 'mlx_dualnorm[mlx-lm]'" in process.stdout
+    assert "pip install 'mlx-lm==0.32.2'" in process.stdout
     assert "supports mlx-lm 0.32.0 to 0.32.2" in process.stdout

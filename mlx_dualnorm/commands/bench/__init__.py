@@ -345,7 +345,7 @@ def _write_files(report: BenchmarkReport, output_dir: pathlib.Path, plot: bool) 
     chart = write_chart(report, output_dir)
     if chart is None:
         progress_to_stderr("matplotlib is not installed: no PNG chart "
-                           "(pip install 'mlx_dualnorm[plot]')")
+                           "(pip install matplotlib)")
     else:
         progress_to_stderr(f"wrote {chart}")
 

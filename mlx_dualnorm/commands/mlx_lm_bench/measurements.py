@@ -35,7 +35,7 @@ from mlx_dualnorm.commands.shared.generation import (
     greedy_generate,
     timed_greedy_decode,
 )
-from mlx_dualnorm.commands.shared.recording import recording
+from mlx_dualnorm.integrations.mlx_lm import recording
 from mlx_dualnorm.commands.shared.synthetic import (
     DECODE_MODELS, DEFAULT_DTYPES, build_model, build_synthetic_model,
     decode_model_config, prompt_token_ids, synthetic_model_config,

@@ -17,7 +17,7 @@ from mlx_dualnorm.commands.shared.generation import (
     AttentionLayerCounts, GreedyTrace, NormalizeQkCallCounts, TraceComparison,
     compare_traces, count_normalize_qk_calls, count_package_calls, greedy_generate,
 )
-from mlx_dualnorm.commands.shared.recording import NORM_ONLY, NORM_ROPE, LayerEngagement, recording
+from mlx_dualnorm.integrations.mlx_lm import NORM_ONLY, NORM_ROPE, LayerEngagement, recording
 from mlx_dualnorm.integrations import mlx_lm as integration
 
 __all__ = ["CheckResult", "format_result", "run_check"]

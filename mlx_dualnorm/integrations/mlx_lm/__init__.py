@@ -54,14 +54,11 @@ except ModuleNotFoundError as missing:
         raise
     raise ModuleNotFoundError(
         "mlx_dualnorm.integrations.mlx_lm needs mlx-lm, which is not installed: "
-        f"pip install 'mlx_dualnorm[mlx-lm]' (it supports {SUPPORTED_MLX_LM})",
+        f"pip install 'mlx-lm==0.32.2' (it supports {SUPPORTED_MLX_LM})",
         name="mlx_lm",
     ) from missing
 
 from mlx_dualnorm.integrations.mlx_lm._patching import (  # noqa: E402
-    MLX_LM_PACKAGE,
-    PATCH_OPERATION,
-    PATCHED_ATTRIBUTE,
     MlxLmPatch,
     clear_cache,
     is_patched,
@@ -70,35 +67,40 @@ from mlx_dualnorm.integrations.mlx_lm._patching import (  # noqa: E402
     unpatch,
 )
 from mlx_dualnorm.integrations.mlx_lm.report import ClassReport, PatchReport  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm._shared import (  # noqa: E402
-    MAX_CACHED_OBJECTS,
-    PLAIN_SCALAR_TYPES,
-    REPLACEMENT_MARKER,
-)
 from mlx_dualnorm.integrations.mlx_lm.registry import (  # noqa: E402
     AttentionFamily,
     attention_families,
     register_attention_families,
 )
 from mlx_dualnorm.integrations.mlx_lm.gated_delta import (  # noqa: E402
-    FOLDABLE_DTYPES,
-    GATED_DELTA_MODULE,
-    MIN_FOLDABLE_WIDTH,
-    NORMALIZE_QK_OPERATION,
     ORIGINAL_NORMALIZE_QK,
-    PROBE_ROWS,
     normalize_qk,
+)
+from mlx_dualnorm.integrations.mlx_lm.engagement import (  # noqa: E402
+    NORM_ONLY,
+    NORM_ROPE,
+    LayerEngagement,
+    Recording,
+    recording,
 )
 
 __all__ = [
+    "AttentionFamily",
     "ClassReport",
+    "LayerEngagement",
     "MlxLmPatch",
-    "PatchReport",
+    "NORM_ONLY",
+    "NORM_ROPE",
     "ORIGINAL_NORMALIZE_QK",
+    "PatchReport",
+    "Recording",
+    "attention_families",
     "clear_cache",
     "is_patched",
     "normalize_qk",
     "patch",
+    "recording",
+    "register_attention_families",
     "report",
     "unpatch",
 ]

@@ -22,18 +22,20 @@ class is in exactly one place:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.nn as nn
 
 from mlx_dualnorm.integrations.mlx_lm import engine, registry
 from mlx_dualnorm.integrations.mlx_lm.gated_delta import fold_count
+from mlx_dualnorm.integrations.mlx_lm.prework_log import PreworkRecord, recording_prework
 from mlx_dualnorm.integrations.mlx_lm.state import STATE
 
 __all__ = [
-    "LayerEngagement", "NORM_ONLY", "NORM_ROPE", "UNNAMED_PREWORK", "fold_count",
-    "is_engaged_layer", "layer_engagement",
+    "LayerEngagement", "NORM_ONLY", "NORM_ROPE", "Recording", "UNNAMED_PREWORK", "fold_count",
+    "is_engaged_layer", "layer_engagement", "recording",
 ]
 
 NORM_ROPE = engine.NORM_ROPE
@@ -134,3 +136,29 @@ def layer_engagement(
         for engaged, name, detail in _place(module, registered, prework_of):
             (engagement.engaged if engaged else engagement.left)[(name, detail)] += 1
     return engagement
+
+
+@dataclasses.dataclass
+class Recording:
+    """What :func:`recording` yields: ``prework_of(layer)``, the package
+    calls an engaged layer made while recording (None for none), and
+    ``engagement(model)``, the model's layers by outcome with each engaged
+    layer named so; read them while patched and the layers alive."""
+
+    _record: PreworkRecord
+
+    def prework_of(self, layer: object) -> Optional[str]:
+        return self._record.prework_of(layer)
+
+    def engagement(self, model: Any) -> LayerEngagement:
+        return layer_engagement(model, self._record.prework_of)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recording]:
+    """Records, for the block (one thread at a time), which package call
+    each engaged layer made: what a tool reads to say what ran where.
+    Outside such a block the decode path only tests that none is open."""
+    with recording_prework() as record:
+        yield Recording(record)
+

@@ -42,7 +42,7 @@ from mlx_dualnorm.integrations.mlx_lm._shared import (
 )
 from mlx_dualnorm.integrations.mlx_lm.fingerprints import live_function
 from mlx_dualnorm.integrations.mlx_lm.gated_delta import ORIGINAL_NORMALIZE_QK
-from mlx_dualnorm.integrations.mlx_lm.recording import (  # noqa: F401  (tools import them here)
+from mlx_dualnorm.integrations.mlx_lm.prework_log import (  # noqa: F401  (tools import them here)
     NORM_ONLY,
     NORM_ROPE,
     PreworkRecord,

@@ -5,7 +5,7 @@ the decisions per layer and what was recorded for the report.
 One object, :data:`STATE`. :mod:`._patching` writes the setting and the
 holds, :mod:`.engine` what is installed and decided, :mod:`.registry` the
 modules that failed to import, :mod:`.report` that the warning was given
-and :mod:`.recording` what a tool records; the layer shapes only read it
+and :mod:`.prework_log` what a tool records; the layer shapes only read it
 (the mode their objects are built with, whether a tool records, whether
 the patch is on). This module imports nothing of the integration.
 """
