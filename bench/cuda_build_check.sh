@@ -44,7 +44,7 @@ python3 -m mlx_dualnorm 2>&1 | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "=== core tests against the install"
 MLX_DUALNORM_EXPECT_INSTALLED=$install python3 -m pytest -q -p no:cacheprovider -x \
-  "$tree/tests/facade/test_dual_head_norm.py" "$tree/tests/facade/test_installed_package.py" \
+  "$tree/tests/core/test_dual_head_norm.py" "$tree/tests/facade/test_installed_package.py" \
   "$tree/tests/facade/test_mlx_version_guard.py" "$tree/tests/facade/test_readme.py" 2>&1 | tail -8
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status

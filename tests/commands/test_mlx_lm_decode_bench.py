@@ -170,3 +170,20 @@ def test_decode_model_config_shrinks_only_what_it_is_asked_to():
     assert {**shrunk, "num_hidden_layers": 28, "vocab_size": 151936} == full
     with pytest.raises(ValueError, match="unknown decode model"):
         decode_model_config("qwen3-4096")
+
+
+def test_bench_runs(capsys):
+    arguments = [
+        "--quick", "--layers", "2", "--models", "", "--decode-models", "", "--prework-tokens", "3",
+    ]
+    assert mlx_lm_bench.main(arguments) == 0
+    printed = capsys.readouterr().out
+    assert "prework_2_layers" in printed
+    assert "median patched time / median unpatched time" in printed
+    assert "lower is better" in printed
+
+
+def test_bench_ratio_is_patched_time_over_unpatched_time():
+    timing = mlx_lm_bench.PairedTiming("twice as fast", "us/token", [2.0, 4.0], [1.0, 1.0])
+    assert timing.time_ratios == [0.5, 0.25]
+    assert timing.summary()["time_ratio_patched_over_unpatched"]["median"] == 0.375

@@ -58,7 +58,7 @@ def test_exceptions_are_named_from_the_package_and_pickle(error_type):
     )
 
 
-# ---- Objects whose own __new__ never ran, and RoPE bases MLX cannot use ------------
+# ---- Objects whose own __new__ never ran ----------------------------------------
 
 
 @pytest.mark.parametrize("cls", [CompiledDualHeadNorm, CompiledDualHeadNormRope])
@@ -75,11 +75,3 @@ def test_an_object_made_by_object_new_is_uninitialized_not_broken(cls):
     options = {} if cls is CompiledDualHeadNorm else {"dims": 64, "base": 1e4}
     made.__init__(1e-6, mode="compiled", **options)  # and __init__ still makes it whole
     assert repr(made).startswith(f"{cls.__name__}(eps=1e-06")
-
-
-# Refused with the other constants in the C library's checks, as a
-# non-finite input_scale is.
-@pytest.mark.parametrize("base", [float("nan"), float("inf"), -1e4, 0.0])
-def test_a_base_that_is_not_finite_and_positive_is_refused_like_input_scale(base):
-    with pytest.raises(DualHeadNormValueError, match=r"^\[dual_head_norm_rope\] base must be"):
-        CompiledDualHeadNormRope(1e-6, 64, base=base)

@@ -377,7 +377,3 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m mlx_dualnorm bench``: prints the table; 2 on bad usage."""
     return command.run_tool(build_parser(), _run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

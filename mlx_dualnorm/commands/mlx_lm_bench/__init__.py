@@ -365,7 +365,3 @@ def write_json_report(path: Path, report: object) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m mlx_dualnorm mlx-lm-bench``; see the module doc."""
     return command.run_tool(build_parser(), _run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

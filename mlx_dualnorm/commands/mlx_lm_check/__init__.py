@@ -266,7 +266,3 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
     print(format_result(result, model_name, int(prompt.size)))
     return EXIT_IDENTICAL if result.comparison.identical else EXIT_DIVERGED
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

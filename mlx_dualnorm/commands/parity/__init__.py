@@ -312,9 +312,3 @@ def main(
         return command.EXIT_OK if passed else command.EXIT_MISMATCH
 
     return command.run_tool(_parity_parser(selection), run, argv)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main(sys.argv[1:]))

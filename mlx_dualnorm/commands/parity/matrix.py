@@ -19,6 +19,7 @@ kernel (g++, about half a second each on a cold kernel cache).
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 from dataclasses import replace
 from typing import Callable, Sequence
@@ -147,18 +148,16 @@ def _fit_to_element_budget(case: ParityCase, element_budget: int) -> ParityCase:
 
 
 def _width_by_dtype_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
-    cases = []
-    for position, (width, dtypes) in enumerate(
-        (width, dtypes) for width in WIDTHS for dtypes in DTYPE_CONFIGURATIONS
-    ):
-        weighting = _rotated_weighting(rotation, "width", dtypes, position)
-        cases.append(case(
+    return [
+        case(
             width=width, dtypes=dtypes, heads=rotation.pick("width/heads", HEAD_COUNTS, position),
             batch_size=rotation.pick("width/batch", BATCH_SIZES, position),
             sequence_length=rotation.pick("width/seq", SEQUENCE_LENGTHS, position),
             weighting=weighting,
-        ))
-    return cases
+        )
+        for position, (width, dtypes) in enumerate(itertools.product(WIDTHS, DTYPE_CONFIGURATIONS))
+        for weighting in [_rotated_weighting(rotation, "width", dtypes, position)]
+    ]
 
 
 def _head_counts_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
@@ -166,51 +165,47 @@ def _head_counts_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[
     (weighted, width 256), each pair of head counts at decode and at prefill, in
     bfloat16 as models run them."""
     model_shapes = ((128, Weighting.WEIGHTLESS), (256, Weighting.WEIGHTED))
-    cases = []
-    position = 0
-    for heads in HEAD_COUNTS:
-        for sequence_length in SEQUENCE_LENGTHS:
-            for width, weighting in model_shapes:
-                cases.append(case(
-                    width=width, dtypes=BFLOAT16_DTYPES, heads=heads,
-                    batch_size=rotation.pick("heads/batch", BATCH_SIZES, position),
-                    sequence_length=sequence_length, weighting=weighting,
-                ))
-                position += 1
-    return cases
+    return [
+        case(
+            width=width, dtypes=BFLOAT16_DTYPES, heads=heads,
+            batch_size=rotation.pick("heads/batch", BATCH_SIZES, position),
+            sequence_length=sequence_length, weighting=weighting,
+        )
+        for position, (heads, sequence_length, (width, weighting)) in enumerate(
+            itertools.product(HEAD_COUNTS, SEQUENCE_LENGTHS, model_shapes)
+        )
+    ]
 
 
 def _batch_and_sequence_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
     """Batch 1..8 at decode (width 128) and prefill (width 64, so batch 8 of
     512 tokens of 16 heads fits the budget)."""
-    cases = []
-    for position, batch_size in enumerate(BATCH_SIZES):
-        dtypes = rotation.pick("batch/dtypes", BASE_DTYPE_CONFIGURATIONS, position)
-        decode_and_prefill = ((DECODE_SEQUENCE_LENGTH, 128), (PREFILL_SEQUENCE_LENGTH, 64))
-        for sequence_length, width in decode_and_prefill:
-            cases.append(case(
-                width=width, dtypes=dtypes, heads=HeadCounts(16, 16), batch_size=batch_size,
-                sequence_length=sequence_length, weighting=Weighting.WEIGHTLESS,
-            ))
-    return cases
+    decode_and_prefill = ((DECODE_SEQUENCE_LENGTH, 128), (PREFILL_SEQUENCE_LENGTH, 64))
+    return [
+        case(
+            width=width, dtypes=dtypes, heads=HeadCounts(16, 16), batch_size=batch_size,
+            sequence_length=sequence_length, weighting=Weighting.WEIGHTLESS,
+        )
+        for position, batch_size in enumerate(BATCH_SIZES)
+        for dtypes in [rotation.pick("batch/dtypes", BASE_DTYPE_CONFIGURATIONS, position)]
+        for sequence_length, width in decode_and_prefill
+    ]
 
 
 def _epsilon_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
     """Each epsilon with each base dtype, weightless and weighted, on
     near-epsilon, zero and subnormal rows: the only rows where an epsilon
     that is off by one ulp changes any output bit."""
-    cases = []
-    position = 0
-    for eps in EPSILONS:
-        for dtypes in BASE_DTYPE_CONFIGURATIONS:
-            for weighting in (Weighting.WEIGHTLESS, Weighting.WEIGHTED):
-                cases.append(_rotated_case(
-                    case, rotation, "eps", position, (128, 256),
-                    dtypes=dtypes, batch_size=1, sequence_length=4, eps=eps,
-                    weighting=weighting, value_profile=ValueProfile.NEAR_EPSILON,
-                ))
-                position += 1
-    return cases
+    return [
+        _rotated_case(
+            case, rotation, "eps", position, (128, 256),
+            dtypes=dtypes, batch_size=1, sequence_length=4, eps=eps,
+            weighting=weighting, value_profile=ValueProfile.NEAR_EPSILON,
+        )
+        for position, (eps, dtypes, weighting) in enumerate(itertools.product(
+            EPSILONS, BASE_DTYPE_CONFIGURATIONS, (Weighting.WEIGHTLESS, Weighting.WEIGHTED)
+        ))
+    ]
 
 
 def _non_contiguous_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
@@ -219,71 +214,67 @@ def _non_contiguous_family(rotation: _SeededRotation, case: _CaseOfFamily) -> li
     only, so each appears whatever the seed. Width-sliced weightless inputs
     are the production gated-delta case: mlx-lm splits q, k and v out of one
     convolution output."""
-    layout_count = len(NON_CONTIGUOUS_INPUT_LAYOUTS)
-    cases = []
-    position = 0
+    layouts = NON_CONTIGUOUS_INPUT_LAYOUTS
+    cases: list[ParityCase] = []
     weighted_position = 0
-    for layout_index, query_layout in enumerate(NON_CONTIGUOUS_INPUT_LAYOUTS):
-        key_layout = NON_CONTIGUOUS_INPUT_LAYOUTS[(layout_index + 1) % layout_count]
-        for dtypes in BASE_DTYPE_CONFIGURATIONS:
-            weighting = rotation.pick("views/weighting", tuple(Weighting), position)
-            weight_layout = WeightLayout.CONTIGUOUS
-            if weighting is not Weighting.WEIGHTLESS:
-                weight_layout = rotation.pick(
-                    "views/weight-layout", NON_CONTIGUOUS_WEIGHT_LAYOUTS, weighted_position
-                )
-                weighted_position += 1
-            cases.append(case(
-                width=rotation.pick("views/width", (64, 128, 200, 256), position),
-                dtypes=dtypes, heads=rotation.pick("views/heads", HEAD_COUNTS, position),
-                batch_size=rotation.pick("views/batch", (1, 2, 3), position),
-                sequence_length=rotation.pick("views/seq", (1, 7), position),
-                weighting=weighting, query_layout=query_layout, key_layout=key_layout,
-                weight_layout=weight_layout,
-            ))
-            position += 1
+    for position, (layout_index, dtypes) in enumerate(
+        itertools.product(range(len(layouts)), BASE_DTYPE_CONFIGURATIONS)
+    ):
+        weighting = rotation.pick("views/weighting", tuple(Weighting), position)
+        weight_layout = WeightLayout.CONTIGUOUS
+        if weighting is not Weighting.WEIGHTLESS:
+            weight_layout = rotation.pick(
+                "views/weight-layout", NON_CONTIGUOUS_WEIGHT_LAYOUTS, weighted_position
+            )
+            weighted_position += 1
+        cases.append(case(
+            width=rotation.pick("views/width", (64, 128, 200, 256), position),
+            dtypes=dtypes, heads=rotation.pick("views/heads", HEAD_COUNTS, position),
+            batch_size=rotation.pick("views/batch", (1, 2, 3), position),
+            sequence_length=rotation.pick("views/seq", (1, 7), position),
+            weighting=weighting, query_layout=layouts[layout_index],
+            key_layout=layouts[(layout_index + 1) % len(layouts)], weight_layout=weight_layout,
+        ))
     return cases
 
 
 def _special_values_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
     """Each special-value profile with each dtype configuration, at a
     rotating width (up to 8192)."""
-    cases = []
-    position = 0
-    for value_profile in SPECIAL_VALUE_PROFILES:
-        for dtypes in DTYPE_CONFIGURATIONS:
-            cases.append(case(
-                width=rotation.pick("special/width", WIDTHS, position), dtypes=dtypes,
-                heads=rotation.pick("special/heads", HEAD_COUNTS, position),
-                batch_size=rotation.pick("special/batch", (1, 2), position),
-                sequence_length=rotation.pick("special/seq", (1, 5), position),
-                weighting=_rotated_weighting(rotation, "special", dtypes, position),
-                value_profile=value_profile,
-            ))
-            position += 1
-    return cases
+    return [
+        case(
+            width=rotation.pick("special/width", WIDTHS, position), dtypes=dtypes,
+            heads=rotation.pick("special/heads", HEAD_COUNTS, position),
+            batch_size=rotation.pick("special/batch", (1, 2), position),
+            sequence_length=rotation.pick("special/seq", (1, 5), position),
+            weighting=_rotated_weighting(rotation, "special", dtypes, position),
+            value_profile=value_profile,
+        )
+        for position, (value_profile, dtypes) in enumerate(
+            itertools.product(SPECIAL_VALUE_PROFILES, DTYPE_CONFIGURATIONS)
+        )
+    ]
 
 
 def _mixed_dtypes_family(rotation: _SeededRotation, case: _CaseOfFamily) -> list[ParityCase]:
     """Queries and keys of different dtypes (each traced separately), and
     half-precision inputs with a weight of the other half type (promoting to
     float32), on rows of every special kind."""
-    cases = []
-    position = 0
-    for dtypes in MIXED_DTYPE_CONFIGURATIONS:
-        weightings = (
+    pairs = [
+        (dtypes, weighting) for dtypes in MIXED_DTYPE_CONFIGURATIONS
+        for weighting in (
             (Weighting.WEIGHTLESS, Weighting.WEIGHTED)
-            if dtypes.query_dtype != dtypes.key_dtype
-            else (Weighting.WEIGHTED,)
+            if dtypes.query_dtype != dtypes.key_dtype else (Weighting.WEIGHTED,)
         )
-        for weighting in weightings:
-            cases.append(_rotated_case(
-                case, rotation, "mixed", position, (128, 256),
-                dtypes=dtypes, batch_size=2, sequence_length=3,
-                weighting=weighting, value_profile=ValueProfile.ALL_SPECIAL_ROWS,
-            ))
-            position += 1
-    return cases
+    ]
+    return [
+        _rotated_case(
+            case, rotation, "mixed", position, (128, 256),
+            dtypes=dtypes, batch_size=2, sequence_length=3,
+            weighting=weighting, value_profile=ValueProfile.ALL_SPECIAL_ROWS,
+        )
+        for position, (dtypes, weighting) in enumerate(pairs)
+    ]
 
 
 _FAMILY_BUILDERS: dict[str, Callable[[_SeededRotation, _CaseOfFamily], list[ParityCase]]] = {

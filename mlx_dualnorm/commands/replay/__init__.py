@@ -346,9 +346,3 @@ def main(
         return command.EXIT_OK if report.passed else command.EXIT_MISMATCH
 
     return command.run_tool(_replay_parser(selection), run, argv)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main(sys.argv[1:]))

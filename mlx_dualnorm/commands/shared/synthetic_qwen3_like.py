@@ -72,6 +72,15 @@ _YARN = {
     "beta_fast": 32.0,
     "beta_slow": 1.0,
 }
+_LAGUNA = {  # the two Laguna models differ only in their RoPE
+    "model_type": "laguna",
+    **_SMALL,
+    **_EXPERTS,
+    "shared_expert_intermediate_size": 32,
+    "sliding_window": 8,
+    "gating": True,
+    "layer_types": ["full_attention", "sliding_attention"],
+}
 
 QWEN3_LIKE_CONFIGS: dict[str, dict[str, object]] = {
     "Klear": {
@@ -171,26 +180,14 @@ QWEN3_LIKE_CONFIGS: dict[str, dict[str, object]] = {
         "partial_rotary_factor": 0.5,
     },
     "laguna": {
-        "model_type": "laguna",
-        **_SMALL,
-        **_EXPERTS,
-        "shared_expert_intermediate_size": 32,
-        "sliding_window": 8,
-        "gating": True,
-        "layer_types": ["full_attention", "sliding_attention"],
+        **_LAGUNA,
         "rope_parameters": {  # as Laguna-XS: YaRN and partial rotary on full attention
             "full_attention": {"rope_theta": 500_000.0, "partial_rotary_factor": 0.5, **_YARN},
             "sliding_attention": {"rope_theta": 10_000.0},
         },
     },
     "laguna-partial": {
-        "model_type": "laguna",
-        **_SMALL,
-        **_EXPERTS,
-        "shared_expert_intermediate_size": 32,
-        "sliding_window": 8,
-        "gating": True,
-        "layer_types": ["full_attention", "sliding_attention"],
+        **_LAGUNA,
         "rope_parameters": {
             "full_attention": {"rope_theta": 500_000.0, "partial_rotary_factor": 0.5},
             "sliding_attention": {"rope_theta": 10_000.0},

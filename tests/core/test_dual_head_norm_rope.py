@@ -438,6 +438,13 @@ def test_bad_constructor_arguments(arguments, error, message):
     assert str(raised.value).startswith("[dual_head_norm_rope] ")
 
 
+# Refused in the C library's argument checks, beside input_scale's.
+@pytest.mark.parametrize("base", [float("nan"), float("inf"), -1e4, 0.0])
+def test_a_base_that_is_not_finite_and_positive_is_refused_like_input_scale(base):
+    with pytest.raises(DualHeadNormValueError, match=r"^\[dual_head_norm_rope\] base must be"):
+        CompiledDualHeadNormRope(1e-6, 64, base=base)
+
+
 def test_c_api_refuses_null_and_empty_handles():
     error = ffi.new("mlx_dualnorm_error *")
     empty = ffi.new("mlx_array *")[0]

@@ -1,4 +1,4 @@
-"""Fixtures of the facades' tests."""
+"""Fixtures of the core tests."""
 
 from __future__ import annotations
 
