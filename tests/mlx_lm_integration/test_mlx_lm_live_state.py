@@ -219,6 +219,31 @@ def test_a_norm_call_replaced_after_a_patched_step_is_followed_at_the_next_call(
     assert integration.report().engaged_layers > 0  # restored: decided again, engaged
 
 
+@pytest.mark.parametrize("replaced", ["before the swap", "after the swap"])
+def test_a_norm_swapped_for_another_known_class_with_its_call_replaced_is_followed(
+        monkeypatch, replaced):
+    # gemma3_text's layers are decided on their own RMSNorm class; nn.RMSNorm,
+    # a class the replacement computes too, is in none of their checks.
+    model = build_synthetic_model("gemma3_text")
+    integration.patch()
+    greedy_generate(model, PROMPT, 2)
+    assert integration.report().engaged_layers > 0
+    if replaced == "before the swap":
+        monkeypatch.setattr(nn.RMSNorm, "__call__", scaled_norm_call)
+    for layer in attention_layers(model):
+        for name in ("q_norm", "k_norm"):
+            own = getattr(layer, name)
+            swapped = nn.RMSNorm(own.weight.shape[0], eps=own.eps)
+            swapped.weight = 1.0 + own.weight
+            setattr(layer, name, swapped)
+    if replaced == "after the swap":
+        greedy_generate(model, PROMPT, 2)  # a patched call with the swapped parts first
+        monkeypatch.setattr(nn.RMSNorm, "__call__", scaled_norm_call)
+    patched = greedy_generate(model, PROMPT, TOKENS)
+    integration.unpatch()
+    assert_traces_bit_identical(greedy_generate(model, PROMPT, TOKENS), patched)
+
+
 @pytest.fixture
 def counted_rms_norm(monkeypatch):
     """mx.fast.rms_norm wrapped, as a profiler would: same bits, each call counted."""

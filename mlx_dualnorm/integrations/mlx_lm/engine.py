@@ -11,7 +11,9 @@ its first call whether it engages (its family's ``engages``, a proven
 weak reference, so a new object at a reused id is decided afresh). At every
 call it then tests, by identity, what the decision relied on: the
 functions ``mx.fast.rms_norm`` and ``mx.fast.rope``, each part class's
-``__call__``; where one differs the layer is decided again at that call.
+``__call__``, and the layer's submodules themselves (a part swapped for an
+instance of another class is decided on that class); where one differs
+the layer is decided again at that call.
 An engaged layer's switches (attributes its class's code reads at every
 call, such as ``use_qk_norm``) are tested at every call too; where one
 differs that call runs the class's own code. Proof itself (fingerprints)
@@ -32,6 +34,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_dualnorm._composite import Mode
 from mlx_dualnorm.integrations.mlx_lm import registry
@@ -104,6 +107,7 @@ def original_call(layer: Any, *args: Any, **kwargs: Any) -> Any:
 def _dispatcher(attention_class: type, installed_original: Callable):
     decisions = STATE.decisions
     installed_classes = STATE.installed
+    item = dict.get  # a module's submodule, read without Module.__getattr__
 
     def dispatch(self, *args, **kwargs):
         # The decode path: a dict lookup, a weak reference and a few
@@ -114,6 +118,11 @@ def _dispatcher(attention_class: type, installed_original: Callable):
                 if getattr(owner, attribute, None) is not value:
                     decision = None
                     break
+            else:
+                for name, part in decision.parts:
+                    if item(self, name) is not part:
+                        decision = None
+                        break
         else:
             decision = None
         if decision is None:
@@ -153,7 +162,7 @@ def _decide(layer: Any, attention_class: type) -> Decision:
                 return previous  # another thread decided it first
             _uncount(previous)
         family = installed.family
-        reason, checks = _live_checks(layer)
+        reason, checks, parts = _live_checks(layer)
         if type(layer) is not attention_class:
             reason = SUBCLASS
         elif reason is None and not _family_engages(family, layer):
@@ -163,7 +172,7 @@ def _decide(layer: Any, attention_class: type) -> Decision:
         engaged = reason is None
         decision = Decision(
             weakref.ref(layer), family.call if engaged else original, engaged, reason,
-            installed.tally, checks, family.switches if engaged else (),
+            installed.tally, checks, parts, family.switches if engaged else (),
         )
         if engaged:
             installed.tally.engaged_layers += 1
@@ -196,9 +205,12 @@ def _family_engages(family: registry.AttentionFamily, layer: Any) -> bool:
         return False
 
 
-def _live_checks(layer: Any) -> tuple[Optional[str], tuple]:
+def _live_checks(layer: Any) -> tuple[Optional[str], tuple, tuple]:
     """(why the layer may not engage, or None; the identity checks its
-    decision holds by): MLX's fast functions must be MLX's own, and every
+    decision holds by; its submodules as ``(name, module)``, which the
+    decision holds by too: a part swapped for an instance of a class none
+    of the checks covers, one whose ``__call__`` was replaced, say, is
+    decided again): MLX's fast functions must be MLX's own, and every
     part whose class is one the replacements compute (one of
     :data:`.registry.REPRODUCED_PART_CLASSES`, as its module defines it) must
     resolve ``__call__`` to proven code (any other class, a subclass or a
@@ -214,7 +226,8 @@ def _live_checks(layer: Any) -> tuple[Optional[str], tuple]:
             reason = MLX_FUNCTION_REPLACED.format(name=name)
     part_classes = registry.reproduced_part_class_set()
     items = layer.items() if isinstance(layer, dict) else ()
-    for attribute, part in items:
+    parts = tuple((name, item) for name, item in items if isinstance(item, nn.Module))
+    for attribute, part in parts:
         part_class = type(part)
         if part_class not in part_classes:
             continue
@@ -237,7 +250,7 @@ def _live_checks(layer: Any) -> tuple[Optional[str], tuple]:
             function is call and registry.is_proven_function(piece, function)
         ):
             reason = PART_UNPROVEN.format(attribute=attribute, part=registry.class_name(part_class))
-    return reason, tuple(checks)
+    return reason, tuple(checks), parts
 
 
 def _prune_decisions() -> None:

@@ -43,25 +43,39 @@ class Decision:
     ``(owner, attribute, value)`` for everything the decision relied on
     (MLX's fast functions, its parts' classes' ``__call__``), tested by
     identity at every call, the layer decided again where one differs;
-    ``switches``: ``(attribute, value)`` of the layer that its original
+    ``parts``: ``(name, module)`` of the layer's submodules as it held
+    them, tested by identity at every call (a part swapped for an instance
+    of another class, whose ``__call__`` no check covers, is decided
+    again); ``switches``: ``(attribute, value)`` of the layer that its original
     reads at every call, tested at every call of an engaged layer, which
     runs the class's own code where one differs."""
 
-    __slots__ = ("layer", "function", "engaged", "reason", "tally", "checks", "switches")
+    __slots__ = (
+        "layer", "function", "engaged", "reason", "tally", "checks", "parts", "switches"
+    )
 
-    def __init__(self, layer, function, engaged, reason, tally, checks=(), switches=()):
+    def __init__(
+        self, layer, function, engaged, reason, tally, checks=(), parts=(), switches=()
+    ):
         self.layer = layer
         self.function = function
         self.engaged = engaged
         self.reason = reason
         self.tally = tally
         self.checks = checks
+        self.parts = parts
         self.switches = switches
 
     def holds(self) -> bool:
         """Whether everything the decision relied on is as it was."""
         for owner, attribute, value in self.checks:
             if getattr(owner, attribute, None) is not value:
+                return False
+        layer = self.layer()
+        if layer is None:
+            return False
+        for name, part in self.parts:
+            if dict.get(layer, name) is not part:
                 return False
         return True
 
