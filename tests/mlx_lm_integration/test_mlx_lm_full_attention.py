@@ -198,7 +198,7 @@ def test_a_raising_prework_runs_the_original(monkeypatch):
     prompt = mx.array(list(range(5, 17)))
     reference = greedy_generate(model, prompt, 4)
 
-    def broken(rope, query_norm, key_norm):
+    def broken(rope, query_norm, key_norm, mode):
         raise RuntimeError("broken")
 
     monkeypatch.setattr(norm_rope, "norm_rope_for", broken)

@@ -135,7 +135,8 @@ def _dispatcher(attention_class: type, installed_original: Callable):
                     return original_call(self, *args, **kwargs)
             decision.tally.calls += 1
             if STATE.prework_log is not None:
-                return recorded_call(self, decision.function, args, kwargs)
+                return recorded_call(self, decision.function, (decision.mode, *args), kwargs)
+            return decision.function(self, decision.mode, *args, **kwargs)
         return decision.function(self, *args, **kwargs)
 
     setattr(dispatch, REPLACEMENT_MARKER, True)
@@ -160,7 +161,7 @@ def _decide(layer: Any, attention_class: type) -> Decision:
         if previous is not None and previous.layer() is layer:
             if previous.holds():
                 return previous  # another thread decided it first
-            _uncount(previous)
+            previous.uncount()
         family = installed.family
         reason, checks, parts = _live_checks(layer)
         if type(layer) is not attention_class:
@@ -173,6 +174,7 @@ def _decide(layer: Any, attention_class: type) -> Decision:
         decision = Decision(
             weakref.ref(layer), family.call if engaged else original, engaged, reason,
             installed.tally, checks, parts, family.switches if engaged else (),
+            installed.mode,
         )
         if engaged:
             installed.tally.engaged_layers += 1
@@ -182,17 +184,6 @@ def _decide(layer: Any, attention_class: type) -> Decision:
             STATE.decisions[id(layer)] = decision
             _prune_decisions()
         return decision
-
-
-def _uncount(decision: Decision) -> None:
-    """Takes a decision that is being replaced out of its class's tally."""
-    tally = decision.tally
-    if decision.engaged:
-        tally.engaged_layers -= 1
-    else:
-        tally.left_layers[decision.reason] -= 1
-        if tally.left_layers[decision.reason] <= 0:
-            del tally.left_layers[decision.reason]
 
 
 def _family_engages(family: registry.AttentionFamily, layer: Any) -> bool:
@@ -310,7 +301,12 @@ def plan() -> Plan:
 
 def install(install_plan: Plan, new_mode: Optional[Mode]) -> None:
     """Patches the plan's proven classes and leaves its unproven ones; the
-    caller holds ``STATE.lock``. Cannot fail past its first assignment."""
+    caller holds ``STATE.lock``. Cannot fail past its first assignment.
+    Classes installed already keep their dispatchers; where ``new_mode``
+    is not the mode in force, their layers are decided again at their next
+    call, so every engaged layer runs in the mode of the install in force."""
+    if new_mode != STATE.mode:
+        STATE.forget_decisions()
     STATE.mode = new_mode
     STATE.unproven_classes = dict(install_plan.unproven)
     for attention_class in install_plan.unproven:
@@ -323,12 +319,13 @@ def install(install_plan: Plan, new_mode: Optional[Mode]) -> None:
             del STATE.installed[attention_class]  # the user replaced our dispatcher
             installed = None
         if installed is not None:
-            continue  # already patched: its layers keep their decisions
+            installed.mode = new_mode
+            continue  # already patched: its layers keep their decisions (mode above)
         original = unpatched_function(attention_class, "__call__")
         inherited = "__call__" not in attention_class.__dict__
         dispatcher = _dispatcher(attention_class, original)  # type: ignore[arg-type]
         STATE.installed[attention_class] = Installed(
-            family, original, inherited, dispatcher, Tally()  # type: ignore[arg-type]
+            family, original, inherited, dispatcher, Tally(), new_mode  # type: ignore[arg-type]
         )
         STATE.originals[attention_class] = original  # type: ignore[assignment]
         attention_class.__call__ = dispatcher  # type: ignore[method-assign]
