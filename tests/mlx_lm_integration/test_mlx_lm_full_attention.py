@@ -22,6 +22,7 @@ from mlx_lm.models import rope_utils  # noqa: E402
 from mlx_dualnorm import available_modes  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import engine, norm_rope, qwen3  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm._shared import REPLACEMENT_MARKER  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.commands.shared.generation import compare_traces, greedy_generate  # noqa: E402
@@ -218,7 +219,7 @@ def test_patch_replaces_and_unpatch_restores_every_class():
     with integration.patch():
         for key, cls in classes.items():
             assert cls.__call__ is not originals[key]
-            assert getattr(cls.__call__, integration.REPLACEMENT_MARKER) is True
+            assert getattr(cls.__call__, REPLACEMENT_MARKER) is True
         integration.patch()  # twice: the originals are still what unpatch restores
     for key, cls in classes.items():
         assert cls.__dict__["__call__"] is originals[key]
