@@ -238,7 +238,7 @@ def test_a_raising_norm_pair_runs_the_original(monkeypatch):
     model = build_synthetic_model("bailing_hybrid")
     reference = greedy_generate(model, PROMPT, 4)
 
-    def broken(eps):
+    def broken(eps, mode):
         raise RuntimeError("broken")
 
     monkeypatch.setattr(head_norms, "dual_norm_for", broken)

@@ -101,8 +101,8 @@ def call_counts(monkeypatch):
     rope_calls: dict = {}
     prework = qwen3_like._prework
 
-    def counting_prework(layout, attention, queries, keys, values, cache):
-        prepared = prework(layout, attention, queries, keys, values, cache)
+    def counting_prework(layout, attention, mode, queries, keys, values, cache):
+        prepared = prework(layout, attention, mode, queries, keys, values, cache)
         if prepared is not None:
             prework_calls[id(attention)] = prework_calls.get(id(attention), 0) + 1
         return prepared

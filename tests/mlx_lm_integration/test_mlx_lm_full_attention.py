@@ -68,8 +68,8 @@ def prework_calls(monkeypatch):
     counts = {"fused": 0, "original": 0}
     prework = qwen3._prework_and_cache_update
 
-    def counting(attention, queries, keys, values, cache):
-        result = prework(attention, queries, keys, values, cache)
+    def counting(prework_of_layer, queries, keys, values, cache):
+        result = prework(prework_of_layer, queries, keys, values, cache)
         counts["fused" if result is not None else "original"] += 1
         return result
 
@@ -199,7 +199,7 @@ def test_a_raising_prework_runs_the_original(monkeypatch):
     prompt = mx.array(list(range(5, 17)))
     reference = greedy_generate(model, prompt, 4)
 
-    def broken(rope, query_norm, key_norm):
+    def broken(rope, query_norm, key_norm, mode):
         raise RuntimeError("broken")
 
     monkeypatch.setattr(norm_rope, "norm_rope_for", broken)

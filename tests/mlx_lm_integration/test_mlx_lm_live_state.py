@@ -219,6 +219,31 @@ def test_a_norm_call_replaced_after_a_patched_step_is_followed_at_the_next_call(
     assert integration.report().engaged_layers > 0  # restored: decided again, engaged
 
 
+@pytest.mark.parametrize("replaced", ["before the swap", "after the swap"])
+def test_a_norm_swapped_for_another_known_class_with_its_call_replaced_is_followed(
+        monkeypatch, replaced):
+    # gemma3_text's layers are decided on their own RMSNorm class; nn.RMSNorm,
+    # a class the replacement computes too, is in none of their checks.
+    model = build_synthetic_model("gemma3_text")
+    integration.patch()
+    greedy_generate(model, PROMPT, 2)
+    assert integration.report().engaged_layers > 0
+    if replaced == "before the swap":
+        monkeypatch.setattr(nn.RMSNorm, "__call__", scaled_norm_call)
+    for layer in attention_layers(model):
+        for name in ("q_norm", "k_norm"):
+            own = getattr(layer, name)
+            swapped = nn.RMSNorm(own.weight.shape[0], eps=own.eps)
+            swapped.weight = 1.0 + own.weight
+            setattr(layer, name, swapped)
+    if replaced == "after the swap":
+        greedy_generate(model, PROMPT, 2)  # a patched call with the swapped parts first
+        monkeypatch.setattr(nn.RMSNorm, "__call__", scaled_norm_call)
+    patched = greedy_generate(model, PROMPT, TOKENS)
+    integration.unpatch()
+    assert_traces_bit_identical(greedy_generate(model, PROMPT, TOKENS), patched)
+
+
 @pytest.fixture
 def counted_rms_norm(monkeypatch):
     """mx.fast.rms_norm wrapped, as a profiler would: same bits, each call counted."""
@@ -454,3 +479,63 @@ def test_the_integration_s_modules_import_in_no_circle():
     circles = [circle for name in graph if (circle := circle_from(name, [name]))]
     assert not circles, " -> ".join(circles[0])
     assert all(len(path.read_text().splitlines()) <= 400 for path in modules.values())
+
+
+def test_the_mode_reaches_the_layer_shapes_as_an_argument():
+    """Only the state, the patching and the engine read the install's mode;
+    the layer shapes are passed the mode of their layer's decision."""
+    import pathlib
+
+    package = pathlib.Path(integration.__file__).parent
+    readers = {
+        path.name for path in package.glob("*.py")
+        if "STATE.mode" in path.read_text() or ".mode = " in path.read_text()
+    }
+    assert readers <= {"state.py", "_patching.py", "engine.py"}
+
+
+def built_modes() -> set:
+    """The modes of every norm + RoPE and norm pair object the layers built."""
+    from mlx_dualnorm.integrations.mlx_lm import head_norms, norm_rope
+
+    objects = [*norm_rope._norm_ropes.values(), *head_norms._dual_norms.values()]
+    return {built.mode for built in objects}
+
+
+def clear_built():
+    from mlx_dualnorm.integrations.mlx_lm import head_norms, norm_rope
+
+    norm_rope.clear_norm_ropes()
+    head_norms.clear_dual_norms()
+
+
+def decided_modes(model) -> set:
+    return {STATE.decisions[id(layer)].mode for layer in attention_layers(model)}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "olmo2", "gemma3_text"])
+def test_a_layer_runs_in_the_mode_of_the_install_it_was_decided_under(model_type):
+    model = build_synthetic_model(model_type)
+    reference = greedy_generate(model, PROMPT, TOKENS)
+    clear_built()
+    integration.patch(mode="compiled")
+    compiled = greedy_generate(model, PROMPT, TOKENS)
+    assert decided_modes(model) == {"compiled"}
+    assert built_modes() == {"compiled"}
+    engaged = integration.report().engaged_layers
+    assert engaged > 0
+    clear_built()
+    integration.patch(mode="composed")  # no unpatch(): decided again, in the new mode
+    composed = greedy_generate(model, PROMPT, TOKENS)
+    assert decided_modes(model) == {"composed"}
+    assert built_modes() == {"composed"}
+    assert integration.report().engaged_layers == engaged  # each layer counted once
+    integration.unpatch()
+    clear_built()
+    integration.patch(mode="compiled")
+    greedy_generate(model, PROMPT, 2)
+    assert decided_modes(model) == {"compiled"}
+    assert built_modes() == {"compiled"}
+    integration.unpatch()
+    assert_traces_bit_identical(reference, compiled)
+    assert_traces_bit_identical(reference, composed)

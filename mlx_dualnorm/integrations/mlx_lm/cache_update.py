@@ -217,7 +217,9 @@ def prework_and_cache_update(prework: LayerPrework, queries, keys, values, cache
     H, D)`` heads and of their ``(B, H, L, D)`` transposes are the same
     rows, normalized alike."""
     try:
-        layer_call = norm_rope.norm_rope_for(prework.rope, prework.query_norm, prework.key_norm)
+        layer_call = norm_rope.norm_rope_for(
+            prework.rope, prework.query_norm, prework.key_norm, prework.mode
+        )
     except Exception as error:  # anything unexpected runs mlx-lm's own code instead
         log_fallback_once("the full-attention norm + RoPE", error)
         return None

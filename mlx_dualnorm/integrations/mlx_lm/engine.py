@@ -11,7 +11,9 @@ its first call whether it engages (its family's ``engages``, a proven
 weak reference, so a new object at a reused id is decided afresh). At every
 call it then tests, by identity, what the decision relied on: the
 functions ``mx.fast.rms_norm`` and ``mx.fast.rope``, each part class's
-``__call__``; where one differs the layer is decided again at that call.
+``__call__``, and the layer's submodules themselves (a part swapped for an
+instance of another class is decided on that class); where one differs
+the layer is decided again at that call.
 An engaged layer's switches (attributes its class's code reads at every
 call, such as ``use_qk_norm``) are tested at every call too; where one
 differs that call runs the class's own code. Proof itself (fingerprints)
@@ -32,6 +34,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_dualnorm._composite import Mode
 from mlx_dualnorm.integrations.mlx_lm import registry
@@ -63,6 +66,11 @@ UNSTABLE = "its {attribute} ({part}) resolves __call__ to a new object at each l
 # program that replaces one (a profiler's wrapper, say) changes what
 # mlx-lm's norms and RoPEs compute, so no layer engages then.
 MLX_FAST_FUNCTIONS = ("rms_norm", "rope")
+
+# Submodules a decision does not hold by: MLX's projections, which every
+# replacement calls through their own code (as mlx-lm does), so a swapped
+# one changes nothing the decision relied on. One identity test a call less each.
+PROJECTIONS = frozenset({nn.Linear, nn.QuantizedLinear})
 
 
 def replaced_mlx_functions() -> list[str]:
@@ -104,6 +112,7 @@ def original_call(layer: Any, *args: Any, **kwargs: Any) -> Any:
 def _dispatcher(attention_class: type, installed_original: Callable):
     decisions = STATE.decisions
     installed_classes = STATE.installed
+    item = dict.get  # a module's submodule, read without Module.__getattr__
 
     def dispatch(self, *args, **kwargs):
         # The decode path: a dict lookup, a weak reference and a few
@@ -114,6 +123,11 @@ def _dispatcher(attention_class: type, installed_original: Callable):
                 if getattr(owner, attribute, None) is not value:
                     decision = None
                     break
+            else:
+                for name, part in decision.parts:
+                    if item(self, name) is not part:
+                        decision = None
+                        break
         else:
             decision = None
         if decision is None:
@@ -126,7 +140,8 @@ def _dispatcher(attention_class: type, installed_original: Callable):
                     return original_call(self, *args, **kwargs)
             decision.tally.calls += 1
             if STATE.prework_log is not None:
-                return recorded_call(self, decision.function, args, kwargs)
+                return recorded_call(self, decision.function, (decision.mode, *args), kwargs)
+            return decision.function(self, decision.mode, *args, **kwargs)
         return decision.function(self, *args, **kwargs)
 
     setattr(dispatch, REPLACEMENT_MARKER, True)
@@ -151,9 +166,9 @@ def _decide(layer: Any, attention_class: type) -> Decision:
         if previous is not None and previous.layer() is layer:
             if previous.holds():
                 return previous  # another thread decided it first
-            _uncount(previous)
+            previous.uncount()
         family = installed.family
-        reason, checks = _live_checks(layer)
+        reason, checks, parts = _live_checks(layer)
         if type(layer) is not attention_class:
             reason = SUBCLASS
         elif reason is None and not _family_engages(family, layer):
@@ -163,7 +178,8 @@ def _decide(layer: Any, attention_class: type) -> Decision:
         engaged = reason is None
         decision = Decision(
             weakref.ref(layer), family.call if engaged else original, engaged, reason,
-            installed.tally, checks, family.switches if engaged else (),
+            installed.tally, checks, parts, family.switches if engaged else (),
+            installed.mode,
         )
         if engaged:
             installed.tally.engaged_layers += 1
@@ -173,17 +189,6 @@ def _decide(layer: Any, attention_class: type) -> Decision:
             STATE.decisions[id(layer)] = decision
             _prune_decisions()
         return decision
-
-
-def _uncount(decision: Decision) -> None:
-    """Takes a decision that is being replaced out of its class's tally."""
-    tally = decision.tally
-    if decision.engaged:
-        tally.engaged_layers -= 1
-    else:
-        tally.left_layers[decision.reason] -= 1
-        if tally.left_layers[decision.reason] <= 0:
-            del tally.left_layers[decision.reason]
 
 
 def _family_engages(family: registry.AttentionFamily, layer: Any) -> bool:
@@ -196,9 +201,12 @@ def _family_engages(family: registry.AttentionFamily, layer: Any) -> bool:
         return False
 
 
-def _live_checks(layer: Any) -> tuple[Optional[str], tuple]:
+def _live_checks(layer: Any) -> tuple[Optional[str], tuple, tuple]:
     """(why the layer may not engage, or None; the identity checks its
-    decision holds by): MLX's fast functions must be MLX's own, and every
+    decision holds by; its submodules as ``(name, module)``, which the
+    decision holds by too: a part swapped for an instance of a class none
+    of the checks covers, one whose ``__call__`` was replaced, say, is
+    decided again): MLX's fast functions must be MLX's own, and every
     part whose class is one the replacements compute (one of
     :data:`.registry.REPRODUCED_PART_CLASSES`, as its module defines it) must
     resolve ``__call__`` to proven code (any other class, a subclass or a
@@ -214,7 +222,11 @@ def _live_checks(layer: Any) -> tuple[Optional[str], tuple]:
             reason = MLX_FUNCTION_REPLACED.format(name=name)
     part_classes = registry.reproduced_part_class_set()
     items = layer.items() if isinstance(layer, dict) else ()
-    for attribute, part in items:
+    parts = tuple(
+        (name, item) for name, item in items
+        if isinstance(item, nn.Module) and type(item) not in PROJECTIONS
+    )
+    for attribute, part in parts:
         part_class = type(part)
         if part_class not in part_classes:
             continue
@@ -237,7 +249,7 @@ def _live_checks(layer: Any) -> tuple[Optional[str], tuple]:
             function is call and registry.is_proven_function(piece, function)
         ):
             reason = PART_UNPROVEN.format(attribute=attribute, part=registry.class_name(part_class))
-    return reason, tuple(checks)
+    return reason, tuple(checks), parts
 
 
 def _prune_decisions() -> None:
@@ -297,7 +309,12 @@ def plan() -> Plan:
 
 def install(install_plan: Plan, new_mode: Optional[Mode]) -> None:
     """Patches the plan's proven classes and leaves its unproven ones; the
-    caller holds ``STATE.lock``. Cannot fail past its first assignment."""
+    caller holds ``STATE.lock``. Cannot fail past its first assignment.
+    Classes installed already keep their dispatchers; where ``new_mode``
+    is not the mode in force, their layers are decided again at their next
+    call, so every engaged layer runs in the mode of the install in force."""
+    if new_mode != STATE.mode:
+        STATE.forget_decisions()
     STATE.mode = new_mode
     STATE.unproven_classes = dict(install_plan.unproven)
     for attention_class in install_plan.unproven:
@@ -310,12 +327,13 @@ def install(install_plan: Plan, new_mode: Optional[Mode]) -> None:
             del STATE.installed[attention_class]  # the user replaced our dispatcher
             installed = None
         if installed is not None:
-            continue  # already patched: its layers keep their decisions
+            installed.mode = new_mode
+            continue  # already patched: its layers keep their decisions (mode above)
         original = unpatched_function(attention_class, "__call__")
         inherited = "__call__" not in attention_class.__dict__
         dispatcher = _dispatcher(attention_class, original)  # type: ignore[arg-type]
         STATE.installed[attention_class] = Installed(
-            family, original, inherited, dispatcher, Tally()  # type: ignore[arg-type]
+            family, original, inherited, dispatcher, Tally(), new_mode  # type: ignore[arg-type]
         )
         STATE.originals[attention_class] = original  # type: ignore[assignment]
         attention_class.__call__ = dispatcher  # type: ignore[method-assign]

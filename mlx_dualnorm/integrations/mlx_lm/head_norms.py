@@ -39,6 +39,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_dualnorm._composite import Mode
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
 from mlx_dualnorm.integrations.mlx_lm import engine, norm_rope, registry
 from mlx_dualnorm.integrations.mlx_lm.state import STATE
@@ -132,24 +133,25 @@ _dual_norms: dict = {}
 _dual_norms_lock = threading.Lock()
 
 
-def dual_norm_for(eps) -> Optional[CompiledDualHeadNorm]:
-    """The CompiledDualHeadNorm of epsilon ``eps`` (and of the mode the
-    integration runs in), built once and shared by every layer whose q/k
-    norm pair it computes; None once the cache is full."""
-    mode = STATE.mode
+def dual_norm_for(eps, mode: Optional[Mode] = None) -> Optional[CompiledDualHeadNorm]:
+    """The CompiledDualHeadNorm of epsilon ``eps`` in ``mode`` (the one the
+    layer was decided in; None: the default), built once and shared by
+    every layer whose q/k norm pair it computes; None once the cache is
+    full."""
     return cached_or_built(
         _dual_norms, _dual_norms_lock, (mode, eps, type(eps)),
-        lambda: CompiledDualHeadNorm(eps, **({} if mode is None else {"mode": mode})),
+        lambda: CompiledDualHeadNorm(eps, mode="auto" if mode is None else mode),
         None,
     )
 
 
-def normalized_pair(queries, keys, query_norm, key_norm):
-    """``(query_norm(queries), key_norm(keys))`` as one call, or None where
+def normalized_pair(queries, keys, query_norm, key_norm, mode: Optional[Mode] = None):
+    """``(query_norm(queries), key_norm(keys))`` as one call of an object
+    built in ``mode``, or None where
     the pair is not what this computes (the caller then runs mlx-lm's own
     ``__call__``). Runs for every engaged layer of every decode step."""
     try:
-        normalized = _normalized_pair(queries, keys, query_norm, key_norm)
+        normalized = _normalized_pair(queries, keys, query_norm, key_norm, mode)
     except Exception as error:  # anything unexpected runs mlx-lm's own code instead
         log_fallback_once("the q/k norm pair", error)
         return None
@@ -159,12 +161,12 @@ def normalized_pair(queries, keys, query_norm, key_norm):
     return normalized
 
 
-def _normalized_pair(queries, keys, query_norm, key_norm):
+def _normalized_pair(queries, keys, query_norm, key_norm, mode):
     kind_and_epsilon = _kind_and_epsilon(query_norm, key_norm)
     if kind_and_epsilon is None:
         return None
     kind, eps = kind_and_epsilon
-    dual_norm = dual_norm_for(eps)
+    dual_norm = dual_norm_for(eps, mode)
     if dual_norm is None:
         return None
     return dual_norm(queries, keys, kind.weight(query_norm, queries), kind.weight(key_norm, keys))
@@ -185,12 +187,14 @@ def stand_in_norm(eps) -> nn.RMSNorm:
     return norm_rope.RMS_NORM(1, eps) if stand_in is None else stand_in
 
 
-def norm_rope_prework(place: str, rope, query_norm, key_norm, queries, keys):
+def norm_rope_prework(
+    place: str, rope, query_norm, key_norm, queries, keys, mode: Optional[Mode] = None
+):
     """The prework of a layer whose q/k norms of a known class are followed
     by ``rope``, as :func:`~.cache_update.prework_and_cache_update` takes
     it: the RoPE, the norms (stand-ins of their eps where they are not
     ``nn.RMSNorm``) and the weights each norm passes to ``rms_norm``, read
-    now; None where the norms are not a known pair, ``rope`` is not one
+    now, and ``mode`` to build in; None where the norms are not a known pair, ``rope`` is not one
     the norm + RoPE call computes (``nn.RoPE``, the scaled RoPEs) or
     reading them raises (logged once for ``place``, the caller's kind of
     layer, which then takes its other path)."""
@@ -204,13 +208,15 @@ def norm_rope_prework(place: str, rope, query_norm, key_norm, queries, keys):
         weights = kind.weight(query_norm, queries), kind.weight(key_norm, keys)
         if kind is not _PLAIN:
             query_norm = key_norm = stand_in_norm(eps)
-        return norm_rope.LayerPrework(rope, query_norm, key_norm, *weights)
+        return norm_rope.LayerPrework(rope, query_norm, key_norm, *weights, mode)
     except Exception as error:  # anything unexpected takes the layer's other path
         log_fallback_once(place, error, "takes its other path")
         return None
 
 
-def normalized_rotated_heads(queries, keys, query_norm, key_norm, rope, offset):
+def normalized_rotated_heads(
+    queries, keys, query_norm, key_norm, rope, offset, mode: Optional[Mode] = None
+):
     """(B, H, L, D) queries and keys from (B, L, H, D) heads: normalized,
     transposed and rotated by ``rope(x, offset=offset)``, as mlx-lm's
     per-head layers do. Where ``rope`` is one the qwen3 layers' norm + RoPE
@@ -218,10 +224,10 @@ def normalized_rotated_heads(queries, keys, query_norm, key_norm, rope, offset):
     are plain ``nn.RMSNorm``, that is ONE call of its cached
     :class:`~mlx_dualnorm.CompiledDualHeadNormRope`; otherwise the norm pair
     in one call, then the layer's own RoPE. None where neither computes the
-    layer exactly."""
+    layer exactly. The package's objects are built in ``mode``."""
     try:
         if type(rope) is norm_rope.ROPE or type(rope) in norm_rope.SCALED_ROPE_CLASSES:
-            layer_call = norm_rope.norm_rope_for(rope, query_norm, key_norm)
+            layer_call = norm_rope.norm_rope_for(rope, query_norm, key_norm, mode)
             if layer_call is not None:
                 rotated = layer_call(
                     queries, keys, query_norm["weight"], key_norm["weight"], offset=offset
@@ -229,7 +235,7 @@ def normalized_rotated_heads(queries, keys, query_norm, key_norm, rope, offset):
                 if STATE.prework_log is not None:  # a tool is recording
                     engine.note_prework(engine.NORM_ROPE)
                 return rotated
-        normalized = _normalized_pair(queries, keys, query_norm, key_norm)
+        normalized = _normalized_pair(queries, keys, query_norm, key_norm, mode)
         if normalized is None:
             return None
         if STATE.prework_log is not None:  # a tool is recording

@@ -42,7 +42,9 @@ def _model_module(attention):
     return sys.modules[type(attention).__module__]
 
 
-def _projected_attention(attention, output_projection, projections, norms, call_arguments):
+def _projected_attention(
+    attention, mode, output_projection, projections, norms, call_arguments
+):
     """``output_projection`` of the attention over queries, keys and values
     given as ``(B, L, H, D)`` heads. mlx-lm transposes them to ``(B, H, L,
     D)`` before its norms. A one-token call (decode) whose norms and RoPE
@@ -53,19 +55,20 @@ def _projected_attention(attention, output_projection, projections, norms, call_
     rows in their order, have mlx-lm's bits. Any other call transposes q and
     k as mlx-lm does, normalizes them by ``norms`` in one call and rotates
     them by the layer's RoPE. The class's own ``__call__`` on
-    ``call_arguments`` (x, mask, cache) where neither computes the layer."""
+    ``call_arguments`` (x, mask, cache) where neither computes the layer.
+    The package's objects are built in ``mode``."""
     queries, keys, values = projections
     _, mask, cache = call_arguments
     prepared = prework = None
     if queries.shape[1] == 1:
         prework = head_norms.norm_rope_prework(
-            "the heads-first norm + RoPE", attention.rope, *norms, queries, keys
+            "the heads-first norm + RoPE", attention.rope, *norms, queries, keys, mode
         )
     if prework is not None:
         prepared = cache_update.prework_and_cache_update(prework, queries, keys, values, cache)
     if prepared is None:
         queries, keys, values = (_heads_first(heads) for heads in projections)
-        normalized = head_norms.normalized_pair(queries, keys, *norms)
+        normalized = head_norms.normalized_pair(queries, keys, *norms, mode)
         if normalized is None:
             return original_call(attention, *call_arguments)
         queries, keys = head_norms.rotated_pair(attention.rope, *normalized, cache)
@@ -97,13 +100,15 @@ def _projections(attention, x, heads, kv_heads, head_dim):
     )
 
 
-def _normalized_projections_heads_first(attention, x, heads, kv_heads, head_dim):
+def _normalized_projections_heads_first(attention, mode, x, heads, kv_heads, head_dim):
     """The layer's (B, H, L, D) q, k and v projections of ``x``, q and k
     normalized by ``q_norm`` / ``k_norm`` in one call; None where the pair
     is not what the package computes."""
     projections = _projections(attention, x, heads, kv_heads, head_dim)
     queries, keys, values = (_heads_first(heads) for heads in projections)
-    normalized = head_norms.normalized_pair(queries, keys, attention.q_norm, attention.k_norm)
+    normalized = head_norms.normalized_pair(
+        queries, keys, attention.q_norm, attention.k_norm, mode
+    )
     return None if normalized is None else (*normalized, values)
 
 
@@ -118,11 +123,11 @@ def _split_heads(projected, batch, length, heads, head_dims):
     ]
 
 
-def _afmoe_attention_call(self, x, mask=None, cache=None):
+def _afmoe_attention_call(self, mode, x, mask=None, cache=None):
     """afmoe: gated attention; only its sliding-window layers have a RoPE."""
     B, L, _ = x.shape
     projections = _normalized_projections_heads_first(
-        self, x, self.n_heads, self.n_kv_heads, self.head_dim
+        self, mode, x, self.n_heads, self.n_kv_heads, self.head_dim
     )
     if projections is None:
         return original_call(self, x, mask, cache)
@@ -134,16 +139,17 @@ def _afmoe_attention_call(self, x, mask=None, cache=None):
     return self.o_proj(output * gate)
 
 
-def _openelm_attention_call(self, x, mask=None, cache=None):
+def _openelm_attention_call(self, mode, x, mask=None, cache=None):
     B, L, _ = x.shape
     qkv = self.qkv_proj(x).reshape(B, L, self.n_heads + (self.n_kv_heads * 2), self.head_dim)
     queries, keys, values = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=2)
     return _projected_attention(
-        self, self.out_proj, (queries, keys, values), (self.q_norm, self.k_norm), (x, mask, cache)
+        self, mode, self.out_proj, (queries, keys, values), (self.q_norm, self.k_norm),
+        (x, mask, cache),
     )
 
 
-def _bailing_attention_call(self, x, mask=None, cache=None):
+def _bailing_attention_call(self, mode, x, mask=None, cache=None):
     """bailing_moe's and bailing_moe_linear's full attention."""
     B, L, _ = x.shape
     heads = (self.num_attention_heads, self.num_key_value_heads, self.num_key_value_heads)
@@ -151,12 +157,12 @@ def _bailing_attention_call(self, x, mask=None, cache=None):
         self.query_key_value(x), B, L, heads, (self.head_dim,) * 3
     )
     return _projected_attention(
-        self, self.dense, (queries, keys, values), (self.query_layernorm, self.key_layernorm),
-        (x, mask, cache),
+        self, mode, self.dense, (queries, keys, values),
+        (self.query_layernorm, self.key_layernorm), (x, mask, cache),
     )
 
 
-def _lightning_attention(self, x, mask, cache, offset, hybrid):
+def _lightning_attention(self, mode, x, mask, cache, offset, hybrid):
     """bailing_moe_linear's and bailing_hybrid's linear attention: RoPE at
     the model's ``offset``, then the model's recurrence (bailing_hybrid's
     takes the mask and advances a cache that can)."""
@@ -167,7 +173,7 @@ def _lightning_attention(self, x, mask, cache, offset, hybrid):
     queries, keys = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
     values = v.transpose(0, 2, 1, 3)
     normalized = head_norms.normalized_pair(
-        queries, keys, self.query_layernorm, self.key_layernorm
+        queries, keys, self.query_layernorm, self.key_layernorm, mode
     )
     if normalized is None:
         return original_call(self, x, mask, cache, offset)
@@ -187,24 +193,25 @@ def _lightning_attention(self, x, mask, cache, offset, hybrid):
     return self.dense(output)
 
 
-def _bailing_linear_attention_call(self, x, mask=None, cache=None, offset=0):
-    return _lightning_attention(self, x, mask, cache, offset, hybrid=False)
+def _bailing_linear_attention_call(self, mode, x, mask=None, cache=None, offset=0):
+    return _lightning_attention(self, mode, x, mask, cache, offset, hybrid=False)
 
 
-def _bailing_hybrid_linear_attention_call(self, x, mask=None, cache=None, offset=0):
-    return _lightning_attention(self, x, mask, cache, offset, hybrid=True)
+def _bailing_hybrid_linear_attention_call(self, mode, x, mask=None, cache=None, offset=0):
+    return _lightning_attention(self, mode, x, mask, cache, offset, hybrid=True)
 
 
-def _gemma3_text_attention_call(self, x, mask=None, cache=None):
+def _gemma3_text_attention_call(self, mode, x, mask=None, cache=None):
     """gemma3_text: norms of weight ``1.0 + w``."""
     B, L, _ = x.shape
     queries, keys, values = _projections(self, x, self.n_heads, self.n_kv_heads, -1)
     return _projected_attention(
-        self, self.o_proj, (queries, keys, values), (self.q_norm, self.k_norm), (x, mask, cache)
+        self, mode, self.o_proj, (queries, keys, values), (self.q_norm, self.k_norm),
+        (x, mask, cache),
     )
 
 
-def _plamo3_attention_call(self, hidden_states, mask=None, cache=None):
+def _plamo3_attention_call(self, mode, hidden_states, mask=None, cache=None):
     """plamo3: norms of weight ``w + offset`` (their ``scale``)."""
     B, L, _ = hidden_states.shape
     queries, keys, values = _split_heads(
@@ -213,19 +220,19 @@ def _plamo3_attention_call(self, hidden_states, mask=None, cache=None):
         (self.qk_dim, self.qk_dim, self.v_dim),
     )
     return _projected_attention(
-        self, self.o_proj, (queries, keys, values), (self.q_norm, self.k_norm),
+        self, mode, self.o_proj, (queries, keys, values), (self.q_norm, self.k_norm),
         (hidden_states, mask, cache),
     )
 
 
-def _minimax_m3_attention_call(self, x, mask=None, cache=None):
+def _minimax_m3_attention_call(self, mode, x, mask=None, cache=None):
     """minimax_m3_vl: a KV cache and an indexer cache, RoPE at the KV
     cache's offset, the indexer's block mask on sparse layers."""
     B, L, _ = x.shape
     kv_cache = cache[0] if cache is not None else None
     offset = kv_cache.offset if kv_cache is not None else 0
     projections = _normalized_projections_heads_first(
-        self, x, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        self, mode, x, self.num_attention_heads, self.num_key_value_heads, self.head_dim
     )
     if projections is None:
         return original_call(self, x, mask, cache)

@@ -51,7 +51,7 @@ def _at_cache_offset(offset, cache) -> bool:
     )
 
 
-def _prepared_heads(attention, queries, keys, values, cache, offset, at_cache_offset):
+def _prepared_heads(attention, mode, queries, keys, values, cache, offset, at_cache_offset):
     """Queries, keys and values ready for attention, ``(B, H, L', D)``, from
     ``(B, L, H, D)`` heads (``values`` already through the layer's
     ``v_norm``): q and k normalized and rotated at ``offset``, the cache
@@ -59,25 +59,26 @@ def _prepared_heads(attention, queries, keys, values, cache, offset, at_cache_of
     the RoPE and the cache write are ONE norm + RoPE call, as in qwen3;
     otherwise, or where that call does not apply, the norm + RoPE of
     :func:`~.head_norms.normalized_rotated_heads` and the cache's own
-    update. None where neither computes the layer."""
+    update. The package's objects are built in ``mode``. None where neither
+    computes the layer."""
     if at_cache_offset:
         prework = head_norms.norm_rope_prework(
             "the per-head norm + RoPE with the cache write",
-            attention.rope, attention.q_norm, attention.k_norm, queries, keys,
+            attention.rope, attention.q_norm, attention.k_norm, queries, keys, mode,
         )
         if prework is not None:
             prepared = cache_update.prework_and_cache_update(prework, queries, keys, values, cache)
             if prepared is not None:
                 return prepared
     rotated = head_norms.normalized_rotated_heads(
-        queries, keys, attention.q_norm, attention.k_norm, attention.rope, offset
+        queries, keys, attention.q_norm, attention.k_norm, attention.rope, offset, mode
     )
     if rotated is None:
         return None
     return cache_update.with_cache_update(*rotated, values, cache)
 
 
-def _gemma3n_attention_call(self, x, mask=None, cache=None, offset=0):
+def _gemma3n_attention_call(self, mode, x, mask=None, cache=None, offset=0):
     if self.is_kv_shared_layer and cache is not None:  # keys and values from another layer
         return original_call(self, x, mask, cache, offset)
     B, L, _ = x.shape
@@ -86,14 +87,16 @@ def _gemma3n_attention_call(self, x, mask=None, cache=None, offset=0):
     values = self.v_norm(self.v_proj(x).reshape(B, L, -1, self.head_dim))
     # The model passes the first cache's offset to every layer.
     prepared = _prepared_heads(
-        self, queries, keys, values, cache, offset, _at_cache_offset(offset, cache)
+        self, mode, queries, keys, values, cache, offset, _at_cache_offset(offset, cache)
     )
     if prepared is None:
         return original_call(self, x, mask, cache, offset)
     return self.o_proj(attended(self, *prepared, cache, mask, B, L))
 
 
-def _gemma4_text_attention_call(self, x, mask=None, cache=None, shared_kv=None, offset=None):
+def _gemma4_text_attention_call(
+    self, mode, x, mask=None, cache=None, shared_kv=None, offset=None
+):
     if shared_kv is not None or not self.has_kv:  # keys and values from another layer
         return original_call(self, x, mask, cache, shared_kv, offset)
     B, L, _ = x.shape
@@ -106,7 +109,7 @@ def _gemma4_text_attention_call(self, x, mask=None, cache=None, shared_kv=None, 
     # one call rotates at cache.offset itself, the same int32 position.
     rope_offset = mx.array(cache.offset) if cache is not None else 0
     prepared = _prepared_heads(
-        self, queries, keys, self.v_norm(values), cache, rope_offset, at_cache_offset=True
+        self, mode, queries, keys, self.v_norm(values), cache, rope_offset, at_cache_offset=True
     )
     if prepared is None:
         return original_call(self, x, mask, cache, shared_kv, offset)
@@ -114,11 +117,11 @@ def _gemma4_text_attention_call(self, x, mask=None, cache=None, shared_kv=None, 
     return self.o_proj(output), prepared[1:], rope_offset
 
 
-def _gear_attention_call(self, x, mask=None, cache=None):
+def _gear_attention_call(self, mode, x, mask=None, cache=None):
     B, L, _ = x.shape
     queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
     keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-    normalized = head_norms.normalized_pair(queries, keys, self.q_norm, self.k_norm)
+    normalized = head_norms.normalized_pair(queries, keys, self.q_norm, self.k_norm, mode)
     if normalized is None:
         return original_call(self, x, mask, cache)
     queries, keys = (normed.transpose(0, 2, 1, 3) for normed in normalized)
@@ -135,13 +138,13 @@ def _gear_attention_call(self, x, mask=None, cache=None):
     return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-def _gear_conv_mixer_call(self, x, mask=None, cache=None):
+def _gear_conv_mixer_call(self, mode, x, mask=None, cache=None):
     """gear's conv mixer: q and k normalized, then flattened (no RoPE)."""
     B, L, _ = x.shape
     masked = self._apply_mask(x, mask)
     query = self.q_proj(masked).reshape(B, L, self.n_heads, self.head_dim)
     key = self.k_proj(masked).reshape(B, L, self.n_kv_heads, self.head_dim)
-    normalized = head_norms.normalized_pair(query, key, self.q_norm, self.k_norm)
+    normalized = head_norms.normalized_pair(query, key, self.q_norm, self.k_norm, mode)
     if normalized is None:  # before the caches change
         return original_call(self, x, mask, cache)
     query, key = (normed.reshape(B, L, -1) for normed in normalized)

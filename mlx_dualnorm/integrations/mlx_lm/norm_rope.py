@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx.nn.layers.normalization import RMSNorm
 from mlx.nn.layers.positional_encoding import RoPE
 
+from mlx_dualnorm._composite import Mode
 from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
 from mlx_dualnorm.integrations.mlx_lm import registry
 from mlx_dualnorm.integrations.mlx_lm._shared import (
@@ -33,7 +34,6 @@ from mlx_dualnorm.integrations.mlx_lm._shared import (
     cached_or_built,
     log_fallback_once,
 )
-from mlx_dualnorm.integrations.mlx_lm.state import STATE
 
 # The classes as MLX defines them, from their own modules (a name the
 # program rebinds, such as ``nn.RMSNorm = MyNorm``, changes nothing here).
@@ -50,8 +50,9 @@ _norm_ropes_lock = threading.Lock()
 module_item = dict.get
 
 
-def norm_rope_for(rope, query_norm, key_norm):
-    """The cached CompiledDualHeadNormRope for a layer's constants, or None
+def norm_rope_for(rope, query_norm, key_norm, mode: Optional[Mode] = None):
+    """The cached CompiledDualHeadNormRope for a layer's constants in
+    ``mode`` (None: the default, the best path here), or None
     where the layer's norms or RoPE are not exactly what it computes. For
     the scaled RoPEs of ``rope_utils`` (:data:`SCALED_ROPE_CLASSES`), the
     object bound to the layer's frequency table, read at this call: a
@@ -66,21 +67,20 @@ def norm_rope_for(rope, query_norm, key_norm):
     as it is, never a stale copy."""
     rope_type = type(rope)
     if rope_type is not ROPE and rope_type in SCALED_ROPE_CLASSES:  # nn.RoPE: one test
-        return _scaled_norm_rope_for(rope, query_norm, key_norm)
+        return _scaled_norm_rope_for(rope, query_norm, key_norm, mode)
     key = (
-        STATE.mode, type(rope), type(query_norm), type(key_norm),
+        mode, type(rope), type(query_norm), type(key_norm),
         query_norm.eps, key_norm.eps, rope.dims, type(rope.dims),
         rope.traditional, type(rope.traditional), rope.base, rope.scale,
     )
     norm_rope = _norm_ropes.get(key)
     if norm_rope is not None or not is_plain_norm_rope(rope, query_norm, key_norm):
         return norm_rope
-    mode = STATE.mode
     return cached_or_built(
         _norm_ropes, _norm_ropes_lock, key,
         lambda: CompiledDualHeadNormRope(
             query_norm.eps, rope.dims, base=rope.base, traditional=rope.traditional,
-            scale=rope.scale, **({} if mode is None else {"mode": mode}),
+            scale=rope.scale, mode="auto" if mode is None else mode,
         ),
         None,
     )
@@ -154,12 +154,12 @@ def _scaled_rope_constants(rope):
     return dims, traditional, input_scale
 
 
-def _scaled_norm_rope_for(rope, query_norm, key_norm):
+def _scaled_norm_rope_for(rope, query_norm, key_norm, mode):
     """_norm_rope_for for a scaled RoPE: the cached object for the
     constants, bound to the table read now."""
     constants = _scaled_rope_constants(rope)
     key = (
-        STATE.mode, type(rope), type(query_norm), type(key_norm),
+        mode, type(rope), type(query_norm), type(key_norm),
         query_norm.eps, key_norm.eps, constants,
     )
     norm_rope = _norm_ropes.get(key)
@@ -167,12 +167,11 @@ def _scaled_norm_rope_for(rope, query_norm, key_norm):
         if not is_plain_norm_rope(rope, query_norm, key_norm):
             return None
         dims, traditional, input_scale = constants
-        mode = STATE.mode
         norm_rope = cached_or_built(
             _norm_ropes, _norm_ropes_lock, key,
             lambda: CompiledDualHeadNormRope(
                 query_norm.eps, dims, base=None, traditional=traditional,
-                input_scale=input_scale, **({} if mode is None else {"mode": mode}),
+                input_scale=input_scale, mode="auto" if mode is None else mode,
             ),
             None,
         )
@@ -186,18 +185,21 @@ class LayerPrework(NamedTuple):
     module, its two norms as ``nn.RMSNorm`` modules (or stand-ins of the
     same eps for norm classes that compute ``rms_norm`` with another
     weight: only their type and eps are read) and the weights those norms
-    pass to ``rms_norm`` (None for none)."""
+    pass to ``rms_norm`` (None for none); the mode the package's objects
+    are built in (the one the layer was decided in; None: the default)."""
 
     rope: object
     query_norm: object
     key_norm: object
     query_weight: Optional[mx.array]
     key_weight: Optional[mx.array]
+    mode: Optional[Mode] = None
 
 
-def layer_prework(attention) -> LayerPrework:
+def layer_prework(attention, mode: Optional[Mode] = None) -> LayerPrework:
     """The prework of a qwen3-shaped layer (``rope``, ``q_norm``,
-    ``k_norm``), read as items where the module keeps them so."""
+    ``k_norm``), read as items where the module keeps them so, for
+    objects built in ``mode``."""
     item = module_item
     rope, query_norm = item(attention, "rope"), item(attention, "q_norm")
     key_norm = item(attention, "k_norm")
@@ -208,7 +210,7 @@ def layer_prework(attention) -> LayerPrework:
         # As nn.RMSNorm reads it (``self["weight"]``): a norm without one
         # raises here, and the class's own code raises as unpatched.
         query_weight, key_weight = query_norm["weight"], key_norm["weight"]
-    return LayerPrework(rope, query_norm, key_norm, query_weight, key_weight)
+    return LayerPrework(rope, query_norm, key_norm, query_weight, key_weight, mode)
 
 
 def rotated_queries_and_keys(norm_rope, prework: LayerPrework, queries, keys, cache):

@@ -178,13 +178,13 @@ class PartNames:
 # ---- The prework and the call ------------------------------------------------------
 
 
-def _head_norm_for(query_norm, key_norm) -> Optional[CompiledDualHeadNorm]:
+def _head_norm_for(query_norm, key_norm, mode) -> Optional[CompiledDualHeadNorm]:
     """The CompiledDualHeadNorm of a layer without RoPE (the one every
     norm pair of that eps shares, head_norms'), or None where its norms are
     not nn.RMSNorm with one plain eps."""
     if not _is_plain_norm(query_norm, key_norm):
         return None
-    return head_norms.dual_norm_for(query_norm.eps)
+    return head_norms.dual_norm_for(query_norm.eps, mode)
 
 
 def _is_plain_norm(query_norm, key_norm) -> bool:
@@ -196,12 +196,12 @@ def _is_plain_norm(query_norm, key_norm) -> bool:
     )
 
 
-def _normalized_heads(query_norm, key_norm, query_weight, key_weight, queries, keys):
+def _normalized_heads(query_norm, key_norm, query_weight, key_weight, queries, keys, mode):
     """(B, H, L, D) queries and keys of a layer without RoPE, normalized by
     one call of the package, or None (the caller then runs the class's own
     __call__)."""
     try:
-        head_norm = _head_norm_for(query_norm, key_norm)
+        head_norm = _head_norm_for(query_norm, key_norm, mode)
         if head_norm is None:
             return None
         queries, keys = head_norm(queries, keys, query_weight, key_weight)
@@ -213,11 +213,12 @@ def _normalized_heads(query_norm, key_norm, query_weight, key_weight, queries, k
         return None
 
 
-def _prework(part_names: PartNames, attention, queries, keys, values, cache):
+def _prework(part_names: PartNames, attention, mode, queries, keys, values, cache):
     """Queries, keys and values ready for attention, ``(B, H, L', D)``, the
     q/k prework one call of the package (norm + RoPE, with the cache write
     where the cache allows, or the norm alone in a layer without RoPE), or
-    None (the caller then runs the class's own __call__)."""
+    None (the caller then runs the class's own __call__). The package's
+    objects are built in ``mode``."""
     try:
         norms = part_names.norms(attention)
         rope = None if norms is None else part_names.rope(attention)
@@ -229,11 +230,11 @@ def _prework(part_names: PartNames, attention, queries, keys, values, cache):
     query_norm, key_norm, query_weight, key_weight = norms
     if rope is not None:
         prework = norm_rope.LayerPrework(
-            rope, query_norm, key_norm, query_weight, key_weight
+            rope, query_norm, key_norm, query_weight, key_weight, mode
         )
         return cache_update.prework_and_cache_update(prework, queries, keys, values, cache)
     normalized = _normalized_heads(
-        query_norm, key_norm, query_weight, key_weight, queries, keys
+        query_norm, key_norm, query_weight, key_weight, queries, keys, mode
     )
     if normalized is None:
         return None
@@ -255,14 +256,16 @@ def _engages(part_names: PartNames, attention) -> bool:
 def _attention_call(part_names: PartNames):
     """The replacement __call__ of a family whose parts ``part_names`` names."""
 
-    def call(self, x, mask=None, cache=None):
+    def call(self, mode, x, mask=None, cache=None):
         batch, length, _ = x.shape
         query_heads = getattr(self, part_names.heads)
         kv_heads = getattr(self, part_names.kv_heads)
         head_queries = self.q_proj(x).reshape(batch, length, query_heads, -1)
         head_keys = self.k_proj(x).reshape(batch, length, kv_heads, -1)
         head_values = self.v_proj(x).reshape(batch, length, kv_heads, -1)
-        prepared = _prework(part_names, self, head_queries, head_keys, head_values, cache)
+        prepared = _prework(
+            part_names, self, mode, head_queries, head_keys, head_values, cache
+        )
         if prepared is None:
             return original_call(self, x, mask, cache)
         output = attended(self, *prepared, cache, mask, batch, length)

@@ -6,8 +6,8 @@ One object, :data:`STATE`. :mod:`._patching` writes the setting and the
 holds, :mod:`.engine` what is installed and decided, :mod:`.registry` the
 modules that failed to import, :mod:`.report` that the warning was given
 and :mod:`.prework_log` what a tool records; the layer shapes only read it
-(the mode their objects are built with, whether a tool records, whether
-the patch is on). This module imports nothing of the integration.
+(whether a tool records, whether the patch is on); the mode reaches
+them as an argument, from the layer's decision. This module imports nothing of the integration.
 """
 
 from __future__ import annotations
@@ -43,25 +43,53 @@ class Decision:
     ``(owner, attribute, value)`` for everything the decision relied on
     (MLX's fast functions, its parts' classes' ``__call__``), tested by
     identity at every call, the layer decided again where one differs;
-    ``switches``: ``(attribute, value)`` of the layer that its original
-    reads at every call, tested at every call of an engaged layer, which
-    runs the class's own code where one differs."""
+    ``parts``: ``(name, module)`` of the layer's submodules as it held
+    them, tested by identity at every call (a part swapped for an instance
+    of another class, whose ``__call__`` no check covers, is decided
+    again); ``switches``: ``(attribute, value)`` of the layer that its
+    original reads at every call, tested at every call of an engaged layer,
+    which runs the class's own code where one differs; ``mode``: the mode
+    of the install it was decided under, which the dispatcher passes to an
+    engaged layer's replacement (after ``self``) at every call."""
 
-    __slots__ = ("layer", "function", "engaged", "reason", "tally", "checks", "switches")
+    __slots__ = (
+        "layer", "function", "engaged", "reason", "tally", "checks", "parts", "switches", "mode"
+    )
 
-    def __init__(self, layer, function, engaged, reason, tally, checks=(), switches=()):
+    def __init__(
+        self, layer, function, engaged, reason, tally, checks=(), parts=(), switches=(),
+        mode: Optional[Mode] = None,
+    ):
         self.layer = layer
         self.function = function
         self.engaged = engaged
         self.reason = reason
         self.tally = tally
         self.checks = checks
+        self.parts = parts
         self.switches = switches
+        self.mode = mode
+
+    def uncount(self) -> None:
+        """Takes the decision, being replaced or dropped, out of its class's tally."""
+        tally = self.tally
+        if self.engaged:
+            tally.engaged_layers -= 1
+        else:
+            tally.left_layers[self.reason] -= 1
+            if tally.left_layers[self.reason] <= 0:
+                del tally.left_layers[self.reason]
 
     def holds(self) -> bool:
         """Whether everything the decision relied on is as it was."""
         for owner, attribute, value in self.checks:
             if getattr(owner, attribute, None) is not value:
+                return False
+        layer = self.layer()
+        if layer is None:
+            return False
+        for name, part in self.parts:
+            if dict.get(layer, name) is not part:
                 return False
         return True
 
@@ -75,6 +103,7 @@ class Installed:
     inherited: bool  # the class had no __call__ of its own: restoring deletes ours
     dispatcher: Callable
     tally: Tally
+    mode: Optional[Mode] = None  # what its layers are decided with
 
 
 class Hold:
@@ -104,7 +133,9 @@ class PatchState:
         # Held by patch(), unpatch(), a block's end and every decision.
         self.lock = threading.RLock()
         self.patched = False
-        self.mode: Optional[Mode] = None  # the mode the replacements build with
+        # The mode of the install in force: each decision holds its own copy,
+        # which its layer's replacement is passed at every call.
+        self.mode: Optional[Mode] = None
         # The holds in force, oldest first: the newest one's setting is installed.
         self.holds: list[Hold] = []
         self.installed: dict[type, Installed] = {}
@@ -126,6 +157,15 @@ class PatchState:
         # While a tool records: id(layer) -> kinds of package call it made.
         self.prework_log: Optional[dict[int, set[str]]] = None
         self.calling_layer: Optional[int] = None
+
+    def forget_decisions(self) -> None:
+        """Drops every decision, each taken out of its class's tally: the
+        layers are decided again at their next call."""
+        with self.decisions_lock:
+            for decision in self.decisions.values():
+                if decision.layer() is not None:
+                    decision.uncount()
+            self.decisions.clear()
 
 
 STATE = PatchState()

@@ -33,7 +33,7 @@ from mlx_dualnorm.integrations.mlx_lm.norm_after_transpose import REFUSAL
 
 
 def _attend_normalized_projections(
-    attention, x, mask, cache, heads, kv_heads, rope_optional=False
+    attention, mode, x, mask, cache, heads, kv_heads, rope_optional=False
 ):
     """The layer's output. Where the layer's norms and RoPE are what the
     norm + RoPE call computes, its q/k prework (with the cache write where
@@ -42,7 +42,7 @@ def _attend_normalized_projections(
     normalize each token's heads together, as mlx-lm does before the split.
     Otherwise the two norms are one call at the projections' width, and the
     rest is mlx-lm's code. The class's own ``__call__`` where neither
-    computes the layer."""
+    computes the layer. The package's objects are built in ``mode``."""
     B, L, _ = x.shape
     query_norm, key_norm = attention.q_norm, attention.k_norm
     projections = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
@@ -54,13 +54,14 @@ def _attend_normalized_projections(
     prework = None
     if rope is not None:
         prework = head_norms.norm_rope_prework(
-            "the whole-projection norm + RoPE", rope, query_norm, key_norm, queries, keys
+            "the whole-projection norm + RoPE", rope, query_norm, key_norm, queries, keys,
+            mode,
         )
     prepared = None
     if prework is not None:
         prepared = cache_update.prework_and_cache_update(prework, queries, keys, values, cache)
     if prepared is None:
-        normalized = head_norms.normalized_pair(*projections[:2], query_norm, key_norm)
+        normalized = head_norms.normalized_pair(*projections[:2], query_norm, key_norm, mode)
         if normalized is None:
             return original_call(attention, x, mask, cache)
         queries = normalized[0].reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
@@ -72,22 +73,24 @@ def _attend_normalized_projections(
     return attention.o_proj(output)
 
 
-def _olmo2_attention_call(self, x, mask=None, cache=None):
+def _olmo2_attention_call(self, mode, x, mask=None, cache=None):
     """olmo2 and olmoe."""
-    return _attend_normalized_projections(self, x, mask, cache, self.n_heads, self.n_kv_heads)
-
-
-def _olmo3_attention_call(self, x, mask=None, cache=None):
-    """olmo3 and minimax."""
     return _attend_normalized_projections(
-        self, x, mask, cache, self.num_attention_heads, self.num_key_value_heads
+        self, mode, x, mask, cache, self.n_heads, self.n_kv_heads
     )
 
 
-def _olmo_hybrid_attention_call(self, x, mask=None, cache=None):
+def _olmo3_attention_call(self, mode, x, mask=None, cache=None):
+    """olmo3 and minimax."""
+    return _attend_normalized_projections(
+        self, mode, x, mask, cache, self.num_attention_heads, self.num_key_value_heads
+    )
+
+
+def _olmo_hybrid_attention_call(self, mode, x, mask=None, cache=None):
     """olmo_hybrid's full attention, whose RoPE may be absent."""
     return _attend_normalized_projections(
-        self, x, mask, cache, self.num_attention_heads, self.num_key_value_heads,
+        self, mode, x, mask, cache, self.num_attention_heads, self.num_key_value_heads,
         rope_optional=True,
     )
 
