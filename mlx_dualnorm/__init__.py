@@ -19,23 +19,20 @@ check_installed_mlx()
 
 # _binding first: it loads mlx.core (and so libmlx.so) before the extension
 # modules, which then reuse that very runtime.
-from mlx_dualnorm import _binding, dual_head_norm, dual_head_norm_rope  # noqa: E402  (isort: skip)
+from mlx_dualnorm import _binding, _rope_arguments, dual_head_norm  # noqa: E402  (isort: skip)
 from mlx_dualnorm._composite import Mode
 from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
+from mlx_dualnorm.composed import composed_dual_head_norm, composed_dual_head_norm_rope
 from mlx_dualnorm.dual_head_norm import (
     CompiledDualHeadNorm,
     available_modes,
-    composed_dual_head_norm,
     fused_outputs_in_device_pool,
 )
-from mlx_dualnorm.dual_head_norm_rope import (
-    CompiledDualHeadNormRope,
-    composed_dual_head_norm_rope,
-)
+from mlx_dualnorm.dual_head_norm_rope import CompiledDualHeadNormRope
 
 # The one binding of the bridge, before any call can reach it.
 _binding.bind_bridges(
-    dual_head_norm._as_array, dual_head_norm_rope._as_array, dual_head_norm_rope._as_offset_array
+    dual_head_norm._as_array, _rope_arguments._as_array, _rope_arguments._as_offset_array
 )
 
 __all__ = [

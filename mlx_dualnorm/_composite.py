@@ -17,6 +17,9 @@ from mlx_dualnorm._errors import DualHeadNormValueError, MlxCError
 ArrayLike = Union[mx.array, np.ndarray]
 Mode = Literal["auto", "composed", "compiled", "fused"]
 StreamLike = Union[mx.Stream, mx.Device, None]
+# What mx.fast.rope takes as offset: an int, or an integer mx.array (a
+# scalar, or one value per batch entry).
+Offset = Union[int, mx.array]
 
 _MODES: dict[str, int] = {
     "auto": lib.MLX_DUALNORM_MODE_AUTO,

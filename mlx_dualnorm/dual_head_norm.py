@@ -1,4 +1,4 @@
-"""The compiled dual head norm and the composed path it replaces.
+"""The compiled dual head norm.
 
 ``CompiledDualHeadNorm(eps)(queries, keys, query_weight, key_weight)``
 returns the same two arrays, bit for bit, as::
@@ -20,15 +20,11 @@ from mlx_dualnorm._binding import apply_compiled_dual_head_norm, call_native, ff
 from mlx_dualnorm import _composite
 from mlx_dualnorm._composite import ArrayLike, Mode, StreamLike, _NativeComposite
 
-__all__ = [
-    "CompiledDualHeadNorm", "Mode", "available_modes", "composed_dual_head_norm",
-    "fused_outputs_in_device_pool",
-]
+__all__ = ["CompiledDualHeadNorm", "Mode", "available_modes", "fused_outputs_in_device_pool"]
 
 # The labels of this module's errors, ``[label] message``, as MLX's ops do
 # (the C library reports the same ones); close()'s is the label + "_close".
 DUAL_HEAD_NORM_OPERATION = "dual_head_norm"  # construct and call
-COMPOSED_DUAL_HEAD_NORM_OPERATION = "composed_dual_head_norm"
 
 
 def available_modes() -> tuple[str, ...]:
@@ -46,23 +42,6 @@ def fused_outputs_in_device_pool() -> bool:
     take MLX's public allocator (unified memory) and copy every cache write
     (the same bits, slower; docs/cuda-build.md). Needs no GPU."""
     return bool(lib.mlx_dualnorm_fused_outputs_in_device_pool())
-
-
-def composed_dual_head_norm(
-    queries: mx.array,
-    keys: mx.array,
-    query_weight: Optional[mx.array] = None,
-    key_weight: Optional[mx.array] = None,
-    eps: float = 1e-6,
-    *,
-    stream: StreamLike = None,
-) -> tuple[mx.array, mx.array]:
-    """The reference path: two ``mx.fast.rms_norm`` calls."""
-    rms_norm_epsilon = _composite._as_epsilon(eps, COMPOSED_DUAL_HEAD_NORM_OPERATION)
-    return (
-        mx.fast.rms_norm(queries, query_weight, rms_norm_epsilon, stream=stream),
-        mx.fast.rms_norm(keys, key_weight, rms_norm_epsilon, stream=stream),
-    )
 
 
 class CompiledDualHeadNorm(_NativeComposite):

@@ -1,5 +1,4 @@
-"""The q/k head norm + RoPE of a full-attention layer, and the composed path
-it replaces.
+"""The q/k head norm + RoPE of a full-attention layer.
 
 ``CompiledDualHeadNormRope(eps, dims, base=...)(queries, keys, wq, wk,
 offset=offset)`` returns the same two arrays, bit for bit, as::
@@ -26,11 +25,9 @@ the first ``dims`` features of each normalized side first, as
 
 from __future__ import annotations
 
-import numbers
-from typing import Any, Callable, Generic, Optional, TypeVar, Union, overload
+from typing import Any, Callable, Generic, Optional, TypeVar, overload
 
 import mlx.core as mx
-import numpy as np
 
 from mlx_dualnorm._binding import (
     apply_compiled_dual_head_norm_rope,
@@ -40,84 +37,17 @@ from mlx_dualnorm._binding import (
     lib,
 )
 from mlx_dualnorm import _composite
-from mlx_dualnorm._composite import ArrayLike, Mode, StreamLike, _NativeComposite
-from mlx_dualnorm._errors import DualHeadNormValueError
+from mlx_dualnorm._composite import ArrayLike, Mode, Offset, StreamLike, _NativeComposite
+from mlx_dualnorm._rope_arguments import (
+    DUAL_HEAD_NORM_ROPE_OPERATION,
+    DUAL_HEAD_NORM_ROPE_WITH_CACHE_OPERATION,
+    _as_dims,
+    _as_flag,
+    _as_float32_argument,
+    _as_write_offset,
+)
 
-__all__ = ["CompiledDualHeadNormRope", "composed_dual_head_norm_rope"]
-
-# The labels of this module's errors, ``[label] message``, as MLX's ops do
-# (the C library reports the same ones); close()'s is the label + "_close".
-DUAL_HEAD_NORM_ROPE_OPERATION = "dual_head_norm_rope"  # construct and call
-COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION = "composed_dual_head_norm_rope"
-DUAL_HEAD_NORM_ROPE_WITH_CACHE_OPERATION = "dual_head_norm_rope_with_cache"  # apply_with_cache
-
-# What mx.fast.rope takes as offset: an int, or an integer mx.array (a
-# scalar, or one value per batch entry).
-Offset = Union[int, mx.array]
-
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-
-
-def composed_dual_head_norm_rope(
-    queries: mx.array,
-    keys: mx.array,
-    query_weight: Optional[mx.array] = None,
-    key_weight: Optional[mx.array] = None,
-    eps: Optional[float] = None,
-    *,
-    dims: int,
-    base: Optional[float],
-    traditional: bool = False,
-    scale: float = 1.0,
-    offset: Offset = 0,
-    freqs: Optional[mx.array] = None,
-    input_scale: Optional[float] = None,
-    stream: StreamLike = None,
-) -> tuple[mx.array, mx.array]:
-    """The reference path: ``rms_norm``, transpose to ``(B, H, L, D)``, then
-    ``x.at[..., :dims].multiply(input_scale)`` where ``input_scale`` is not
-    None, and ``rope`` (with ``base``, or with ``freqs`` when ``base`` is
-    None), for each side, as mlx-lm's attention and RoPE classes call them.
-    ``eps`` is required, by position (as in :func:`composed_dual_head_norm`)
-    or by keyword."""
-    if eps is None:
-        raise TypeError(
-            f"[{COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION}] missing the required argument eps"
-        )
-    rms_norm_epsilon = _composite._as_epsilon(eps, COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION)
-
-    def normalized_heads(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
-        if inputs.ndim == 4 and weight is not None and weight.ndim == 1:
-            batch, length, heads, width = inputs.shape
-            if heads > 1 and width > 0 and weight.shape[0] == heads * width:
-                # A weight of H * D elements: each token's heads as one row.
-                projection = inputs.reshape(batch, length, heads * width, stream=stream)
-                normalized = mx.fast.rms_norm(projection, weight, rms_norm_epsilon, stream=stream)
-                return normalized.reshape(batch, length, heads, width, stream=stream)
-        return mx.fast.rms_norm(inputs, weight, rms_norm_epsilon, stream=stream)
-
-    def normalized_and_rotated(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
-        head_major = normalized_heads(inputs, weight).transpose(0, 2, 1, 3, stream=stream)
-        if input_scale is not None:
-            # ArrayAt takes no stream: the default one, set for the call.
-            if stream is None:
-                head_major = head_major.at[..., :dims].multiply(input_scale)
-            else:
-                with mx.stream(stream):
-                    head_major = head_major.at[..., :dims].multiply(input_scale)
-        return mx.fast.rope(
-            head_major,
-            dims,
-            traditional=traditional,
-            base=base,
-            scale=scale,
-            offset=offset,
-            freqs=freqs,
-            stream=stream,
-        )
-
-    return normalized_and_rotated(queries, query_weight), normalized_and_rotated(keys, key_weight)
-
+__all__ = ["CompiledDualHeadNormRope"]
 
 _Parameter = TypeVar("_Parameter", int, bool, float)
 
@@ -407,93 +337,3 @@ class CompiledDualHeadNormRope(_NativeComposite):
         if input_scale is not None:
             constants.append(f"input_scale={float32_repr(input_scale)}")
         return ", ".join([*constants, f"mode={self.mode!r}"])
-
-
-def _as_write_offset(value: object, from_offset: bool) -> int:
-    """The write position as a Python int. Its range is checked once, where
-    it becomes the C int (the bridge refuses a row no int32 holds) and
-    against the buffers (the C call)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        what = "offset (the write position when write_offset is omitted)" if from_offset else (
-            "write_offset"
-        )
-        raise TypeError(
-            f"[{DUAL_HEAD_NORM_ROPE_WITH_CACHE_OPERATION}] {what} must be an int, "
-            f"not {type(value).__name__}"
-        )
-    return int(value)
-
-
-def _as_dims(dims: object) -> int:
-    """dims as the C int the constructor checks (positive, even)."""
-    if isinstance(dims, bool) or not isinstance(dims, numbers.Integral):
-        raise TypeError(
-            f"[{DUAL_HEAD_NORM_ROPE_OPERATION}] dims must be an int, not {type(dims).__name__}"
-        )
-    value = int(dims)
-    if not _INT32_MIN <= value <= _INT32_MAX:
-        raise DualHeadNormValueError(
-            DUAL_HEAD_NORM_ROPE_OPERATION, f"dims must be positive and even, got {value}"
-        )
-    return value
-
-
-def _as_flag(value: object, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(
-            f"[{DUAL_HEAD_NORM_ROPE_OPERATION}] {name} must be a bool, not {type(value).__name__}"
-        )
-    return bool(value)
-
-
-def _as_float32_argument(value: object, name: str) -> float:
-    """A real number, which C rounds to float32 as MLX's binding does."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"[{DUAL_HEAD_NORM_ROPE_OPERATION}] {name} must be a real number, "
-            f"not {type(value).__name__}"
-        )
-    try:
-        return float(value)
-    except OverflowError:  # an int or Fraction beyond a double
-        raise DualHeadNormValueError(
-            DUAL_HEAD_NORM_ROPE_OPERATION, f"{name} is beyond the range of a float"
-        ) from None
-
-
-def _as_offset_array(offset: object, operation: str) -> mx.array:
-    """The bridge's converter for offsets that are neither an ``mx.array``
-    nor an int within int32 (which the bridge makes into an int32 scalar
-    itself): what ``mx.fast.rope`` makes an array of (an int beyond int32,
-    a numpy integer or array, a bool or a float, whose dtype the C checks
-    then refuse as rope does); anything else is a TypeError. ``operation``
-    labels its errors (the bridge passes the call's)."""
-    if isinstance(offset, (np.ndarray, np.generic)):
-        return _composite._as_mx_array(np.asarray(offset), "offset", operation)
-    if not isinstance(offset, (int, float, complex)):  # bool is an int
-        raise TypeError(
-            f"[{operation}] offset must be an int or an mlx.core.array "
-            f"(what mx.fast.rope takes), not {type(offset).__name__}"
-        )
-    if isinstance(offset, (float, complex)):
-        raise DualHeadNormValueError(
-            operation, f"offset must be an integer, not {offset!r}"
-        )
-    try:
-        return mx.array(offset)
-    except (TypeError, ValueError, OverflowError, RuntimeError) as error:  # MLX: bad_cast
-        raise DualHeadNormValueError(
-            operation, f"offset {offset!r} is not an MLX array value: {error}"
-        ) from None
-
-
-def _as_array(value: object, argument_name: str, operation: str) -> mx.array:
-    """The bridge's converter for this composite's arguments that are not
-    ``mx.array``; ``freqs`` must be one already, as ``mx.fast.rope``
-    requires. ``operation`` labels its errors."""
-    if argument_name == "freqs":
-        raise TypeError(
-            f"[{operation}] freqs must be an mlx.core.array or None "
-            f"(what mx.fast.rope takes), not {type(value).__name__}"
-        )
-    return _composite._as_mx_array(value, argument_name, operation)

@@ -13,7 +13,7 @@ import re
 import mlx.core as mx
 import pytest
 
-from mlx_dualnorm.dual_head_norm import available_modes, composed_dual_head_norm
+from mlx_dualnorm import available_modes, composed_dual_head_norm
 from mlx_dualnorm.commands import bench as benchmark, cli, parity, replay
 from mlx_dualnorm.commands.parity import rope as rope_parity
 
