@@ -11,6 +11,8 @@ import warnings
 
 import mlx.core as mx
 
+from helpers.greedy_traces import greedy_logits
+
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "mlx-lm.md"
 README = DOCS.parents[1] / "README.md"
 TABLE_HEADER = "| mlx-lm | attention classes patched | `normalize_qk` folded | left to their own code |"
@@ -109,10 +111,4 @@ def decode(model, kind: str, prompt, steps: int = 5):
         caches = make_prompt_cache(
             model, **({"max_kv_size": ROTATING_SIZE} if kind == "rotating" else {})
         )
-    logits = model(rows, cache=caches)[:, -1, :]
-    history = [logits]
-    for _ in range(steps):
-        logits = model(mx.argmax(logits, axis=-1)[:, None], cache=caches)[:, -1, :]
-        history.append(logits)
-    mx.eval(history)
-    return history
+    return greedy_logits(model, rows, caches, steps)

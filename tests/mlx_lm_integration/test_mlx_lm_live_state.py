@@ -18,7 +18,7 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.models import cache as cache_module  # noqa: E402
 from mlx_lm.models import gated_delta, qwen3  # noqa: E402
 
-from helpers.greedy_traces import assert_traces_bit_identical  # noqa: E402
+from helpers.greedy_traces import assert_traces_bit_identical, greedy_logits  # noqa: E402
 from helpers.mlx_lm_patch import forget_proofs  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import engine, registry  # noqa: E402
@@ -340,13 +340,7 @@ def test_a_cache_method_changed_after_a_patched_step_runs_at_the_next_call(monke
         return make_prompt_cache(model, max_kv_size=64)
 
     def decode(caches_now, steps=TOKENS):
-        logits = model(mx.array([list(map(int, PROMPT))]), cache=caches_now)[:, -1, :]
-        out = [logits]
-        for _ in range(steps):
-            logits = model(mx.argmax(logits, axis=-1)[:, None], cache=caches_now)[:, -1, :]
-            out.append(logits)
-        mx.eval(out)
-        return out
+        return greedy_logits(model, mx.array([list(map(int, PROMPT))]), caches_now, steps)
 
     calls = {"method": 0}
     own = getattr(cache_class, method)
