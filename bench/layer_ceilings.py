@@ -48,6 +48,10 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_dualnorm.integrations import mlx_lm as integration
+# The package's own q/k prework and attention step, for the replays around
+# them (internals: this experiment restates a layer the package does not
+# replace yet).
+from mlx_dualnorm.integrations.mlx_lm import cache_update, norm_rope
 
 MODELS = {
     # Qwen3-0.6B's dimensions.
@@ -130,8 +134,6 @@ _compiled_around: dict = {}
 
 
 def compiled_halves_block(self, x, mask=None, cache=None):
-    from mlx_dualnorm.integrations.mlx_lm import cache_update, norm_rope
-
     attention, mlp = self.self_attn, self.mlp
     eps = self.input_layernorm.eps
     halves = _compiled_around.get(eps)
