@@ -118,7 +118,7 @@ def counted_call(self, *arguments, **keywords):
 def forget_proofs() -> None:
     """Drops the integration's cached proofs (a test changed recorded code
     or a piece): each piece is fingerprinted again at its next use."""
-    from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, registry
+    from mlx_dualnorm.integrations.mlx_lm import cache_update, registry
 
     registry.forget_verdicts()
     cache_update.forget_cache_proofs()

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import engagement, registry  # noqa: E402
 from mlx_dualnorm.commands import mlx_lm_check  # noqa: E402
-from mlx_dualnorm.integrations.mlx_lm.engine import recording_prework  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.prework_log import recording_prework  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.commands.shared.generation import greedy_generate  # noqa: E402
 from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402

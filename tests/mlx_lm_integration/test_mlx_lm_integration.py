@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import subprocess
 import sys
 import types
@@ -21,12 +20,10 @@ import mlx_lm.models.gated_delta as gated_delta  # noqa: E402
 from helpers.bit_parity import assert_bit_identical  # noqa: E402
 from helpers.greedy_traces import assert_traces_bit_identical  # noqa: E402
 from helpers.threads import run_on_threads  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import _shared  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import gated_delta as fold_module  # noqa: E402
-from mlx_dualnorm.commands import mlx_lm_bench, mlx_lm_check  # noqa: E402
 from mlx_dualnorm.commands.shared.generation import (  # noqa: E402
     count_normalize_qk_calls,
     greedy_generate,
@@ -34,7 +31,6 @@ from mlx_dualnorm.commands.shared.generation import (  # noqa: E402
 from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
     build_synthetic_model,
     prompt_token_ids,
-    synthetic_model_config,
 )
 
 ORIGINAL = integration.ORIGINAL_NORMALIZE_QK

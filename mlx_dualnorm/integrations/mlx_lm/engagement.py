@@ -11,7 +11,7 @@ class is in exactly one place:
 
 * engaged, by the prework it runs: ``prework_of(layer)`` where the caller
   recorded it (``"norm + RoPE"`` or ``"norm"``, the q/k norm pair alone:
-  :func:`~.engine.recording_prework`), else ``"q/k prework"``;
+  :func:`recording`), else ``"q/k prework"``;
 * left to mlx-lm's code, with the reason: decided against (its family's
   ``refusal``, or a part whose code is not proven; the layer's own norm
   and RoPE types are named), its class's code not proven on this mlx-lm
@@ -30,7 +30,12 @@ import mlx.nn as nn
 
 from mlx_dualnorm.integrations.mlx_lm import engine, registry
 from mlx_dualnorm.integrations.mlx_lm.gated_delta import fold_count
-from mlx_dualnorm.integrations.mlx_lm.prework_log import PreworkRecord, recording_prework
+from mlx_dualnorm.integrations.mlx_lm.prework_log import (
+    NORM_ONLY,
+    NORM_ROPE,
+    PreworkRecord,
+    recording_prework,
+)
 from mlx_dualnorm.integrations.mlx_lm.state import STATE
 
 __all__ = [
@@ -38,8 +43,6 @@ __all__ = [
     "is_engaged_layer", "layer_engagement", "recording",
 ]
 
-NORM_ROPE = engine.NORM_ROPE
-NORM_ONLY = engine.NORM_ONLY
 UNNAMED_PREWORK = "q/k prework"
 
 NOT_CALLED = "not called yet while patched (the patch decides at a layer's first call)"

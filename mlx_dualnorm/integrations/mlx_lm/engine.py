@@ -45,14 +45,7 @@ from mlx_dualnorm.integrations.mlx_lm._shared import (
 )
 from mlx_dualnorm.integrations.mlx_lm.fingerprints import live_function
 from mlx_dualnorm.integrations.mlx_lm.gated_delta import ORIGINAL_NORMALIZE_QK
-from mlx_dualnorm.integrations.mlx_lm.prework_log import (  # noqa: F401  (tools import them here)
-    NORM_ONLY,
-    NORM_ROPE,
-    PreworkRecord,
-    note_prework,
-    recorded_call,
-    recording_prework,
-)
+from mlx_dualnorm.integrations.mlx_lm.prework_log import recorded_call
 from mlx_dualnorm.integrations.mlx_lm.state import STATE, Decision, Installed, Tally
 
 PATCH_OPERATION = "mlx_lm.patch"

@@ -41,7 +41,8 @@ import mlx.nn as nn
 
 from mlx_dualnorm._composite import Mode
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
-from mlx_dualnorm.integrations.mlx_lm import engine, norm_rope, registry
+from mlx_dualnorm.integrations.mlx_lm import norm_rope, registry
+from mlx_dualnorm.integrations.mlx_lm.prework_log import NORM_ONLY, NORM_ROPE, note_prework
 from mlx_dualnorm.integrations.mlx_lm.state import STATE
 from mlx_dualnorm.integrations.mlx_lm._shared import (
     PLAIN_SCALAR_TYPES,
@@ -157,7 +158,7 @@ def normalized_pair(queries, keys, query_norm, key_norm, mode: Optional[Mode] = 
         return None
     if normalized is not None:
         if STATE.prework_log is not None:  # a tool is recording
-            engine.note_prework(engine.NORM_ONLY)
+            note_prework(NORM_ONLY)
     return normalized
 
 
@@ -233,13 +234,13 @@ def normalized_rotated_heads(
                     queries, keys, query_norm["weight"], key_norm["weight"], offset=offset
                 )
                 if STATE.prework_log is not None:  # a tool is recording
-                    engine.note_prework(engine.NORM_ROPE)
+                    note_prework(NORM_ROPE)
                 return rotated
         normalized = _normalized_pair(queries, keys, query_norm, key_norm, mode)
         if normalized is None:
             return None
         if STATE.prework_log is not None:  # a tool is recording
-            engine.note_prework(engine.NORM_ONLY)
+            note_prework(NORM_ONLY)
         normalized_queries, normalized_keys = normalized
         return (
             rope(normalized_queries.transpose(0, 2, 1, 3), offset=offset),

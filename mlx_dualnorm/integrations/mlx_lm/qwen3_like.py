@@ -39,7 +39,8 @@ import mlx.nn as nn
 from mlx.nn.layers.normalization import RMSNorm
 
 from mlx_dualnorm.dual_head_norm import CompiledDualHeadNorm
-from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, head_norms, norm_rope, registry
+from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms, norm_rope, registry
+from mlx_dualnorm.integrations.mlx_lm.prework_log import NORM_ONLY, note_prework
 from mlx_dualnorm.integrations.mlx_lm.state import STATE
 from mlx_dualnorm.integrations.mlx_lm._shared import PLAIN_SCALAR_TYPES, log_fallback_once
 from mlx_dualnorm.integrations.mlx_lm.cache_update import (
@@ -206,7 +207,7 @@ def _normalized_heads(query_norm, key_norm, query_weight, key_weight, queries, k
             return None
         queries, keys = head_norm(queries, keys, query_weight, key_weight)
         if STATE.prework_log is not None:  # a tool is recording
-            engine.note_prework(engine.NORM_ONLY)
+            note_prework(NORM_ONLY)
         return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
     except Exception as error:  # anything unexpected runs mlx-lm's own code instead
         log_fallback_once("the full-attention norm", error)
