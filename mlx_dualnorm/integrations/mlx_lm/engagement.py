@@ -57,11 +57,14 @@ DESCRIBED_ATTRIBUTES = ("rope", "q_norm", "k_norm")
 @dataclasses.dataclass
 class LayerEngagement:
     """Layers of registered attention classes: ``engaged[(class, prework)]``
-    and ``left[(class, reason)]`` count layers; classes are named
-    ``module.Class``."""
+    and ``left[(class, reason)]`` count layers; the layers of registered
+    decoder layer classes likewise in ``replayed[class]`` and
+    ``replay_left[(class, reason)]``; classes are named ``module.Class``."""
 
     engaged: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     left: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    replayed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    replay_left: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     @property
     def engaged_layers(self) -> int:
@@ -137,7 +140,16 @@ def layer_engagement(
     engagement = LayerEngagement()
     for _, module in model.named_modules():
         for engaged, name, detail in _place(module, registered, prework_of):
-            (engagement.engaged if engaged else engagement.left)[(name, detail)] += 1
+            family = next(
+                (family for cls, family in registered.items() if isinstance(module, cls)), None
+            )
+            if family is not None and family.kind == registry.DECODER_LAYER:
+                if engaged:
+                    engagement.replayed[name] += 1
+                else:
+                    engagement.replay_left[(name, detail)] += 1
+            else:
+                (engagement.engaged if engaged else engagement.left)[(name, detail)] += 1
     return engagement
 
 
