@@ -138,7 +138,8 @@ def _build(eps: float, swiglu: Callable, keys: tuple, compiled: bool) -> Callabl
 def _replay(layer: Any, mode: Optional[Mode]) -> Optional[tuple[Callable, tuple]]:
     """(the second half, its arrays) for this call of ``layer``, or None
     where the call must run the rest of the layer as mlx-lm writes it."""
-    norm, mlp = dict.get(layer, "post_attention_layernorm"), dict.get(layer, "mlp")
+    norm: Any = dict.get(layer, "post_attention_layernorm")
+    mlp: Any = dict.get(layer, "mlp")
     swiglu = type(mlp).__call__.__globals__.get("swiglu")
     if type(swiglu) is not _COMPILED_FUNCTION:
         return None
