@@ -53,6 +53,7 @@ from mlx_dualnorm.integrations.mlx_lm.registry import (
     PROJECTION_CLASSES,
     AttentionFamily,
     defined_class,
+    defined_classes,
     register_attention_families,
 )
 from mlx_dualnorm.integrations.mlx_lm.state import STATE
@@ -71,7 +72,7 @@ _MATMUL, _ADDMM, _QUANTIZED = "matmul", "addmm", "quantized"
 # ``nn.RMSNorm = MyNorm`` say, changes nothing here): found once, since
 # class objects do not change; the decision holds their ``__call__``.
 _RMS_NORM = defined_class("mlx.nn.layers.normalization", "RMSNorm")
-_LINEAR, _QUANTIZED_LINEAR = (defined_class(module, name) for module, name in PROJECTION_CLASSES)
+_LINEAR, _QUANTIZED_LINEAR = defined_classes(PROJECTION_CLASSES)
 
 # key -> the second half (compiled or not), built once per key.
 _replays: dict = {}
@@ -177,8 +178,8 @@ def _decoder_layer_call(self, mode, x, mask=None, cache=None):
     return function(x, attention_output, *arrays)
 
 
-def _mlp_classes() -> frozenset:
-    return frozenset(filter(None, (defined_class(module, mlp) for module, _, mlp in DECODER_LAYERS)))
+# (module, class) of the covered SwiGLU MLPs.
+_MLPS = tuple((module, mlp) for module, _, mlp in DECODER_LAYERS)
 
 
 def _layer_engages(layer) -> bool:
@@ -186,7 +187,7 @@ def _layer_engages(layer) -> bool:
     one of the proven SwiGLU MLP classes (its projections are read at every
     call)."""
     norm, mlp = dict.get(layer, "post_attention_layernorm"), dict.get(layer, "mlp")
-    return type(norm) is _RMS_NORM and type(mlp) in _mlp_classes()
+    return type(norm) is _RMS_NORM and type(mlp) in defined_classes(_MLPS)
 
 
 register_attention_families(*(

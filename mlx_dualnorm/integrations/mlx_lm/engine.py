@@ -228,16 +228,13 @@ def _live_checks(layer: Any, restated: tuple = ()) -> tuple[Optional[str], tuple
         (name, item) for name, item in items
         if isinstance(item, nn.Module) and type(item) not in PROJECTIONS
     )
-    restated_parts = tuple(
-        (registry.class_name(cls), cls) for cls in
-        (registry.defined_class(module, name) for module, name in restated)
-        if cls is not None
+    # (the attribute a refusal names, the class): the layer's own parts of
+    # the reproduced classes, then the classes computed for parts below them.
+    reproduced = (
+        *((attribute, type(part)) for attribute, part in parts if type(part) in part_classes),
+        *((registry.class_name(cls), cls) for cls in registry.defined_classes(restated)),
     )
-    for attribute, part_class in (
-        *((attribute, type(part)) for attribute, part in parts), *restated_parts
-    ):
-        if part_class not in part_classes and (attribute, part_class) not in restated_parts:
-            continue
+    for attribute, part_class in reproduced:
         call = getattr(part_class, "__call__", None)
         check = (part_class, "__call__", call)
         if check in checks:

@@ -41,12 +41,7 @@ from typing import Callable, Iterable, Optional
 
 from mlx_dualnorm.integrations.mlx_lm._shared import REPLACEMENT_MARKER
 from mlx_dualnorm.integrations.mlx_lm.fingerprints import function_fingerprint, live_function
-from mlx_dualnorm.integrations.mlx_lm.recorded_code import (  # noqa: F401 (the registry's tables)
-    DECODER_LAYER_CODE,
-    DECODER_LAYERS,
-    RECORDED_CODE,
-    SWIGLU_MLP_CODE,
-)
+from mlx_dualnorm.integrations.mlx_lm.recorded_code import DECODER_LAYERS, RECORDED_CODE
 from mlx_dualnorm.integrations.mlx_lm.state import STATE
 
 # ---- The recorded code (its table in .recorded_code) --------------------------------
@@ -271,17 +266,33 @@ def defined_class(module_name: str, name: str) -> Optional[type]:
     return cls
 
 
-_part_classes: Optional[tuple] = None
+# (module, class) pairs -> the classes of them this install has.
+_defined_classes: dict[tuple, tuple] = {}
+
+
+def defined_classes(pairs: tuple[tuple[str, str], ...]) -> tuple:
+    """The classes of ``(module, class)`` ``pairs`` this install has, as
+    their modules define them (:func:`defined_class`), found once per
+    ``pairs``: class objects do not change."""
+    found = _defined_classes.get(pairs)
+    if found is None:
+        classes = (defined_class(module_name, name) for module_name, name in pairs)
+        found = _defined_classes[pairs] = tuple(cls for cls in classes if cls is not None)
+    return found
 
 
 def reproduced_part_classes() -> tuple:
-    """The classes of :data:`REPRODUCED_PART_CLASSES` this install has, as
-    their modules define them (found once: class objects do not change)."""
-    global _part_classes
-    if _part_classes is None:
-        found = (defined_class(module_name, name) for module_name, name in REPRODUCED_PART_CLASSES)
-        _part_classes = tuple(cls for cls in found if cls is not None)
-    return _part_classes
+    """The classes of :data:`REPRODUCED_PART_CLASSES` this install has."""
+    return defined_classes(REPRODUCED_PART_CLASSES)
+
+
+def restated_classes() -> tuple:
+    """The classes of every registered family's ``restated`` this install
+    has, each once, in registration order."""
+    found: dict[type, None] = {}
+    for family in attention_families():
+        found.update(dict.fromkeys(defined_classes(family.restated)))
+    return tuple(found)
 
 
 def reproduced_part_class_set() -> frozenset:

@@ -58,10 +58,16 @@ class PatchReport:
     def _of_kind(self, kind: str) -> tuple[ClassReport, ...]:
         return tuple(entry for entry in self.classes if entry.kind == kind)
 
+    def _engaged(self, kind: str) -> int:
+        return sum(entry.engaged_layers for entry in self._of_kind(kind))
+
+    def _package_calls(self, kind: str) -> int:
+        return sum(entry.calls - entry.fallbacks for entry in self._of_kind(kind))
+
     @property
     def engaged_layers(self) -> int:
         """Attention layers engaged."""
-        return sum(entry.engaged_layers for entry in self._of_kind(registry.ATTENTION))
+        return self._engaged(registry.ATTENTION)
 
     @property
     def left_layers(self) -> int:
@@ -73,19 +79,17 @@ class PatchReport:
     @property
     def calls(self) -> int:
         """Calls of engaged attention layers that went through the package."""
-        return sum(entry.calls - entry.fallbacks for entry in self._of_kind(registry.ATTENTION))
+        return self._package_calls(registry.ATTENTION)
 
     @property
     def replayed_layers(self) -> int:
         """Decoder layers engaged (their second half one compiled replay)."""
-        return sum(entry.engaged_layers for entry in self._of_kind(registry.DECODER_LAYER))
+        return self._engaged(registry.DECODER_LAYER)
 
     @property
     def replays(self) -> int:
         """Calls of engaged decoder layers that ran the replay."""
-        return sum(
-            entry.calls - entry.fallbacks for entry in self._of_kind(registry.DECODER_LAYER)
-        )
+        return self._package_calls(registry.DECODER_LAYER)
 
     @property
     def folded_calls(self) -> int:
@@ -191,12 +195,7 @@ def registered_pieces() -> list[tuple[str, object]]:
                 (registry.piece_name(attention_class, attribute),
                  engine.unpatched_function(attention_class, attribute))
             )
-    restated = {
-        cls for family in registry.attention_families() for cls in
-        (registry.defined_class(module, name) for module, name in family.restated)
-        if cls is not None
-    }
-    for part_class in (*registry.reproduced_part_classes(), *sorted(restated, key=repr)):
+    for part_class in (*registry.reproduced_part_classes(), *registry.restated_classes()):
         pieces.append(
             (registry.piece_name(part_class, "__call__"), live_function(part_class, "__call__"))
         )
