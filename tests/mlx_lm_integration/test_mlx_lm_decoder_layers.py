@@ -142,53 +142,51 @@ class AdapterLinear(nn.Linear):
         return super().__call__(x) + 0.25 * x[..., : self.weight.shape[0]].sum(-1, keepdims=True)
 
 
-def test_a_projection_swapped_for_an_adapter_runs_mlx_lm_s_code():
+def replays_after(change, context: str) -> list:
+    """A float32 llama decided and traced by one patched call, then
+    ``change(model)``: its patched greedy decode is bit-identical to its
+    unpatched one; what each layer ran through the package."""
     model = build("llama", dtype=mx.float32)
     with integration.patch():
         decode(model, steps=1)
+        change(model)
+        with integration.recording() as recording:
+            patched = decode(model)
+            replays = [recording.prework_of(layer) for layer in model.layers]
+        with integration.unpatch():
+            reference = decode(model)
+    for actual, expected in zip(patched, reference):
+        assert_bit_identical(actual, expected, context)
+    return replays
+
+
+def test_a_projection_swapped_for_an_adapter_runs_mlx_lm_s_code():
+    def swap_for_an_adapter(model):
         mlp = model.layers[0].mlp
         adapter = AdapterLinear(mlp.gate_proj.weight.shape[1], mlp.gate_proj.weight.shape[0],
                                 bias=False)
         adapter.weight = mlp.gate_proj.weight
         mlp.gate_proj = adapter
-        with integration.recording() as recording:
-            patched = decode(model)
-            first, second = (recording.prework_of(layer) for layer in model.layers)
-    assert (first, second) == (None, LAYER_REPLAY)
-    with integration.unpatch():
-        reference = decode(model)
-    for actual, expected in zip(patched, reference):
-        assert_bit_identical(actual, expected, "adapter")
+
+    assert replays_after(swap_for_an_adapter, "adapter") == [None, LAYER_REPLAY]
 
 
 def test_a_swiglu_rebound_in_the_model_module_is_called(monkeypatch):
-    model = build("llama", dtype=mx.float32)
     module = importlib.import_module("mlx_lm.models.llama")
-    with integration.patch():
-        decode(model, steps=1)
+
+    def rebind(model):
         monkeypatch.setattr(module, "swiglu", lambda gate, x: nn.gelu(gate) * x)
-        with integration.recording() as recording:
-            patched = decode(model)
-            assert recording.prework_of(model.layers[0]) is None
-        with integration.unpatch():
-            reference = decode(model)
-    for actual, expected in zip(patched, reference):
-        assert_bit_identical(actual, expected, "rebound swiglu")
+
+    assert replays_after(rebind, "rebound swiglu")[0] is None
 
 
 def test_linear_call_replaced_after_the_first_call_leaves_the_layers(monkeypatch):
-    model = build("llama", dtype=mx.float32)
     original = nn.Linear.__call__
-    with integration.patch():
-        decode(model, steps=1)
+
+    def replace(model):
         monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: original(self, x) * 2)
-        with integration.recording() as recording:
-            patched = decode(model)
-            assert [recording.prework_of(layer) for layer in model.layers] == [None, None]
-        with integration.unpatch():
-            reference = decode(model)
-    for actual, expected in zip(patched, reference):
-        assert_bit_identical(actual, expected, "Linear.__call__ replaced")
+
+    assert replays_after(replace, "Linear.__call__ replaced") == [None, None]
 
 
 def test_a_layer_whose_mlp_is_not_a_swiglu_mlp_is_left_with_the_reason():
