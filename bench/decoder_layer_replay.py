@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import statistics
-import time
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
-from layer_ceilings import MODELS, PROMPT_TOKENS, build
+from layer_ceilings import MODELS, PROMPT_TOKENS, build, decode
 from mlx_dualnorm.integrations import mlx_lm as integration
 # Internals, to run the package as it was before the decoder layers joined.
 from mlx_dualnorm.integrations.mlx_lm import registry
@@ -56,33 +53,6 @@ def path_of(path: str):
         families[:] = kept
 
 
-def decode(model, prompt, steps: int):
-    """(token ids, a hash per step of the log-probabilities' bits, median
-    ms per decode step), pipelined as mlx-lm's generate_step is."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    logits = model(prompt, cache=cache)
-    logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], axis=-1, keepdims=True)
-    token = mx.argmax(logprobs, axis=-1)
-    mx.async_eval(token, logprobs)
-    tokens, hashes, seconds = [], [], []
-    previous = time.perf_counter()
-    for _ in range(steps + 1):
-        logits = model(token[:, None], cache=cache)
-        next_logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], axis=-1, keepdims=True)
-        next_token = mx.argmax(next_logprobs, axis=-1)
-        mx.async_eval(next_token, next_logprobs)
-        tokens.append(np.array(token).tolist())
-        hashes.append(hashlib.sha1(np.array(logprobs.view(mx.uint16)).tobytes()).hexdigest()[:12])
-        now = time.perf_counter()
-        if len(tokens) > 1:
-            seconds.append(now - previous)
-        previous = now
-        token, logprobs = next_token, next_logprobs
-    return tokens, hashes, 1e3 * statistics.median(seconds)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="qwen3-1024,llama-2048")
@@ -105,7 +75,7 @@ def main() -> None:
         reference = None
         for path in PATHS:
             with path_of(path):
-                tokens, hashes, _ = decode(model, rows, min(args.steps, 16))
+                tokens, hashes, _ = decode(model, rows, min(args.steps, 16), path)
                 if path == "patched":
                     print(f"  {name} {integration.report().summary()}")
             reference = reference or (tokens, hashes)
@@ -116,7 +86,7 @@ def main() -> None:
         for round_index in range(args.rounds):
             for path in PATHS if round_index % 2 == 0 else PATHS[::-1]:
                 with path_of(path):
-                    times[path].append(decode(model, rows, args.steps)[2])
+                    times[path].append(decode(model, rows, args.steps, path)[2])
         for path in PATHS:
             ratios = [t / r for t, r in zip(times[path], times["mlx-lm"])]
             print(f"  {name} {path:15s} {statistics.median(times[path]):7.3f} ms  "
