@@ -189,31 +189,30 @@ def path_of(architecture, path: str):
             block.__call__ = original
 
 
-def decode(model, rows, steps: int, path: str):
-    """(token ids per step, a hash per step of its log-probabilities' bits,
-    median ms per decode step) of the prompt ``rows`` (B, L), pipelined as
-    mlx-lm's generate_step is."""
+def decode(model, prompt, steps: int, path: str):
+    """(token ids, a hash per step of its log-probabilities' bits, median
+    ms per decode step), pipelined as mlx-lm's generate_step is."""
     if path in ("step-no-cache", "compiled-no-cache"):
         forward = mx.compile(model) if path == "compiled-no-cache" else model
         step = lambda tokens: forward(tokens)  # noqa: E731
-        logits = forward(rows)
+        logits = forward(prompt[None])
     else:
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(model)
         step = lambda tokens: model(tokens, cache=cache)  # noqa: E731
-        logits = model(rows, cache=cache)
-    logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], axis=-1, keepdims=True)
+        logits = model(prompt[None], cache=cache)
+    logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
     token = mx.argmax(logprobs, axis=-1)
     mx.async_eval(token, logprobs)
     tokens, hashes, seconds = [], [], []
     previous = time.perf_counter()
     for _ in range(steps + 1):
         logits = step(token[:, None])
-        next_logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], axis=-1, keepdims=True)
+        next_logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
         next_token = mx.argmax(next_logprobs, axis=-1)
         mx.async_eval(next_token, next_logprobs)
-        tokens.append(np.array(token).tolist())
+        tokens.append(int(token.item()))
         hashes.append(hashlib.sha1(np.array(logprobs.view(mx.uint16)).tobytes()).hexdigest()[:12])
         now = time.perf_counter()
         if len(tokens) > 1:
@@ -237,7 +236,7 @@ def main() -> None:
         reference = None
         for path in PATHS:
             with path_of(architecture, path):
-                tokens, hashes, _ = decode(model, prompt[None], min(args.steps, 16), path)
+                tokens, hashes, _ = decode(model, prompt, min(args.steps, 16), path)
             if path == "mlx-lm":
                 reference = (tokens, hashes)
             verdict = "timing only"
@@ -250,7 +249,7 @@ def main() -> None:
         for round_index in range(args.rounds):
             for path in PATHS if round_index % 2 == 0 else PATHS[::-1]:
                 with path_of(architecture, path):
-                    times[path].append(decode(model, prompt[None], args.steps, path)[2])
+                    times[path].append(decode(model, prompt, args.steps, path)[2])
         for path in PATHS:
             ratios = [t / r for t, r in zip(times[path], times["mlx-lm"])]
             print(f"  {name} {path:17s} {statistics.median(times[path]):7.3f} ms  "

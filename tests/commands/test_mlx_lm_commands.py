@@ -80,7 +80,7 @@ def engagement_line(process: subprocess.CompletedProcess) -> str:
 
 SUMMARY = re.compile(
     r"^mlx_dualnorm: (\d+) attention layers engaged(?: \(([^)]*)\))?; (\d+) left to mlx-lm; "
-    r"(?:\d+ decoder layers? replayed \([^)]*\); )?(\d+) package calls"
+    r"(\d+) package calls"
 )
 LAYERS = 2  # the model folder's attention layers, all of class qwen3.Attention
 

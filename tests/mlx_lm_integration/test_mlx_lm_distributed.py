@@ -173,14 +173,10 @@ def test_every_engaged_family_with_shard_is_covered():
 
     from mlx_dualnorm.integrations import mlx_lm as integration
 
-    # Attention classes only: a sharded model's MLP holds mlx-lm's sharded
-    # projections, never plain Linear, so its decoder layers run mlx-lm's
-    # own second half (a projection of another class: test_mlx_lm_decoder_layers.py).
     patched_classes = tuple(
         attention_class
         for attention_class in map(
-            integration.AttentionFamily.attention_class,
-            [f for f in integration.attention_families() if f.kind == "attention"],
+            integration.AttentionFamily.attention_class, integration.attention_families()
         )
         if attention_class is not None
     )

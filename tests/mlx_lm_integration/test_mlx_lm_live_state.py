@@ -305,7 +305,7 @@ SWITCHES = [
 
 
 def attention_layers(model):
-    classes = tuple(registry.families_by_class(registry.ATTENTION))
+    classes = tuple(registry.families_by_class())
     return [module for _, module in model.named_modules() if isinstance(module, classes)]
 
 

@@ -239,11 +239,10 @@ def test_every_registered_piece_has_its_tested_code_recorded() -> None:
     """The record holds the code of every piece the registry names, as the
     tested release ships it: the lines to add are printed for a newly
     registered family (docs/mlx-lm.md, "Adding a family")."""
-    from mlx_dualnorm.integrations.mlx_lm import registry
-    from mlx_dualnorm.integrations.mlx_lm.report import registered_pieces
+    from mlx_dualnorm.integrations.mlx_lm import engine, registry
     from mlx_dualnorm.integrations.mlx_lm.fingerprints import function_fingerprint
 
-    pieces = registered_pieces()
+    pieces = engine.registered_pieces()
     assert len(pieces) >= 50
     missing = [
         f'    "{piece}": frozenset({{"{function_fingerprint(function)}"}}),'
@@ -261,11 +260,10 @@ def test_no_changed_piece_is_proven() -> None:
     import functools
     import types
 
-    from mlx_dualnorm.integrations.mlx_lm import registry
-    from mlx_dualnorm.integrations.mlx_lm.report import registered_pieces
+    from mlx_dualnorm.integrations.mlx_lm import engine, registry
 
     changed_pieces = 0
-    for piece, function in registered_pieces():
+    for piece, function in engine.registered_pieces():
         assert isinstance(function, types.FunctionType), piece
         assert registry.is_proven_function(piece, function), piece
 

@@ -75,7 +75,7 @@ PROMPT = mx.array([(37 * position + 11) % 256 for position in range(7)])
 
 
 def registered_classes() -> tuple:
-    return tuple(registry.families_by_class(registry.ATTENTION))
+    return tuple(registry.families_by_class())
 
 
 def build(name: str) -> nn.Module:

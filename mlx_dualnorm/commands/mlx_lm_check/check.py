@@ -199,11 +199,6 @@ def _engagement_lines(result: CheckResult, model_steps: int) -> list[str]:
         f"left to mlx-lm's code {engagement.left_layers}; "
         f"{result.attention.package_calls / model_steps:.1f} q/k prework calls per step"
     )
-    replayed, left = sum(engagement.replayed.values()), sum(engagement.replay_left.values())
-    if replayed or left:
-        lines.append(f"  decoder layers: replayed {replayed}, left to mlx-lm's code {left}")
-        for (class_name, reason), layers in sorted(engagement.replay_left.items()):
-            lines.append(f"    {layers} {class_name}: {reason}")
     return lines
 
 

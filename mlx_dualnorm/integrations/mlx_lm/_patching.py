@@ -23,12 +23,11 @@ from typing import Optional
 from mlx_dualnorm._composite import _MODES, Mode
 from mlx_dualnorm.integrations.mlx_lm import engine, gated_delta, registry
 
-# Each shape module registers its families when imported (decoder layers last).
+# Each shape module registers its attention families when imported.
 from mlx_dualnorm.integrations.mlx_lm import qwen3, qwen3_like  # noqa: F401  (isort: skip)
 from mlx_dualnorm.integrations.mlx_lm import norm_after_transpose  # noqa: F401
 from mlx_dualnorm.integrations.mlx_lm import norm_before_transpose  # noqa: F401
 from mlx_dualnorm.integrations.mlx_lm import whole_projection  # noqa: F401
-from mlx_dualnorm.integrations.mlx_lm import decoder_layer  # noqa: F401
 from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms, norm_rope
 from mlx_dualnorm.integrations.mlx_lm import report as reports
 from mlx_dualnorm.integrations.mlx_lm._shared import (

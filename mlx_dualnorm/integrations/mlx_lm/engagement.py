@@ -57,14 +57,11 @@ DESCRIBED_ATTRIBUTES = ("rope", "q_norm", "k_norm")
 @dataclasses.dataclass
 class LayerEngagement:
     """Layers of registered attention classes: ``engaged[(class, prework)]``
-    and ``left[(class, reason)]`` count layers; the layers of registered
-    decoder layer classes likewise in ``replayed[class]`` and
-    ``replay_left[(class, reason)]``; classes are named ``module.Class``."""
+    and ``left[(class, reason)]`` count layers; classes are named
+    ``module.Class``."""
 
     engaged: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     left: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    replayed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    replay_left: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     @property
     def engaged_layers(self) -> int:
@@ -100,32 +97,33 @@ def is_engaged_layer(layer: object) -> bool:
 def _place(
     layer: nn.Module, registered: dict,
     prework_of: Optional[Callable[[nn.Module], Optional[str]]],
-) -> Optional[tuple[str, bool, str, str]]:
-    """(its family's kind, engaged, class name, prework or reason) for a
-    layer of a registered class or a subclass of one; None for other
-    modules."""
+) -> Iterator[tuple[bool, str, str]]:
+    """(engaged, class name, prework or reason) for a registered layer;
+    nothing for other modules."""
     layer_class = type(layer)
-    family = registered.get(layer_class) or next(
-        (family for cls, family in registered.items() if isinstance(layer, cls)), None
-    )
-    if family is None:
-        return None
-    name = registry.class_name(layer_class)
     decision = engine.decision_of(layer)
     if decision is not None:
         engaged, reason = decision
         if engaged:
             measured = prework_of(layer) if prework_of is not None else None
-            return family.kind, True, name, measured or UNNAMED_PREWORK
-        described = _described(layer) if reason != SUBCLASS else ""
-        return family.kind, False, name, (reason or NOT_PATCHED) + described
-    if layer_class not in registered:
-        return family.kind, False, name, SUBCLASS
-    if layer_class in STATE.unproven_classes:
-        return family.kind, False, name, UNPROVEN.format(
-            pieces=", ".join(STATE.unproven_classes[layer_class])
-        )
-    return family.kind, False, name, NOT_CALLED if engine.is_installed(layer_class) else NOT_PATCHED
+            yield True, registry.class_name(layer_class), measured or UNNAMED_PREWORK
+        else:
+            described = _described(layer) if reason != SUBCLASS else ""
+            yield False, registry.class_name(layer_class), (reason or NOT_PATCHED) + described
+        return
+    if layer_class in registered:
+        name = registry.class_name(layer_class)
+        if layer_class in STATE.unproven_classes:
+            yield False, name, UNPROVEN.format(pieces=", ".join(STATE.unproven_classes[layer_class]))
+        elif engine.is_installed(layer_class):
+            yield False, name, NOT_CALLED
+        else:
+            yield False, name, NOT_PATCHED
+        return
+    for registered_class in registered:
+        if isinstance(layer, registered_class):
+            yield False, registry.class_name(layer_class), SUBCLASS
+            return
 
 
 def layer_engagement(
@@ -138,15 +136,7 @@ def layer_engagement(
     registered = registry.families_by_class()
     engagement = LayerEngagement()
     for _, module in model.named_modules():
-        place = _place(module, registered, prework_of)
-        if place is None:
-            continue
-        kind, engaged, name, detail = place
-        if kind == registry.DECODER_LAYER and engaged:
-            engagement.replayed[name] += 1
-        elif kind == registry.DECODER_LAYER:
-            engagement.replay_left[(name, detail)] += 1
-        else:
+        for engaged, name, detail in _place(module, registered, prework_of):
             (engagement.engaged if engaged else engagement.left)[(name, detail)] += 1
     return engagement
 

@@ -44,6 +44,7 @@ from mlx_dualnorm.integrations.mlx_lm._shared import (
     log_fallback_once,
 )
 from mlx_dualnorm.integrations.mlx_lm.fingerprints import live_function
+from mlx_dualnorm.integrations.mlx_lm.gated_delta import ORIGINAL_NORMALIZE_QK
 from mlx_dualnorm.integrations.mlx_lm.prework_log import recorded_call
 from mlx_dualnorm.integrations.mlx_lm.state import STATE, Decision, Installed, Tally
 
@@ -88,23 +89,15 @@ def unpatched_function(owner: type, attribute: str) -> object:
     return function
 
 
-def count_fallback(layer: Any) -> None:
-    """Counts, in the report, a call of an engaged layer that ran (some of)
-    its class's own code instead of the package's path."""
-    for cls in type(layer).__mro__:
-        installed = STATE.installed.get(cls)
-        if installed is not None:
-            installed.tally.fallbacks += 1
-            return
-
-
 def original_call(layer: Any, *args: Any, **kwargs: Any) -> Any:
     """The class's own ``__call__`` for an engaged layer whose call cannot
     take the package's path (counted in the report)."""
-    count_fallback(layer)
     for cls in type(layer).__mro__:
         original = STATE.originals.get(cls)
         if original is not None:
+            installed = STATE.installed.get(cls)
+            if installed is not None:
+                installed.tally.fallbacks += 1
             return original(layer, *args, **kwargs)
     return type(layer).__call__(layer, *args, **kwargs)  # never patched: its own
 
@@ -168,7 +161,7 @@ def _decide(layer: Any, attention_class: type) -> Decision:
                 return previous  # another thread decided it first
             previous.uncount()
         family = installed.family
-        reason, checks, parts = _live_checks(layer, family.restated)
+        reason, checks, parts = _live_checks(layer)
         if type(layer) is not attention_class:
             reason = SUBCLASS
         elif reason is None and not _family_engages(family, layer):
@@ -201,7 +194,7 @@ def _family_engages(family: registry.AttentionFamily, layer: Any) -> bool:
         return False
 
 
-def _live_checks(layer: Any, restated: tuple = ()) -> tuple[Optional[str], tuple, tuple]:
+def _live_checks(layer: Any) -> tuple[Optional[str], tuple, tuple]:
     """(why the layer may not engage, or None; the identity checks its
     decision holds by; its submodules as ``(name, module)``, which the
     decision holds by too: a part swapped for an instance of a class none
@@ -211,10 +204,8 @@ def _live_checks(layer: Any, restated: tuple = ()) -> tuple[Optional[str], tuple
     :data:`.registry.REPRODUCED_PART_CLASSES`, as its module defines it) must
     resolve ``__call__`` to proven code (any other class, a subclass or a
     class bound to the name since included, is refused by the replacements'
-    exact type tests), as must every class of ``restated`` (the family's
-    classes computed for parts below the layer's own). The checks hold what
-    each resolves to now, whatever the verdict, so a change either way is
-    followed at the next call."""
+    exact type tests). The checks hold what each resolves to now, whatever the
+    verdict, so a change either way is followed at the next call."""
     checks: list[tuple[object, str, object]] = []
     reason: Optional[str] = None
     for name in MLX_FAST_FUNCTIONS:
@@ -228,13 +219,10 @@ def _live_checks(layer: Any, restated: tuple = ()) -> tuple[Optional[str], tuple
         (name, item) for name, item in items
         if isinstance(item, nn.Module) and type(item) not in PROJECTIONS
     )
-    # (the attribute a refusal names, the class): the layer's own parts of
-    # the reproduced classes, then the classes computed for parts below them.
-    reproduced = (
-        *((attribute, type(part)) for attribute, part in parts if type(part) in part_classes),
-        *((registry.class_name(cls), cls) for cls in registry.defined_classes(restated)),
-    )
-    for attribute, part_class in reproduced:
+    for attribute, part in parts:
+        part_class = type(part)
+        if part_class not in part_classes:
+            continue
         call = getattr(part_class, "__call__", None)
         check = (part_class, "__call__", call)
         if check in checks:
@@ -368,3 +356,32 @@ def patched_classes() -> list[type]:
     """The classes that run the dispatcher now."""
     with STATE.lock:
         return [cls for cls in STATE.installed if is_installed(cls)]
+
+
+def registered_pieces() -> list[tuple[str, object]]:
+    """``(piece, live function)`` of every piece the registry names that
+    this install has: the families' classes (their ``__call__`` as mlx-lm
+    gives it, the patch's own left out), the part classes, mlx-lm's cache
+    classes and ``normalize_qk``. What the fingerprint test records."""
+    pieces: list[tuple[str, object]] = []
+    for attention_class, family in registry.families_by_class().items():
+        for attribute in family.pieces:
+            pieces.append(
+                (registry.piece_name(attention_class, attribute),
+                 unpatched_function(attention_class, attribute))
+            )
+    for part_class in registry.reproduced_part_classes():
+        pieces.append(
+            (registry.piece_name(part_class, "__call__"), live_function(part_class, "__call__"))
+        )
+    for name, (_, methods) in registry.WRITTEN_CACHES.items():
+        cache_class = registry.class_of(registry.CACHE_MODULE, name)
+        if cache_class is None:
+            continue
+        for method in methods:
+            pieces.append(
+                (f"{registry.CACHE_MODULE}.{name}.{method}", live_function(cache_class, method))
+            )
+    if ORIGINAL_NORMALIZE_QK is not None:
+        pieces.append((registry.NORMALIZE_QK_PIECE, ORIGINAL_NORMALIZE_QK))
+    return pieces

@@ -19,8 +19,6 @@ from mlx_dualnorm.integrations.mlx_lm.state import STATE
 # What an engaged layer's package call computed (note_prework).
 NORM_ROPE = "norm + RoPE"
 NORM_ONLY = "norm"
-# A decoder layer's second half, one compiled replay (.decoder_layer).
-LAYER_REPLAY = "layer replay"
 
 
 def note_prework(kind: str) -> None:

@@ -41,10 +41,75 @@ from typing import Callable, Iterable, Optional
 
 from mlx_dualnorm.integrations.mlx_lm._shared import REPLACEMENT_MARKER
 from mlx_dualnorm.integrations.mlx_lm.fingerprints import function_fingerprint, live_function
-from mlx_dualnorm.integrations.mlx_lm.recorded_code import DECODER_LAYERS, RECORDED_CODE
 from mlx_dualnorm.integrations.mlx_lm.state import STATE
 
-# ---- The recorded code (its table in .recorded_code) --------------------------------
+# ---- The recorded code -----------------------------------------------------------
+
+# piece -> the fingerprints of the code the replacements were tested
+# against. tests/mlx_lm_integration/test_mlx_lm_versions.py fails, printing the lines to add,
+# where a registered piece of the tested release is missing here.
+RECORDED_CODE: dict[str, frozenset[str]] = {
+    # The attention classes' __call__.
+    "mlx_lm.models.qwen3.Attention.__call__": frozenset({"5e7c7546450bf9c8"}),
+    "mlx_lm.models.qwen3_moe.Attention.__call__": frozenset({"5e7c7546450bf9c8"}),
+    "mlx_lm.models.qwen3_next.Qwen3NextAttention.__call__": frozenset({"10391ca1579920ad"}),
+    "mlx_lm.models.Klear.KlearAttention.__call__": frozenset({"dfd3e38ece40fa3b"}),
+    "mlx_lm.models.dots1.Dots1Attention.__call__": frozenset({"5e7c7546450bf9c8"}),
+    "mlx_lm.models.lfm2.Attention.__call__": frozenset({"40fcf49777f43c24"}),
+    "mlx_lm.models.lfm2_moe.Attention.__call__": frozenset({"40fcf49777f43c24"}),
+    "mlx_lm.models.mellum.Attention.__call__": frozenset({"5e7c7546450bf9c8"}),
+    "mlx_lm.models.exaone4.Attention.__call__": frozenset({"40a01f304a871c77"}),
+    "mlx_lm.models.exaone_moe.Attention.__call__": frozenset({"40a01f304a871c77"}),
+    "mlx_lm.models.apertus.ApertusAttention.__call__": frozenset({"dfd3e38ece40fa3b"}),
+    "mlx_lm.models.glm4_moe.Attention.__call__": frozenset({"95515e9b94c4affd"}),
+    "mlx_lm.models.laguna.Attention.__call__": frozenset({"4fccd35f2d712f41"}),
+    "mlx_lm.models.step3p5.Step3p5Attention.__call__": frozenset({"dc11a9265c1c5e23"}),
+    "mlx_lm.models.llama4_text.Attention.__call__": frozenset({"172f789c6011ed24"}),
+    "mlx_lm.models.afmoe.Attention.__call__": frozenset({"4e19fe755158b4a5"}),
+    "mlx_lm.models.openelm.Attention.__call__": frozenset({"01c86da4b1daa2ff"}),
+    "mlx_lm.models.bailing_moe.BailingMoeAttention.__call__": frozenset({"9c426bf341f19a88"}),
+    "mlx_lm.models.bailing_moe_linear.Attention.__call__": frozenset({"9c426bf341f19a88"}),
+    "mlx_lm.models.bailing_moe_linear.LinearAttention.__call__": frozenset({"40b41e88d51abfa1"}),
+    "mlx_lm.models.bailing_hybrid.LinearAttention.__call__": frozenset({"c092b948ea7a5237"}),
+    "mlx_lm.models.gemma3_text.Attention.__call__": frozenset({"9ad644e47d3a731f"}),
+    "mlx_lm.models.plamo3.Attention.__call__": frozenset({"4e26697bdb53ea66"}),
+    "mlx_lm.models.minimax_m3_vl.Attention.__call__": frozenset({"7f37ed3303e3ad9b"}),
+    "mlx_lm.models.gemma3n.Gemma3nAttention.__call__": frozenset({"367095a04f59aac5"}),
+    "mlx_lm.models.gemma4_text.Attention.__call__": frozenset({"c4fa3b994f6513f0"}),
+    "mlx_lm.models.gear.Attention.__call__": frozenset({"275cd18d3da7467c"}),
+    "mlx_lm.models.gear.ConvKVGatedMixer.__call__": frozenset({"08746572d04ca7be"}),
+    "mlx_lm.models.olmo2.Attention.__call__": frozenset({"ea794fce3318da61"}),
+    "mlx_lm.models.olmoe.Attention.__call__": frozenset({"ea794fce3318da61"}),
+    "mlx_lm.models.olmo3.Olmo3Attention.__call__": frozenset({"70b7183b0f01aedb"}),
+    "mlx_lm.models.minimax.MiniMaxAttention.__call__": frozenset({"a95f74805aaca722"}),
+    "mlx_lm.models.olmo_hybrid.Attention.__call__": frozenset({"cc35562f9c3bc476"}),
+    # The norm and RoPE classes whose __call__ replacements compute (MLX's own
+    # too: the package is built for one MLX release).
+    "mlx.nn.layers.normalization.RMSNorm.__call__": frozenset({"39565b8676a38edd"}),
+    "mlx.nn.layers.positional_encoding.RoPE.__call__": frozenset({"90ced0919a246eef"}),
+    "mlx_lm.models.rope_utils.SuScaledRoPE.__call__": frozenset({"718258621125ce04"}),
+    "mlx_lm.models.rope_utils.Llama3RoPE.__call__": frozenset({"d3a9a0288589d39d"}),
+    "mlx_lm.models.rope_utils.YarnRoPE.__call__": frozenset({"2ea8c131051611da"}),
+    "mlx_lm.models.rope_utils.ProportionalRoPE.__call__": frozenset({"ef7f74e2cca66a16"}),
+    "mlx_lm.models.gemma3_text.RMSNorm.__call__": frozenset({"388ec3fb8c2652f1"}),
+    "mlx_lm.models.minimax_m3_vl.GemmaRMSNorm.__call__": frozenset({"8d30774e7370eca7"}),
+    "mlx_lm.models.gear.GearRMSNorm.__call__": frozenset({"6ff2338d7bcf46a3"}),
+    "mlx_lm.models.plamo3.RMSNorm.__call__": frozenset({"d89c83cbaf639db7"}),
+    "mlx_lm.models.step3p5.ZeroCenteredRMSNorm.__call__": frozenset({"3f80d31c2eec6af6"}),
+    # The caches the one call writes.
+    "mlx_lm.models.cache.KVCache.update_and_fetch": frozenset({"14ab338fe9b1118c"}),
+    "mlx_lm.models.cache.KVCache.keys_and_values": frozenset({"2886e168efeb5d1e"}),
+    "mlx_lm.models.cache.BatchKVCache.update_and_fetch": frozenset({"eecbe4ede43a0ea0"}),
+    "mlx_lm.models.cache.BatchKVCache.keys_and_values": frozenset({"63780e14d4589476"}),
+    "mlx_lm.models.cache.RotatingKVCache.update_and_fetch": frozenset({"7457ac47da257b25"}),
+    "mlx_lm.models.cache.RotatingKVCache._update_in_place": frozenset({"4d31cf2526149db9"}),
+    "mlx_lm.models.cache.RotatingKVCache.keys_and_values": frozenset({"2886e168efeb5d1e"}),
+    "mlx_lm.models.cache.BatchRotatingKVCache.update_and_fetch": frozenset({"7457ac47da257b25"}),
+    "mlx_lm.models.cache.BatchRotatingKVCache._update_in_place": frozenset({"fc1a83c1eca5ba8c"}),
+    "mlx_lm.models.cache.BatchRotatingKVCache.keys_and_values": frozenset({"0ddcb02fd016c2a5"}),
+    # What the gated-delta fold computes.
+    "mlx_lm.models.gated_delta.normalize_qk": frozenset({"0739ab39dc0ad874"}),
+}
 
 NORMALIZE_QK_PIECE = "mlx_lm.models.gated_delta.normalize_qk"
 
@@ -65,7 +130,6 @@ REPRODUCED_PART_CLASSES = (
     ("mlx_lm.models.gear", "GearRMSNorm"),
     ("mlx_lm.models.plamo3", "RMSNorm"),
     ("mlx_lm.models.step3p5", "ZeroCenteredRMSNorm"),
-    *((module, mlp) for module, _, mlp in DECODER_LAYERS),
 )
 
 CACHE_MODULE = "mlx_lm.models.cache"
@@ -156,19 +220,9 @@ def forget_verdicts() -> None:
 # ---- The families ------------------------------------------------------------------
 
 
-ATTENTION, DECODER_LAYER = "attention", "decoder layer"
-
-# The projection classes a decoder-layer replay computes where an MLP holds
-# them (as their modules define them).
-PROJECTION_CLASSES = (
-    ("mlx.nn.layers.linear", "Linear"), ("mlx.nn.layers.quantized", "QuantizedLinear"),
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionFamily:
-    """One layer class the patch covers: an attention class, or (``kind``
-    :data:`DECODER_LAYER`) a decoder layer class.
+    """One attention class the patch covers.
 
     ``call`` becomes the ``__call__`` of the layers that engage; it calls
     :func:`~.engine.original_call` where a call cannot take the package's
@@ -178,11 +232,7 @@ class AttentionFamily:
     What the class's code reads at every call, ``call`` reads at every
     call too (``switches`` for the flags ``engages`` requires).
     ``pieces`` are the class's attributes whose code ``call`` restates:
-    each must be proven (:data:`RECORDED_CODE`) for the class to be patched.
-    ``restated``: ``(module, class)`` of classes whose ``__call__`` ``call``
-    computes for parts below the layer's own (an MLP's projections): each
-    must be proven for a layer to engage, and is tested by identity at
-    every call, as the layer's own parts are."""
+    each must be proven (:data:`RECORDED_CODE`) for the class to be patched."""
 
     module: str  # the mlx-lm module; one that does not import is skipped
     class_name: str
@@ -194,8 +244,6 @@ class AttentionFamily:
     # call and ``engages`` requires: an engaged layer whose attribute is
     # another value at a call runs the class's own code for that call.
     switches: tuple[tuple[str, object], ...] = ()
-    kind: str = ATTENTION
-    restated: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:
@@ -225,13 +273,11 @@ def attention_families() -> tuple[AttentionFamily, ...]:
     return tuple(_attention_families)
 
 
-def families_by_class(kind: Optional[str] = None) -> dict[type, AttentionFamily]:
-    """class -> its family, for every registered family (of ``kind``, where
-    given) the installed mlx-lm has, each class once."""
+def families_by_class() -> dict[type, AttentionFamily]:
+    """class -> its family, for every registered family the installed
+    mlx-lm has, each class once."""
     found: dict[type, AttentionFamily] = {}
     for family in attention_families():
-        if kind is not None and family.kind != kind:
-            continue
         attention_class = family.attention_class()
         if attention_class is not None and attention_class not in found:
             found[attention_class] = family
@@ -266,33 +312,17 @@ def defined_class(module_name: str, name: str) -> Optional[type]:
     return cls
 
 
-# (module, class) pairs -> the classes of them this install has.
-_defined_classes: dict[tuple, tuple] = {}
-
-
-def defined_classes(pairs: tuple[tuple[str, str], ...]) -> tuple:
-    """The classes of ``(module, class)`` ``pairs`` this install has, as
-    their modules define them (:func:`defined_class`), found once per
-    ``pairs``: class objects do not change."""
-    found = _defined_classes.get(pairs)
-    if found is None:
-        classes = (defined_class(module_name, name) for module_name, name in pairs)
-        found = _defined_classes[pairs] = tuple(cls for cls in classes if cls is not None)
-    return found
+_part_classes: Optional[tuple] = None
 
 
 def reproduced_part_classes() -> tuple:
-    """The classes of :data:`REPRODUCED_PART_CLASSES` this install has."""
-    return defined_classes(REPRODUCED_PART_CLASSES)
-
-
-def restated_classes() -> tuple:
-    """The classes of every registered family's ``restated`` this install
-    has, each once, in registration order."""
-    found: dict[type, None] = {}
-    for family in attention_families():
-        found.update(dict.fromkeys(defined_classes(family.restated)))
-    return tuple(found)
+    """The classes of :data:`REPRODUCED_PART_CLASSES` this install has, as
+    their modules define them (found once: class objects do not change)."""
+    global _part_classes
+    if _part_classes is None:
+        found = (defined_class(module_name, name) for module_name, name in REPRODUCED_PART_CLASSES)
+        _part_classes = tuple(cls for cls in found if cls is not None)
+    return _part_classes
 
 
 def reproduced_part_class_set() -> frozenset:

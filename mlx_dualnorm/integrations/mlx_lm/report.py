@@ -1,6 +1,5 @@
-"""What the patch did, per class (attention and decoder layer classes) and
-in one line, and the one warning per process that says what it left to
-mlx-lm's own code."""
+"""What the patch did, per attention class and in one line, and the one
+warning per process that says what it left to mlx-lm's own code."""
 
 from __future__ import annotations
 
@@ -9,17 +8,14 @@ import dataclasses
 import sys
 import warnings
 
-from mlx_dualnorm.integrations.mlx_lm import engine, registry
+from mlx_dualnorm.integrations.mlx_lm import registry
 from mlx_dualnorm.integrations.mlx_lm.engine import PATCH_OPERATION, is_installed
-from mlx_dualnorm.integrations.mlx_lm.fingerprints import live_function
-from mlx_dualnorm.integrations.mlx_lm.gated_delta import ORIGINAL_NORMALIZE_QK
 from mlx_dualnorm.integrations.mlx_lm.state import STATE
 
 
 @dataclasses.dataclass(frozen=True)
 class ClassReport:
-    """One registered class (``kind``: an attention or a decoder layer
-    class): ``patched`` (its pieces proven and
+    """One registered attention class: ``patched`` (its pieces proven and
     the dispatcher installed), or ``unproven`` naming the pieces whose code
     differs; since it was patched, the layers decided (``engaged_layers``,
     and ``left_layers``: reason -> layers; subclasses of it count as left),
@@ -33,7 +29,6 @@ class ClassReport:
     left_layers: dict[str, int]
     calls: int
     fallbacks: int
-    kind: str = registry.ATTENTION
 
 
 def _counted(count: int, singular: str, plural: str = "") -> str:
@@ -55,41 +50,18 @@ class PatchReport:
     normalize_qk_calls: int = 0
     normalize_qk_original: int = 0
 
-    def _of_kind(self, kind: str) -> tuple[ClassReport, ...]:
-        return tuple(entry for entry in self.classes if entry.kind == kind)
-
-    def _engaged(self, kind: str) -> int:
-        return sum(entry.engaged_layers for entry in self._of_kind(kind))
-
-    def _package_calls(self, kind: str) -> int:
-        return sum(entry.calls - entry.fallbacks for entry in self._of_kind(kind))
-
     @property
     def engaged_layers(self) -> int:
-        """Attention layers engaged."""
-        return self._engaged(registry.ATTENTION)
+        return sum(entry.engaged_layers for entry in self.classes)
 
     @property
     def left_layers(self) -> int:
-        """Attention layers left to mlx-lm."""
-        return sum(
-            sum(entry.left_layers.values()) for entry in self._of_kind(registry.ATTENTION)
-        )
+        return sum(sum(entry.left_layers.values()) for entry in self.classes)
 
     @property
     def calls(self) -> int:
         """Calls of engaged attention layers that went through the package."""
-        return self._package_calls(registry.ATTENTION)
-
-    @property
-    def replayed_layers(self) -> int:
-        """Decoder layers engaged (their second half one compiled replay)."""
-        return self._engaged(registry.DECODER_LAYER)
-
-    @property
-    def replays(self) -> int:
-        """Calls of engaged decoder layers that ran the replay."""
-        return self._package_calls(registry.DECODER_LAYER)
+        return sum(entry.calls - entry.fallbacks for entry in self.classes)
 
     @property
     def folded_calls(self) -> int:
@@ -102,21 +74,20 @@ class PatchReport:
         and folded ``normalize_qk`` calls), and the classes left unproven."""
         if not self.patched:
             return f"mlx_dualnorm: not patched ({self.mlx_lm})"
-        package_calls = self.calls + self.folded_calls + self.replays
+        engaged: collections.Counter = collections.Counter()
+        for entry in self.classes:
+            if entry.engaged_layers:
+                engaged[entry.name.removeprefix("mlx_lm.models.")] += entry.engaged_layers
+        by_class = ", ".join(f"{name} {count}" for name, count in sorted(engaged.items()))
+        package_calls = self.calls + self.folded_calls
         parts = [
             f"mlx_dualnorm: {_counted(self.engaged_layers, 'attention layer')} engaged"
-            + self._by_class(registry.ATTENTION),
+            + (f" ({by_class})" if by_class else ""),
             f"{self.left_layers} left to mlx-lm",
-        ]
-        if self.replayed_layers:
-            parts.append(f"{_counted(self.replayed_layers, 'decoder layer')} replayed"
-                         + self._by_class(registry.DECODER_LAYER))
-        parts.append(
             f"{_counted(package_calls, 'package call')} "
             f"({_counted(self.calls, 'attention call')}, "
-            + (f"{_counted(self.replays, 'layer replay')}, " if self.replays else "")
-            + f"{_counted(self.folded_calls, 'folded normalize_qk call')})"
-        )
+            f"{_counted(self.folded_calls, 'folded normalize_qk call')})",
+        ]
         fallbacks = sum(entry.fallbacks for entry in self.classes)
         if fallbacks:
             parts.append(f"{_counted(fallbacks, 'call')} ran mlx-lm's code")
@@ -128,15 +99,6 @@ class PatchReport:
                          f"{self.mlx_lm}")
         return "; ".join(parts)
 
-    def _by_class(self, kind: str) -> str:
-        """`` (class count, ...)`` of the engaged layers of ``kind``, or ``""``."""
-        engaged: collections.Counter = collections.Counter()
-        for entry in self._of_kind(kind):
-            if entry.engaged_layers:
-                engaged[entry.name.removeprefix("mlx_lm.models.")] += entry.engaged_layers
-        by_class = ", ".join(f"{name} {count}" for name, count in sorted(engaged.items()))
-        return f" ({by_class})" if by_class else ""
-
 
 def class_reports() -> tuple[ClassReport, ...]:
     """One :class:`ClassReport` per patched or unproven class."""
@@ -147,14 +109,10 @@ def class_reports() -> tuple[ClassReport, ...]:
             entries.append(ClassReport(
                 registry.class_name(attention_class), is_installed(attention_class), (),
                 tally.engaged_layers, dict(tally.left_layers), tally.calls, tally.fallbacks,
-                installed.family.kind,
             ))
-        families = registry.families_by_class()
         for attention_class, pieces in STATE.unproven_classes.items():
-            family = families.get(attention_class)
             entries.append(ClassReport(
                 registry.class_name(attention_class), False, tuple(pieces), 0, {}, 0, 0,
-                family.kind if family is not None else registry.ATTENTION,
             ))
         return tuple(sorted(entries, key=lambda entry: entry.name))
 
@@ -181,32 +139,3 @@ def warn_unproven_once(unproven: dict[str, str]) -> None:
     lines += [f"  {name}: {what}" for name, what in sorted(unproven.items())]
     warnings.warn("\n".join(lines), RuntimeWarning, stacklevel=6)  # the caller of patch()
     STATE.warned_unproven = True
-
-
-def registered_pieces() -> list[tuple[str, object]]:
-    """``(piece, live function)`` of every piece the registry names that
-    this install has: the families' classes (their ``__call__`` as mlx-lm
-    gives it, the patch's own left out), the part classes, mlx-lm's cache
-    classes and ``normalize_qk``. What the fingerprint test records."""
-    pieces: list[tuple[str, object]] = []
-    for attention_class, family in registry.families_by_class().items():
-        for attribute in family.pieces:
-            pieces.append(
-                (registry.piece_name(attention_class, attribute),
-                 engine.unpatched_function(attention_class, attribute))
-            )
-    for part_class in (*registry.reproduced_part_classes(), *registry.restated_classes()):
-        pieces.append(
-            (registry.piece_name(part_class, "__call__"), live_function(part_class, "__call__"))
-        )
-    for name, (_, methods) in registry.WRITTEN_CACHES.items():
-        cache_class = registry.class_of(registry.CACHE_MODULE, name)
-        if cache_class is None:
-            continue
-        for method in methods:
-            pieces.append(
-                (f"{registry.CACHE_MODULE}.{name}.{method}", live_function(cache_class, method))
-            )
-    if ORIGINAL_NORMALIZE_QK is not None:
-        pieces.append((registry.NORMALIZE_QK_PIECE, ORIGINAL_NORMALIZE_QK))
-    return pieces
