@@ -11,6 +11,11 @@
  * mlx_fast_rope_dynamic takes it), so a decode step at a new position
  * replays the graph instead of tracing it again.
  *
+ * Without norms (mlx_dualnorm_dual_head_norm_rope_new_without_norms) the
+ * builders skip rms_norm and the rest is unchanged: the prework of
+ * attention that has no q/k norms (mlx-lm's Llama family: two transposes,
+ * two rope, and with the cache write the two slice updates) as one call.
+ *
  * Constants at trace time: each builder closure carries its own copy of
  * the constants (mlx_closure_new_func_payload), so a trace reads only its
  * own object's; a per-object read-write lock only keeps close from freeing
@@ -131,7 +136,8 @@ static uint64_t float_bits(float value) {
  * builder reads as a compile constant. */
 static int compile_graphs(mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
   const mlx_dualnorm_rope_parameters* rope = &dual_head_norm_rope->rope;
-  const uint64_t compile_constants[8] = {
+  const uint64_t compile_constants[9] = {
+      dual_head_norm_rope->normalizes,
       float_bits(dual_head_norm_rope->rms_norm_epsilon),
       (uint64_t)(uint32_t)rope->dims,
       rope->traditional,
@@ -144,6 +150,7 @@ static int compile_graphs(mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope)
   size_t constant_count = sizeof compile_constants / sizeof compile_constants[0];
   /* Read by the closure makers only; each closure keeps its own copy. */
   const dual_head_norm_rope_constants constants = {
+      .normalizes = dual_head_norm_rope->normalizes,
       .rms_norm_epsilon = dual_head_norm_rope->rms_norm_epsilon,
       .rope = dual_head_norm_rope->rope,
   };
@@ -156,10 +163,11 @@ static int compile_graphs(mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope)
                                             &constants, compile_constants, constant_count) != 0;
 }
 
-int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
-                                         double rms_norm_epsilon,
-                                         mlx_dualnorm_rope_parameters rope,
-                                         mlx_dualnorm_mode mode, mlx_dualnorm_error* error) {
+/* Both constructors: with norms of `rms_norm_epsilon` where `normalizes`,
+ * else without norms (the epsilon then unread, NaN in the object). */
+static int new_object(mlx_dualnorm_dual_head_norm_rope** res, bool normalizes,
+                      double rms_norm_epsilon, mlx_dualnorm_rope_parameters rope,
+                      mlx_dualnorm_mode mode, mlx_dualnorm_error* error) {
   const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION;
   dualnorm_begin_call();
   if (res == NULL) {
@@ -168,7 +176,8 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
   }
   mlx_dualnorm_mode resolved_mode = MLX_DUALNORM_MODE_COMPILED;
   const mlx_dualnorm_fused_kernel* fused_kernel = NULL;
-  int status = dualnorm_check_dual_head_norm_rope_constants(rms_norm_epsilon, &rope, error);
+  int status =
+      dualnorm_check_dual_head_norm_rope_constants(normalizes, rms_norm_epsilon, &rope, error);
   if (status == MLX_DUALNORM_OK) {
     status = dualnorm_resolve_mode(mode, &fused_dual_head_norm_rope_registration, operation,
                                    &resolved_mode, &fused_kernel, error);
@@ -182,7 +191,8 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
     free(dual_head_norm_rope);
     return dualnorm_fail_with(error, MLX_DUALNORM_MLX_FAILURE, operation, "out of host memory");
   }
-  dual_head_norm_rope->rms_norm_epsilon = (float)rms_norm_epsilon;
+  dual_head_norm_rope->normalizes = normalizes;
+  dual_head_norm_rope->rms_norm_epsilon = normalizes ? (float)rms_norm_epsilon : NAN;
   dual_head_norm_rope->rope = rope;
   dual_head_norm_rope->mode = resolved_mode;
   /* The kernel is its table's first member (mode_choice.h). */
@@ -194,6 +204,25 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
   }
   *res = dual_head_norm_rope;
   return MLX_DUALNORM_OK;
+}
+
+int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
+                                         double rms_norm_epsilon,
+                                         mlx_dualnorm_rope_parameters rope,
+                                         mlx_dualnorm_mode mode, mlx_dualnorm_error* error) {
+  return new_object(res, true, rms_norm_epsilon, rope, mode, error);
+}
+
+int mlx_dualnorm_dual_head_norm_rope_new_without_norms(mlx_dualnorm_dual_head_norm_rope** res,
+                                                       mlx_dualnorm_rope_parameters rope,
+                                                       mlx_dualnorm_mode mode,
+                                                       mlx_dualnorm_error* error) {
+  return new_object(res, false, 0.0, rope, mode, error);
+}
+
+bool mlx_dualnorm_dual_head_norm_rope_normalizes(
+    const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope) {
+  return dual_head_norm_rope != NULL && dual_head_norm_rope->normalizes;
 }
 
 mlx_dualnorm_mode mlx_dualnorm_dual_head_norm_rope_mode(

@@ -26,11 +26,12 @@
 
 /* ---- The object's constants ------------------------------------------------ */
 
-int dualnorm_check_dual_head_norm_rope_constants(double rms_norm_epsilon,
+int dualnorm_check_dual_head_norm_rope_constants(bool normalizes, double rms_norm_epsilon,
                                                  const mlx_dualnorm_rope_parameters* rope,
                                                  mlx_dualnorm_error* error) {
   const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION;
-  int status = dualnorm_check_rms_norm_epsilon(rms_norm_epsilon, operation, error);
+  int status = normalizes ? dualnorm_check_rms_norm_epsilon(rms_norm_epsilon, operation, error)
+                          : MLX_DUALNORM_OK;
   if (status != MLX_DUALNORM_OK) {
     return status;
   }
@@ -160,6 +161,12 @@ static int inspect_inputs(const mlx_dualnorm_dual_head_norm_rope* dual_head_norm
                           mlx_dualnorm_error* error) {
   const char* operation = DUALNORM_DUAL_HEAD_NORM_ROPE_OPERATION;
   dual_head_norm_call* sides = &facts->sides;
+  if (!dual_head_norm_rope->normalizes &&
+      (inputs->query_scale_weight.ctx != NULL || inputs->key_scale_weight.ctx != NULL)) {
+    return dualnorm_fail_with(error, MLX_DUALNORM_INVALID_ARGUMENT, operation,
+                              "this object was made without norms: it takes no query_weight "
+                              "or key_weight");
+  }
   int status = dualnorm_inspect_head_norm_input(&sides->queries, operation, "queries",
                                                 inputs->queries, "query_weight",
                                                 inputs->query_scale_weight, true, error);

@@ -1,6 +1,7 @@
 /* The norm + RoPE graph builder (private/dual_head_norm_rope_graph.h): for
- * each side, rms_norm, the transpose to (B, H, L, D), the input scale where
- * the RoPE has one, then mlx_fast_rope_dynamic, each call as the composed
+ * each side, rms_norm (none for an object without norms), the transpose to
+ * (B, H, L, D), the input scale where the RoPE has one, then
+ * mlx_fast_rope_dynamic, each call as the composed
  * path makes it, so MLX emits the same kernels over the same inputs. The
  * constants are the closure's own copy (dual_head_norm_rope_constants); the
  * RoPE offset and the frequency table are graph inputs, so a decode step at
@@ -68,7 +69,8 @@ static int normalize_heads(mlx_array* normalized, const mlx_array input,
 }
 
 /* rope(rms_norm(input, weight, eps).transpose(0, 2, 1, 3)) for one side
- * (the norm as normalize_heads takes it),
+ * (the norm as normalize_heads takes it; without norms, rope(input.
+ * transpose(0, 2, 1, 3)): the transpose of the input itself),
  * the first `dims` features multiplied by the input scale first where the
  * constants have one; every step on the one stream
  * dualnorm_select_side_stream picks. `freqs` is the call's table (borrowed)
@@ -86,8 +88,10 @@ static int normalize_and_rotate(mlx_array* rotated, const mlx_array input,
   mlx_array scaled = mlx_array_new();
   int status =
       dualnorm_select_side_stream(&stream, input, default_device) != 0 ||
-      normalize_heads(&normalized, input, scale_weight, constants->rms_norm_epsilon,
-                      stream) != 0 ||
+      (constants->normalizes
+           ? normalize_heads(&normalized, input, scale_weight, constants->rms_norm_epsilon,
+                             stream)
+           : mlx_array_set(&normalized, input)) != 0 ||
       mlx_transpose_axes(&head_major, normalized, DUALNORM_HEAD_MAJOR_AXES, ATTENTION_INPUT_RANK,
                          stream) != 0 ||
       (rope->input_scale.has_value &&

@@ -44,7 +44,8 @@ int dualnorm_run_fused_launch(mlx_vector_array* res,
     return status;
   }
   int apply_status = dual_head_norm_rope->fused_backend->apply(
-      res, inputs, cache_write, dual_head_norm_rope->rms_norm_epsilon, dual_head_norm_rope->rope);
+      res, inputs, cache_write, dual_head_norm_rope->normalizes,
+      dual_head_norm_rope->rms_norm_epsilon, dual_head_norm_rope->rope);
   return release_after_apply(dual_head_norm_rope, apply_status, operation, error);
 }
 

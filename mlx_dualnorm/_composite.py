@@ -107,11 +107,6 @@ class _NativeComposite:
         return native
 
     @property
-    def eps(self) -> float:
-        """The RMS epsilon baked into the graphs, as the float32 MLX uses."""
-        return float(self._c_functions.epsilon(self._native))
-
-    @property
     def mode(self) -> str:
         """The mode chosen at construction: "composed", "compiled" or "fused"."""
         return _MODE_NAMES[self._c_functions.mode(self._native)]

@@ -55,6 +55,7 @@ def composed_dual_head_norm_rope(
     offset: Offset = 0,
     freqs: Optional[mx.array] = None,
     input_scale: Optional[float] = None,
+    norms: bool = True,
     stream: StreamLike = None,
 ) -> tuple[mx.array, mx.array]:
     """The reference path: ``rms_norm``, transpose to ``(B, H, L, D)``, then
@@ -62,12 +63,18 @@ def composed_dual_head_norm_rope(
     None, and ``rope`` (with ``base``, or with ``freqs`` when ``base`` is
     None), for each side, as mlx-lm's attention and RoPE classes call them.
     ``eps`` is required, by position (as in :func:`composed_dual_head_norm`)
-    or by keyword."""
-    if eps is None:
-        raise TypeError(
-            f"[{COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION}] missing the required argument eps"
-        )
-    rms_norm_epsilon = _composite._as_epsilon(eps, COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION)
+    or by keyword. With ``norms=False`` there is no ``rms_norm``: the
+    reference of an object made with ``eps=None``, and of mlx-lm's attention
+    without q/k norms; ``eps`` and the weights must then be None."""
+    operation = COMPOSED_DUAL_HEAD_NORM_ROPE_OPERATION
+    if type(norms) is not bool:
+        raise TypeError(f"[{operation}] norms must be a bool, not {type(norms).__name__}")
+    if not norms:
+        if eps is not None or query_weight is not None or key_weight is not None:
+            raise TypeError(f"[{operation}] norms=False takes no eps and no weights")
+    elif eps is None:
+        raise TypeError(f"[{operation}] missing the required argument eps")
+    rms_norm_epsilon = 0.0 if eps is None else _composite._as_epsilon(eps, operation)
 
     def normalized_heads(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
         if inputs.ndim == 4 and weight is not None and weight.ndim == 1:
@@ -80,7 +87,8 @@ def composed_dual_head_norm_rope(
         return mx.fast.rms_norm(inputs, weight, rms_norm_epsilon, stream=stream)
 
     def normalized_and_rotated(inputs: mx.array, weight: Optional[mx.array]) -> mx.array:
-        head_major = normalized_heads(inputs, weight).transpose(0, 2, 1, 3, stream=stream)
+        normalized = normalized_heads(inputs, weight) if norms else inputs
+        head_major = normalized.transpose(0, 2, 1, 3, stream=stream)
         if input_scale is not None:
             # ArrayAt takes no stream: the default one, set for the call.
             if stream is None:

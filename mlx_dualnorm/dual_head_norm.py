@@ -128,6 +128,11 @@ class CompiledDualHeadNorm(_NativeComposite):
             raise _composite._output_count_error(graph_outputs, DUAL_HEAD_NORM_OPERATION)
         return graph_outputs
 
+    @property
+    def eps(self) -> float:
+        """The RMS epsilon baked into the graphs, as the float32 MLX uses."""
+        return float(self._c_functions.epsilon(self._native))
+
     def _constants_repr(self) -> str:
         return f"eps={_composite._float32_repr(self.eps)}, mode={self.mode!r}"
 

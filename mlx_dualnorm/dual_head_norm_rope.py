@@ -16,6 +16,12 @@ heads together, as mlx-lm's OLMo-2 normalizes its whole q/k projection
 before splitting it into heads: ``mx.fast.rms_norm(x.reshape(B, L, H * D),
 w, eps).reshape(B, L, H, D)``, then the transpose and RoPE.
 
+``eps=None`` makes the same object without the norms: each call rotates
+and transposes queries and keys as they are, ``mx.fast.rope(queries.
+transpose(0, 2, 1, 3), ...)``, the q/k prework of attention without q/k
+norms (mlx-lm's Llama, Mistral, Qwen2 and their kin), with the KV-cache
+write of :meth:`CompiledDualHeadNormRope.apply_with_cache` as well.
+
 Scaled RoPE (mlx-lm's ``Llama3RoPE``, ``YarnRoPE``, ``SuScaledRoPE``):
 ``base=None`` and the frequency table as ``freqs=`` of each call, as
 ``mx.fast.rope(..., base=None, freqs=freqs)``; ``input_scale=s`` multiplies
@@ -84,6 +90,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
     Args:
         eps: the RMS epsilon. Finite, >= 0 and within float32's range,
             checked as given, then used as float32 (as ``mx.fast.rms_norm``).
+            None: no norms (see above); every call then takes no weights.
         dims: the features RoPE rotates (positive, even, at most the head
             width; the rest are copied), as ``mx.fast.rope``'s ``dims``.
         base: RoPE's base (``nn.RoPE``'s; mlx-lm's ``rope_theta``), finite
@@ -132,7 +139,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
 
     def __init__(
         self,
-        eps: float,
+        eps: Optional[float],
         dims: int,
         *,
         base: Optional[float],
@@ -143,7 +150,7 @@ class CompiledDualHeadNormRope(_NativeComposite):
     ) -> None:
         self._refuse_reinitialization()
         operation = DUAL_HEAD_NORM_ROPE_OPERATION
-        rms_norm_epsilon = _composite._as_epsilon(eps, operation)
+        rms_norm_epsilon = None if eps is None else _composite._as_epsilon(eps, operation)
         rope = ffi.new("mlx_dualnorm_rope_parameters *")
         rope.dims = _as_dims(dims)
         rope.traditional = _as_flag(traditional, "traditional")
@@ -155,9 +162,16 @@ class CompiledDualHeadNormRope(_NativeComposite):
             rope.input_scale.has_value = True
         mode_value = _composite._mode_value(mode, operation)
         created = ffi.new("mlx_dualnorm_dual_head_norm_rope **")
-        call_native(
-            lib.mlx_dualnorm_dual_head_norm_rope_new, created, rms_norm_epsilon, rope[0], mode_value
-        )
+        if rms_norm_epsilon is None:
+            call_native(
+                lib.mlx_dualnorm_dual_head_norm_rope_new_without_norms, created, rope[0],
+                mode_value,
+            )
+        else:
+            call_native(
+                lib.mlx_dualnorm_dual_head_norm_rope_new, created, rms_norm_epsilon, rope[0],
+                mode_value,
+            )
         self._own(
             created[0], lib.mlx_dualnorm_dual_head_norm_rope_free, (eps, dims),
             {"base": base, "traditional": traditional, "scale": scale,
@@ -168,6 +182,15 @@ class CompiledDualHeadNormRope(_NativeComposite):
     dims = _RopeParameter(int, "The features RoPE rotates; the rest are copied.")
     traditional = _RopeParameter(bool, "Whether RoPE rotates consecutive pairs, not halves.")
     scale = _RopeParameter(float, "RoPE's position scale, as the float32 MLX uses.")
+
+    @property
+    def eps(self) -> Optional[float]:
+        """The RMS epsilon baked into the graphs, as the float32 MLX uses;
+        None for an object made without norms."""
+        native = self._native
+        if not lib.mlx_dualnorm_dual_head_norm_rope_normalizes(native):
+            return None
+        return float(self._c_functions.epsilon(native))
 
     @property
     def base(self) -> Optional[float]:
@@ -194,15 +217,17 @@ class CompiledDualHeadNormRope(_NativeComposite):
         freqs: Optional[mx.array] = None,
         stream: StreamLike = None,
     ) -> tuple[mx.array, mx.array]:
-        """Normalizes, transposes and rotates queries and keys.
+        """Normalizes (unless made with ``eps=None``), transposes and
+        rotates queries and keys.
 
         Args:
             queries: ``(B, L, Hq, D)`` array.
             keys: ``(B, L, Hk, D)`` array.
             query_weight: optional ``(D,)`` scale of the query norm, or
                 ``(Hq * D,)``: one norm over each token's heads (see above).
+                None for an object without norms.
             key_weight: optional ``(D,)`` scale of the key norm, or
-                ``(Hk * D,)``.
+                ``(Hk * D,)``; None for an object without norms.
             offset: position of the first of the ``L`` tokens: an int, or an
                 integer ``mx.array`` (scalar or ``(B,)``), as mlx-lm's
                 ``cache.offset``.
@@ -326,9 +351,9 @@ class CompiledDualHeadNormRope(_NativeComposite):
 
     def _constants_repr(self) -> str:
         float32_repr = _composite._float32_repr
-        base, input_scale = self.base, self.input_scale
+        base, input_scale, eps = self.base, self.input_scale, self.eps
         constants = [
-            f"eps={float32_repr(self.eps)}",
+            f"eps={None if eps is None else float32_repr(eps)}",
             f"dims={self.dims!r}",
             f"base={None if base is None else float32_repr(base)}",
             f"traditional={self.traditional!r}",

@@ -29,6 +29,9 @@
  * block normalizes the token's H * D elements as one row (MLX's RMSNorm
  * over that width), then rotates and places each of the row's H heads as
  * above. With `row_heads` = 1 a row is one head.
+ * Without norms (`normalizes` 0: attention with no q/k norms) step 1 stages
+ * the row as it is, so steps 2 and 3 rotate and place the input's own
+ * values, as MLX's RoPE does over the transposed input.
  * With a frequency table (`freqs` not null) step 2 takes instead, as MLX's
  * rope_freqs kernel does, inv_freq = 1.0 / freqs[freq_stride * i] (the
  * float32 entry divided in double, converted to float). With
@@ -84,6 +87,7 @@
     RopeSide query_rope;                                  \
     RopeSide key_rope;                                    \
     float eps;                                            \
+    int normalizes;                                       \
     int dims;                                             \
     int traditional;                                      \
     float scale;                                          \
@@ -217,7 +221,18 @@ __device__ __forceinline__ void normalize_and_rotate_row(
   if (static_cast<int>(threadIdx.x) < params.dims / 2) {
     own_pair = pair_rotation(static_cast<int>(threadIdx.x), position, params);
   }
-  normalize_row<Storage>(input, weight, normalized, layout, row_index, params.eps);
+  if (params.normalizes) {
+    normalize_row<Storage>(input, weight, normalized, layout, row_index, params.eps);
+  } else {
+    // No norms: the row itself, its bits unchanged, staged as a normalized
+    // row would be (the rotation reads it, and an output that takes the
+    // input's memory is written only after the barrier).
+    const typename Storage::storage* row = input + row_start(layout, row_index);
+    const long long stride = element_stride(layout);
+    for (int j = threadIdx.x; j < layout.width; j += blockDim.x) {
+      normalized[j] = row[j * stride];
+    }
+  }
   __syncthreads();
   const int head_width = layout.width / static_cast<int>(row_heads);
   for (unsigned int k = 0; k < row_heads; ++k) {

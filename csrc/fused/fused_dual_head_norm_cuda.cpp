@@ -311,11 +311,13 @@ int prepare_fused_rope_kernel() {
   });
 }
 
-/* The RoPE constants as the primitive takes them. */
-mlx_dualnorm_fused::RopeConstants rope_constants(const mlx_dualnorm_rope_parameters& rope) {
+/* The RoPE constants as the primitive takes them (`normalizes` false: no
+ * norms before the rotation). */
+mlx_dualnorm_fused::RopeConstants rope_constants(const mlx_dualnorm_rope_parameters& rope,
+                                                 bool normalizes) {
   return mlx_dualnorm_fused::RopeConstants{
       rope.dims,       rope.traditional, rope.base, rope.scale, rope.with_freqs,
-      rope.input_scale.has_value, rope.input_scale.value};
+      rope.input_scale.has_value, rope.input_scale.value, normalizes};
 }
 
 /* The table's `apply`: one norm + RoPE launch, with the KV-cache write of
@@ -323,8 +325,8 @@ mlx_dualnorm_fused::RopeConstants rope_constants(const mlx_dualnorm_rope_paramet
  * the caller's (borrowed, as mlx_dualnorm_rope_inputs says); the
  * primitive's inputs take references of their own. */
 int apply_fused_rope(mlx_vector_array* res, const mlx_dualnorm_rope_inputs* inputs,
-                     const mlx_dualnorm_cache_write* cache_write, float rms_norm_epsilon,
-                     mlx_dualnorm_rope_parameters rope) {
+                     const mlx_dualnorm_cache_write* cache_write, bool normalizes,
+                     float rms_norm_epsilon, mlx_dualnorm_rope_parameters rope) {
   return launch_and_publish(res, kDualHeadNormRopeOperation, prepared_rope_kernel, [&] {
     std::optional<mlx_dualnorm_fused::CacheWrite> write;
     if (cache_write != nullptr) {
@@ -337,7 +339,9 @@ int apply_fused_rope(mlx_vector_array* res, const mlx_dualnorm_rope_inputs* inpu
         borrowed_array(inputs->queries), borrowed_array(inputs->keys),
         borrowed_weight_or_null(inputs->query_scale_weight),
         borrowed_weight_or_null(inputs->key_scale_weight), borrowed_array(inputs->rope_offset),
-        rms_norm_epsilon, rope_constants(rope), borrowed_weight_or_null(inputs->freqs),
+        // Without norms the epsilon (NaN) is unread: 0 keeps equal nodes equal.
+        normalizes ? rms_norm_epsilon : 0.0f, rope_constants(rope, normalizes),
+        borrowed_weight_or_null(inputs->freqs),
         write ? &*write : nullptr);
   });
 }

@@ -37,9 +37,10 @@ static int launch_no_dual_head_norm(mlx_vector_array* res, const mlx_array queri
 static int launch_no_dual_head_norm_rope(mlx_vector_array* res,
                                         const mlx_dualnorm_rope_inputs* inputs,
                                         const mlx_dualnorm_cache_write* cache_write,
-                                        float rms_norm_epsilon,
+                                        bool normalizes, float rms_norm_epsilon,
                                         mlx_dualnorm_rope_parameters rope) {
-  (void)res, (void)inputs, (void)cache_write, (void)rms_norm_epsilon, (void)rope;
+  (void)res, (void)inputs, (void)cache_write, (void)normalizes, (void)rms_norm_epsilon;
+  (void)rope;
   mlx_error("[fused_dual_head_norm_rope] %s", BUILT_WITHOUT_CUDA);
   return 1;
 }

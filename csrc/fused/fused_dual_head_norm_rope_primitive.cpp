@@ -319,7 +319,8 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& fused = static_cast<const FusedDualRmsNormRope&>(other);
-    return normalizes_as(fused) && rope_.dims == fused.rope_.dims &&
+    return normalizes_as(fused) && rope_.normalizes == fused.rope_.normalizes &&
+           rope_.dims == fused.rope_.dims &&
            rope_.traditional == fused.rope_.traditional && rope_.base == fused.rope_.base &&
            rope_.scale == fused.rope_.scale && rope_.with_freqs == fused.rope_.with_freqs &&
            rope_.has_input_scale == fused.rope_.has_input_scale &&
@@ -364,6 +365,7 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     params.query_rope = rope_side(queries, norm_heads_.queries, offset);
     params.key_rope = rope_side(keys, norm_heads_.keys, offset);
     params.eps = rms_norm_epsilon_;
+    params.normalizes = rope_.normalizes ? 1 : 0;
     params.dims = rope_.dims;
     params.traditional = rope_.traditional ? 1 : 0;
     params.scale = rope_.scale;
@@ -536,7 +538,9 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
         base = rope.base;
       }
       auto side = [&](const mx::array& input, const mx::array* weight, int heads_per_row) {
-        mx::array normalized = mx::fast::rms_norm(input, optional_weight(weight), eps, stream);
+        mx::array normalized =
+            rope.normalizes ? mx::fast::rms_norm(input, optional_weight(weight), eps, stream)
+                            : input;
         if (heads_per_row > 1) {  // (B, L, 1, H * D) normalized per token, then split
           normalized = mx::reshape(normalized,
                                    {input.shape(0), input.shape(1), heads_per_row,

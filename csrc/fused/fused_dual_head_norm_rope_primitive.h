@@ -38,6 +38,9 @@ struct RopeConstants {
   bool with_freqs = false;
   bool has_input_scale = false;
   float input_scale = 1.0f;
+  /* false: no norms, each side rotated as it is (no weights, the epsilon
+   * unread): the q/k prework of attention without q/k norms. */
+  bool normalizes = true;
 };
 
 /* The KV-cache write of a fused launch: `values` (B, L, Hk, Dv) and the

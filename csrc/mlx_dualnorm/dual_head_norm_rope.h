@@ -135,11 +135,12 @@ typedef struct mlx_dualnorm_fused_rope_backend_ {
    * launch also writes the KV cache, each buffer written taking its input's
    * memory where nothing else holds it, else a copy, and with `fetch` its
    * fetched rows are views of the buffers written. Every field of `rope`
-   * is honored. `inputs` and `cache_write` are borrowed, as their types
-   * say. 0 on success; non-zero with the reason sent to mlx_error. */
+   * is honored. With `normalizes` false there are no norms: both sides
+   * are rotated as they are (no weights; `rms_norm_epsilon` unused).
+   * `inputs` and `cache_write` are borrowed, as their types say. 0 on success; non-zero with the reason sent to mlx_error. */
   int (*apply)(mlx_vector_array* res, const mlx_dualnorm_rope_inputs* inputs,
-               const mlx_dualnorm_cache_write* cache_write, float rms_norm_epsilon,
-               mlx_dualnorm_rope_parameters rope);
+               const mlx_dualnorm_cache_write* cache_write, bool normalizes,
+               float rms_norm_epsilon, mlx_dualnorm_rope_parameters rope);
   /* Whether `apply` takes a `cache_write`. The composite sends one only
    * where the values and both buffers have the queries' dtype and rows
    * [write_offset, write_offset + L) lie inside both buffers; else, and
@@ -177,11 +178,34 @@ int mlx_dualnorm_dual_head_norm_rope_new(mlx_dualnorm_dual_head_norm_rope** res,
                                          mlx_dualnorm_rope_parameters rope,
                                          mlx_dualnorm_mode mode, mlx_dualnorm_error* error);
 
+/* An object of this family WITHOUT the norms: every call rotates and
+ * transposes queries and keys as they are,
+ *
+ *   rope(queries.transpose(0, 2, 1, 3)), rope(keys.transpose(0, 2, 1, 3))
+ *
+ * (and, with a cache write, writes the rotated keys and the values as
+ * dual_head_norm_rope_cache.h says): the q/k prework of attention that has
+ * no q/k norms (mlx-lm's Llama, Mistral, Qwen2 and their kin), with the
+ * bits of those composed calls. Everything else is as for an object made
+ * by mlx_dualnorm_dual_head_norm_rope_new: `rope`, `mode` and their
+ * checks, the routes (compiled graph, fused launch), the cache write, the
+ * life cycle. Its calls take no scale weight (a weight handle that is not
+ * empty is an invalid argument), and its epsilon reads NaN. */
+int mlx_dualnorm_dual_head_norm_rope_new_without_norms(
+    mlx_dualnorm_dual_head_norm_rope** res, mlx_dualnorm_rope_parameters rope,
+    mlx_dualnorm_mode mode, mlx_dualnorm_error* error);
+
+/* Whether the object normalizes before rotating: false for one made by
+ * mlx_dualnorm_dual_head_norm_rope_new_without_norms, and for NULL. */
+bool mlx_dualnorm_dual_head_norm_rope_normalizes(
+    const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope);
+
 /* The mode construction resolved (never AUTO); AUTO for NULL. */
 mlx_dualnorm_mode mlx_dualnorm_dual_head_norm_rope_mode(
     const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope);
 
-/* The epsilon the graphs bake in, as the float32 MLX uses; NaN for NULL. */
+/* The epsilon the graphs bake in, as the float32 MLX uses; NaN for NULL
+ * and for an object without norms. */
 float mlx_dualnorm_dual_head_norm_rope_epsilon(
     const mlx_dualnorm_dual_head_norm_rope* dual_head_norm_rope);
 

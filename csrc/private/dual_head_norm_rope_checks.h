@@ -33,8 +33,9 @@ typedef struct dual_head_norm_rope_facts {
   bool fused;
 } dual_head_norm_rope_facts;
 
-/* The constructor's argument checks, before anything is allocated. */
-int dualnorm_check_dual_head_norm_rope_constants(double rms_norm_epsilon,
+/* The constructor's argument checks, before anything is allocated (the
+ * epsilon only where the object `normalizes`). */
+int dualnorm_check_dual_head_norm_rope_constants(bool normalizes, double rms_norm_epsilon,
                                                  const mlx_dualnorm_rope_parameters* rope,
                                                  mlx_dualnorm_error* error);
 

@@ -14,6 +14,8 @@
 /* What one closure's builder reads at trace time: a copy per closure,
  * owned by the closure (freed with its last copy). */
 typedef struct dual_head_norm_rope_constants {
+  /* false: no norms, both sides rotated as they are (no weights). */
+  bool normalizes;
   float rms_norm_epsilon;
   mlx_dualnorm_rope_parameters rope;
   bool has_query_weight;

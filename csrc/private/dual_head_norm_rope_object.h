@@ -21,6 +21,9 @@ struct mlx_dualnorm_dual_head_norm_rope_ {
    * composed mode). All empty once closed. Used under lifetime_lock's read
    * side, released under its write side. */
   dualnorm_weight_set_graphs graphs;
+  /* false for an object made without norms (then rms_norm_epsilon is NaN
+   * and only the weightless graphs are ever run). */
+  bool normalizes;
   float rms_norm_epsilon;
   mlx_dualnorm_rope_parameters rope;
   mlx_dualnorm_mode mode;

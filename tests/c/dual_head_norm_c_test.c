@@ -19,7 +19,9 @@
  *   - threads calling shared objects while others build and free objects;
  *   - the norm + RoPE's versioned call struct: apply_call with and without
  *     a cache write (fetching or not) bit for bit the older entries'
- *     outputs, a struct_size below the first version's refused.
+ *     outputs, a struct_size below the first version's refused;
+ *   - an object without norms: mlx-c's own transpose and rope, bit for bit;
+ *     a weight refused.
  * Links only the composite and an mlx-c (libmlxc): the fused mode is a
  * plug-in this test does not register.
  * Prints one line per failed check and a summary; exits 1 on any failure.
@@ -567,6 +569,77 @@ static void test_rope_call_struct(void) {
   }
 }
 
+/* rope(x.transpose(0, 2, 1, 3)) by mlx-c's own calls on the default stream:
+ * the composed path of an object without norms. A new handle (empty on
+ * failure, which same_bits reports). */
+static mlx_array composed_rotation(mlx_array input, mlx_array offset) {
+  static const int head_major[4] = {0, 2, 1, 3};
+  const mlx_optional_float base = {.value = 10000.0f, .has_value = true};
+  mlx_device device = mlx_device_new();
+  mlx_stream stream = mlx_stream_new();
+  mlx_array transposed = mlx_array_new();
+  mlx_array rotated = mlx_array_new();
+  if (mlx_get_default_device(&device) != 0 || mlx_get_default_stream(&stream, device) != 0 ||
+      mlx_transpose_axes(&transposed, input, head_major, 4, stream) != 0 ||
+      mlx_fast_rope_dynamic(&rotated, transposed, ROPE_DIMS, false, base, 1.0f, offset,
+                            mlx_array_new(), stream) != 0) {
+    mlx_array_free(rotated);
+    rotated = mlx_array_new();
+  }
+  mlx_array_free(transposed);
+  mlx_stream_free(stream);
+  mlx_device_free(device);
+  return rotated;
+}
+
+static void test_rope_without_norms(void) {
+  const int query_shape[4] = {2, 1, 4, 64};
+  const int key_shape[4] = {2, 1, 2, 64};
+  int32_t offset_value = 9;
+  mlx_array queries = small_float32(query_shape, 4, 51);
+  mlx_array keys = small_float32(key_shape, 4, 52);
+  mlx_array weight = weight_float32(64, 1.0f);
+  mlx_array offset = mlx_array_new_data(&offset_value, NULL, 0, MLX_INT32);
+  mlx_array no_array = mlx_array_new();
+  mlx_dualnorm_rope_parameters rope = {.dims = ROPE_DIMS, .base = 10000.0f, .scale = 1.0f};
+  mlx_dualnorm_dual_head_norm_rope* rotation = NULL;
+  mlx_dualnorm_error error = {0};
+  CHECK(mlx_dualnorm_dual_head_norm_rope_new_without_norms(
+            &rotation, rope, MLX_DUALNORM_MODE_COMPILED, &error) == MLX_DUALNORM_OK,
+        "construction without norms: %s", error.description);
+  CHECK(rotation != NULL && !mlx_dualnorm_dual_head_norm_rope_normalizes(rotation) &&
+            isnan(mlx_dualnorm_dual_head_norm_rope_epsilon(rotation)),
+        "an object without norms reports norms or an epsilon");
+  mlx_vector_array outputs = mlx_vector_array_new();
+  mlx_vector_array expected = mlx_vector_array_new();
+  mlx_array expected_arrays[2] = {composed_rotation(queries, offset),
+                                  composed_rotation(keys, offset)};
+  if (rotation != NULL &&
+      mlx_dualnorm_dual_head_norm_rope_apply(&outputs, rotation, queries, keys, no_array,
+                                             no_array, offset, &error) == MLX_DUALNORM_OK &&
+      mlx_vector_array_set_data(&expected, expected_arrays, 2) == 0) {
+    check_same_outputs(outputs, expected, MLX_DUALNORM_ROPE_OUTPUT_COUNT, "without norms");
+  } else {
+    CHECK(false, "the call without norms failed: %s", error.description);
+  }
+  mlx_vector_array untouched = mlx_vector_array_new();
+  int status = rotation == NULL ? MLX_DUALNORM_INVALID_ARGUMENT
+                                : mlx_dualnorm_dual_head_norm_rope_apply(
+                                      &untouched, rotation, queries, keys, weight, no_array,
+                                      offset, &error);
+  expect_failure(status, &error, MLX_DUALNORM_INVALID_ARGUMENT, ROPE_OPERATION, "without norms",
+                 "a weight given to an object without norms");
+  mlx_vector_array_free(untouched);
+  mlx_vector_array_free(outputs);
+  mlx_vector_array_free(expected);
+  mlx_dualnorm_dual_head_norm_rope_free(rotation);
+  const mlx_array owned[] = {queries, keys, weight, offset, expected_arrays[0],
+                             expected_arrays[1]};
+  for (size_t index = 0; index < sizeof owned / sizeof owned[0]; ++index) {
+    mlx_array_free(owned[index]);
+  }
+}
+
 int main(void) {
   mlx_dualnorm_install_error_handler();
   test_interleaved_objects_and_retraces(MLX_DUALNORM_MODE_COMPILED);
@@ -576,6 +649,7 @@ int main(void) {
   test_raw_mlx_c_failures();
   test_threads();
   test_rope_call_struct();
+  test_rope_without_norms();
   printf("dual_head_norm_c_test: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }
