@@ -1,8 +1,9 @@
 """Device experiment: what is left of a decoder layer's host cost, and
 what an exact compiled replay of part of it takes.
 
-Times mlx-lm greedy decode (batch 1, random bfloat16 weights at released
-dimensions) of a qwen3 at Qwen3-0.6B's size and a llama at
+Times mlx-lm greedy decode (batch 1 unless ``--batch``, the prompt in
+every row; random bfloat16 weights at released dimensions, quantized by
+``nn.quantize`` with group size 64 under ``--bits 4``) of a qwen3 at Qwen3-0.6B's size and a llama at
 Llama-3.2-1B's, paths round-robin within each round, ratios per round
 against mlx-lm's own code:
 
@@ -13,7 +14,8 @@ against mlx-lm's own code:
                   then the output projection, residual add and the MLP
                   half; the q/k prework, cache write and attention
                   between them as the patched path runs them (exact only
-                  if the run finds the same bits)
+                  if the run finds the same bits; plain Linear only:
+                  "n/a" under ``--bits 4``)
   no-layer-norms  patched, with both residual-block RMS norms of every
                   decoder layer removed: the ceiling of fusing them into
                   their residual adds (wrong tokens; timing only)
@@ -21,7 +23,15 @@ against mlx-lm's own code:
                   ``mx.compile`` replay whose inputs are the layer's
                   arrays of this call (nothing served stale from the
                   trace); exact only if its tokens and logits are the
-                  patched path's bits, which the run checks
+                  patched path's bits, which the run checks (plain
+                  Linear only: "n/a" under ``--bits 4``)
+  compiled-residual-mlp  patched, with the attention call as it is and then
+                  ``h = x + r; out = h + down(swiglu(gate(n), up(n)))``,
+                  ``n = rms_norm(h)``, one ``mx.compile`` replay of the
+                  layer's arrays (mlx-lm's ``swiglu`` inside; each
+                  projection ``n @ W.T``, or ``mx.quantized_matmul`` of
+                  its weight, scales and biases when quantized), cached
+                  per (eps, quantization); checked as ``compiled-mlp`` is
   step-no-cache   each decode step without a KV cache (attends to itself
                   only; timing only): the cache handling's share
   compiled-no-cache  the same step under ``mx.compile`` of the whole model:
@@ -31,7 +41,7 @@ Before timing, every exact path's tokens and per-step log-probabilities
 are compared bit for bit with mlx-lm's; the timing-only paths say so.
 
     python3 bench/layer_ceilings.py [--models qwen3-1024,llama-2048] [--rounds 5] [--steps 64]
-                                    [--layers N]
+                                    [--layers N] [--bits 0|4] [--batch N] [--paths a,b,..]
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from mlx_dualnorm.integrations import mlx_lm as integration
 # them (internals: this experiment restates a layer the package does not
 # replace yet).
 from mlx_dualnorm.integrations.mlx_lm import cache_update, norm_rope
+from mlx_lm.models.activations import swiglu
 
 MODELS = {
     # Qwen3-0.6B's dimensions.
@@ -72,19 +83,22 @@ MODELS = {
     },
 }
 PROMPT_TOKENS = 16
-EXACT_PATHS = ("mlx-lm", "patched", "compiled-mlp", "compiled-halves")
+EXACT_PATHS = ("mlx-lm", "patched", "compiled-mlp", "compiled-residual-mlp", "compiled-halves")
 PATHS = EXACT_PATHS + ("no-layer-norms", "step-no-cache", "compiled-no-cache")
 
 
-def build(config: dict, layers: int | None):
+def build(config: dict, layers: int | None, bits: int = 0, batch: int = 1):
     config = dict(config, **({"num_hidden_layers": layers} if layers else {}))
     architecture = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(0)
     model = architecture.Model(architecture.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits)
     mx.eval(model.parameters())
     model.eval()
-    prompt = mx.array(np.random.default_rng(0).integers(0, config["vocab_size"], PROMPT_TOKENS))
+    prompt = np.random.default_rng(0).integers(0, config["vocab_size"], PROMPT_TOKENS)
+    prompt = mx.array(np.tile(prompt, (batch, 1)))
     return architecture, model, prompt
 
 
@@ -112,6 +126,53 @@ def compiled_mlp_block(self, x, mask=None, cache=None):
     if half is None:
         half = _compiled_halves[norm.eps] = _mlp_half(norm.eps)
     return half(h, norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+
+
+def _residual_mlp(key: tuple):
+    """``h = x + r`` and the MLP half after it (see the module doc) as one
+    compiled replay; ``key`` is (eps,) for plain Linear projections,
+    (eps, group_size, bits, mode) for quantized ones, whose weights then
+    come as (weight, scales, biases) triples."""
+    eps = key[0]
+    if len(key) == 1:
+        project = lambda n, w: n @ w.T  # noqa: E731
+    else:
+        _, group_size, bits, mode = key
+
+        def project(n, w):
+            weight, scales, biases = w
+            return mx.quantized_matmul(n, weight, scales=scales, biases=biases, transpose=True,
+                                       group_size=group_size, bits=bits, mode=mode)
+
+    def replay(x, r, norm_weight, gate, up, down):
+        h = x + r
+        n = mx.fast.rms_norm(h, norm_weight, eps)
+        return h + project(swiglu(project(n, gate), project(n, up)), down)
+
+    return mx.compile(replay)
+
+
+_compiled_residual: dict = {}
+
+
+def _projection(linear):
+    if isinstance(linear, nn.QuantizedLinear):
+        return (linear.group_size, linear.bits, linear.mode), (
+            linear["weight"], linear["scales"], linear.get("biases"))
+    return (), linear.weight
+
+
+def compiled_residual_mlp_block(self, x, mask=None, cache=None):
+    r = self.self_attn(self.input_layernorm(x), mask, cache)
+    norm, mlp = self.post_attention_layernorm, self.mlp
+    quantization, gate = _projection(mlp.gate_proj)
+    _, up = _projection(mlp.up_proj)
+    _, down = _projection(mlp.down_proj)
+    key = (norm.eps, *quantization)
+    replay = _compiled_residual.get(key)
+    if replay is None:
+        replay = _compiled_residual[key] = _residual_mlp(key)
+    return replay(x, r, norm.weight, gate, up, down)
 
 
 def _halves(eps: float):
@@ -179,6 +240,8 @@ def path_of(architecture, path: str):
     with integration.unpatch() if path == "mlx-lm" else integration.patch():
         if path == "compiled-mlp":
             block.__call__ = compiled_mlp_block
+        elif path == "compiled-residual-mlp":
+            block.__call__ = compiled_residual_mlp_block
         elif path == "compiled-halves":
             block.__call__ = compiled_halves_block
         elif path == "no-layer-norms":
@@ -195,13 +258,13 @@ def decode(model, prompt, steps: int, path: str):
     if path in ("step-no-cache", "compiled-no-cache"):
         forward = mx.compile(model) if path == "compiled-no-cache" else model
         step = lambda tokens: forward(tokens)  # noqa: E731
-        logits = forward(prompt[None])
+        logits = forward(prompt)
     else:
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(model)
         step = lambda tokens: model(tokens, cache=cache)  # noqa: E731
-        logits = model(prompt[None], cache=cache)
+        logits = model(prompt, cache=cache)
     logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
     token = mx.argmax(logprobs, axis=-1)
     mx.async_eval(token, logprobs)
@@ -212,7 +275,7 @@ def decode(model, prompt, steps: int, path: str):
         next_logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
         next_token = mx.argmax(next_logprobs, axis=-1)
         mx.async_eval(next_token, next_logprobs)
-        tokens.append(int(token.item()))
+        tokens.append(tuple(token.tolist()))
         hashes.append(hashlib.sha1(np.array(logprobs.view(mx.uint16)).tobytes()).hexdigest()[:12])
         now = time.perf_counter()
         if len(tokens) > 1:
@@ -228,13 +291,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--layers", type=int, help="fewer layers (a dry run on CPU)")
+    parser.add_argument("--bits", type=int, default=0, help="0: bfloat16; 4: nn.quantize, group 64")
+    parser.add_argument("--batch", type=int, default=1, help="rows, each the same prompt")
+    parser.add_argument("--paths", default=",".join(PATHS), help="paths to run (mlx-lm always)")
     args = parser.parse_args()
-    print(f"MLX {mx.__version__} on {mx.default_device()}; {args.rounds} rounds of "
-          f"{args.steps} steps, ms per decode token, ratio to mlx-lm per round: median [range]")
+    chosen = set(args.paths.split(",")) | {"mlx-lm"}
+    if args.bits:  # compiled-halves and compiled-mlp read plain Linear weights
+        chosen -= {"compiled-halves", "compiled-mlp"}
+    paths = tuple(path for path in PATHS if path in chosen)
+    print(f"MLX {mx.__version__} on {mx.default_device()}; bits {args.bits or 'bf16'}, batch "
+          f"{args.batch}; {args.rounds} rounds of {args.steps} steps, ms per decode token, ratio to mlx-lm per round: median [range]")
     for name in args.models.split(","):
-        architecture, model, prompt = build(MODELS[name], args.layers)
+        architecture, model, prompt = build(MODELS[name], args.layers, args.bits, args.batch)
         reference = None
         for path in PATHS:
+            if path not in paths:
+                if args.bits and path in ("compiled-halves", "compiled-mlp"):
+                    print(f"  {name} {path:21s} n/a (plain Linear only)")
+                continue
             with path_of(architecture, path):
                 tokens, hashes, _ = decode(model, prompt, min(args.steps, 16), path)
             if path == "mlx-lm":
@@ -244,15 +318,15 @@ def main() -> None:
                 same = (tokens, hashes) == reference
                 verdict = "tokens and log-probs bit-identical" if same else (
                     f"DIFFERS (tokens equal: {tokens == reference[0]})")
-            print(f"  {name} {path:17s} {verdict}")
-        times: dict[str, list[float]] = {path: [] for path in PATHS}
+            print(f"  {name} {path:21s} {verdict}")
+        times: dict[str, list[float]] = {path: [] for path in paths}
         for round_index in range(args.rounds):
-            for path in PATHS if round_index % 2 == 0 else PATHS[::-1]:
+            for path in paths if round_index % 2 == 0 else paths[::-1]:
                 with path_of(architecture, path):
                     times[path].append(decode(model, prompt, args.steps, path)[2])
-        for path in PATHS:
+        for path in paths:
             ratios = [t / r for t, r in zip(times[path], times["mlx-lm"])]
-            print(f"  {name} {path:17s} {statistics.median(times[path]):7.3f} ms  "
+            print(f"  {name} {path:21s} {statistics.median(times[path]):7.3f} ms  "
                   f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]")
         del model
 
