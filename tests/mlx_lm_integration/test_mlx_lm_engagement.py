@@ -51,7 +51,8 @@ def engaged_line(output: str) -> dict[str, int]:
     return {
         name: int(value)
         for name, value in re.findall(
-            r"(gated-delta calls folded|norm-only layers|norm \+ RoPE layers) (\d+)", line
+            r"(gated-delta calls folded|norm-only layers|norm \+ RoPE layers|RoPE-only layers) (\d+)",
+            line,
         )
     }
 
@@ -68,7 +69,9 @@ def test_check_says_what_it_engaged_on_every_synthetic_model(name, capsys):
     output = capsys.readouterr().out
     assert "RESULT: identical" in output
     counts = engaged_line(output)
-    attention_layers = counts["norm-only layers"] + counts["norm + RoPE layers"]
+    attention_layers = (
+        counts["norm-only layers"] + counts["norm + RoPE layers"] + counts["RoPE-only layers"]
+    )
     # Every layer of a registered class is counted once, engaged or left.
     assert attention_layers + left_count(output) == registered_layers(build_synthetic_model(name))
     # Every engaged layer's prework was measured (which package call ran in it).
@@ -96,7 +99,9 @@ def test_check_of_a_model_folder_names_the_engaged_class(tmp_path, capsys):
     output = capsys.readouterr().out
     assert "RESULT: identical" in output
     # No gated-delta layer, so no gated-delta count either.
-    assert engaged_line(output) == {"norm-only layers": 0, "norm + RoPE layers": 3}
+    assert engaged_line(output) == {
+        "norm-only layers": 0, "norm + RoPE layers": 3, "RoPE-only layers": 0
+    }
     assert "gated-delta" not in output and "normalize_qk:" not in output
     assert f"    3 norm + RoPE: {QWEN3_ATTENTION}\n" in output
     assert "  left to mlx-lm: attention layers 0\n" in output

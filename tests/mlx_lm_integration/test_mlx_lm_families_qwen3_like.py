@@ -63,8 +63,9 @@ LAYERS = {
 }
 # name -> (synthetic model, config changes, engaged, left alone).
 VARIANTS = {
-    "solar_open-without-qk-norm": ("solar_open", {"use_qk_norm": False}, [], [0, 1]),
-    "llama4_text-without-qk-norm": ("llama4_text", {"use_qk_norm": False}, [], [0, 1]),
+    "solar_open-without-qk-norm": ("solar_open", {"use_qk_norm": False}, [0, 1], []),
+    # Layer 1 has no RoPE: without norms it has no prework to take.
+    "llama4_text-without-qk-norm": ("llama4_text", {"use_qk_norm": False}, [0], [1]),
 }
 
 _QK_NORM_WEIGHT = re.compile(r"\.self_attn\.(q|k)_(norm|layernorm)\.weight$")
@@ -176,9 +177,10 @@ def test_greedy_generation_is_bit_identical(name, call_counts):
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_layers_without_qk_norms_run_their_own_code(name, call_counts):
-    """RoPE alone is not what the package computes: such layers keep
-    mlx-lm's own __call__."""
+def test_layers_without_qk_norms_take_the_rope_alone(name, call_counts):
+    """A layer whose q/k norms are switched off rotates q and k as they
+    are: the package's call made without norms, bit for bit, and the RoPE
+    module no longer called."""
     family, changes, engaged, left_alone = VARIANTS[name]
     config = {**synthetic_model_config(family), **changes}
     model = build_model(config, dtype=DEFAULT_DTYPES[family])

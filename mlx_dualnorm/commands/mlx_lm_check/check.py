@@ -17,7 +17,13 @@ from mlx_dualnorm.commands.shared.generation import (
     AttentionLayerCounts, GreedyTrace, NormalizeQkCallCounts, TraceComparison,
     compare_traces, count_normalize_qk_calls, count_package_calls, greedy_generate,
 )
-from mlx_dualnorm.integrations.mlx_lm import NORM_ONLY, NORM_ROPE, LayerEngagement, recording
+from mlx_dualnorm.integrations.mlx_lm import (
+    NORM_ONLY,
+    NORM_ROPE,
+    ROPE_ONLY,
+    LayerEngagement,
+    recording,
+)
 from mlx_dualnorm.integrations import mlx_lm as integration
 
 __all__ = ["CheckResult", "format_result", "run_check"]
@@ -176,7 +182,7 @@ def _engagement_lines(result: CheckResult, model_steps: int) -> list[str]:
     others = "".join(
         f"; {prework} layers {layers}"
         for prework, layers in by_prework.items()
-        if prework not in (NORM_ONLY, NORM_ROPE)
+        if prework not in (NORM_ONLY, NORM_ROPE, ROPE_ONLY)
     )
     gated_delta_part = (
         f"gated-delta calls folded {result.counts.folded} "
@@ -187,7 +193,8 @@ def _engagement_lines(result: CheckResult, model_steps: int) -> list[str]:
     lines = [
         f"  engaged:        {gated_delta_part}"
         f"norm-only layers {by_prework.get(NORM_ONLY, 0)}; "
-        f"norm + RoPE layers {by_prework.get(NORM_ROPE, 0)}{others}",
+        f"norm + RoPE layers {by_prework.get(NORM_ROPE, 0)}; "
+        f"RoPE-only layers {by_prework.get(ROPE_ONLY, 0)}{others}",
     ]
     for (class_name, prework), layers in sorted(engagement.engaged.items()):
         lines.append(f"    {layers} {prework}: {class_name}")

@@ -67,6 +67,10 @@ from mlx_dualnorm.commands.shared.synthetic_qwen3_like import (
     QWEN3_LIKE_DTYPE_NAMES,
     QWEN3_LIKE_WEIGHT_SCALES,
 )
+from mlx_dualnorm.commands.shared.synthetic_rope_only import (
+    ROPE_ONLY_CONFIGS,
+    ROPE_ONLY_DTYPE_NAMES,
+)
 
 __all__ = [
     "DEFAULT_DTYPES", "DEFAULT_SEED", "GATED_DELTA_MODEL_TYPES", "DECODE_MODELS",
@@ -164,6 +168,11 @@ _WEIGHT_SCALES: dict[str, dict[str, float]] = dict(QWEN3_LIKE_WEIGHT_SCALES)
 # The attention families outside the qwen3 shape (their own module).
 _CONFIGS.update(ATTENTION_FAMILY_CONFIGS)
 DEFAULT_DTYPES.update(ATTENTION_FAMILY_DTYPES)
+# The families without q/k norms (their own module).
+_CONFIGS.update(ROPE_ONLY_CONFIGS)
+DEFAULT_DTYPES.update(
+    {name: getattr(mx, dtype_name) for name, dtype_name in ROPE_ONLY_DTYPE_NAMES.items()}
+)
 
 SYNTHETIC_MODEL_TYPES = tuple(_CONFIGS)
 

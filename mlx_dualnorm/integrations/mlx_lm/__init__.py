@@ -13,6 +13,11 @@
   the other families whose attention has that prework under other names
   (Klear, dots1, lfm2, mellum, exaone4, apertus, glm4_moe, laguna,
   step3p5, llama4_text, ...: :mod:`.qwen3_like`).
+* Full-attention layers without q/k norms (llama, qwen2, mixtral, gemma,
+  phi3, granite, deepseek, starcoder2, internlm2, ...: :mod:`.rope_only`):
+  the transposes and RoPE of q and k, with a decode step's KV-cache write,
+  become ONE call of a :class:`~mlx_dualnorm.CompiledDualHeadNormRope`
+  made without norms.
 * Attention layers of other shapes (afmoe, openelm, the bailing models,
   gemma3_text, gemma3n, gemma4_text, gear, minimax, minimax_m3_vl, olmo2,
   olmo3, olmoe, olmo_hybrid, plamo3): the two q/k norm calls become ONE call
@@ -79,6 +84,7 @@ from mlx_dualnorm.integrations.mlx_lm.gated_delta import (  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import (  # noqa: E402
     NORM_ONLY,
     NORM_ROPE,
+    ROPE_ONLY,
     LayerEngagement,
     Recording,
     recording,
@@ -93,6 +99,7 @@ __all__ = [
     "NORM_ROPE",
     "ORIGINAL_NORMALIZE_QK",
     "PatchReport",
+    "ROPE_ONLY",
     "Recording",
     "attention_families",
     "clear_cache",

@@ -28,6 +28,7 @@ from mlx_dualnorm.integrations.mlx_lm import qwen3, qwen3_like  # noqa: F401  (i
 from mlx_dualnorm.integrations.mlx_lm import norm_after_transpose  # noqa: F401
 from mlx_dualnorm.integrations.mlx_lm import norm_before_transpose  # noqa: F401
 from mlx_dualnorm.integrations.mlx_lm import whole_projection  # noqa: F401
+from mlx_dualnorm.integrations.mlx_lm import rope_only  # noqa: F401
 from mlx_dualnorm.integrations.mlx_lm import cache_update, head_norms, norm_rope
 from mlx_dualnorm.integrations.mlx_lm import report as reports
 from mlx_dualnorm.integrations.mlx_lm._shared import (

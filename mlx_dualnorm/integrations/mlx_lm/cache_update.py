@@ -24,7 +24,7 @@ from mlx_dualnorm._binding import assign_array
 # norm_rope's functions are read as its attributes at each call, so a
 # wrapper set there (a tool counting calls) sees every call.
 from mlx_dualnorm.integrations.mlx_lm import norm_rope, registry
-from mlx_dualnorm.integrations.mlx_lm.prework_log import NORM_ROPE, note_prework
+from mlx_dualnorm.integrations.mlx_lm.prework_log import NORM_ROPE, ROPE_ONLY, note_prework
 from mlx_dualnorm.integrations.mlx_lm.norm_rope import LayerPrework
 from mlx_dualnorm.integrations.mlx_lm.state import STATE
 from mlx_dualnorm.integrations.mlx_lm._shared import log_fallback_once
@@ -229,13 +229,13 @@ def prework_and_cache_update(prework: LayerPrework, queries, keys, values, cache
     written = _written_in_one_call(layer_call, prework, queries, keys, values, cache)
     if written is not None:
         if STATE.prework_log is not None:  # a tool is recording
-            note_prework(NORM_ROPE)
+            note_prework(NORM_ROPE if prework.query_norm is not None else ROPE_ONLY)
         return written
     rotated = norm_rope.rotated_queries_and_keys(layer_call, prework, queries, keys, cache)
     if rotated is None:
         return None
     if STATE.prework_log is not None:  # a tool is recording
-        note_prework(NORM_ROPE)
+        note_prework(NORM_ROPE if prework.query_norm is not None else ROPE_ONLY)
     rotated_queries, rotated_keys = rotated
     return with_cache_update(rotated_queries, rotated_keys, values, cache)
 

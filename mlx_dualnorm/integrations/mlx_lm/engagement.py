@@ -10,7 +10,8 @@ whole process, with call counts.) Each layer of a registered attention
 class is in exactly one place:
 
 * engaged, by the prework it runs: ``prework_of(layer)`` where the caller
-  recorded it (``"norm + RoPE"`` or ``"norm"``, the q/k norm pair alone:
+  recorded it (``"norm + RoPE"``, ``"RoPE"`` without q/k norms, or
+  ``"norm"``, the q/k norm pair alone:
   :func:`recording`), else ``"q/k prework"``;
 * left to mlx-lm's code, with the reason: decided against (its family's
   ``refusal``, or a part whose code is not proven; the layer's own norm
@@ -33,14 +34,15 @@ from mlx_dualnorm.integrations.mlx_lm.gated_delta import fold_count
 from mlx_dualnorm.integrations.mlx_lm.prework_log import (
     NORM_ONLY,
     NORM_ROPE,
+    ROPE_ONLY,
     PreworkRecord,
     recording_prework,
 )
 from mlx_dualnorm.integrations.mlx_lm.state import STATE
 
 __all__ = [
-    "LayerEngagement", "NORM_ONLY", "NORM_ROPE", "Recording", "UNNAMED_PREWORK", "fold_count",
-    "is_engaged_layer", "layer_engagement", "recording",
+    "LayerEngagement", "NORM_ONLY", "NORM_ROPE", "ROPE_ONLY", "Recording", "UNNAMED_PREWORK",
+    "fold_count", "is_engaged_layer", "layer_engagement", "recording",
 ]
 
 UNNAMED_PREWORK = "q/k prework"

@@ -14,6 +14,10 @@ constant. Any other RoPE (such as ``DynamicNTKScalingRoPE``, whose base
 depends on the position), or norms that are not exactly ``nn.RMSNorm``
 with one epsilon, get None: the caller runs the class's own code. On MLX's
 CUDA backend the call is one kernel launch (the fused mode).
+
+A layer without q/k norms (mlx-lm's Llama family) passes None for both
+norms: the object is then made without norms (``eps=None``), the RoPE,
+transposes and cache write of its attention in the same one call.
 """
 
 from __future__ import annotations
@@ -64,13 +68,15 @@ def norm_rope_for(rope, query_norm, key_norm, mode: Optional[Mode] = None):
     a new key), with the types that change what MLX makes of a value (an
     int 1 is not the bool ``traditional``). A frequency table is no part
     of the key: it is an input of each call, so a replaced table is used
-    as it is, never a stale copy."""
+    as it is, never a stale copy. Norms of None (both): a layer without
+    q/k norms, whose object rotates without normalizing."""
     rope_type = type(rope)
     if rope_type is not ROPE and rope_type in SCALED_ROPE_CLASSES:  # nn.RoPE: one test
         return _scaled_norm_rope_for(rope, query_norm, key_norm, mode)
+    eps, key_eps = _epsilons(query_norm, key_norm)
     key = (
         mode, type(rope), type(query_norm), type(key_norm),
-        query_norm.eps, key_norm.eps, rope.dims, type(rope.dims),
+        eps, key_eps, rope.dims, type(rope.dims),
         rope.traditional, type(rope.traditional), rope.base, rope.scale,
     )
     norm_rope = _norm_ropes.get(key)
@@ -79,25 +85,35 @@ def norm_rope_for(rope, query_norm, key_norm, mode: Optional[Mode] = None):
     return cached_or_built(
         _norm_ropes, _norm_ropes_lock, key,
         lambda: CompiledDualHeadNormRope(
-            query_norm.eps, rope.dims, base=rope.base, traditional=rope.traditional,
+            eps, rope.dims, base=rope.base, traditional=rope.traditional,
             scale=rope.scale, mode="auto" if mode is None else mode,
         ),
         None,
     )
 
 
+def _epsilons(query_norm, key_norm) -> tuple:
+    """The two norms' eps as read now; None for a side without a norm."""
+    return (
+        None if query_norm is None else query_norm.eps,
+        None if key_norm is None else key_norm.eps,
+    )
+
+
 def is_plain_norm_rope(rope, query_norm, key_norm) -> bool:
     """Whether the layer computes what CompiledDualHeadNormRope does: plain
-    nn.RMSNorm on both sides with one plain eps, then plain nn.RoPE with
-    plain constants, or one of the scaled RoPEs of :data:`SCALED_ROPE_CLASSES`
-    (exact types) with plain constants and an ``mx.array`` table."""
-    if not (type(query_norm) is type(key_norm) is RMSNorm):
-        return False
-    eps = query_norm.eps
-    if type(eps) not in PLAIN_SCALAR_TYPES or type(key_norm.eps) is not type(eps):
-        return False
-    if key_norm.eps != eps:
-        return False
+    nn.RMSNorm on both sides with one plain eps (or no norm on either side:
+    both None), then plain nn.RoPE with plain constants, or one of the
+    scaled RoPEs of :data:`SCALED_ROPE_CLASSES` (exact types) with plain
+    constants and an ``mx.array`` table."""
+    if query_norm is not None or key_norm is not None:
+        if not (type(query_norm) is type(key_norm) is RMSNorm):
+            return False
+        eps = query_norm.eps
+        if type(eps) not in PLAIN_SCALAR_TYPES or type(key_norm.eps) is not type(eps):
+            return False
+        if key_norm.eps != eps:
+            return False
     if type(rope) in SCALED_ROPE_CLASSES:
         constants = _scaled_rope_constants(rope)
         return constants is not None and type(_rope_table(rope)) is mx.array
@@ -158,10 +174,8 @@ def _scaled_norm_rope_for(rope, query_norm, key_norm, mode):
     """_norm_rope_for for a scaled RoPE: the cached object for the
     constants, bound to the table read now."""
     constants = _scaled_rope_constants(rope)
-    key = (
-        mode, type(rope), type(query_norm), type(key_norm),
-        query_norm.eps, key_norm.eps, constants,
-    )
+    eps, key_eps = _epsilons(query_norm, key_norm)
+    key = (mode, type(rope), type(query_norm), type(key_norm), eps, key_eps, constants)
     norm_rope = _norm_ropes.get(key)
     if norm_rope is None:
         if not is_plain_norm_rope(rope, query_norm, key_norm):
@@ -170,7 +184,7 @@ def _scaled_norm_rope_for(rope, query_norm, key_norm, mode):
         norm_rope = cached_or_built(
             _norm_ropes, _norm_ropes_lock, key,
             lambda: CompiledDualHeadNormRope(
-                query_norm.eps, dims, base=None, traditional=traditional,
+                eps, dims, base=None, traditional=traditional,
                 input_scale=input_scale, mode="auto" if mode is None else mode,
             ),
             None,
@@ -184,9 +198,10 @@ class LayerPrework(NamedTuple):
     """What a layer's q/k prework is made of, read at each call: its RoPE
     module, its two norms as ``nn.RMSNorm`` modules (or stand-ins of the
     same eps for norm classes that compute ``rms_norm`` with another
-    weight: only their type and eps are read) and the weights those norms
-    pass to ``rms_norm`` (None for none); the mode the package's objects
-    are built in (the one the layer was decided in; None: the default)."""
+    weight: only their type and eps are read; None for both in a layer
+    without q/k norms) and the weights those norms pass to ``rms_norm``
+    (None for none); the mode the package's objects are built in (the one
+    the layer was decided in; None: the default)."""
 
     rope: object
     query_norm: object

@@ -2,7 +2,7 @@
 
 ``STATE.prework_log`` is None but while :func:`recording_prework` runs:
 then id(layer) -> the kinds of package call (:data:`NORM_ROPE`,
-:data:`NORM_ONLY`) its engaged calls made. The replacements' call sites
+:data:`NORM_ONLY`, :data:`ROPE_ONLY`) its engaged calls made. The replacements' call sites
 say what they computed (:func:`note_prework`, called only where they find
 the log set), the dispatcher which layer is calling. For tools, not for
 concurrent use; nothing of it runs on the decode path while no tool
@@ -19,6 +19,7 @@ from mlx_dualnorm.integrations.mlx_lm.state import STATE
 # What an engaged layer's package call computed (note_prework).
 NORM_ROPE = "norm + RoPE"
 NORM_ONLY = "norm"
+ROPE_ONLY = "RoPE"  # attention without q/k norms
 
 
 def note_prework(kind: str) -> None:
@@ -41,8 +42,8 @@ def recorded_call(layer: Any, function: Callable, args: tuple, kwargs: dict) -> 
 class PreworkRecord:
     """What :func:`recording_prework` yields: ``prework_of(layer)`` names
     the package calls an engaged layer made while recording (``"norm +
-    RoPE"``, ``"norm"``, or both joined by ``and``), None for a layer that
-    made none. Read it while the layers are alive (it keys on their ids)."""
+    RoPE"``, ``"norm"``, ``"RoPE"``, or several joined by ``and``), None for
+    a layer that made none. Read it while the layers are alive (it keys on their ids)."""
 
     by_layer: dict[int, set[str]] = dataclasses.field(default_factory=dict)
 

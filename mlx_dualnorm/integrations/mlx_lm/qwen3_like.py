@@ -10,13 +10,15 @@ offset, the cache update and attention, with other attribute names:
   (:class:`~mlx_dualnorm.CompiledDualHeadNorm`, then the transpose).
 * ``glm4_moe`` (which ``solar_open`` runs) and ``laguna``: RoPE of fewer
   dims than the head (partial rotary); laguna's softplus output gate after
-  attention. A glm4_moe layer without q/k norms (``use_qk_norm`` false) is
-  left alone: its prework is RoPE only.
+  attention. A glm4_moe layer without q/k norms (``use_qk_norm`` false)
+  takes the RoPE alone (the call made without norms, as :mod:`.rope_only`'s
+  families).
 * ``step3p5``: ``ZeroCenteredRMSNorm``, whose call is nn.RMSNorm's own
   expression ``mx.fast.rms_norm(x, self.weight, self.eps)``; partial rotary,
   the sigmoid head gate after attention.
 * ``llama4_text``: ``mx.fast.rms_norm(x, None, rms_norm_eps)`` (no weight)
-  when ``use_qk_norm``, traditional RoPE where ``use_rope``.
+  when ``use_qk_norm`` (else the RoPE alone), traditional RoPE where
+  ``use_rope``.
 
 Each replacement runs every other op as mlx-lm writes it, except that
 with mlx-lm's ``KVCache``, ``RotatingKVCache`` and their batched classes a
@@ -58,8 +60,16 @@ from mlx_dualnorm.integrations.mlx_lm.registry import (
 
 # What a layer's norms read as: (query_norm, key_norm, query_weight,
 # key_weight), the norms being nn.RMSNorm modules whose eps and types decide
-# what is built, or None where the layer has no q/k norms.
+# what is built; NO_NORMS for a family whose attention has none (its
+# prework is the RoPE alone); None where the layer's q/k norms are switched
+# off (the layer is then left alone).
 NormsRead = Optional[tuple]
+NO_NORMS = (None, None, None, None)
+
+
+def no_norms(attention) -> NormsRead:
+    """The norms of attention without q/k norms (mlx-lm's Llama family)."""
+    return NO_NORMS
 
 
 def _item(module, name: str):
@@ -75,11 +85,12 @@ def _item(module, name: str):
 def _rms_norms(query_name: str = "q_norm", key_name: str = "k_norm", flag: str = ""):
     """Reads the norm modules ``query_name`` / ``key_name`` (whether they
     are plain nn.RMSNorm is checked where they are used); with a ``flag``
-    attribute, only where it is true (None otherwise)."""
+    attribute, only where it is true (NO_NORMS otherwise: the class's code
+    then rotates q and k unnormalized)."""
 
     def read(attention) -> NormsRead:
         if flag and not getattr(attention, flag):
-            return None
+            return NO_NORMS
         query_norm, key_norm = _item(attention, query_name), _item(attention, key_name)
         # As nn.RMSNorm reads its weight (``self["weight"]``): a norm without
         # one raises here, and the class's own code raises as unpatched.
@@ -117,21 +128,21 @@ def _zero_centered_class():
 def _weightless_norms(attention) -> NormsRead:
     """llama4_text's ``mx.fast.rms_norm(x, None, self.rms_norm_eps)`` on q
     and k where ``use_qk_norm``: an nn.RMSNorm of that eps stands for it,
-    with no weight."""
+    with no weight (NO_NORMS where it is off)."""
     if not attention.use_qk_norm:
-        return None
+        return NO_NORMS
     stand_in = head_norms.stand_in_norm(attention.rms_norm_eps)
     return stand_in, stand_in, None, None
 
 
-def _rope(flag: str = ""):
-    """Reads the layer's ``rope``; with a ``flag`` attribute, only where it
-    is true (None: the layer has no RoPE)."""
+def rope_of(flag: str = "", name: str = "rope"):
+    """Reads the layer's RoPE module (``name``); with a ``flag`` attribute,
+    only where it is true (None: the layer has no RoPE)."""
 
     def read(attention):
         if flag and not getattr(attention, flag):
             return None
-        return _item(attention, "rope")
+        return _item(attention, name)
 
     return read
 
@@ -139,7 +150,9 @@ def _rope(flag: str = ""):
 # ---- What runs after attention ------------------------------------------------
 
 
-def _projected(name: str = "o_proj"):
+def projected(name: str = "o_proj"):
+    """Attention's output through the output projection ``name``."""
+
     def finish(attention, x, output, batch, length):
         return _item(attention, name)(output)
 
@@ -165,6 +178,16 @@ def _step3p5_finish(self, x, output, batch, length):
     return self.o_proj(output.reshape(batch, length, -1))
 
 
+def separate_projections(attention, x, batch, length, query_heads, kv_heads):
+    """(B, L, H, D) queries, keys and values from ``q_proj``, ``k_proj``
+    and ``v_proj``, split into heads as mlx-lm's layers reshape them."""
+    return (
+        attention.q_proj(x).reshape(batch, length, query_heads, -1),
+        attention.k_proj(x).reshape(batch, length, kv_heads, -1),
+        attention.v_proj(x).reshape(batch, length, kv_heads, -1),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class PartNames:
     """How one family's attention names its parts."""
@@ -172,8 +195,11 @@ class PartNames:
     heads: str  # the attribute with the query head count
     kv_heads: str  # the attribute with the key/value head count
     norms: Callable[[object], NormsRead] = _rms_norms()
-    rope: Callable[[object], object] = _rope()
-    finish: Callable = _projected()
+    rope: Callable[[object], object] = rope_of()
+    finish: Callable = projected()
+    # (attention, x, B, L, query heads, kv heads) -> (B, L, H, D) queries,
+    # keys and values, as the class's code projects and splits them.
+    projections: Callable = separate_projections
 
 
 # ---- The prework and the call ------------------------------------------------------
@@ -229,11 +255,13 @@ def _prework(part_names: PartNames, attention, mode, queries, keys, values, cach
     if norms is None:
         return None
     query_norm, key_norm, query_weight, key_weight = norms
-    if rope is not None:
+    if rope is not None:  # with norms, or none (NO_NORMS: the RoPE alone)
         prework = norm_rope.LayerPrework(
             rope, query_norm, key_norm, query_weight, key_weight, mode
         )
         return cache_update.prework_and_cache_update(prework, queries, keys, values, cache)
+    if query_norm is None:  # neither norms nor RoPE: nothing to compute
+        return None
     normalized = _normalized_heads(
         query_norm, key_norm, query_weight, key_weight, queries, keys, mode
     )
@@ -250,7 +278,7 @@ def _engages(part_names: PartNames, attention) -> bool:
         return False
     rope = part_names.rope(attention)
     if rope is None:
-        return _is_plain_norm(norms[0], norms[1])
+        return norms is not NO_NORMS and _is_plain_norm(norms[0], norms[1])
     return is_plain_norm_rope(rope, norms[0], norms[1])
 
 
@@ -261,9 +289,9 @@ def _attention_call(part_names: PartNames):
         batch, length, _ = x.shape
         query_heads = getattr(self, part_names.heads)
         kv_heads = getattr(self, part_names.kv_heads)
-        head_queries = self.q_proj(x).reshape(batch, length, query_heads, -1)
-        head_keys = self.k_proj(x).reshape(batch, length, kv_heads, -1)
-        head_values = self.v_proj(x).reshape(batch, length, kv_heads, -1)
+        head_queries, head_keys, head_values = part_names.projections(
+            self, x, batch, length, query_heads, kv_heads
+        )
         prepared = _prework(
             part_names, self, mode, head_queries, head_keys, head_values, cache
         )
@@ -275,9 +303,12 @@ def _attention_call(part_names: PartNames):
     return call
 
 
-def _family(
+def attention_family(
     module: str, class_name: str, part_names: PartNames, refusal: Optional[str] = None
 ) -> AttentionFamily:
+    """The family of ``module.class_name`` (an mlx-lm module), whose call is
+    the projections, the prework and attention with the parts
+    ``part_names`` names."""
     family = AttentionFamily(
         f"mlx_lm.models.{module}", class_name, _attention_call(part_names),
         lambda attention: _engages(part_names, attention),
@@ -288,37 +319,36 @@ def _family(
 _N_HEADS = PartNames("n_heads", "n_kv_heads")
 _NUM_HEADS = PartNames("num_attention_heads", "num_key_value_heads")
 _LFM2 = PartNames(
-    "n_heads", "n_kv_heads", _rms_norms("q_layernorm", "k_layernorm"), finish=_projected("out_proj")
+    "n_heads", "n_kv_heads", _rms_norms("q_layernorm", "k_layernorm"), finish=projected("out_proj")
 )
-_EXAONE = PartNames("n_heads", "n_kv_heads", rope=_rope("use_rope"))
+_EXAONE = PartNames("n_heads", "n_kv_heads", rope=rope_of("use_rope"))
 
 QWEN3_LIKE_FAMILIES = (
-    _family("Klear", "KlearAttention", _NUM_HEADS),
-    _family("dots1", "Dots1Attention", _N_HEADS),
-    _family("lfm2", "Attention", _LFM2),
-    _family("lfm2_moe", "Attention", _LFM2),
-    _family("mellum", "Attention", _N_HEADS),
-    _family("exaone4", "Attention", _EXAONE),
-    _family("exaone_moe", "Attention", _EXAONE),
-    _family("apertus", "ApertusAttention", _NUM_HEADS),
-    _family(
+    attention_family("Klear", "KlearAttention", _NUM_HEADS),
+    attention_family("dots1", "Dots1Attention", _N_HEADS),
+    attention_family("lfm2", "Attention", _LFM2),
+    attention_family("lfm2_moe", "Attention", _LFM2),
+    attention_family("mellum", "Attention", _N_HEADS),
+    attention_family("exaone4", "Attention", _EXAONE),
+    attention_family("exaone_moe", "Attention", _EXAONE),
+    attention_family("apertus", "ApertusAttention", _NUM_HEADS),
+    attention_family(
         "glm4_moe", "Attention",
         PartNames("n_heads", "n_kv_heads", _rms_norms(flag="use_qk_norm")),
-        "it has no q/k norms (use_qk_norm false), or they or its RoPE are not plain "
-        "nn.RMSNorm / nn.RoPE",
+        "its norms or RoPE are not plain nn.RMSNorm / nn.RoPE",
     ),
-    _family(
+    attention_family(
         "laguna", "Attention", PartNames("n_heads", "n_kv_heads", finish=_laguna_finish),
     ),
-    _family(
+    attention_family(
         "step3p5", "Step3p5Attention",
         PartNames("num_heads", "num_kv_heads", _zero_centered_norms, finish=_step3p5_finish),
         "its norms are not ZeroCenteredRMSNorm of one eps, or its RoPE is not plain nn.RoPE",
     ),
-    _family(
+    attention_family(
         "llama4_text", "Attention",
-        PartNames("n_heads", "n_kv_heads", _weightless_norms, _rope("use_rope")),
-        "it has no q/k norm (use_qk_norm false), or its eps or RoPE are not plain",
+        PartNames("n_heads", "n_kv_heads", _weightless_norms, rope_of("use_rope")),
+        "it has neither q/k norm nor RoPE, or its eps or RoPE are not plain",
     ),
 )
 register_attention_families(*QWEN3_LIKE_FAMILIES)

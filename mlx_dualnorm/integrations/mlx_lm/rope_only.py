@@ -1,0 +1,151 @@
+"""Attention without q/k norms: mlx-lm's Llama family and its kin.
+
+Most of mlx-lm's models (llama, which mistral, pixtral and smollm3 run;
+qwen2 and qwen2_moe, which qwen2_vl runs; mixtral, gemma, phi3, granite,
+deepseek, starcoder2, internlm2/3, ...) project q, k and v, split them into
+heads, transpose them to ``(B, H, L, D)``, rotate q and k with the layer's
+RoPE at the cache offset, then update the cache and attend. Their prework
+is the norm + RoPE's without the norms, so it is the same one call, of a
+:class:`~mlx_dualnorm.CompiledDualHeadNormRope` made without norms
+(``eps=None``): the two transposes, the two RoPEs and, for a decode step
+of one of mlx-lm's caches, both cache writes (:mod:`.cache_update`); on
+MLX's CUDA backend one kernel launch.
+
+Each family here restates its class's ``__call__`` with
+:mod:`.qwen3_like`'s call, the parts named per family: how q, k and v are
+projected (three projections, or one fused projection split as the class
+splits it), the head counts, the output projection. A layer whose RoPE is
+not one the package computes (``DynamicNTKScalingRoPE``, smollm3's
+``NoPE``, a granite hybrid layer without RoPE) runs its class's own code.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_dualnorm.integrations.mlx_lm.qwen3_like import (
+    PartNames,
+    attention_family,
+    no_norms,
+    projected,
+    rope_of,
+)
+from mlx_dualnorm.integrations.mlx_lm.registry import register_attention_families
+
+REFUSAL = "its RoPE is not plain nn.RoPE or a frequency-table RoPE of rope_utils"
+
+
+def _heads(heads: str, kv_heads: str, **parts) -> PartNames:
+    """The parts of a family without q/k norms."""
+    return PartNames(heads, kv_heads, no_norms, **parts)
+
+
+def _phi3_projections(attention, x, batch, length, query_heads, kv_heads):
+    """phi3's one ``qkv_proj``, split at the query and key widths."""
+    qkv = attention.qkv_proj(x)
+    query_end = attention.n_heads * attention.head_dim
+    queries, keys, values = mx.split(
+        qkv, [query_end, query_end + attention.n_kv_heads * attention.head_dim], axis=-1
+    )
+    return (
+        queries.reshape(batch, length, query_heads, -1),
+        keys.reshape(batch, length, kv_heads, -1),
+        values.reshape(batch, length, kv_heads, -1),
+    )
+
+
+def _internlm2_projections(attention, x, batch, length, query_heads, kv_heads):
+    """internlm2's grouped ``wqkv``: per key/value head, its query heads,
+    then its key and its value."""
+    head_dim = attention.head_dim
+    grouped = attention.wqkv(x).reshape(batch, length, -1, 2 + attention.n_kv_groups, head_dim)
+    queries = grouped[..., : attention.n_kv_groups, :].reshape(batch, length, -1, head_dim)
+    return (
+        queries.reshape(batch, length, query_heads, -1),
+        grouped[..., -2, :].reshape(batch, length, kv_heads, -1),
+        grouped[..., -1, :].reshape(batch, length, kv_heads, -1),
+    )
+
+
+def _dbrx_projections(attention, x, batch, length, query_heads, kv_heads):
+    """dbrx's one ``Wqkv``, clipped, split at the model and key widths."""
+    qkv = mx.clip(attention.Wqkv(x), a_min=-attention.clip_qkv, a_max=attention.clip_qkv)
+    model_width = attention.d_model
+    splits = [model_width, model_width + attention.head_dim * attention.num_key_value_heads]
+    queries, keys, values = mx.split(qkv, splits, axis=-1)
+    return (
+        queries.reshape(batch, length, query_heads, -1),
+        keys.reshape(batch, length, kv_heads, -1),
+        values.reshape(batch, length, kv_heads, -1),
+    )
+
+
+def _qwen_projections(attention, x, batch, length, query_heads, kv_heads):
+    """Qwen (1)'s one ``c_attn``, split in three equal parts."""
+    queries, keys, values = mx.split(attention.c_attn(x), 3, axis=-1)
+    return (
+        queries.reshape(batch, length, query_heads, -1),
+        keys.reshape(batch, length, kv_heads, -1),
+        values.reshape(batch, length, kv_heads, -1),
+    )
+
+
+def _head_dim_projections(attention, x, batch, length, query_heads, kv_heads):
+    """Three projections split into heads of ``head_dim`` (nemotron-nas)."""
+    head_dim = attention.head_dim
+    return (
+        attention.q_proj(x).reshape(batch, length, query_heads, head_dim),
+        attention.k_proj(x).reshape(batch, length, kv_heads, head_dim),
+        attention.v_proj(x).reshape(batch, length, kv_heads, head_dim),
+    )
+
+
+def _exaone_finish(attention, x, output, batch, length):
+    """exaone's output: back to the input's width ``D``, then ``out_proj``."""
+    return attention.out_proj(output.reshape(batch, length, x.shape[-1]))
+
+
+_N_HEADS = _heads("n_heads", "n_kv_heads")
+
+ROPE_ONLY_FAMILIES = tuple(
+    attention_family(module, class_name, parts, REFUSAL)
+    for module, class_name, parts in (
+        ("llama", "Attention", _N_HEADS),
+        ("qwen2", "Attention", _N_HEADS),
+        ("qwen2_moe", "Attention", _N_HEADS),
+        ("mixtral", "MixtralAttention", _heads("num_heads", "num_key_value_heads")),
+        ("gemma", "Attention", _N_HEADS),
+        ("deepseek", "DeepseekAttention", _heads("num_attention_heads", "num_kv_heads")),
+        ("ernie4_5", "Attention", _N_HEADS),
+        ("ernie4_5_moe", "Attention", _N_HEADS),
+        ("glm", "GLMAttention", _heads("num_attention_heads", "num_key_value_heads")),
+        ("glm4", "Glm4Attention", _N_HEADS),
+        ("granite", "Attention", _N_HEADS),
+        ("granitemoe", "GraniteMoeAttention", _N_HEADS),
+        ("granitemoehybrid", "GraniteMoeHybridAttention", _N_HEADS),
+        ("helium", "HeliumAttention", _N_HEADS),
+        ("internlm3", "Attention", _N_HEADS),
+        ("mimo", "Attention", _N_HEADS),
+        ("minicpm", "Attention", _heads("num_heads", "num_key_value_heads")),
+        ("nanbeige", "Attention", _N_HEADS),
+        ("nemotron", "Attention", _N_HEADS),
+        ("phimoe", "Attention", _N_HEADS),
+        ("seed_oss", "Attention", _N_HEADS),
+        ("starcoder2", "Attention", _N_HEADS),
+        ("telechat3", "Telechat3Attention", _heads("num_attention_heads", "num_key_value_heads")),
+        ("falcon_h1", "FalconH1Attention", _heads("num_heads", "num_kv_heads")),
+        ("nemotron-nas", "Attention", _heads("n_heads", "n_kv_heads",
+                                             projections=_head_dim_projections)),
+        ("exaone", "AttentionModule", _heads("n_heads", "n_kv_heads", finish=_exaone_finish)),
+        ("phi3", "Attention", _heads("n_heads", "n_kv_heads", projections=_phi3_projections)),
+        ("internlm2", "Attention", _heads("n_heads", "n_kv_heads", finish=projected("wo"),
+                                          projections=_internlm2_projections)),
+        ("dbrx", "Attention", _heads("num_heads", "num_key_value_heads",
+                                     finish=projected("out_proj"),
+                                     projections=_dbrx_projections)),
+        ("qwen", "Attention", _heads("num_attention_heads", "num_attention_heads",
+                                     rope=rope_of(name="rotary_emb"), finish=projected("c_proj"),
+                                     projections=_qwen_projections)),
+    )
+)
+register_attention_families(*ROPE_ONLY_FAMILIES)

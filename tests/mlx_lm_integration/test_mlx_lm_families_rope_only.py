@@ -1,0 +1,185 @@
+"""The mlx-lm families whose attention has no q/k norms (llama, qwen2,
+mixtral, phi3, ...): each layer's RoPE, transposes and cache write are one
+call of the package made without norms. Greedy generation on a tiny
+random model of each is token- and logit-identical patched and
+unpatched, every attention layer engages (its RoPE module no longer
+called), a RoPE the package does not compute runs mlx-lm's own code, a
+layer changed after its first call is followed, and training gradients
+are mlx-lm's bits."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+pytest.importorskip("mlx_lm")
+pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
+
+from helpers.greedy_traces import assert_traces_bit_identical  # noqa: E402
+from helpers.mlx_lm_patch import (  # noqa: E402
+    assert_patched_loss_and_gradients_match,
+    count_module_calls,
+    forget_proofs,
+)
+from mlx_dualnorm import CompiledDualHeadNormRope  # noqa: E402
+from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm import rope_only  # noqa: E402
+from mlx_dualnorm.integrations.mlx_lm.engagement import (  # noqa: E402
+    ROPE_ONLY,
+    is_engaged_layer,
+    recording,
+)
+from mlx_dualnorm.commands.shared.generation import greedy_generate  # noqa: E402
+from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
+    build_model,
+    build_synthetic_model,
+    prompt_token_ids,
+    synthetic_model_config,
+)
+from mlx_dualnorm.commands.shared.synthetic_rope_only import ROPE_ONLY_CONFIGS  # noqa: E402
+
+GENERATED_TOKENS = 24
+PROMPT = prompt_token_ids(512, 12)
+
+
+def attention_layers(model) -> list:
+    """The model's layers of a class this module registers, in order."""
+    classes = {family.attention_class() for family in rope_only.ROPE_ONLY_FAMILIES}
+    return [module for _, module in model.named_modules() if type(module) in classes]
+
+
+@pytest.fixture
+def package_calls(monkeypatch):
+    """Counts the calls of the norm + RoPE object made without norms (its
+    call and its call with the cache write)."""
+    counts = {"calls": 0}
+    for name in ("__call__", "apply_with_cache"):
+        original = getattr(CompiledDualHeadNormRope, name)
+
+        def counting(self, *arguments, original=original, **keywords):
+            if self.eps is None:
+                counts["calls"] += 1
+            return original(self, *arguments, **keywords)
+
+        monkeypatch.setattr(CompiledDualHeadNormRope, name, counting)
+    yield counts
+    forget_proofs()
+
+
+def rope_module(layer):
+    """The layer's RoPE module (Qwen (1) names it ``rotary_emb``)."""
+    return layer.rotary_emb if "rotary_emb" in layer else layer.rope
+
+
+def rope_module_calls(monkeypatch, layers):
+    return count_module_calls(monkeypatch, {type(rope_module(layer)) for layer in layers})
+
+
+def generate_both(model):
+    """(unpatched, patched) greedy traces, and the layers engaged, with the
+    prework each recorded, while patched."""
+    reference = greedy_generate(model, PROMPT, GENERATED_TOKENS)
+    with integration.patch(), recording() as record:
+        patched = greedy_generate(model, PROMPT, GENERATED_TOKENS)
+        layers = attention_layers(model)
+        engaged = [is_engaged_layer(layer) for layer in layers]
+        prework = [record.prework_of(layer) for layer in layers]
+        fallbacks = {entry.name: entry.fallbacks for entry in integration.report().classes
+                     if entry.fallbacks}
+    return reference, patched, engaged, prework, fallbacks
+
+
+@pytest.mark.parametrize("name", sorted(ROPE_ONLY_CONFIGS))
+def test_greedy_generation_is_bit_identical_and_every_layer_engages(
+    name, package_calls, monkeypatch
+):
+    model = build_synthetic_model(name)
+    layers = attention_layers(model)
+    assert len(layers) == 2, "the small model has two attention layers"
+    rope_calls = rope_module_calls(monkeypatch, layers)
+    reference, patched, engaged, prework, fallbacks = generate_both(model)
+    assert_traces_bit_identical(reference, patched, steps=GENERATED_TOKENS + 1, context=name)
+    assert engaged == [True, True]
+    assert prework == [ROPE_ONLY, ROPE_ONLY]
+    assert fallbacks == {}
+    # One package call per layer and model call (generate_step runs the
+    # prompt but its last token, then one call per token); mlx-lm's RoPE
+    # modules ran only unpatched (two per layer and call: q and k).
+    model_calls = GENERATED_TOKENS + 2
+    assert package_calls["calls"] == 2 * model_calls
+    assert [rope_calls[id(rope_module(layer))] for layer in layers] == [2 * model_calls] * 2
+
+
+def test_a_rope_the_package_does_not_compute_runs_mlx_lm_s_code(package_calls):
+    """llama with ``rope_scaling`` dynamic: DynamicNTKScalingRoPE's base
+    depends on the input length, so its layers keep mlx-lm's own call."""
+    config = {**synthetic_model_config("llama"),
+              "rope_scaling": {"type": "dynamic", "factor": 2.0}}
+    model = build_model(config, dtype=mx.bfloat16)
+    reference, patched, engaged, _, _ = generate_both(model)
+    assert_traces_bit_identical(reference, patched)
+    assert engaged == [False, False]
+    assert package_calls["calls"] == 0
+
+
+class Unrotated(nn.Module):
+    """A position-free "RoPE" (as smollm3's NoPE layers hold)."""
+
+    def __call__(self, x, offset=0):
+        return x
+
+
+def test_a_layer_changed_after_its_first_call_is_followed(package_calls):
+    """The RoPE module is read at every call: one replaced by a RoPE of
+    other constants mid-generation rotates with those (the new object's
+    call), and one replaced by a module the package does not compute
+    sends that layer back to mlx-lm's code; both as unpatched."""
+    def generate_with_changes(model):
+        greedy_generate(model, PROMPT, 2)
+        layers = attention_layers(model)
+        layers[0].rope = nn.RoPE(layers[0].rope.dims, traditional=True, base=500.0)
+        first = greedy_generate(model, PROMPT, 4)
+        layers[1].rope = Unrotated()
+        second = greedy_generate(model, PROMPT, 4)
+        return first, second
+
+    reference = generate_with_changes(build_synthetic_model("llama"))
+    with integration.patch():
+        patched = generate_with_changes(build_synthetic_model("llama"))
+    for expected, actual in zip(reference, patched):
+        assert_traces_bit_identical(expected, actual)
+    assert package_calls["calls"] > 0
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3", "internlm2", "qwen2-yarn"])
+def test_training_gradients_are_bit_identical(name):
+    """A training step's loss and the gradient of every parameter, patched
+    and unpatched, on a forward pass without cache (as mlx-lm trains)."""
+    model = build_synthetic_model(name, dtype=mx.float32)
+    inputs = PROMPT[None]
+    targets = mx.roll(inputs, -1, axis=1)
+
+    def loss():
+        return nn.losses.cross_entropy(model(inputs), targets).mean()
+
+    value_and_grad = nn.value_and_grad(model, loss)
+    engaged = []
+
+    def step():
+        outputs = value_and_grad()
+        mx.eval(outputs)
+        engaged.append(all(is_engaged_layer(layer) for layer in attention_layers(model)))
+        return outputs
+
+    assert_patched_loss_and_gradients_match(step)
+    assert engaged[1], "the patched step did not engage the package"
+
+
+def test_every_family_registers_its_class():
+    registered = {
+        (family.module, family.class_name) for family in integration.attention_families()
+    }
+    for family in rope_only.ROPE_ONLY_FAMILIES:
+        assert (family.module, family.class_name) in registered
+        assert family.attention_class() is not None, family.module
