@@ -41,6 +41,10 @@ from mlx_dualnorm.commands.shared.synthetic_rope_only import ROPE_ONLY_CONFIGS  
 
 GENERATED_TOKENS = 24
 PROMPT = prompt_token_ids(512, 12)
+# Models whose layers do not all engage: which do (default: both of two).
+# cohere2's global layers (1 and 3) have no RoPE: no prework to take.
+# (MLX's named_modules lists the last layer first.)
+ENGAGED = {"cohere2": [False, True, False, True]}
 
 
 def attention_layers(model) -> list:
@@ -68,8 +72,11 @@ def package_calls(monkeypatch):
 
 
 def rope_module(layer):
-    """The layer's RoPE module (Qwen (1) names it ``rotary_emb``)."""
-    return layer.rotary_emb if "rotary_emb" in layer else layer.rope
+    """The layer's RoPE module (Qwen (1) names it ``rotary_emb``), None for
+    a layer without RoPE (cohere2's global layers)."""
+    if "rotary_emb" in layer:
+        return layer.rotary_emb
+    return layer.rope if getattr(layer, "use_sliding_window", True) else None
 
 
 def rope_module_calls(monkeypatch, layers):
@@ -96,19 +103,24 @@ def test_greedy_generation_is_bit_identical_and_every_layer_engages(
 ):
     model = build_synthetic_model(name)
     layers = attention_layers(model)
-    assert len(layers) == 2, "the small model has two attention layers"
-    rope_calls = rope_module_calls(monkeypatch, layers)
+    expected = ENGAGED.get(name, [True, True])
+    assert len(layers) == len(expected)
+    rope_calls = rope_module_calls(
+        monkeypatch, [layer for layer in layers if rope_module(layer) is not None]
+    )
     reference, patched, engaged, prework, fallbacks = generate_both(model)
     assert_traces_bit_identical(reference, patched, steps=GENERATED_TOKENS + 1, context=name)
-    assert engaged == [True, True]
-    assert prework == [ROPE_ONLY, ROPE_ONLY]
+    assert engaged == expected
+    assert prework == [ROPE_ONLY if on else None for on in expected]
     assert fallbacks == {}
-    # One package call per layer and model call (generate_step runs the
-    # prompt but its last token, then one call per token); mlx-lm's RoPE
-    # modules ran only unpatched (two per layer and call: q and k).
+    # One package call per engaged layer and model call (generate_step runs
+    # the prompt but its last token, then one call per token); mlx-lm's
+    # RoPE modules ran only unpatched (two per layer and call: q and k).
     model_calls = GENERATED_TOKENS + 2
-    assert package_calls["calls"] == 2 * model_calls
-    assert [rope_calls[id(rope_module(layer))] for layer in layers] == [2 * model_calls] * 2
+    assert package_calls["calls"] == sum(expected) * model_calls
+    assert [rope_calls[id(rope_module(layer))] for layer, on in zip(layers, expected) if on] == [
+        2 * model_calls
+    ] * sum(expected)
 
 
 def test_a_rope_the_package_does_not_compute_runs_mlx_lm_s_code(package_calls):

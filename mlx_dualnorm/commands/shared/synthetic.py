@@ -68,6 +68,7 @@ from mlx_dualnorm.commands.shared.synthetic_qwen3_like import (
     QWEN3_LIKE_WEIGHT_SCALES,
 )
 from mlx_dualnorm.commands.shared.synthetic_rope_only import (
+    LLAMA_2048,
     ROPE_ONLY_CONFIGS,
     ROPE_ONLY_DTYPE_NAMES,
 )
@@ -257,6 +258,12 @@ DECODE_MODELS = {
     for model in (
         DecodeModel("qwen3-1024", "Qwen3-0.6B", _qwen3_dense(1024, 3072), quick_layers=2),
         DecodeModel("qwen3-2048", "Qwen3-1.7B", _qwen3_dense(2048, 6144), quick_layers=2),
+        DecodeModel(
+            "llama-2048",
+            "Llama 3.2 1B (its RoPE scaling left out: plain RoPE)",
+            LLAMA_2048,
+            quick_layers=2,
+        ),
         DecodeModel(
             "gemma3-1152",
             "Gemma 3 1B",

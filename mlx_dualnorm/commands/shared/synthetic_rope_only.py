@@ -7,14 +7,16 @@ each family's ``ModelArgs`` reads (mlx-lm keeps only the fields a family
 declares), and adds what that family needs: experts, multipliers, a
 fused projection's sizes. ``llama-llama3``, ``qwen2-yarn`` and
 ``phimoe`` rotate with a frequency table (llama3's, YaRN's and the
-su-scaled RoPE); ``glm4`` and ``nemotron`` rotate part of each head. Mixture-of-experts families are
+su-scaled RoPE); ``glm4``, ``nemotron`` and ``stablelm`` rotate part of
+each head; ``cohere`` and ``stablelm`` have their optional q/k norms off,
+and ``cohere2``'s global layers no RoPE. Mixture-of-experts families are
 float32 (MLX 0.32's CPU ``gather_mm`` takes float32 only), the dense ones
 bfloat16. Nothing here imports MLX.
 """
 
 from __future__ import annotations
 
-__all__ = ["ROPE_ONLY_CONFIGS", "ROPE_ONLY_DTYPE_NAMES"]
+__all__ = ["LLAMA_2048", "ROPE_ONLY_CONFIGS", "ROPE_ONLY_DTYPE_NAMES"]
 
 _SMALL = {
     "hidden_size": 64,
@@ -119,10 +121,46 @@ ROPE_ONLY_CONFIGS: dict[str, dict[str, object]] = {
         "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10_000},
     },
     "qwen": _family("qwen", kv_channels=16),
+    "lille-130m": {
+        "model_type": "lille-130m", "block_size": 512, "layer_norm_eps": 1e-5, "n_embd": 64,
+        "n_head": 4, "n_kv_heads": 2, "n_layer": 2, "vocab_size": 512, "rope_theta": 10_000.0,
+    },
+    "gpt_oss": _family(
+        "gpt_oss", **_EXPERTS, intermediate_size=64, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "gemma2": _family(
+        "gemma2", query_pre_attn_scalar=32, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    ),
+    "cohere2": _family(
+        "cohere2", head_dim=16, num_hidden_layers=4, sliding_window=8, sliding_window_pattern=2,
+        layer_norm_eps=1e-5,
+    ),
+    "cohere": _family("cohere", layer_norm_eps=1e-5, use_qk_norm=False),
+    "stablelm": _family("stablelm", layer_norm_eps=1e-5, partial_rotary_factor=0.5,
+                        use_qkv_bias=False, qk_layernorm=False),
 }
 
 _FLOAT32 = ("qwen2_moe", "mixtral", "deepseek", "ernie4_5_moe", "granitemoe", "granitemoehybrid",
-            "phimoe", "dbrx", "falcon_h1")
+            "phimoe", "dbrx", "falcon_h1", "gpt_oss")
 ROPE_ONLY_DTYPE_NAMES = {
     name: "float32" if name in _FLOAT32 else "bfloat16" for name in ROPE_ONLY_CONFIGS
+}
+
+# Llama 3.2 1B's dimensions, its RoPE scaling left out (plain RoPE): the
+# decode model of this shape (synthetic.DECODE_MODELS).
+LLAMA_2048 = {
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500_000.0,
+    "tie_word_embeddings": True,
 }

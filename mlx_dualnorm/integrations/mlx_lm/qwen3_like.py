@@ -200,6 +200,9 @@ class PartNames:
     # (attention, x, B, L, query heads, kv heads) -> (B, L, H, D) queries,
     # keys and values, as the class's code projects and splits them.
     projections: Callable = separate_projections
+    # (attention, queries, keys, values, cache, mask, B, L) -> attention's
+    # output as (B, L, H * D), from what the cache update returned.
+    attend: Callable = attended
 
 
 # ---- The prework and the call ------------------------------------------------------
@@ -297,7 +300,7 @@ def _attention_call(part_names: PartNames):
         )
         if prepared is None:
             return original_call(self, x, mask, cache)
-        output = attended(self, *prepared, cache, mask, batch, length)
+        output = part_names.attend(self, *prepared, cache, mask, batch, length)
         return part_names.finish(self, x, output, batch, length)
 
     return call

@@ -114,6 +114,12 @@ RECORDED_CODE: dict[str, frozenset[str]] = {
     "mlx_lm.models.seed_oss.Attention.__call__": frozenset({"3a5c83e05c6ac831"}),
     "mlx_lm.models.starcoder2.Attention.__call__": frozenset({"3a5c83e05c6ac831"}),
     "mlx_lm.models.telechat3.Telechat3Attention.__call__": frozenset({"35057b4ea3c5da16"}),
+    "mlx_lm.models.cohere.Attention.__call__": frozenset({"95515e9b94c4affd"}),
+    "mlx_lm.models.cohere2.Attention.__call__": frozenset({"6762fcd872e7f471"}),
+    "mlx_lm.models.gemma2.Attention.__call__": frozenset({"1c5708b6d3651730"}),
+    "mlx_lm.models.gpt_oss.AttentionBlock.__call__": frozenset({"95e08c42145727d8"}),
+    "mlx_lm.models.lille-130m.Lille130mAttention.__call__": frozenset({"736cf0e9c67f5c9b"}),
+    "mlx_lm.models.stablelm.Attention.__call__": frozenset({"0d75d40e6a356129"}),
     # The norm and RoPE classes whose __call__ replacements compute (MLX's own
     # too: the package is built for one MLX release).
     "mlx.nn.layers.normalization.RMSNorm.__call__": frozenset({"39565b8676a38edd"}),

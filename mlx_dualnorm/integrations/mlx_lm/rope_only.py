@@ -16,14 +16,22 @@ Each family here restates its class's ``__call__`` with
 projected (three projections, or one fused projection split as the class
 splits it), the head counts, the output projection. A layer whose RoPE is
 not one the package computes (``DynamicNTKScalingRoPE``, smollm3's
-``NoPE``, a granite hybrid layer without RoPE) runs its class's own code.
+``NoPE``, a granite hybrid or cohere2 layer without RoPE), or whose
+optional q/k norms are on (cohere's and stablelm's LayerNorms), runs its
+class's own code. Where a class attends in its own way (gpt_oss's sinks,
+cohere2's float32 queries, stablelm's float32 q and k, gemma2's
+soft-capped scores written out), the replacement attends as it does.
 """
 
 from __future__ import annotations
 
+import math
+import sys
+
 import mlx.core as mx
 
 from mlx_dualnorm.integrations.mlx_lm.qwen3_like import (
+    NO_NORMS,
     PartNames,
     attention_family,
     no_norms,
@@ -100,6 +108,104 @@ def _head_dim_projections(attention, x, batch, length, query_heads, kv_heads):
     )
 
 
+def _lille_projections(attention, x, batch, length, query_heads, kv_heads):
+    """lille-130m's one ``qkv_proj`` of the normalized input, split at the
+    query and key widths."""
+    qkv = attention.qkv_proj(attention.norm(x))
+    query_size = attention.n_head * attention.head_dim
+    key_size = attention.n_kv_heads * attention.head_dim
+    queries, keys, values = mx.split(qkv, [query_size, query_size + key_size], axis=-1)
+    return (
+        queries.reshape(batch, length, query_heads, -1),
+        keys.reshape(batch, length, kv_heads, -1),
+        values.reshape(batch, length, kv_heads, -1),
+    )
+
+
+def _gpt_oss_projections(attention, x, batch, length, query_heads, kv_heads):
+    """gpt_oss's three projections, split into heads of ``head_dim``."""
+    head_dim = attention.head_dim
+    return (
+        attention.q_proj(x).reshape(batch, length, -1, head_dim),
+        attention.k_proj(x).reshape(batch, length, -1, head_dim),
+        attention.v_proj(x).reshape(batch, length, -1, head_dim),
+    )
+
+
+def _module_attention(attention):
+    """The model module's own ``scaled_dot_product_attention``, looked up
+    at each call as its code does."""
+    return sys.modules[type(attention).__module__].scaled_dot_product_attention
+
+
+def _gpt_oss_attend(attention, queries, keys, values, cache, mask, batch, length):
+    """gpt_oss's attention: its scale and its per-head sinks."""
+    output = _module_attention(attention)(
+        queries, keys, values, cache, attention.sm_scale, mask=mask, sinks=attention.sinks
+    )
+    return output.swapaxes(1, 2).reshape(batch, length, -1)
+
+
+def _cohere2_attend(attention, queries, keys, values, cache, mask, batch, length):
+    """cohere2's attention: float16 queries attend in float32, the output
+    cast back."""
+    attention_dtype = mx.float32 if queries.dtype == mx.float16 else queries.dtype
+    output = _module_attention(attention)(
+        queries.astype(attention_dtype), keys, values, cache=cache, scale=attention.scale,
+        mask=mask,
+    ).astype(queries.dtype)
+    return output.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+
+
+def _stablelm_attend(attention, queries, keys, values, cache, mask, batch, length):
+    """stablelm's attention: rotated q and k in float32, the scale from the
+    head width, the output in the values' dtype."""
+    queries = queries.astype(mx.float32)
+    keys = keys.astype(mx.float32)
+    scale = math.sqrt(1 / queries.shape[-1])
+    output = _module_attention(attention)(
+        queries, keys, values, cache=cache, scale=scale, mask=mask
+    ).astype(values.dtype)
+    return output.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+
+
+def _gemma2_attend(attention, queries, keys, values, cache, mask, batch, length):
+    """gemma2's attention, written out as its class writes it: scaled
+    queries, soft-capped scores, the mask, a precise softmax."""
+    head_dim = attention.head_dim
+    queries = queries * attention.scale
+    repeats = attention.repeats
+    if repeats > 1:
+        queries = queries.reshape(batch, attention.n_kv_heads, repeats, length, head_dim)
+        keys = mx.expand_dims(keys, 2)
+        values = mx.expand_dims(values, 2)
+    scores = queries @ keys.swapaxes(-1, -2)
+    softcapping = attention.attn_logit_softcapping
+    scores = mx.tanh(scores / softcapping)
+    scores *= softcapping
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + mask
+    scores = mx.softmax(scores, precise=True, axis=-1)
+    output = scores @ values
+    if repeats > 1:
+        output = output.reshape(batch, attention.n_heads, length, head_dim)
+    return output.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+
+
+def _norms_off(flag: str):
+    """The norms of a class whose optional q/k norms (``flag``) are not
+    RMS norms the package computes: none where the flag is off (the RoPE
+    alone), else None (the layer runs its class's code)."""
+
+    def read(attention):
+        return None if getattr(attention, flag) else NO_NORMS
+
+    return read
+
+
 def _exaone_finish(attention, x, output, batch, length):
     """exaone's output: back to the input's width ``D``, then ``out_proj``."""
     return attention.out_proj(output.reshape(batch, length, x.shape[-1]))
@@ -107,8 +213,16 @@ def _exaone_finish(attention, x, output, batch, length):
 
 _N_HEADS = _heads("n_heads", "n_kv_heads")
 
+# Where a class's optional q/k norms are on (LayerNorms), its layers are
+# left alone for that reason.
+_REFUSALS = {
+    "cohere": "its q/k norms are on (LayerNorm2D), or " + REFUSAL,
+    "stablelm": "its q/k norms are on (per-head LayerNorm), or " + REFUSAL,
+    "cohere2": "it has no RoPE (a global layer), or " + REFUSAL,
+}
+
 ROPE_ONLY_FAMILIES = tuple(
-    attention_family(module, class_name, parts, REFUSAL)
+    attention_family(module, class_name, parts, _REFUSALS.get(module, REFUSAL))
     for module, class_name, parts in (
         ("llama", "Attention", _N_HEADS),
         ("qwen2", "Attention", _N_HEADS),
@@ -146,6 +260,19 @@ ROPE_ONLY_FAMILIES = tuple(
         ("qwen", "Attention", _heads("num_attention_heads", "num_attention_heads",
                                      rope=rope_of(name="rotary_emb"), finish=projected("c_proj"),
                                      projections=_qwen_projections)),
+        ("lille-130m", "Lille130mAttention", _heads("n_head", "n_kv_heads",
+                                                    finish=projected("out_proj"),
+                                                    projections=_lille_projections)),
+        ("gpt_oss", "AttentionBlock", _heads("num_attention_heads", "num_key_value_heads",
+                                             projections=_gpt_oss_projections,
+                                             attend=_gpt_oss_attend)),
+        ("gemma2", "Attention", _heads("n_heads", "n_kv_heads", attend=_gemma2_attend)),
+        ("cohere2", "Attention", _heads("n_heads", "n_kv_heads", rope=rope_of("use_sliding_window"),
+                                        attend=_cohere2_attend)),
+        ("cohere", "Attention", PartNames("n_heads", "n_kv_heads", _norms_off("use_qk_norm"))),
+        ("stablelm", "Attention", PartNames("num_heads", "num_key_value_heads",
+                                            _norms_off("qk_layernorm"),
+                                            attend=_stablelm_attend)),
     )
 )
 register_attention_families(*ROPE_ONLY_FAMILIES)
