@@ -92,7 +92,9 @@ def test_the_parity_numbers_are_the_matrices():
     full = parity_matrix.build_full_parity_matrix()
     families = {case.family for case in full}
     assert f"({len(full)} cases in {len(families)} families" in text
-    assert f"the `norm_rope` family of {len(rope_parity.build_rope_parity_matrix())} cases" in text
+    rope_matrix = rope_parity.build_rope_parity_matrix()
+    assert f"the norm + RoPE matrix of {len(rope_matrix)} cases: the `norm_rope` family" in text
+    assert {case.family for case in rope_matrix} == {"norm_rope", "rope_only"}
     quick = len(parity_matrix.build_quick_parity_matrix())
     quick_rope = len(rope_parity.build_rope_parity_matrix(quick=True))
     assert f"a small matrix ({quick} dual norm cases and {quick_rope} norm + RoPE cases)" in text

@@ -175,7 +175,7 @@ def _parity_parser(selection: PathSelection) -> argparse.ArgumentParser:
         "--family",
         dest="families",
         action="append",
-        choices=[*FAMILY_NAMES, rope_parity.ROPE_FAMILY],
+        choices=[*FAMILY_NAMES, rope_parity.ROPE_FAMILY, rope_parity.ROPE_ONLY_FAMILY],
         help="only this family of cases (repeatable; default: all)",
     )
     parser.add_argument(
@@ -220,11 +220,10 @@ def check_paths(
     cases = build_quick_parity_matrix(seed) if quick else build_full_parity_matrix(seed)
     if families:
         cases = [case for case in cases if case.family in families]
-    rope_cases = (
-        rope_parity.build_rope_parity_matrix(quick=quick)
-        if not families or rope_parity.ROPE_FAMILY in families
-        else []
-    )
+    rope_cases = [
+        case for case in rope_parity.build_rope_parity_matrix(quick=quick)
+        if not families or case.family in families
+    ]
     matrix_name = "quick" if quick else "full"
     progress = command.StepProgress(
         f"parity, {matrix_name} matrix, cases",

@@ -14,7 +14,9 @@ that call it:
 - offsets: 0, a small and a large int, and an ``mx.array`` with one offset
   per batch entry (what a batched server passes);
 - weighted and weightless norms, ``traditional`` both ways, a position
-  scale other than 1.
+  scale other than 1;
+- no norms at all (an object made with ``eps=None``, the prework of
+  attention without q/k norms), once per shape.
 
 Each mode of this build and device that is not the reference is a path
 (``rope_compiled``, and ``rope_fused`` where it runs); the comparison and the
@@ -41,13 +43,17 @@ from mlx_dualnorm.commands.parity.inputs import DualNormInputs, case_key
 from mlx_dualnorm.commands.parity.report import ParityReport, compare_call
 
 __all__ = [
-    "ROPE_PATH_DESCRIPTIONS", "ROPE_REFERENCE_DESCRIPTION", "RopeParityCase",
+    "ROPE_FAMILY", "ROPE_ONLY_FAMILY", "ROPE_PATH_DESCRIPTIONS", "ROPE_REFERENCE_DESCRIPTION",
+    "RopeParityCase",
     "available_rope_paths", "build_rope_parity_matrix", "rope_case_inputs",
     "run_rope_parity_matrix", "unavailable_rope_paths",
 ]
 
 ROPE_FAMILY = "norm_rope"
-ROPE_REFERENCE_DESCRIPTION = "composed_dual_head_norm_rope (rms_norm, transpose, rope per side)"
+ROPE_ONLY_FAMILY = "rope_only"  # the cases without norms
+ROPE_REFERENCE_DESCRIPTION = (
+    "composed_dual_head_norm_rope (rms_norm, transpose, rope per side; no rms_norm for rope_only)"
+)
 ROPE_PATH_PREFIX = "rope_"
 ROPE_PATH_DESCRIPTIONS = {
     "rope_compiled": "mlx_dualnorm.CompiledDualHeadNormRope(mode='compiled'): "
@@ -74,6 +80,7 @@ class RopeParityCase:
     weighted: bool = True
     traditional: bool = False
     scale: float = 1.0
+    norms: bool = True  # False: the object made without norms (eps=None)
     family: str = ROPE_FAMILY
 
     @property
@@ -92,7 +99,8 @@ class RopeParityCase:
                 f"dims={self.dims}",
                 f"dtype={self.dtype_name}",
                 f"offset={self.offset}",
-                "weighted" if self.weighted else "weightless",
+                ("weighted" if self.weighted else "weightless") if self.norms
+                else "without norms",
                 f"traditional={self.traditional}",
                 f"scale={self.scale}",
             ]
@@ -131,6 +139,8 @@ def build_rope_parity_matrix(quick: bool = False) -> list[RopeParityCase]:
                 )
             )
             position += 1
+        cases.append(RopeParityCase(*shape, dtype_name="bfloat16", offset=offsets[1],
+                                    weighted=False, norms=False, family=ROPE_ONLY_FAMILY))
     return cases
 
 
@@ -188,7 +198,7 @@ def _rope_call(path_name: str, case: RopeParityCase) -> RopeCall:
     """The path's call for one case's RoPE parameters (one object per
     parameter set, as a model builds one per attention layer)."""
     rope = CompiledDualHeadNormRope(
-        RMS_NORM_EPSILON,
+        RMS_NORM_EPSILON if case.norms else None,
         case.dims,
         base=ROPE_BASE,
         traditional=case.traditional,
@@ -237,12 +247,13 @@ def run_rope_parity_matrix(
             inputs.keys,
             inputs.query_weight,
             inputs.key_weight,
-            eps=RMS_NORM_EPSILON,
+            eps=RMS_NORM_EPSILON if case.norms else None,
             dims=case.dims,
             base=ROPE_BASE,
             traditional=case.traditional,
             scale=case.scale,
             offset=inputs.offset,
+            norms=case.norms,
         )
         mx.eval(expected)
         for path_name, report in reports.items():
