@@ -187,11 +187,3 @@ def test_training_gradients_are_bit_identical(name):
     assert_patched_loss_and_gradients_match(step)
     assert engaged[1], "the patched step did not engage the package"
 
-
-def test_every_family_registers_its_class():
-    registered = {
-        (family.module, family.class_name) for family in integration.attention_families()
-    }
-    for family in rope_only.ROPE_ONLY_FAMILIES:
-        assert (family.module, family.class_name) in registered
-        assert family.attention_class() is not None, family.module

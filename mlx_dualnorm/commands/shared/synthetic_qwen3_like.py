@@ -25,9 +25,14 @@ takes float32 only), the dense ones bfloat16. Nothing here imports MLX.
 
 from __future__ import annotations
 
-__all__ = ["QWEN3_LIKE_CONFIGS", "QWEN3_LIKE_DTYPE_NAMES", "QWEN3_LIKE_WEIGHT_SCALES"]
+__all__ = [
+    "QWEN3_LIKE_CONFIGS", "QWEN3_LIKE_DTYPE_NAMES", "QWEN3_LIKE_WEIGHT_SCALES",
+    "SMALL_ATTENTION_MODEL",
+]
 
-_SMALL = {
+# Two layers of four query and two key/value heads: what every small
+# attention model here starts from.
+SMALL_ATTENTION_MODEL = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
     "intermediate_size": 128,
@@ -74,7 +79,7 @@ _YARN = {
 }
 _LAGUNA = {  # the two Laguna models differ only in their RoPE
     "model_type": "laguna",
-    **_SMALL,
+    **SMALL_ATTENTION_MODEL,
     **_EXPERTS,
     "shared_expert_intermediate_size": 32,
     "sliding_window": 8,
@@ -85,7 +90,7 @@ _LAGUNA = {  # the two Laguna models differ only in their RoPE
 QWEN3_LIKE_CONFIGS: dict[str, dict[str, object]] = {
     "Klear": {
         "model_type": "Klear",
-        **_SMALL,
+        **SMALL_ATTENTION_MODEL,
         **_EXPERTS,
         "attention_bias": False,
         "mlp_only_layers": [],
@@ -93,7 +98,7 @@ QWEN3_LIKE_CONFIGS: dict[str, dict[str, object]] = {
         "n_shared_experts": 1,
         "norm_topk_prob": True,
     },
-    "dots1": {"model_type": "dots1", **_SMALL, **_GROUPED_EXPERTS},
+    "dots1": {"model_type": "dots1", **SMALL_ATTENTION_MODEL, **_GROUPED_EXPERTS},
     "lfm2": {
         "model_type": "lfm2",
         **_LFM2,
@@ -114,7 +119,7 @@ QWEN3_LIKE_CONFIGS: dict[str, dict[str, object]] = {
     },
     "mellum": {
         "model_type": "mellum",
-        **_SMALL,
+        **SMALL_ATTENTION_MODEL,
         **_EXPERTS,
         "norm_topk_prob": True,
         "sliding_window": 8,
@@ -126,14 +131,14 @@ QWEN3_LIKE_CONFIGS: dict[str, dict[str, object]] = {
     },
     "exaone4": {
         "model_type": "exaone4",
-        **_SMALL,
+        **SMALL_ATTENTION_MODEL,
         "rope_scaling": None,
         "sliding_window": 8,
         "sliding_window_pattern": "LG",  # the global layer has no RoPE
     },
     "exaone_moe": {
         "model_type": "exaone_moe",
-        **_SMALL,
+        **SMALL_ATTENTION_MODEL,
         **_EXPERTS,
         "num_shared_experts": 1,
         "sliding_window": 8,
@@ -142,7 +147,7 @@ QWEN3_LIKE_CONFIGS: dict[str, dict[str, object]] = {
     },
     "apertus": {
         "model_type": "apertus",
-        **{key: value for key, value in _SMALL.items() if key != "head_dim"},
+        **{key: value for key, value in SMALL_ATTENTION_MODEL.items() if key != "head_dim"},
         "mlp_bias": False,
         "attention_bias": False,
         "post_norm": False,
@@ -150,7 +155,7 @@ QWEN3_LIKE_CONFIGS: dict[str, dict[str, object]] = {
     },
     "apertus-llama3": {
         "model_type": "apertus",
-        **{key: value for key, value in _SMALL.items() if key != "head_dim"},
+        **{key: value for key, value in SMALL_ATTENTION_MODEL.items() if key != "head_dim"},
         "mlp_bias": False,
         "attention_bias": False,
         "post_norm": False,
@@ -165,7 +170,7 @@ QWEN3_LIKE_CONFIGS: dict[str, dict[str, object]] = {
     },
     "glm4_moe": {
         "model_type": "glm4_moe",
-        **_SMALL,
+        **SMALL_ATTENTION_MODEL,
         **_GROUPED_EXPERTS,
         "rope_scaling": None,
         "use_qk_norm": True,
@@ -174,7 +179,7 @@ QWEN3_LIKE_CONFIGS: dict[str, dict[str, object]] = {
     },
     "solar_open": {
         "model_type": "solar_open",
-        **_SMALL,
+        **SMALL_ATTENTION_MODEL,
         **_GROUPED_EXPERTS,
         "use_qk_norm": True,
         "partial_rotary_factor": 0.5,
@@ -195,7 +200,7 @@ QWEN3_LIKE_CONFIGS: dict[str, dict[str, object]] = {
     },
     "step3p5": {
         "model_type": "step3p5",
-        **{key: value for key, value in _SMALL.items() if key != "num_key_value_heads"},
+        **{key: value for key, value in SMALL_ATTENTION_MODEL.items() if key != "num_key_value_heads"},
         "num_attention_groups": 2,
         "sliding_window": 8,
         "layer_types": ["full_attention", "sliding_attention"],
@@ -211,7 +216,7 @@ QWEN3_LIKE_CONFIGS: dict[str, dict[str, object]] = {
     },
     "llama4_text": {
         "model_type": "llama4_text",
-        **_SMALL,
+        **SMALL_ATTENTION_MODEL,
         "intermediate_size_mlp": 128,
         "no_rope_layers": [1, 0],  # 1: the layer has RoPE
         "use_qk_norm": True,

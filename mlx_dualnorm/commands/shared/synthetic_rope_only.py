@@ -2,10 +2,10 @@
 norms (the package's RoPE-only call): one config per registered class,
 two layers, four query and two key/value heads.
 
-Every config starts from one small decoder (``_SMALL``) carrying the names
-each family's ``ModelArgs`` reads (mlx-lm keeps only the fields a family
-declares), and adds what that family needs: experts, multipliers, a
-fused projection's sizes. ``llama-llama3``, ``qwen2-yarn`` and
+Every config starts from the small attention model of the qwen3-like
+families, with the fields more families' ``ModelArgs`` read (``_SMALL``;
+mlx-lm keeps only the fields a family declares), and adds what that
+family needs: experts, multipliers, a fused projection's sizes. ``llama-llama3``, ``qwen2-yarn`` and
 ``phimoe`` rotate with a frequency table (llama3's, YaRN's and the
 su-scaled RoPE); ``glm4``, ``nemotron`` and ``stablelm`` rotate part of
 each head; ``cohere`` and ``stablelm`` have their optional q/k norms off,
@@ -16,21 +16,16 @@ bfloat16. Nothing here imports MLX.
 
 from __future__ import annotations
 
+from mlx_dualnorm.commands.shared.synthetic_qwen3_like import SMALL_ATTENTION_MODEL
+
 __all__ = ["LLAMA_2048", "ROPE_ONLY_CONFIGS", "ROPE_ONLY_DTYPE_NAMES"]
 
 _SMALL = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    **SMALL_ATTENTION_MODEL,
     "head_dim": 32,
     "rms_norm_eps": 1e-5,
     "norm_eps": 1e-5,
-    "vocab_size": 512,
-    "max_position_embeddings": 4096,
     "rope_theta": 10_000.0,
-    "tie_word_embeddings": False,
     "attention_bias": False,
     "mlp_bias": False,
     "use_bias": False,

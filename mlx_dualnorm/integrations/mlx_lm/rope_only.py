@@ -48,6 +48,16 @@ def _heads(heads: str, kv_heads: str, **parts) -> PartNames:
     return PartNames(heads, kv_heads, no_norms, **parts)
 
 
+def _in_heads(queries, keys, values, batch, length, query_heads, kv_heads):
+    """Projected q, k and v split into (B, L, H, D) heads, as the classes
+    reshape them."""
+    return (
+        queries.reshape(batch, length, query_heads, -1),
+        keys.reshape(batch, length, kv_heads, -1),
+        values.reshape(batch, length, kv_heads, -1),
+    )
+
+
 def _phi3_projections(attention, x, batch, length, query_heads, kv_heads):
     """phi3's one ``qkv_proj``, split at the query and key widths."""
     qkv = attention.qkv_proj(x)
@@ -55,11 +65,7 @@ def _phi3_projections(attention, x, batch, length, query_heads, kv_heads):
     queries, keys, values = mx.split(
         qkv, [query_end, query_end + attention.n_kv_heads * attention.head_dim], axis=-1
     )
-    return (
-        queries.reshape(batch, length, query_heads, -1),
-        keys.reshape(batch, length, kv_heads, -1),
-        values.reshape(batch, length, kv_heads, -1),
-    )
+    return _in_heads(queries, keys, values, batch, length, query_heads, kv_heads)
 
 
 def _internlm2_projections(attention, x, batch, length, query_heads, kv_heads):
@@ -81,21 +87,13 @@ def _dbrx_projections(attention, x, batch, length, query_heads, kv_heads):
     model_width = attention.d_model
     splits = [model_width, model_width + attention.head_dim * attention.num_key_value_heads]
     queries, keys, values = mx.split(qkv, splits, axis=-1)
-    return (
-        queries.reshape(batch, length, query_heads, -1),
-        keys.reshape(batch, length, kv_heads, -1),
-        values.reshape(batch, length, kv_heads, -1),
-    )
+    return _in_heads(queries, keys, values, batch, length, query_heads, kv_heads)
 
 
 def _qwen_projections(attention, x, batch, length, query_heads, kv_heads):
     """Qwen (1)'s one ``c_attn``, split in three equal parts."""
     queries, keys, values = mx.split(attention.c_attn(x), 3, axis=-1)
-    return (
-        queries.reshape(batch, length, query_heads, -1),
-        keys.reshape(batch, length, kv_heads, -1),
-        values.reshape(batch, length, kv_heads, -1),
-    )
+    return _in_heads(queries, keys, values, batch, length, query_heads, kv_heads)
 
 
 def _head_dim_projections(attention, x, batch, length, query_heads, kv_heads):
@@ -115,11 +113,7 @@ def _lille_projections(attention, x, batch, length, query_heads, kv_heads):
     query_size = attention.n_head * attention.head_dim
     key_size = attention.n_kv_heads * attention.head_dim
     queries, keys, values = mx.split(qkv, [query_size, query_size + key_size], axis=-1)
-    return (
-        queries.reshape(batch, length, query_heads, -1),
-        keys.reshape(batch, length, kv_heads, -1),
-        values.reshape(batch, length, kv_heads, -1),
-    )
+    return _in_heads(queries, keys, values, batch, length, query_heads, kv_heads)
 
 
 def _gpt_oss_projections(attention, x, batch, length, query_heads, kv_heads):
