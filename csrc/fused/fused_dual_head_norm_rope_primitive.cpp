@@ -111,15 +111,21 @@ namespace {
 /* Where one side's rows go (each node input row holds `norm_heads` heads),
  * and which of MLX's RoPE kernels (hence which position conversion) its
  * shape gets: MLX takes its single-row kernel for a row-contiguous input
- * with B == 1 and L == 1, and the transpose of a normalized (1, 1, H, D)
- * is row-contiguous. */
-RopeSide rope_side(const mx::array& input, int norm_heads, const mx::array& offset) {
+ * with B == 1 and L == 1. The transpose of a normalized (1, 1, H, D) is
+ * row-contiguous (rms_norm's output is); without norms RoPE reads the
+ * transpose of the input itself, row-contiguous exactly where the input is
+ * (the axes swapped have one element), so a strided view (a head sliced
+ * out of a fused projection) takes MLX's general kernel. */
+RopeSide rope_side(const mx::array& input, int norm_heads, const mx::array& offset,
+                   bool normalizes) {
   RopeSide side{};
   side.heads = input.shape(2) * norm_heads;
   side.row_heads = norm_heads;
   side.sequence = input.shape(1);
   side.offset_stride = offset.ndim() > 0 ? offset.strides()[0] : 0;
-  side.signed_position = input.shape(0) == 1 && input.shape(1) == 1 ? 1 : 0;
+  const bool rope_input_row_contiguous = normalizes || input.flags().row_contiguous;
+  side.signed_position =
+      input.shape(0) == 1 && input.shape(1) == 1 && rope_input_row_contiguous ? 1 : 0;
   // A (B, H, L, D) output laid out token-major (token_major_strides); the
   // KV-cache write points the keys at their rows of the row-contiguous key
   // buffer instead.
@@ -362,8 +368,8 @@ class FusedDualRmsNormRope : public RowKernelPrimitive<FusedDualRmsNormRope> {
     DualHeadNormRopeParams<Rows> params{};
     params.queries = rows_of<Rows>(queries, weights.query);
     params.keys = rows_of<Rows>(keys, weights.key);
-    params.query_rope = rope_side(queries, norm_heads_.queries, offset);
-    params.key_rope = rope_side(keys, norm_heads_.keys, offset);
+    params.query_rope = rope_side(queries, norm_heads_.queries, offset, rope_.normalizes);
+    params.key_rope = rope_side(keys, norm_heads_.keys, offset, rope_.normalizes);
     params.eps = rms_norm_epsilon_;
     params.normalizes = rope_.normalizes ? 1 : 0;
     params.dims = rope_.dims;

@@ -79,12 +79,38 @@ def test_a_frequency_table_input_scale_and_strided_views(mode):
     table = mx.exp(mx.linspace(0.0, 9.0, 32))
     wide = random((2, 3, 8, 128), mx.bfloat16, 3)
     queries = wide[..., ::2]  # a strided view, (2, 3, 8, 64)
-    keys = random((2, 3, 4, 64), mx.bfloat16, 4).transpose(0, 1, 2, 3)
+    keys = random((2, 4, 3, 64), mx.bfloat16, 4).transpose(0, 2, 1, 3)  # a transposed view
     composite = CompiledDualHeadNormRope(None, 64, base=None, input_scale=0.7, mode=mode)
     outputs = composite(queries, keys, offset=9, freqs=table)
     expected = reference(queries, keys, 9, dims=64, base=None, freqs=table, input_scale=0.7)
     for actual, wanted in zip(outputs, expected):
         assert_bit_identical(actual, wanted)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", ["contiguous", "heads sliced", "features strided"])
+@pytest.mark.parametrize("batch, length", [(1, 1), (1, 3), (2, 1)])
+def test_negative_offsets_follow_mlx_s_kernel_choice(mode, layout, batch, length):
+    """MLX's RoPE turns the position into a float two ways: its one-row
+    kernel (a row-contiguous input, B == 1 and L == 1) from the signed
+    offset, its general kernel from the unsigned sum. Without norms RoPE
+    reads the input itself, so a view (a head sliced out of a fused
+    projection, as internlm2's keys are) takes the general kernel even at
+    B == 1 and L == 1; negative offsets tell the two apart."""
+    wide = random((batch, length, 4, 3, 128), mx.bfloat16, 21)
+    queries = random((batch, length, 8, 64), mx.bfloat16, 22)
+    if layout == "heads sliced":  # (B, L, 4, 64), a head's stride 3 * 128
+        keys = wide[..., 1, :64]
+    elif layout == "features strided":
+        keys = wide[..., 0, ::2]
+    else:
+        keys = random((batch, length, 4, 64), mx.bfloat16, 23)
+    composite = CompiledDualHeadNormRope(None, 64, base=1e4, mode=mode)
+    for offset in (-1, -7, mx.array([-3] * batch, dtype=mx.int32)):
+        outputs = composite(queries, keys, offset=offset)
+        expected = reference(queries, keys, offset, dims=64, base=1e4)
+        for actual, wanted in zip(outputs, expected):
+            assert_bit_identical(actual, wanted)
 
 
 def cache_inputs(batch, length, dtype, capacity=32):
@@ -263,5 +289,12 @@ def test_the_fused_mode_is_one_node_with_the_composed_bits(with_cache):
     assert "FusedDualRmsNormRope" in graph_primitives(*outputs)
     rotated_queries, rotated_keys = reference(queries, keys, 4, dims=64, base=10000.0)
     assert_bit_identical(outputs[0], rotated_queries)
-    if not with_cache:
+    if with_cache:
+        written_keys = copy.copy(key_cache)
+        written_keys[..., 4:5, :] = rotated_keys
+        written_values = copy.copy(value_cache)
+        written_values[..., 4:5, :] = values.transpose(0, 2, 1, 3)
+        assert_bit_identical(outputs[1], written_keys)
+        assert_bit_identical(outputs[2], written_values)
+    else:
         assert_bit_identical(outputs[1], rotated_keys)

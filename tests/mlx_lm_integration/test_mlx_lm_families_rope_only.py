@@ -187,3 +187,14 @@ def test_training_gradients_are_bit_identical(name):
     assert_patched_loss_and_gradients_match(step)
     assert engaged[1], "the patched step did not engage the package"
 
+
+
+def test_a_call_the_class_refuses_is_refused_patched_too():
+    """gpt_oss's attention takes ``mask`` without a default: a call without
+    it is a TypeError unpatched, and patched as well (not a run)."""
+    layer = attention_layers(build_synthetic_model("gpt_oss"))[0]
+    x = mx.zeros((1, 2, 64), mx.float32)
+    with pytest.raises(TypeError, match="'mask'"):
+        layer(x)
+    with integration.patch(), pytest.raises(TypeError, match="'mask'"):
+        layer(x)

@@ -1,6 +1,6 @@
 """Small random models of the mlx-lm families whose attention has no q/k
-norms (the package's RoPE-only call): one config per registered class,
-two layers, four query and two key/value heads.
+norms (the package's RoPE-only call): at least one config per registered
+class, most of two layers of four query and two key/value heads.
 
 Every config starts from the small attention model of the qwen3-like
 families, with the fields more families' ``ModelArgs`` read (``_SMALL``;
@@ -10,7 +10,8 @@ family needs: experts, multipliers, a fused projection's sizes. ``llama-llama3``
 su-scaled RoPE); ``glm4``, ``nemotron`` and ``stablelm`` rotate part of
 each head; ``cohere`` and ``stablelm`` have their optional q/k norms off,
 and ``cohere2``'s global layers no RoPE. Mixture-of-experts families are
-float32 (MLX 0.32's CPU ``gather_mm`` takes float32 only), the dense ones
+float32 (MLX 0.32's CPU ``gather_mm`` takes float32 only), and so is
+``falcon_h1``, for one float32 model with Mamba layers; the others are
 bfloat16. Nothing here imports MLX.
 """
 

@@ -60,9 +60,10 @@ from mlx_dualnorm.integrations.mlx_lm.registry import (
 
 # What a layer's norms read as: (query_norm, key_norm, query_weight,
 # key_weight), the norms being nn.RMSNorm modules whose eps and types decide
-# what is built; NO_NORMS for a family whose attention has none (its
-# prework is the RoPE alone); None where the layer's q/k norms are switched
-# off (the layer is then left alone).
+# what is built; NO_NORMS where the layer has none (its q/k norms switched
+# off, or a family without them: the prework is the RoPE alone); None
+# where its norms are not ones the package computes (the layer is then
+# left alone).
 NormsRead = Optional[tuple]
 NO_NORMS = (None, None, None, None)
 
@@ -192,8 +193,8 @@ def separate_projections(attention, x, batch, length, query_heads, kv_heads):
 class PartNames:
     """How one family's attention names its parts."""
 
-    heads: str  # the attribute with the query head count
-    kv_heads: str  # the attribute with the key/value head count
+    heads: str  # the attribute with the query head count ("": not read)
+    kv_heads: str  # the attribute with the key/value head count ("": not read)
     norms: Callable[[object], NormsRead] = _rms_norms()
     rope: Callable[[object], object] = rope_of()
     finish: Callable = projected()
@@ -203,6 +204,9 @@ class PartNames:
     # (attention, queries, keys, values, cache, mask, B, L) -> attention's
     # output as (B, L, H * D), from what the cache update returned.
     attend: Callable = attended
+    # Whether the class's __call__ takes ``mask`` without a default (a call
+    # without it is then the TypeError the class's own code raises).
+    mask_required: bool = False
 
 
 # ---- The prework and the call ------------------------------------------------------
@@ -290,8 +294,8 @@ def _attention_call(part_names: PartNames):
 
     def call(self, mode, x, mask=None, cache=None):
         batch, length, _ = x.shape
-        query_heads = getattr(self, part_names.heads)
-        kv_heads = getattr(self, part_names.kv_heads)
+        query_heads = getattr(self, part_names.heads) if part_names.heads else None
+        kv_heads = getattr(self, part_names.kv_heads) if part_names.kv_heads else None
         head_queries, head_keys, head_values = part_names.projections(
             self, x, batch, length, query_heads, kv_heads
         )
@@ -303,6 +307,12 @@ def _attention_call(part_names: PartNames):
         output = part_names.attend(self, *prepared, cache, mask, batch, length)
         return part_names.finish(self, x, output, batch, length)
 
+    if part_names.mask_required:
+
+        def call_with_mask(self, mode, x, mask, cache=None):
+            return call(self, mode, x, mask, cache)
+
+        return call_with_mask
     return call
 
 

@@ -117,7 +117,8 @@ def _lille_projections(attention, x, batch, length, query_heads, kv_heads):
 
 
 def _gpt_oss_projections(attention, x, batch, length, query_heads, kv_heads):
-    """gpt_oss's three projections, split into heads of ``head_dim``."""
+    """gpt_oss's three projections, split into heads of ``head_dim`` (the
+    head counts follow from it: its class reads no head count)."""
     head_dim = attention.head_dim
     return (
         attention.q_proj(x).reshape(batch, length, -1, head_dim),
@@ -166,11 +167,12 @@ def _stablelm_attend(attention, queries, keys, values, cache, mask, batch, lengt
 def _gemma2_attend(attention, queries, keys, values, cache, mask, batch, length):
     """gemma2's attention, written out as its class writes it: scaled
     queries, soft-capped scores, the mask, a precise softmax."""
-    head_dim = attention.head_dim
     queries = queries * attention.scale
     repeats = attention.repeats
     if repeats > 1:
-        queries = queries.reshape(batch, attention.n_kv_heads, repeats, length, head_dim)
+        queries = queries.reshape(
+            batch, attention.n_kv_heads, repeats, length, attention.head_dim
+        )
         keys = mx.expand_dims(keys, 2)
         values = mx.expand_dims(values, 2)
     scores = queries @ keys.swapaxes(-1, -2)
@@ -185,7 +187,7 @@ def _gemma2_attend(attention, queries, keys, values, cache, mask, batch, length)
     scores = mx.softmax(scores, precise=True, axis=-1)
     output = scores @ values
     if repeats > 1:
-        output = output.reshape(batch, attention.n_heads, length, head_dim)
+        output = output.reshape(batch, attention.n_heads, length, attention.head_dim)
     return output.transpose(0, 2, 1, 3).reshape(batch, length, -1)
 
 
@@ -257,9 +259,8 @@ ROPE_ONLY_FAMILIES = tuple(
         ("lille-130m", "Lille130mAttention", _heads("n_head", "n_kv_heads",
                                                     finish=projected("out_proj"),
                                                     projections=_lille_projections)),
-        ("gpt_oss", "AttentionBlock", _heads("num_attention_heads", "num_key_value_heads",
-                                             projections=_gpt_oss_projections,
-                                             attend=_gpt_oss_attend)),
+        ("gpt_oss", "AttentionBlock", _heads("", "", projections=_gpt_oss_projections,
+                                             attend=_gpt_oss_attend, mask_required=True)),
         ("gemma2", "Attention", _heads("n_heads", "n_kv_heads", attend=_gemma2_attend)),
         ("cohere2", "Attention", _heads("n_heads", "n_kv_heads", rope=rope_of("use_sliding_window"),
                                         attend=_cohere2_attend)),
