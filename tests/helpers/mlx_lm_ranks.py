@@ -33,6 +33,10 @@ from mlx_dualnorm.commands.shared.synthetic_qwen3_like import (
     QWEN3_LIKE_CONFIGS,
     QWEN3_LIKE_DTYPE_NAMES,
 )
+from mlx_dualnorm.commands.shared.synthetic_rope_only import (
+    ROPE_ONLY_CONFIGS,
+    ROPE_ONLY_DTYPE_NAMES,
+)
 
 PROGRAM = (str(Path(__file__).resolve()),)  # what the launcher runs with this interpreter
 PROMPT_LENGTH = 12
@@ -166,6 +170,10 @@ FAMILIES = {
                       tensor_parallel_engages=False),
     "minimax_m3_vl": Family(ATTENTION_FAMILY_CONFIGS["minimax_m3_vl"], "float32",
                             _language_model_inner),
+    # Of the families without q/k norms, those with shard.
+    "llama": Family(ROPE_ONLY_CONFIGS["llama"], ROPE_ONLY_DTYPE_NAMES["llama"]),
+    "qwen2": Family(ROPE_ONLY_CONFIGS["qwen2"], ROPE_ONLY_DTYPE_NAMES["qwen2"], _inner_model),
+    "gpt_oss": Family(ROPE_ONLY_CONFIGS["gpt_oss"], ROPE_ONLY_DTYPE_NAMES["gpt_oss"]),
 }
 """The mlx-lm families with a ``shard`` method whose q/k prework the patch
 replaces (full-attention q/k norm + RoPE, gated-delta ``normalize_qk``, the
@@ -175,7 +183,10 @@ mixture-of-experts MLP; ``kimi_k3`` has gated-delta layers and an MLA layer
 the patch leaves alone. ``glm4_moe`` (whose Model ``solar_open`` runs),
 ``exaone_moe`` (RoPE on every layer) and ``step3p5`` (no YaRN) have every
 attention layer engaged; ``minimax`` and ``minimax_m3_vl`` are the tiny
-models of :mod:`~mlx_dualnorm.commands.shared.synthetic_attention`."""
+models of :mod:`~mlx_dualnorm.commands.shared.synthetic_attention`;
+``llama``, ``qwen2`` (which has pipeline) and ``gpt_oss`` those of
+:mod:`~mlx_dualnorm.commands.shared.synthetic_rope_only`, without q/k
+norms."""
 
 # (name, parallelism, when the patch is made)
 UNSHARDED, TENSOR, PIPELINE = "unsharded", "tensor", "pipeline"
