@@ -21,6 +21,7 @@ from helpers.mlx_lm_patch import (  # noqa: E402
     assert_patched_loss_and_gradients_match,
     count_module_calls,
     forget_proofs,
+    one_token_step_loss,
 )
 from mlx_dualnorm import CompiledDualHeadNormRope  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
@@ -187,6 +188,18 @@ def test_training_gradients_are_bit_identical(name):
     assert_patched_loss_and_gradients_match(step)
     assert engaged[1], "the patched step did not engage the package"
 
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss", "dbrx"])
+@pytest.mark.parametrize("with_cache", [False, True], ids=["alone", "after-prefill"])
+def test_one_token_step_gradients_are_bit_identical(name, with_cache, package_calls):
+    """A one-token step of two sequences, alone or after a prefill into
+    mlx-lm's caches (the step's keys then reach the prefill's through the
+    cache write): loss and every gradient are mlx-lm's bits."""
+    model = build_synthetic_model(name, dtype=mx.float32)
+    loss_and_grad = nn.value_and_grad(model, lambda m: one_token_step_loss(m, with_cache))
+    assert_patched_loss_and_gradients_match(lambda: loss_and_grad(model))
+    assert package_calls["calls"] > 0
 
 
 def test_a_call_the_class_refuses_is_refused_patched_too():
