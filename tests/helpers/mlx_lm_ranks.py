@@ -174,6 +174,8 @@ FAMILIES = {
     "llama": Family(ROPE_ONLY_CONFIGS["llama"], ROPE_ONLY_DTYPE_NAMES["llama"]),
     "qwen2": Family(ROPE_ONLY_CONFIGS["qwen2"], ROPE_ONLY_DTYPE_NAMES["qwen2"], _inner_model),
     "gpt_oss": Family(ROPE_ONLY_CONFIGS["gpt_oss"], ROPE_ONLY_DTYPE_NAMES["gpt_oss"]),
+    "ministral3": Family(ROPE_ONLY_CONFIGS["ministral3"], ROPE_ONLY_DTYPE_NAMES["ministral3"],
+                         _inner_model),
 }
 """The mlx-lm families with a ``shard`` method whose q/k prework the patch
 replaces (full-attention q/k norm + RoPE, gated-delta ``normalize_qk``, the
@@ -184,7 +186,8 @@ the patch leaves alone. ``glm4_moe`` (whose Model ``solar_open`` runs),
 ``exaone_moe`` (RoPE on every layer) and ``step3p5`` (no YaRN) have every
 attention layer engaged; ``minimax`` and ``minimax_m3_vl`` are the tiny
 models of :mod:`~mlx_dualnorm.commands.shared.synthetic_attention`;
-``llama``, ``qwen2`` (which has pipeline) and ``gpt_oss`` those of
+``llama``, ``qwen2`` and ``ministral3`` (both with pipeline) and
+``gpt_oss`` those of
 :mod:`~mlx_dualnorm.commands.shared.synthetic_rope_only`, without q/k
 norms."""
 

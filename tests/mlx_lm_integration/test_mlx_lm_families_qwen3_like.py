@@ -100,7 +100,7 @@ def call_counts(monkeypatch):
     package's path reads its constants only)."""
     prework_calls: dict = {}
     rope_calls: dict = {}
-    prework = qwen3_like._prework
+    prework = qwen3_like.prework
 
     def counting_prework(layout, attention, mode, queries, keys, values, cache):
         prepared = prework(layout, attention, mode, queries, keys, values, cache)
@@ -108,7 +108,7 @@ def call_counts(monkeypatch):
             prework_calls[id(attention)] = prework_calls.get(id(attention), 0) + 1
         return prepared
 
-    monkeypatch.setattr(qwen3_like, "_prework", counting_prework)
+    monkeypatch.setattr(qwen3_like, "prework", counting_prework)
 
     def count_ropes(model):
         ropes = [

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 
+from helpers.bit_parity import assert_bit_identical  # noqa: E402
 from helpers.greedy_traces import assert_traces_bit_identical  # noqa: E402
 from helpers.mlx_lm_patch import (  # noqa: E402
     assert_patched_loss_and_gradients_match,
@@ -50,7 +51,10 @@ ENGAGED = {"cohere2": [False, True, False, True]}
 
 def attention_layers(model) -> list:
     """The model's layers of a class this module registers, in order."""
-    classes = {family.attention_class() for family in rope_only.ROPE_ONLY_FAMILIES}
+    classes = {
+        family.attention_class()
+        for family in (*rope_only.ROPE_ONLY_FAMILIES, rope_only.MINISTRAL3_FAMILY)
+    }
     return [module for _, module in model.named_modules() if type(module) in classes]
 
 
@@ -211,3 +215,29 @@ def test_a_call_the_class_refuses_is_refused_patched_too():
         layer(x)
     with integration.patch(), pytest.raises(TypeError, match="'mask'"):
         layer(x)
+
+
+def test_ministral3_scales_the_queries_as_its_class_does(package_calls):
+    """ministral3's model passes the queries' position scale; called
+    without one, its attention computes it from the offset before the
+    cache update. Both ways, over a prefill and decode steps into a
+    KVCache, the layer's output and the cache are mlx-lm's bits."""
+    from mlx_lm.models.cache import KVCache
+
+    def steps(layer, scale):
+        cache = KVCache()
+        outputs = []
+        for length, seed in ((5, 1), (1, 2), (1, 3)):
+            x = mx.random.normal((1, length, 64), key=mx.random.key(seed)).astype(mx.bfloat16)
+            attn_scale = None if scale is None else mx.array(scale, mx.bfloat16)
+            outputs.append(layer(x, attn_scale, "causal" if length > 1 else None, cache))
+        return [*outputs, cache.keys, cache.values]
+
+    layer = attention_layers(build_synthetic_model("ministral3"))[0]
+    for scale in (None, 1.25):
+        expected = steps(layer, scale)
+        with integration.patch():
+            actual = steps(layer, scale)
+        for got, wanted in zip(actual, expected):
+            assert_bit_identical(got, wanted)
+    assert package_calls["calls"] == 6

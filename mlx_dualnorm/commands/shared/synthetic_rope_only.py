@@ -136,6 +136,13 @@ ROPE_ONLY_CONFIGS: dict[str, dict[str, object]] = {
     "cohere": _family("cohere", layer_norm_eps=1e-5, use_qk_norm=False),
     "stablelm": _family("stablelm", layer_norm_eps=1e-5, partial_rotary_factor=0.5,
                         use_qkv_bias=False, qk_layernorm=False),
+    # Llama 4's query scale grows every original_max_position_embeddings
+    # positions: 4, so that a few tokens see it change.
+    "ministral3": _family("ministral3", rope_parameters={
+        **_YARN, "rope_type": "yarn", "original_max_position_embeddings": 4,
+        "rope_theta": 10_000.0, "llama_4_scaling_beta": 0.1, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+    }),
 }
 
 _FLOAT32 = ("qwen2_moe", "mixtral", "deepseek", "ernie4_5_moe", "granitemoe", "granitemoehybrid",

@@ -247,7 +247,7 @@ def _normalized_heads(query_norm, key_norm, query_weight, key_weight, queries, k
         return None
 
 
-def _prework(part_names: PartNames, attention, mode, queries, keys, values, cache):
+def prework(part_names: PartNames, attention, mode, queries, keys, values, cache):
     """Queries, keys and values ready for attention, ``(B, H, L', D)``, the
     q/k prework one call of the package (norm + RoPE, with the cache write
     where the cache allows, or the norm alone in a layer without RoPE), or
@@ -278,8 +278,8 @@ def _prework(part_names: PartNames, attention, mode, queries, keys, values, cach
     return cache_update.with_cache_update(normalized_queries, normalized_keys, values, cache)
 
 
-def _engages(part_names: PartNames, attention) -> bool:
-    """Whether the layer's norms and RoPE are what :func:`_prework` computes."""
+def engages(part_names: PartNames, attention) -> bool:
+    """Whether the layer's norms and RoPE are what :func:`prework` computes."""
     norms = part_names.norms(attention)
     if norms is None:
         return False
@@ -299,7 +299,7 @@ def _attention_call(part_names: PartNames):
         head_queries, head_keys, head_values = part_names.projections(
             self, x, batch, length, query_heads, kv_heads
         )
-        prepared = _prework(
+        prepared = prework(
             part_names, self, mode, head_queries, head_keys, head_values, cache
         )
         if prepared is None:
@@ -324,7 +324,7 @@ def attention_family(
     ``part_names`` names."""
     family = AttentionFamily(
         f"mlx_lm.models.{module}", class_name, _attention_call(part_names),
-        lambda attention: _engages(part_names, attention),
+        lambda attention: engages(part_names, attention),
     )
     return family if refusal is None else dataclasses.replace(family, refusal=refusal)
 

@@ -120,6 +120,7 @@ RECORDED_CODE: dict[str, frozenset[str]] = {
     "mlx_lm.models.gpt_oss.AttentionBlock.__call__": frozenset({"95e08c42145727d8"}),
     "mlx_lm.models.lille-130m.Lille130mAttention.__call__": frozenset({"736cf0e9c67f5c9b"}),
     "mlx_lm.models.stablelm.Attention.__call__": frozenset({"0d75d40e6a356129"}),
+    "mlx_lm.models.ministral3.Attention.__call__": frozenset({"a26b8b04a2516fb3"}),
     # The norm and RoPE classes whose __call__ replacements compute (MLX's own
     # too: the package is built for one MLX release).
     "mlx.nn.layers.normalization.RMSNorm.__call__": frozenset({"39565b8676a38edd"}),

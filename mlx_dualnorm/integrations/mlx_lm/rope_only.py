@@ -20,7 +20,8 @@ not one the package computes (``DynamicNTKScalingRoPE``, smollm3's
 optional q/k norms are on (cohere's and stablelm's LayerNorms), runs its
 class's own code. Where a class attends in its own way (gpt_oss's sinks,
 cohere2's float32 queries, stablelm's float32 q and k, gemma2's
-soft-capped scores written out), the replacement attends as it does.
+soft-capped scores written out, ministral3's scaled queries), the
+replacement attends as it does.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ import sys
 
 import mlx.core as mx
 
+from mlx_dualnorm.integrations.mlx_lm import qwen3_like
+from mlx_dualnorm.integrations.mlx_lm.cache_update import attended
+from mlx_dualnorm.integrations.mlx_lm.engine import original_call
 from mlx_dualnorm.integrations.mlx_lm.qwen3_like import (
     NO_NORMS,
     PartNames,
@@ -37,8 +41,12 @@ from mlx_dualnorm.integrations.mlx_lm.qwen3_like import (
     no_norms,
     projected,
     rope_of,
+    separate_projections,
 )
-from mlx_dualnorm.integrations.mlx_lm.registry import register_attention_families
+from mlx_dualnorm.integrations.mlx_lm.registry import (
+    AttentionFamily,
+    register_attention_families,
+)
 
 REFUSAL = "its RoPE is not plain nn.RoPE or a frequency-table RoPE of rope_utils"
 
@@ -270,4 +278,37 @@ ROPE_ONLY_FAMILIES = tuple(
                                             attend=_stablelm_attend)),
     )
 )
-register_attention_families(*ROPE_ONLY_FAMILIES)
+
+
+_MINISTRAL3 = _heads("n_heads", "n_kv_heads")
+
+
+def _ministral3_call(self, mode, x, attn_scale=None, mask=None, cache=None):
+    """ministral3's attention, whose call takes ``attn_scale`` (Llama 4's
+    position scaling of the queries) before the mask: the RoPE-only call,
+    then the rotated queries times the scale, computed as the class does
+    where the caller gives none, from the offset before the cache update."""
+    batch, length, _ = x.shape
+    offset = 0 if cache is None else cache.offset
+    queries, keys, values = separate_projections(
+        self, x, batch, length, self.n_heads, self.n_kv_heads
+    )
+    prepared = qwen3_like.prework(_MINISTRAL3, self, mode, queries, keys, values, cache)
+    if prepared is None:
+        return original_call(self, x, attn_scale, mask, cache)
+    rotated_queries, keys, values = prepared
+    if attn_scale is None:
+        scale_of = sys.modules[type(self).__module__]._get_llama_4_attn_scale
+        attn_scale = scale_of(
+            length, offset, self.scaling_beta, self.original_max_position_embeddings
+        ).astype(x.dtype)
+    output = attended(self, rotated_queries * attn_scale, keys, values, cache, mask, batch, length)
+    return self.o_proj(output)
+
+
+MINISTRAL3_FAMILY = AttentionFamily(
+    "mlx_lm.models.ministral3", "Attention", _ministral3_call,
+    lambda attention: qwen3_like.engages(_MINISTRAL3, attention), REFUSAL,
+)
+
+register_attention_families(*ROPE_ONLY_FAMILIES, MINISTRAL3_FAMILY)
