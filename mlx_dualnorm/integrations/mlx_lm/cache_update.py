@@ -258,10 +258,16 @@ def attention_output(attention, queries, keys, values, cache, mask, batch, lengt
     return attended(attention, queries, keys, values, cache, mask, batch, length)
 
 
+def module_attention(attention):
+    """The ``scaled_dot_product_attention`` of the layer's model module,
+    looked up at each call as the module's code looks up its own name."""
+    return sys.modules[type(attention).__module__].scaled_dot_product_attention
+
+
 def attended(attention, queries, keys, values, cache, mask, batch, length):
     """Attention over keys and values already fetched, as (B, L, H*D)."""
-    # The model module's own name, looked up at each call as its code does.
-    attend = sys.modules[type(attention).__module__].scaled_dot_product_attention
-    attended = attend(queries, keys, values, cache=cache, scale=attention.scale, mask=mask)
+    attended = module_attention(attention)(
+        queries, keys, values, cache=cache, scale=attention.scale, mask=mask
+    )
     return attended.transpose(0, 2, 1, 3).reshape(batch, length, -1)
 

@@ -179,13 +179,22 @@ def _step3p5_finish(self, x, output, batch, length):
     return self.o_proj(output.reshape(batch, length, -1))
 
 
+def in_heads(queries, keys, values, batch, length, query_heads, kv_heads):
+    """Projected q, k and v split into (B, L, H, D) heads, as mlx-lm's
+    layers reshape them."""
+    return (
+        queries.reshape(batch, length, query_heads, -1),
+        keys.reshape(batch, length, kv_heads, -1),
+        values.reshape(batch, length, kv_heads, -1),
+    )
+
+
 def separate_projections(attention, x, batch, length, query_heads, kv_heads):
     """(B, L, H, D) queries, keys and values from ``q_proj``, ``k_proj``
-    and ``v_proj``, split into heads as mlx-lm's layers reshape them."""
-    return (
-        attention.q_proj(x).reshape(batch, length, query_heads, -1),
-        attention.k_proj(x).reshape(batch, length, kv_heads, -1),
-        attention.v_proj(x).reshape(batch, length, kv_heads, -1),
+    and ``v_proj``, split into heads."""
+    return in_heads(
+        attention.q_proj(x), attention.k_proj(x), attention.v_proj(x), batch, length,
+        query_heads, kv_heads,
     )
 
 

@@ -32,12 +32,13 @@ import sys
 import mlx.core as mx
 
 from mlx_dualnorm.integrations.mlx_lm import qwen3_like
-from mlx_dualnorm.integrations.mlx_lm.cache_update import attended
+from mlx_dualnorm.integrations.mlx_lm.cache_update import attended, module_attention
 from mlx_dualnorm.integrations.mlx_lm.engine import original_call
 from mlx_dualnorm.integrations.mlx_lm.qwen3_like import (
     NO_NORMS,
     PartNames,
     attention_family,
+    in_heads,
     no_norms,
     projected,
     rope_of,
@@ -56,16 +57,6 @@ def _heads(heads: str, kv_heads: str, **parts) -> PartNames:
     return PartNames(heads, kv_heads, no_norms, **parts)
 
 
-def _in_heads(queries, keys, values, batch, length, query_heads, kv_heads):
-    """Projected q, k and v split into (B, L, H, D) heads, as the classes
-    reshape them."""
-    return (
-        queries.reshape(batch, length, query_heads, -1),
-        keys.reshape(batch, length, kv_heads, -1),
-        values.reshape(batch, length, kv_heads, -1),
-    )
-
-
 def _phi3_projections(attention, x, batch, length, query_heads, kv_heads):
     """phi3's one ``qkv_proj``, split at the query and key widths."""
     qkv = attention.qkv_proj(x)
@@ -73,7 +64,7 @@ def _phi3_projections(attention, x, batch, length, query_heads, kv_heads):
     queries, keys, values = mx.split(
         qkv, [query_end, query_end + attention.n_kv_heads * attention.head_dim], axis=-1
     )
-    return _in_heads(queries, keys, values, batch, length, query_heads, kv_heads)
+    return in_heads(queries, keys, values, batch, length, query_heads, kv_heads)
 
 
 def _internlm2_projections(attention, x, batch, length, query_heads, kv_heads):
@@ -95,13 +86,13 @@ def _dbrx_projections(attention, x, batch, length, query_heads, kv_heads):
     model_width = attention.d_model
     splits = [model_width, model_width + attention.head_dim * attention.num_key_value_heads]
     queries, keys, values = mx.split(qkv, splits, axis=-1)
-    return _in_heads(queries, keys, values, batch, length, query_heads, kv_heads)
+    return in_heads(queries, keys, values, batch, length, query_heads, kv_heads)
 
 
 def _qwen_projections(attention, x, batch, length, query_heads, kv_heads):
     """Qwen (1)'s one ``c_attn``, split in three equal parts."""
     queries, keys, values = mx.split(attention.c_attn(x), 3, axis=-1)
-    return _in_heads(queries, keys, values, batch, length, query_heads, kv_heads)
+    return in_heads(queries, keys, values, batch, length, query_heads, kv_heads)
 
 
 def _head_dim_projections(attention, x, batch, length, query_heads, kv_heads):
@@ -121,7 +112,7 @@ def _lille_projections(attention, x, batch, length, query_heads, kv_heads):
     query_size = attention.n_head * attention.head_dim
     key_size = attention.n_kv_heads * attention.head_dim
     queries, keys, values = mx.split(qkv, [query_size, query_size + key_size], axis=-1)
-    return _in_heads(queries, keys, values, batch, length, query_heads, kv_heads)
+    return in_heads(queries, keys, values, batch, length, query_heads, kv_heads)
 
 
 def _gpt_oss_projections(attention, x, batch, length, query_heads, kv_heads):
@@ -135,15 +126,9 @@ def _gpt_oss_projections(attention, x, batch, length, query_heads, kv_heads):
     )
 
 
-def _module_attention(attention):
-    """The model module's own ``scaled_dot_product_attention``, looked up
-    at each call as its code does."""
-    return sys.modules[type(attention).__module__].scaled_dot_product_attention
-
-
 def _gpt_oss_attend(attention, queries, keys, values, cache, mask, batch, length):
     """gpt_oss's attention: its scale and its per-head sinks."""
-    output = _module_attention(attention)(
+    output = module_attention(attention)(
         queries, keys, values, cache, attention.sm_scale, mask=mask, sinks=attention.sinks
     )
     return output.swapaxes(1, 2).reshape(batch, length, -1)
@@ -153,7 +138,7 @@ def _cohere2_attend(attention, queries, keys, values, cache, mask, batch, length
     """cohere2's attention: float16 queries attend in float32, the output
     cast back."""
     attention_dtype = mx.float32 if queries.dtype == mx.float16 else queries.dtype
-    output = _module_attention(attention)(
+    output = module_attention(attention)(
         queries.astype(attention_dtype), keys, values, cache=cache, scale=attention.scale,
         mask=mask,
     ).astype(queries.dtype)
@@ -166,7 +151,7 @@ def _stablelm_attend(attention, queries, keys, values, cache, mask, batch, lengt
     queries = queries.astype(mx.float32)
     keys = keys.astype(mx.float32)
     scale = math.sqrt(1 / queries.shape[-1])
-    output = _module_attention(attention)(
+    output = module_attention(attention)(
         queries, keys, values, cache=cache, scale=scale, mask=mask
     ).astype(values.dtype)
     return output.transpose(0, 2, 1, 3).reshape(batch, length, -1)
@@ -280,9 +265,6 @@ ROPE_ONLY_FAMILIES = tuple(
 )
 
 
-_MINISTRAL3 = _heads("n_heads", "n_kv_heads")
-
-
 def _ministral3_call(self, mode, x, attn_scale=None, mask=None, cache=None):
     """ministral3's attention, whose call takes ``attn_scale`` (Llama 4's
     position scaling of the queries) before the mask: the RoPE-only call,
@@ -293,7 +275,7 @@ def _ministral3_call(self, mode, x, attn_scale=None, mask=None, cache=None):
     queries, keys, values = separate_projections(
         self, x, batch, length, self.n_heads, self.n_kv_heads
     )
-    prepared = qwen3_like.prework(_MINISTRAL3, self, mode, queries, keys, values, cache)
+    prepared = qwen3_like.prework(_N_HEADS, self, mode, queries, keys, values, cache)
     if prepared is None:
         return original_call(self, x, attn_scale, mask, cache)
     rotated_queries, keys, values = prepared
@@ -308,7 +290,7 @@ def _ministral3_call(self, mode, x, attn_scale=None, mask=None, cache=None):
 
 MINISTRAL3_FAMILY = AttentionFamily(
     "mlx_lm.models.ministral3", "Attention", _ministral3_call,
-    lambda attention: qwen3_like.engages(_MINISTRAL3, attention), REFUSAL,
+    lambda attention: qwen3_like.engages(_N_HEADS, attention), REFUSAL,
 )
 
 register_attention_families(*ROPE_ONLY_FAMILIES, MINISTRAL3_FAMILY)
