@@ -1,44 +1,37 @@
-"""What ``mlx-lm-bench`` reports: the tables of its measurements
-(:mod:`~mlx_dualnorm.commands.mlx_lm_bench.measurements`), and, for
-``--ranks N``, decode tokens of the models whose mlx-lm family has
-``Model.shard``, tensor-parallel over N loopback ranks.
-
-``python -m mlx_dualnorm.commands.mlx_lm_bench.report`` is what every rank
-runs (started by :func:`~mlx_dualnorm.commands.shared.launch.launch`): it
-times decode rounds of the sharded model with ``run_decode`` and writes
-rank 0's report, which :func:`bench_over_ranks` reads back.
+"""What ``mlx-lm-bench`` prints and writes: its tables and JSON report, and
+``--ranks N``: the decode models whose mlx-lm family has ``Model.shard``,
+tensor-parallel over N loopback ranks. ``python -m`` this module is the
+program every rank runs (started by :func:`~mlx_dualnorm.commands.shared.launch.launch`).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import json
+import os
+import platform
 import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
+
+import mlx.core as mx
 
 from mlx_dualnorm.commands.mlx_lm_bench.measurements import (
-    DECODE_SHAPE, PATCHED, QUICK_DECODE_VOCABULARY, DecodeMeasurement, PairedTiming,
+    DECODE_SHAPE, PATCHED, QUICK_DECODE_VOCABULARY, DecodeMeasurement, PairedTiming, run_decode,
 )
 from mlx_dualnorm.commands.shared import command
-from mlx_dualnorm.commands.shared.command import Count
 from mlx_dualnorm.commands.shared.launch import DIRECT, launch
-from mlx_dualnorm.commands.shared.synthetic import DECODE_MODELS
+from mlx_dualnorm.commands.shared.synthetic import DECODE_MODELS, decode_model_config
 
-__all__ = [
-    "MAX_RANKS", "bench_over_ranks", "format_bench_report", "format_decode_table",
-    "format_table", "main", "ranks_refusal", "run_bench", "run_over_ranks",
-]
-
+REPORT_SCHEMA = "mlx_dualnorm.mlx_lm_bench/3"
 RANK_PROGRAM = ("-m", "mlx_dualnorm.commands.mlx_lm_bench.report")
 # Each rank is a process with its own copy of the unsharded parts of the
 # model; more than this is no benchmark on one machine.
 MAX_RANKS = 8
-
-# ---- Tables ------------------------------------------------------------------
 
 
 def _table_header(first_column: str, width: int) -> str:
@@ -48,26 +41,22 @@ def _table_header(first_column: str, width: int) -> str:
     )
 
 
-def _table_row(name: str, width: int, unit: str, summary: dict, ratio_digits: int) -> str:
+def _table_row(name: str, width: int, unit: str, summary: dict, digits: int) -> str:
     """One paired measurement: median times, their ratio, then the range of
-    the per-round ratios, with ``ratio_digits`` decimals."""
+    the per-round ratios, with ``digits`` decimals."""
     spread = summary["time_ratio_patched_over_unpatched"]
     return (
         f"{name:<{width}} {unit:<9} "
         f"{summary['unpatched_time']['median']:>10.3f} "
         f"{summary['patched_time']['median']:>10.3f} "
-        f"{summary['time_ratio_of_medians']:>6.{ratio_digits}f}x  "
-        f"({spread['min']:.{ratio_digits}f}..{spread['max']:.{ratio_digits}f}, "
-        f"{summary['rounds']} rounds)"
+        f"{summary['time_ratio_of_medians']:>6.{digits}f}x  "
+        f"({spread['min']:.{digits}f}..{spread['max']:.{digits}f}, {summary['rounds']} rounds)"
     )
 
 
 def format_table(timings: list[PairedTiming]) -> str:
     lines = [_table_header("measurement", 34)]
-    lines += [
-        _table_row(timing.name, 34, timing.unit, timing.summary(), ratio_digits=2)
-        for timing in timings
-    ]
+    lines += [_table_row(t.name, 34, t.unit, t.summary(), digits=2) for t in timings]
     lines += [
         "columns: median time per round, unpatched (mlx-lm's normalize_qk) and patched "
         "(mlx_dualnorm.integrations.mlx_lm.patch());",
@@ -80,36 +69,7 @@ def format_table(timings: list[PairedTiming]) -> str:
     return "\n".join(lines)
 
 
-def _dimensions_text(dimensions: dict) -> str:
-    layers = f"{dimensions['num_hidden_layers']} layers"
-    if "gated_delta_layers" in dimensions:
-        layers += (
-            f" ({dimensions['gated_delta_layers']} gated-delta, "
-            f"{dimensions['full_attention_layers']} full-attention)"
-        )
-    return (
-        f"{layers}, hidden {dimensions['hidden_size']}, MLP {dimensions['intermediate_size']}, "
-        f"{dimensions['num_attention_heads']}/{dimensions['num_key_value_heads']} heads x "
-        f"{dimensions['head_dim']}, vocabulary {dimensions['vocab_size']}"
-    )
-
-
-def _engaged_text(engaged: dict) -> str:
-    attention = engaged["attention_layers_engaged"]
-    text = (
-        f"patch engaged: attention layers {attention}"
-        + "".join(f" ({prework} {layers})" for prework, layers in engaged["by_prework"].items())
-        + f", left to mlx-lm {engaged['attention_layers_left']}; "
-        f"gated-delta calls folded {engaged['gated_delta_calls_folded']} (warm-up run)"
-    )
-    if attention == 0 and engaged["gated_delta_calls_folded"] == 0:
-        text += "; NOTHING: the patch covers no layer of this model, the ratio is noise"
-    return text
-
-
 def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> str:
-    if not measurements:
-        return ""
     first = measurements[0]
     lines = [
         f"decode, random bfloat16 weights at released models' dimensions, on {device}: "
@@ -119,16 +79,37 @@ def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> s
     ]
     for measurement in measurements:
         summary = measurement.summary()
-        lines.append(_table_row(measurement.model, 16, "ms/token", summary, ratio_digits=3))
-        lines.append(f"  like {measurement.resembles}: {_dimensions_text(summary['dimensions'])}")
+        dimensions = summary["dimensions"]
+        layers = f"{dimensions['num_hidden_layers']} layers"
+        if "gated_delta_layers" in dimensions:
+            layers += (
+                f" ({dimensions['gated_delta_layers']} gated-delta, "
+                f"{dimensions['full_attention_layers']} full-attention)"
+            )
+        lines += [
+            _table_row(measurement.model, 16, "ms/token", summary, digits=3),
+            f"  like {measurement.resembles}: {layers}, hidden {dimensions['hidden_size']}, "
+            f"MLP {dimensions['intermediate_size']}, {dimensions['num_attention_heads']}/"
+            f"{dimensions['num_key_value_heads']} heads x {dimensions['head_dim']}, "
+            f"vocabulary {dimensions['vocab_size']}",
+        ]
         if measurement.quick_reduced:
             real = DECODE_MODELS[measurement.model].config
             lines.append(
                 f"  QUICK: reduced from {real['num_hidden_layers']} layers and vocabulary "
                 f"{real['vocab_size']}; not the real model's time per token"
             )
-        if measurement.engaged is not None:
-            lines.append("  " + _engaged_text(measurement.engaged))
+        engaged = measurement.engaged
+        if engaged is not None:
+            prework = "".join(f" ({name} {count})" for name, count in engaged["by_prework"].items())
+            text = (
+                f"  patch engaged: attention layers {engaged['attention_layers_engaged']}{prework}"
+                f", left to mlx-lm {engaged['attention_layers_left']}; "
+                f"gated-delta calls folded {engaged['gated_delta_calls_folded']} (warm-up run)"
+            )
+            if not (engaged["attention_layers_engaged"] or engaged["gated_delta_calls_folded"]):
+                text += "; NOTHING: the patch covers no layer of this model, the ratio is noise"
+            lines.append(text)
         tokens = "identical" if measurement.token_mismatch is None else "MISMATCH"
         lines.append(f"  greedy tokens, patched vs unpatched, every round: {tokens}")
     lines.append(
@@ -138,44 +119,61 @@ def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> s
     return "\n".join(lines)
 
 
-# ---- The rank program ---------------------------------------------------------
+def print_report(
+    arguments: argparse.Namespace, measured: list, interrupted_in: Optional[str], seconds: float
+) -> int:
+    """The tables (and ``--json``) of what was measured, ``interrupted_in``
+    naming the measurement cut short; 1 when a decode model's tokens differed."""
+    from mlx_lm import __version__ as mlx_lm_version
 
-
-def run_bench(
-    model_name: str, group, *, layers: Optional[int], vocab_size: Optional[int], steps: int,
-    rounds: int,
-) -> dict:
-    """Milliseconds per decode token of one tensor-parallel model on this
-    rank, unpatched and patched in interleaved rounds (``run_decode``)."""
-    from mlx_dualnorm.commands.mlx_lm_bench.measurements import run_decode
-    from mlx_dualnorm.commands.shared.synthetic import decode_model_config
-
-    config = decode_model_config(model_name, layers=layers, vocab_size=vocab_size)
-    measurement = run_decode(model_name, steps, rounds, config=config, group=group)
-    timing = measurement.timing
-    return {
-        "model": model_name,
-        "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str))},
-        "ranks": group.size(),
-        "rank": group.rank(),
-        "decode_steps": steps,
-        "rounds": rounds,
-        "unit": "ms/token",
-        "unpatched": timing.unpatched,
-        "patched": timing.patched,
-        "ratios_patched_over_unpatched": timing.time_ratios,
-        "token_mismatch": measurement.token_mismatch,
+    timings = [timing for timing in measured if isinstance(timing, PairedTiming)]
+    decodes = [decode for decode in measured if isinstance(decode, DecodeMeasurement)]
+    environment = {
+        "date": datetime.date.today().isoformat(), "device": str(mx.default_device()),
+        "mlx": getattr(mx, "__version__"),  # not in MLX's type stubs
+        "mlx_lm": mlx_lm_version, "python": platform.python_version(),
+        "machine": platform.machine(), "cpu_count": os.cpu_count(),
     }
-
-
-def _bench_main(arguments, group) -> int:
-    report = run_bench(
-        arguments.model, group, layers=arguments.layers, vocab_size=arguments.vocab_size,
-        steps=arguments.steps, rounds=arguments.rounds,
+    size = "reduced run" if arguments.reduced else "full run"
+    if arguments.reduced and not arguments.quick:
+        size += " (the CPU default; --full-size for the released sizes)"
+    print(
+        f"mlx-lm patch benchmark on {environment['device']} (MLX {environment['mlx']}, "
+        f"mlx-lm {environment['mlx_lm']}, {environment['cpu_count']} CPUs), {size}, "
+        f"{seconds:.0f} s"
     )
-    if group.rank() == 0:
-        (Path(arguments.out) / "bench.json").write_text(json.dumps(report, indent=1))
-    return 1 if report["token_mismatch"] else 0
+    if interrupted_in is not None:
+        print(
+            f"INTERRUPTED during {interrupted_in}: the tables hold what was measured "
+            "before it and that measurement's complete rounds"
+        )
+    if timings:
+        print(format_table(timings))
+    if decodes:
+        print(format_decode_table(decodes, environment["device"]))
+    if arguments.json:
+        write_json_report(arguments.json, {
+            "schema": REPORT_SCHEMA, "environment": environment, "mode": arguments.mode,
+            "reduced": arguments.reduced, "interrupted_in": interrupted_in,
+            "timings": [timing.summary() for timing in timings],
+            "decode": [decode.summary() for decode in decodes],
+        })
+    mismatched = [decode for decode in decodes if decode.token_mismatch is not None]
+    for decode in mismatched:
+        print(f"TOKEN MISMATCH: {decode.model}: greedy tokens differ from the first unpatched "
+              f"round at {decode.token_mismatch}", file=sys.stderr)
+    return 1 if mismatched else 0
+
+
+def write_json_report(path: Path, report: object) -> None:
+    """Writes ``--json`` after the tables are printed: a write that fails
+    anyway (the path was checked before the run) is one line and exit 2."""
+    sys.stdout.flush()
+    try:
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as failed:
+        raise command.Unavailable(f"could not write {path}: {failed.strerror or failed}") from failed
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -187,58 +185,38 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="decode ms/token, patched vs unpatched")
     bench.add_argument("--model", default="qwen3-1024")
-    bench.add_argument("--layers", type=Count(1, 512), default=None)
-    bench.add_argument("--vocab-size", type=Count(2, 1 << 20), default=None)
-    bench.add_argument("--steps", type=Count(1, 1024), default=16)
-    bench.add_argument("--rounds", type=Count(1, 100), default=5)
+    bench.add_argument("--layers", type=command.Count(1, 512), default=None)
+    bench.add_argument("--vocab-size", type=command.Count(2, 1 << 20), default=None)
+    bench.add_argument("--steps", type=command.Count(1, 1024), default=16)
+    bench.add_argument("--rounds", type=command.Count(1, 100), default=5)
     bench.add_argument("--out", required=True, help="folder for rank 0's bench.json")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    import mlx.core as mx
-
+    """One rank's decode rounds of the sharded model (:func:`run_decode`);
+    rank 0 writes the report that :func:`run_over_ranks` reads back."""
     arguments = _parser().parse_args(argv)
-    return _bench_main(arguments, mx.distributed.init(strict=True, backend="ring"))
-
-
-
-# ---- Launched bench ------------------------------------------------------------
-
-
-def bench_over_ranks(
-    model_name: str,
-    *,
-    ranks: int = 2,
-    steps: int = 16,
-    rounds: int = 5,
-    layers: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    timeout_s: float = 600.0,
-    launcher: str = DIRECT,
-) -> dict:
-    """Launches ``bench`` on ``ranks`` loopback ranks and returns rank 0's
-    report (:func:`run_bench`); raises RuntimeError when the job fails.
-    The ranks are started directly by default: mlx.launch's output relay
-    would take CPU from them (:func:`launch`)."""
-    with tempfile.TemporaryDirectory() as out:
-        arguments = ["bench", "--model", model_name, "--steps", str(steps),
-                     "--rounds", str(rounds), "--out", out]
-        if layers is not None:
-            arguments += ["--layers", str(layers)]
-        if vocab_size is not None:
-            arguments += ["--vocab-size", str(vocab_size)]
-        result = launch(
-            arguments, ranks=ranks, timeout_s=timeout_s, launcher=launcher, program=RANK_PROGRAM
-        )
-        report_path = Path(out) / "bench.json"
-        if not report_path.exists():
-            raise RuntimeError(result.describe())
-        report = json.loads(report_path.read_text())
-    report["launch_seconds"] = result.seconds
-    report["launcher"] = launcher
-    report["ok"] = result.ok
-    return report
+    group = mx.distributed.init(strict=True, backend="ring")
+    config = decode_model_config(
+        arguments.model, layers=arguments.layers, vocab_size=arguments.vocab_size
+    )
+    measurement = run_decode(
+        arguments.model, arguments.steps, arguments.rounds, config=config, group=group
+    )
+    timing = measurement.timing
+    report = {
+        "model": arguments.model,
+        "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str))},
+        "ranks": group.size(), "rank": group.rank(), "decode_steps": arguments.steps,
+        "rounds": arguments.rounds, "unit": "ms/token",
+        "unpatched": timing.unpatched, "patched": timing.patched,
+        "ratios_patched_over_unpatched": timing.time_ratios,
+        "token_mismatch": measurement.token_mismatch,
+    }
+    if group.rank() == 0:
+        (Path(arguments.out) / "bench.json").write_text(json.dumps(report, indent=1))
+    return 1 if report["token_mismatch"] else 0
 
 
 def format_bench_report(report: dict) -> str:
@@ -264,9 +242,6 @@ def format_bench_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-# ---- mlx-lm-bench --ranks --------------------------------------------------------
-
-
 def _has_shard(name: str) -> bool:
     """Whether decode model ``name``'s mlx-lm family has ``Model.shard``."""
     model_type = DECODE_MODELS[name].config["model_type"]
@@ -278,9 +253,9 @@ def _has_shard(name: str) -> bool:
 
 
 def _indivisible(ranks: int, name: str) -> dict[str, int]:
-    """The sizes of decode model ``name`` that mlx-lm's ``Model.shard``
-    splits across the ranks (every layer's query and key/value heads, its
-    MLP widths) and ``ranks`` does not divide."""
+    """The sizes of decode model ``name`` that ``Model.shard`` splits (head
+    counts, MLP widths) and ``ranks`` does not divide: shard_linear would
+    fail in every rank, or a head count be silently floored."""
     return {
         key: value for key, value in DECODE_MODELS[name].config.items()
         if (key in ("num_attention_heads", "num_key_value_heads")
@@ -289,36 +264,10 @@ def _indivisible(ranks: int, name: str) -> dict[str, int]:
     }
 
 
-def ranks_refusal(ranks: int, decode_models: Sequence[str]) -> Optional[str]:
-    """Why ``ranks`` tensor-parallel ranks cannot run ``decode_models``, or
-    None: the rank count must divide every size ``Model.shard`` splits
-    (else shard_linear fails in every rank, or a head count is silently
-    floored)."""
-    for name in decode_models:
-        indivisible = _indivisible(ranks, name)
-        if indivisible:
-            shown = ", ".join(f"{key} {value}" for key, value in indivisible.items())
-            possible = [
-                count for count in range(2, MAX_RANKS + 1)
-                if not any(_indivisible(count, model) for model in decode_models)
-            ]
-            return (
-                f"{ranks} ranks cannot shard {name}: the rank count must divide its {shown} "
-                f"(--ranks one of {', '.join(map(str, possible)) or 'none'} for "
-                f"{', '.join(decode_models)})"
-            )
-    return None
-
-
-def run_over_ranks(
-    arguments: argparse.Namespace, decode_models: Sequence[str], write_json_report: Callable
-) -> int:
-    """``--ranks N``: each decode model whose family has ``Model.shard``,
-    tensor-parallel over N loopback ranks that this command starts itself
-    (the rank program above), patched
-    vs unpatched; prints the table (and writes ``--json``). The rank count
-    is checked against every model before any rank starts. 1 on a token
-    mismatch or a failed rank."""
+def run_over_ranks(arguments: argparse.Namespace, decode_models: Sequence[str]) -> int:
+    """``--ranks N``, the rank count checked against every model before any
+    rank starts. The ranks are started directly: mlx.launch's output relay
+    would take CPU from them. 1 on a token mismatch or a failed rank."""
     shardable = [name for name in decode_models if _has_shard(name)]
     if not shardable:
         named = f"none of {', '.join(decode_models)} has" if decode_models else "none named"
@@ -326,9 +275,19 @@ def run_over_ranks(
             f"--ranks times the decode models whose mlx-lm family has Model.shard: {named} "
             f"(--decode-models any of {', '.join(n for n in DECODE_MODELS if _has_shard(n))})"
         )
-    refusal = ranks_refusal(arguments.ranks, shardable)
-    if refusal is not None:
-        raise command.Unavailable(refusal)
+    for name in shardable:
+        indivisible = _indivisible(arguments.ranks, name)
+        if indivisible:
+            shown = ", ".join(f"{key} {value}" for key, value in indivisible.items())
+            possible = [
+                count for count in range(2, MAX_RANKS + 1)
+                if not any(_indivisible(count, model) for model in shardable)
+            ]
+            raise command.Unavailable(
+                f"{arguments.ranks} ranks cannot shard {name}: the rank count must divide its "
+                f"{shown} (--ranks one of {', '.join(map(str, possible)) or 'none'} for "
+                f"{', '.join(shardable)})"
+            )
     for name in decode_models:
         if name not in shardable:
             model_type = DECODE_MODELS[name].config["model_type"]
@@ -336,13 +295,19 @@ def run_over_ranks(
     reports = []
     for name in shardable:
         print(f"decode over {arguments.ranks} ranks, {name} ...", file=sys.stderr, flush=True)
-        # The reduced run (asked for, or a CPU's default) as for one rank.
-        report = bench_over_ranks(
-            name, ranks=arguments.ranks, steps=arguments.decode_steps,
-            rounds=arguments.decode_rounds,
-            layers=DECODE_MODELS[name].quick_layers if arguments.reduced else None,
-            vocab_size=QUICK_DECODE_VOCABULARY if arguments.reduced else None,
-        )
+        with tempfile.TemporaryDirectory() as out:
+            rank_arguments = ["bench", "--model", name, "--steps", str(arguments.decode_steps),
+                              "--rounds", str(arguments.decode_rounds), "--out", out]
+            if arguments.reduced:  # as for one rank: asked for, or a CPU's default
+                rank_arguments += ["--layers", str(DECODE_MODELS[name].quick_layers),
+                                   "--vocab-size", str(QUICK_DECODE_VOCABULARY)]
+            result = launch(rank_arguments, ranks=arguments.ranks, timeout_s=600.0,
+                            launcher=DIRECT, program=RANK_PROGRAM)
+            report_path = Path(out) / "bench.json"
+            if not report_path.exists():
+                raise RuntimeError(result.describe())
+            report = json.loads(report_path.read_text())
+        report.update(launch_seconds=result.seconds, launcher=DIRECT, ok=result.ok)
         print(format_bench_report(report), flush=True)
         reports.append(report)
     if arguments.json:
