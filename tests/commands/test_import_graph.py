@@ -138,13 +138,7 @@ def test_the_commands_import_only_the_public_api():
         assert private == set(), f"{module} imports {sorted(private)}"
 
 
-@pytest.mark.parametrize("command", [
-    pytest.param(name, marks=pytest.mark.xfail(
-        strict=True, reason="parity is five modules: its case, matrix, report and norm + RoPE "
-        "parts do not fit three modules of 400 lines yet",
-    )) if name == "parity" else name
-    for name in COMMAND_SUBPACKAGES
-])
+@pytest.mark.parametrize("command", COMMAND_SUBPACKAGES)
 def test_each_command_is_at_most_three_modules(command):
     prefix = f"{COMMANDS}.{command}"
     modules = [module for module in MODULES if module == prefix or module.startswith(prefix + ".")]

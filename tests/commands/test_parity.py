@@ -14,17 +14,7 @@ import pytest
 from helpers.bit_parity import assert_bit_identical
 from mlx_dualnorm import CompiledDualHeadNorm, available_modes, composed_dual_head_norm
 from mlx_dualnorm.commands import parity
-from mlx_dualnorm.commands.parity import (
-    DualNormPath,
-    ParityCase,
-    Weighting,
-    build_case_inputs,
-    build_full_parity_matrix,
-    build_quick_parity_matrix,
-    check_path_parity,
-    make_composed_path,
-    run_parity_matrix,
-)
+from mlx_dualnorm.commands.parity import build_case_inputs, check_path_parity, run_parity_matrix
 from mlx_dualnorm.commands.parity.matrix import (
     BATCH_SIZES,
     DTYPE_CONFIGURATIONS,
@@ -35,6 +25,16 @@ from mlx_dualnorm.commands.parity.matrix import (
     NON_CONTIGUOUS_WEIGHT_LAYOUTS,
     SPECIAL_VALUE_PROFILES,
     WIDTHS,
+    ParityCase,
+    Weighting,
+    build_full_parity_matrix,
+    build_quick_parity_matrix,
+)
+from mlx_dualnorm.commands.shared.paths import (
+    DualNormPath,
+    make_compiled_path,
+    make_composed_path,
+    make_mx_compile_path,
 )
 
 # The fused path joins every registered-path check where this MLX has CUDA.
@@ -125,7 +125,7 @@ def make_path_rejecting_broadcast_weights(eps: float) -> DualNormPath:
 
 
 def test_compiled_path_matches_composed_bit_patterns_over_full_matrix() -> None:
-    report = check_path_parity(parity.make_compiled_path, path_name="compiled", bitwise=True)
+    report = check_path_parity(make_compiled_path, path_name="compiled", bitwise=True)
 
     assert report.cases_run == len(build_full_parity_matrix())
     assert report.mismatches == [], parity.format_parity_report(report)
@@ -133,7 +133,7 @@ def test_compiled_path_matches_composed_bit_patterns_over_full_matrix() -> None:
 
 
 def test_mx_compile_path_matches_composed_over_full_matrix() -> None:
-    report = check_path_parity(parity.make_mx_compile_path, path_name="mx_compile")
+    report = check_path_parity(make_mx_compile_path, path_name="mx_compile")
 
     assert report.mismatches == [], parity.format_parity_report(report)
     assert set(report.cases_per_family) == set(FAMILY_NAMES)

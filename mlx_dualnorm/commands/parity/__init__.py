@@ -1,29 +1,14 @@
-"""The parity contract: any dual head norm path against the composed path.
-
-The package's one promise is that ``CompiledDualHeadNorm(eps)(q, k, wq, wk)``
-returns exactly what two ``mx.fast.rms_norm`` calls return. This module
-checks that promise for ANY callable with the signature
-``path(queries, keys, query_weight, key_weight) -> (normalized_queries,
-normalized_keys)``, built per epsilon by a factory ``make_path(eps)``, over
-the designed matrix of :mod:`mlx_dualnorm.commands.parity.matrix`, on inputs
-built by :mod:`mlx_dualnorm.commands.parity.inputs`, compared and reported by
-:mod:`mlx_dualnorm.commands.parity.report` (same shape, dtype and values;
-with ``bitwise=True`` the same bits). Bits are the promise, so the command
-line compares bits unless ``--values`` asks for values only. It also checks
-the dual head norm + RoPE (:mod:`mlx_dualnorm.commands.parity.rope`), and ends
-with a one-line verdict, after a line for each path it left out and why.
-
-The paths are those of :mod:`mlx_dualnorm.commands.shared.paths`, by the names every
-tool uses; another path joins by ``register_path``, or by passing a mapping
-of factories to :func:`run_parity_matrix` or :func:`main`. The names in
-``__all__`` that this module does not define are the parity check's API,
-re-exported from the modules that define them.
-"""
+"""``python -m mlx_dualnorm parity``: any dual head norm path (a factory
+``make_path(eps)`` of ``path(queries, keys, query_weight, key_weight) ->
+(normalized_queries, normalized_keys)``) against two ``mx.fast.rms_norm``
+calls over the matrix of :mod:`.matrix`, and the norm + RoPE of :mod:`.rope`:
+the same shape, dtype and bits (``--values``: values), then a verdict."""
 
 from __future__ import annotations
 
 import argparse
-import time
+import enum
+import math
 from typing import Callable, Mapping, Optional, Sequence
 
 import mlx.core as mx
@@ -31,40 +16,174 @@ import mlx.core as mx
 from mlx_dualnorm import composed_dual_head_norm
 from mlx_dualnorm.commands.shared import command, paths as compared_paths
 from mlx_dualnorm.commands.parity import rope as rope_parity
-from mlx_dualnorm.commands.parity.inputs import (
-    DEFAULT_PARITY_SEED, DtypeConfiguration, DualNormInputs, HeadCounts, InputLayout,
-    ParityCase, ValueProfile, WeightLayout, Weighting, build_case_inputs,
-    generate_head_values,
-)
 from mlx_dualnorm.commands.parity.matrix import (
-    FAMILY_NAMES,
-    build_full_parity_matrix,
-    build_quick_parity_matrix,
+    DEFAULT_PARITY_SEED, FAMILY_NAMES, DualNormInputs, InputLayout, ParityCase, ValueProfile,
+    WeightLayout, Weighting, build_full_parity_matrix, build_quick_parity_matrix, case_key,
 )
-from mlx_dualnorm.commands.parity.report import (
-    OutputDifference, ParityMismatch, ParityReport, compare_call, compare_dual_outputs,
-    format_parity_report, parity_verdict,
+from mlx_dualnorm.commands.parity.rope import (
+    Outputs, ParityReport, format_parity_report, parity_verdict, run_cases,
 )
 from mlx_dualnorm.commands.shared.paths import (
     PATH_REGISTRY, DualNormPath, DualNormPathFactory, PathSelection, build_path,
-    make_compiled_path, make_composed_path, make_mx_compile_path, refuse_unavailable,
-    routinely_checked_paths, unavailable_paths,
+    refuse_unavailable, routinely_checked_paths, unavailable_paths,
 )
-
-__all__ = [
-    "DEFAULT_PARITY_SEED", "DualNormInputs", "DualNormPath", "DualNormPathFactory",
-    "DtypeConfiguration", "HeadCounts", "InputLayout", "OutputDifference", "PATH_FACTORIES",
-    "ParityCase", "ParityMismatch", "ParityReport", "ValueProfile", "WeightLayout",
-    "Weighting", "build_case_inputs", "build_full_parity_matrix", "build_parser",
-    "build_quick_parity_matrix", "check_path_parity", "check_paths", "compare_dual_outputs",
-    "format_parity_report", "generate_head_values", "main", "parity_verdict",
-    "skipped_path_lines", "make_compiled_path", "make_composed_path",
-    "make_mx_compile_path", "run_parity_matrix",
-]
 
 PATH_FACTORIES: dict[str, DualNormPathFactory] = routinely_checked_paths()
 """The paths checked when none is named: every mode this build and device
-can run, and Python's mx.compile for comparison (see tools.compared_paths)."""
+can run, and Python's mx.compile for comparison."""
+PROGRESS_INTERVAL_SECONDS = 5.0
+
+# ---- A case's inputs ------------------------------------------------------------------
+
+
+class _RowKind(enum.Enum):
+    VARIED = "varied"  # magnitudes 2^-3 .. 2^3 per row
+    SIGNED_ZERO = "signed-zero"  # +0 and -0
+    NEAR_EPSILON = "near-epsilon"  # mean square from ~1e-4 eps to ~30 eps
+    OVERFLOWING = "overflowing"  # squares overflow the input dtype
+    SUBNORMAL = "subnormal"  # below the input dtype's smallest normal
+    NAN_INF_SPRINKLED = "nan-inf-sprinkled"  # ~3/32 of entries NaN/+inf/-inf
+    INFINITE = "infinite"  # every entry +inf or -inf
+
+
+_ROW_KINDS_BY_PROFILE: dict[ValueProfile, tuple[_RowKind, ...]] = {
+    ValueProfile.VARIED_ROWS: (_RowKind.VARIED,),
+    ValueProfile.NEAR_EPSILON: (_RowKind.SIGNED_ZERO, _RowKind.NEAR_EPSILON, _RowKind.NEAR_EPSILON,
+                                _RowKind.SUBNORMAL, _RowKind.NEAR_EPSILON),
+    ValueProfile.ZERO_ROWS: (_RowKind.SIGNED_ZERO, _RowKind.VARIED, _RowKind.VARIED),
+    ValueProfile.OVERFLOWING_SQUARES: (_RowKind.OVERFLOWING, _RowKind.VARIED),
+    ValueProfile.SUBNORMAL_ROWS: (_RowKind.SUBNORMAL, _RowKind.VARIED),
+    ValueProfile.NAN_AND_INF: (_RowKind.VARIED, _RowKind.NAN_INF_SPRINKLED, _RowKind.VARIED,
+                               _RowKind.INFINITE),
+    ValueProfile.ALL_SPECIAL_ROWS: tuple(_RowKind),
+}
+
+
+def _row_kind_values(
+    row_kind: _RowKind, unit_values: mx.array, row_fractions: mx.array,
+    special_fractions: mx.array, dtype: mx.Dtype, eps: float,
+) -> mx.array:
+    """float32 values of one row kind, from uniform values in (-1, 1) per
+    element (``unit_values``, ``special_fractions`` in [0, 1)) and per row."""
+    varied = unit_values * mx.power(2.0, row_fractions * 6.0 - 3.0)  # lazy: costs only if used
+    if row_kind is _RowKind.VARIED:
+        return varied
+    if row_kind is _RowKind.SIGNED_ZERO:
+        return unit_values * 0.0
+    if row_kind is _RowKind.NEAR_EPSILON:
+        # Where eps decides the rounding; a zero eps is stood in for by 1e-12.
+        root_eps = math.sqrt(max(eps, 1e-12))
+        return unit_values * (root_eps * mx.power(10.0, row_fractions * 3.0 - 2.0))
+    if row_kind is _RowKind.OVERFLOWING:
+        # |x| from sqrt(max) up to the largest power of two below max: finite values.
+        largest = math.floor(math.log2(mx.finfo(dtype).max))
+        exponents = largest / 2.0 + row_fractions * (largest - largest / 2.0)
+        return unit_values * mx.power(2.0, exponents)
+    if row_kind is _RowKind.SUBNORMAL:
+        return unit_values * mx.finfo(dtype).smallest_normal
+    if row_kind is _RowKind.NAN_INF_SPRINKLED:
+        special = mx.where(special_fractions < 1 / 32, mx.nan,
+                           mx.where(special_fractions < 2 / 32, mx.inf, -mx.inf))
+        return mx.where(special_fractions < 3 / 32, special, varied)
+    if row_kind is _RowKind.INFINITE:
+        return mx.where(unit_values < 0, -mx.inf, mx.inf)
+    raise AssertionError(f"unhandled row kind {row_kind}")
+
+
+def generate_head_values(
+    shape: Sequence[int], dtype: mx.Dtype, value_profile: ValueProfile, eps: float,
+    key: mx.array,
+) -> mx.array:
+    """Inputs of ``shape`` whose rows (all axes but the last) cycle through
+    the profile's row kinds. Deterministic from ``key``."""
+    shape = tuple(shape)
+    row_shape = shape[:-1] + (1,)
+    unit_key, row_key, special_key = mx.random.split(key, 3)
+    unit_values = mx.random.uniform(-1.0, 1.0, shape, key=unit_key)
+    row_fractions = mx.random.uniform(0.0, 1.0, row_shape, key=row_key)
+    row_kinds = _ROW_KINDS_BY_PROFILE[value_profile]
+    special_fractions = (
+        mx.random.uniform(0.0, 1.0, shape, key=special_key)
+        if _RowKind.NAN_INF_SPRINKLED in row_kinds else unit_values
+    )
+    kind_values = [_row_kind_values(kind, unit_values, row_fractions, special_fractions, dtype, eps)
+                   for kind in row_kinds]
+    row_kind_index = (mx.arange(math.prod(shape[:-1])) % len(row_kinds)).reshape(row_shape)
+    values = kind_values[0]
+    for kind_index in range(1, len(row_kinds)):
+        values = mx.where(row_kind_index == kind_index, kind_values[kind_index], values)
+    return values.astype(dtype)
+
+
+def _nans(values: mx.array, width: Optional[int] = None) -> mx.array:
+    """NaN filler: of ``values``' shape, or ``width`` wide."""
+    shape = values.shape if width is None else values.shape[:-1] + (width,)
+    return mx.full(shape, mx.nan, dtype=values.dtype)
+
+
+def _evaluated(buffer: mx.array) -> mx.array:
+    """``buffer``, contiguous and evaluated: a view of it is a real strided view."""
+    buffer = mx.contiguous(buffer)
+    mx.eval(buffer)
+    return buffer
+
+
+_INPUT_VIEWS: dict[InputLayout, Callable[[mx.array], mx.array]] = {
+    InputLayout.CONTIGUOUS: lambda values: values,
+    InputLayout.HEADS_SEQUENCE_TRANSPOSED: lambda values: _evaluated(
+        values.swapaxes(1, 2)).swapaxes(1, 2),
+    InputLayout.LAST_AXIS_STRIDED: lambda values: _evaluated(
+        values.swapaxes(-1, -2)).swapaxes(-1, -2),
+    InputLayout.ROW_SLICED: lambda values: _evaluated(  # each head after a NaN head
+        mx.stack([_nans(values), values], axis=-2).reshape(*values.shape[:2], -1, values.shape[3])
+    )[:, :, 1::2, :],
+    InputLayout.WIDTH_SLICED: lambda values: _evaluated(  # two NaN columns before, one after
+        mx.concatenate([_nans(values, 2), values, _nans(values, 1)], axis=-1))[..., 2:-1],
+    InputLayout.STEPPED_LAST_AXIS: lambda values: _evaluated(  # a NaN after each element
+        mx.stack([values, _nans(values)], axis=-1).reshape(*values.shape[:-1], -1))[..., ::2],
+    InputLayout.BROADCAST_HEADS: lambda values: mx.broadcast_to(
+        _evaluated(values[:, :, :1, :]), values.shape),
+}
+_WEIGHT_VIEWS: dict[WeightLayout, Callable[[mx.array], mx.array]] = {
+    WeightLayout.CONTIGUOUS: lambda weight: weight,
+    WeightLayout.STRIDED_COLUMN: lambda weight: _evaluated(
+        mx.stack([_nans(weight), weight, _nans(weight)], axis=-1))[:, 1],
+    WeightLayout.REVERSED: lambda weight: _evaluated(weight[::-1])[::-1],
+    WeightLayout.STEPPED: lambda weight: _evaluated(
+        mx.stack([weight, _nans(weight)], axis=-1).reshape(-1))[::2],
+    WeightLayout.BROADCAST_SCALAR: lambda weight: mx.broadcast_to(
+        _evaluated(weight[:1]), weight.shape),
+}
+
+
+def build_case_inputs(case: ParityCase, seed: int = DEFAULT_PARITY_SEED) -> DualNormInputs:
+    """The evaluated inputs of one case, laid out as it says: what reproduces
+    a reported mismatch. Weights are uniform in (-2, 2): signs, small and
+    large scales."""
+    query_key, key_key, query_weight_key, key_weight_key = mx.random.split(
+        case_key(case.describe(), seed), 4
+    )
+
+    def heads(
+        shape: tuple[int, ...], dtype: mx.Dtype, layout: InputLayout, key: mx.array
+    ) -> mx.array:
+        values = generate_head_values(shape, dtype, case.value_profile, case.eps, key)
+        return _INPUT_VIEWS[layout](values)
+
+    def weight(side_only: Weighting, key: mx.array) -> Optional[mx.array]:
+        if case.weighting not in (Weighting.WEIGHTED, side_only):
+            return None
+        values = mx.random.uniform(-2.0, 2.0, (case.width,), key=key)
+        return _WEIGHT_VIEWS[case.weight_layout](values.astype(case.dtypes.weight_dtype))
+
+    inputs = DualNormInputs(
+        heads(case.query_shape, case.dtypes.query_dtype, case.query_layout, query_key),
+        heads(case.key_shape, case.dtypes.key_dtype, case.key_layout, key_key),
+        weight(Weighting.QUERY_WEIGHT_ONLY, query_weight_key),
+        weight(Weighting.KEY_WEIGHT_ONLY, key_weight_key),
+    )
+    mx.eval([array for array in vars(inputs).values() if array is not None])
+    return inputs
 
 
 # ---- Running ----------------------------------------------------------------------
@@ -80,43 +199,34 @@ def run_parity_matrix(
     reports: Optional[dict[str, ParityReport]] = None,
     case_done: Optional[Callable[[ParityCase], None]] = None,
 ) -> dict[str, ParityReport]:
-    """Runs every path over every case. Inputs and the composed outputs are
-    built once per case and shared by the paths; each factory is called once
-    per epsilon, so compiled paths are reused across cases as in a model.
+    """Runs every path over every case; each factory is called once per
+    epsilon, so compiled paths are reused across cases as in a model. A given
+    (empty) ``reports`` fills as the cases run, so an interrupted caller still
+    holds what ran. A factory's PathUnavailable propagates, naming the path."""
+    reports = {} if reports is None else reports
+    run_reports = {name: ParityReport(name, matrix_name, seed, bitwise) for name in path_factories}
+    reports.update(run_reports)
+    paths: dict[tuple[str, float], DualNormPath] = {}
 
-    ``reports``, if given (empty), is filled as the cases run, so a caller
-    interrupted part way still holds what ran; ``case_done`` is called
-    after each case (progress). A factory's PathUnavailable propagates,
-    naming the path."""
-    if reports is None:
-        reports = {}
-    reports.update(
-        (path_name, ParityReport(path_name, matrix_name, seed, bitwise))
-        for path_name in path_factories
-    )
-    paths_by_name_and_eps: dict[tuple[str, float], DualNormPath] = {}
-    for case in cases:
+    def prepare(case: ParityCase) -> tuple[Outputs, Callable[[str], Callable[[], Outputs]]]:
         inputs = build_case_inputs(case, seed)
-        expected = composed_dual_head_norm(
-            inputs.queries, inputs.keys, inputs.query_weight, inputs.key_weight, case.eps
-        )
-        mx.eval(expected)
-        for path_name, path_factory in path_factories.items():
-            started = time.perf_counter()
-            path_key = (path_name, case.eps)
-            if path_key not in paths_by_name_and_eps:
-                paths_by_name_and_eps[path_key] = build_path(path_name, path_factory, case.eps)
-            path = paths_by_name_and_eps[path_key]
-            mismatch = compare_call(
-                case,
-                lambda: path(inputs.queries, inputs.keys, inputs.query_weight, inputs.key_weight),
-                expected,
-                bitwise,
-            )
-            reports[path_name].record(case.family, mismatch, time.perf_counter() - started)
-        if case_done is not None:
-            case_done(case)
+        arrays = (inputs.queries, inputs.keys, inputs.query_weight, inputs.key_weight)
+
+        def path_call(name: str) -> Callable[[], Outputs]:
+            if (name, case.eps) not in paths:
+                paths[name, case.eps] = build_path(name, path_factories[name], case.eps)
+            path = paths[name, case.eps]
+            return lambda: path(*arrays)
+
+        return composed_dual_head_norm(*arrays, case.eps), path_call
+
+    run_cases(run_reports, cases, prepare, bitwise, case_done)
     return reports
+
+
+def _matrix(quick: bool, seed: int, families: Optional[Sequence[str]]) -> list[ParityCase]:
+    cases = build_quick_parity_matrix(seed) if quick else build_full_parity_matrix(seed)
+    return [case for case in cases if not families or case.family in families]
 
 
 def check_path_parity(
@@ -130,19 +240,56 @@ def check_path_parity(
 ) -> ParityReport:
     """One path over the full (or quick) matrix, optionally only some
     families."""
-    cases = build_quick_parity_matrix(seed) if quick else build_full_parity_matrix(seed)
-    if families is not None:
-        unknown_families = set(families) - set(FAMILY_NAMES)
-        if unknown_families:
-            raise ValueError(f"unknown parity families: {sorted(unknown_families)}")
-        cases = [case for case in cases if case.family in families]
+    unknown_families = set(families or ()) - set(FAMILY_NAMES)
+    if unknown_families:
+        raise ValueError(f"unknown parity families: {sorted(unknown_families)}")
     return run_parity_matrix(
-        {path_name: path_factory},
-        cases,
-        seed=seed,
-        matrix_name="quick" if quick else "full",
-        bitwise=bitwise,
+        {path_name: path_factory}, _matrix(quick, seed, families), seed=seed,
+        matrix_name="quick" if quick else "full", bitwise=bitwise,
     )[path_name]
+
+
+def check_paths(
+    path_factories: Mapping[str, DualNormPathFactory],
+    rope_path_names: Sequence[str],
+    *,
+    quick: bool,
+    seed: int = DEFAULT_PARITY_SEED,
+    families: Optional[Sequence[str]] = None,
+    bitwise: bool = True,
+) -> list[ParityReport]:
+    """The dual norm paths over the (quick or full) matrix, then the norm +
+    RoPE paths over theirs, each report printed; progress on stderr. On
+    Ctrl-C, the reports of the cases that ran are printed, said to be
+    partial, and the interrupt goes on."""
+    cases = _matrix(quick, seed, families)
+    rope_cases = [case for case in rope_parity.build_rope_parity_matrix(quick=quick)
+                  if not families or case.family in families]
+    matrix_name = "quick" if quick else "full"
+    progress = command.StepProgress(
+        f"parity, {matrix_name} matrix, cases", len(cases) if path_factories else 0,
+        min_interval_s=PROGRESS_INTERVAL_SECONDS,
+    )
+    reports: dict[str, ParityReport] = {}
+    try:
+        if path_factories and cases:
+            run_parity_matrix(
+                path_factories, cases, seed=seed, matrix_name=matrix_name, bitwise=bitwise,
+                reports=reports, case_done=lambda case: progress.step(f"[{case.family}]"),
+            )
+        if rope_path_names and rope_cases:
+            reports.update(rope_parity.run_rope_parity_matrix(
+                rope_path_names, rope_cases, seed=seed, matrix_name=matrix_name, bitwise=bitwise,
+            ))
+    except KeyboardInterrupt:
+        for report in reports.values():
+            print(format_parity_report(report))
+        print(f"parity: INTERRUPTED after {progress.done} of {len(cases)} cases; "
+              "the reports above cover only the cases that ran", flush=True)
+        raise
+    for report in reports.values():
+        print(format_parity_report(report))
+    return list(reports.values())
 
 
 # ---- The command line ---------------------------------------------------------------
@@ -150,6 +297,24 @@ def check_path_parity(
 
 def skipped_path_lines(skipped: Mapping[str, str]) -> list[str]:
     return compared_paths.skipped_path_lines("parity", dict(skipped))
+
+
+def _path_selection(path_factories: Optional[Mapping[str, DualNormPathFactory]]) -> PathSelection:
+    return PathSelection.of(
+        path_factories, PATH_FACTORIES, extra_names=list(rope_parity.ROPE_PATH_DESCRIPTIONS),
+        extra_default_names=rope_parity.available_rope_paths(),
+    )
+
+
+def _skipped_by_default(selection: PathSelection) -> dict[str, str]:
+    """The paths a run without --path leaves out, and why."""
+    skipped = unavailable_paths(list(selection.factories))
+    for name in selection.factories:
+        path = PATH_REGISTRY.get(name)
+        if name not in skipped and path is not None and not path.routinely_checked:
+            skipped[name] = f"not checked by default (it retraces per shape; --path {name})"
+    skipped.update(rope_parity.unavailable_rope_paths(selection.extra_names))
+    return skipped
 
 
 def _parity_parser(selection: PathSelection) -> argparse.ArgumentParser:
@@ -167,111 +332,21 @@ def _parity_parser(selection: PathSelection) -> argparse.ArgumentParser:
         help=f"run the quick matrix ({len(build_quick_parity_matrix())} dual norm cases and "
         f"{len(rope_parity.build_rope_parity_matrix(quick=True))} norm + RoPE cases)",
     )
+    parser.add_argument("--seed", type=command.seed, default=DEFAULT_PARITY_SEED,
+                        help="seed of the matrix and its values")
     parser.add_argument(
-        "--seed", type=command.seed, default=DEFAULT_PARITY_SEED,
-        help="seed of the matrix and its values",
-    )
-    parser.add_argument(
-        "--family",
-        dest="families",
-        action="append",
+        "--family", dest="families", action="append",
         choices=[*FAMILY_NAMES, rope_parity.ROPE_FAMILY, rope_parity.ROPE_ONLY_FAMILY],
         help="only this family of cases (repeatable; default: all)",
     )
     parser.add_argument(
-        "--values",
-        dest="bitwise",
-        action="store_false",
+        "--values", dest="bitwise", action="store_false",
         help="compare values (NaN equal to NaN, -0 equal to +0) instead of bits",
     )
     # Bits are the default; --bitwise stays accepted for command lines that say so.
     parser.add_argument("--bitwise", action="store_true", help=argparse.SUPPRESS)
     command.add_device_argument(parser)
     return parser
-
-
-PROGRESS_INTERVAL_SECONDS = 5.0
-
-
-def _skipped_by_default(selection: PathSelection) -> dict[str, str]:
-    """The paths a run without --path leaves out, and why."""
-    skipped = unavailable_paths(list(selection.factories))
-    for name in selection.factories:
-        path = PATH_REGISTRY.get(name)
-        if name not in skipped and path is not None and not path.routinely_checked:
-            skipped[name] = f"not checked by default (it retraces per shape; --path {name})"
-    skipped.update(rope_parity.unavailable_rope_paths(selection.extra_names))
-    return skipped
-
-
-def check_paths(
-    path_factories: Mapping[str, DualNormPathFactory],
-    rope_path_names: Sequence[str],
-    *,
-    quick: bool,
-    seed: int = DEFAULT_PARITY_SEED,
-    families: Optional[Sequence[str]] = None,
-    bitwise: bool = True,
-) -> list[ParityReport]:
-    """The dual norm paths over the (quick or full) matrix, then the norm +
-    RoPE paths over theirs, each report printed; progress on stderr. On
-    Ctrl-C, the reports of the cases that ran are printed, said to be
-    partial, and the interrupt goes on."""
-    cases = build_quick_parity_matrix(seed) if quick else build_full_parity_matrix(seed)
-    if families:
-        cases = [case for case in cases if case.family in families]
-    rope_cases = [
-        case for case in rope_parity.build_rope_parity_matrix(quick=quick)
-        if not families or case.family in families
-    ]
-    matrix_name = "quick" if quick else "full"
-    progress = command.StepProgress(
-        f"parity, {matrix_name} matrix, cases",
-        len(cases) if path_factories else 0,
-        min_interval_s=PROGRESS_INTERVAL_SECONDS,
-    )
-    reports: dict[str, ParityReport] = {}
-    try:
-        if path_factories and cases:
-            run_parity_matrix(
-                path_factories,
-                cases,
-                seed=seed,
-                matrix_name=matrix_name,
-                bitwise=bitwise,
-                reports=reports,
-                case_done=lambda case: progress.step(f"[{case.family}]"),
-            )
-        if rope_path_names and rope_cases:
-            reports.update(
-                rope_parity.run_rope_parity_matrix(
-                    rope_path_names, rope_cases, seed=seed, matrix_name=matrix_name,
-                    bitwise=bitwise,
-                )
-            )
-    except KeyboardInterrupt:
-        for report in reports.values():
-            print(format_parity_report(report))
-        print(
-            f"parity: INTERRUPTED after {progress.done} of {len(cases)} cases; "
-            "the reports above cover only the cases that ran",
-            flush=True,
-        )
-        raise
-    for report in reports.values():
-        print(format_parity_report(report))
-    return list(reports.values())
-
-
-def _path_selection(
-    path_factories: Optional[Mapping[str, DualNormPathFactory]]
-) -> PathSelection:
-    return PathSelection.of(
-        path_factories,
-        PATH_FACTORIES,
-        extra_names=list(rope_parity.ROPE_PATH_DESCRIPTIONS),
-        extra_default_names=rope_parity.available_rope_paths(),
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -296,12 +371,8 @@ def main(
         rope_names = [name for name in named if name in selection.extra_names]
         refuse_unavailable(rope_parity.unavailable_rope_paths(rope_names))
         reports = check_paths(
-            selection.factories_named(named),
-            rope_names,
-            quick=arguments.quick,
-            seed=arguments.seed,
-            families=arguments.families,
-            bitwise=arguments.bitwise,
+            selection.factories_named(named), rope_names, quick=arguments.quick,
+            seed=arguments.seed, families=arguments.families, bitwise=arguments.bitwise,
         )
         if not arguments.path_names:
             for line in skipped_path_lines(_skipped_by_default(selection)):
