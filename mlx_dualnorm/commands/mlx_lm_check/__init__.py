@@ -1,30 +1,15 @@
 """``python -m mlx_dualnorm mlx-lm-check``: does the patch change a model's output?
 
-Greedy-generates the same tokens twice through mlx-lm's own
-``mlx_lm.generate.generate_step``, from the same prompt and a fresh cache:
-first with mlx-lm's ``normalize_qk``, then under
-:func:`mlx_dualnorm.integrations.mlx_lm.patch`. It reports whether the token
-ids are identical and the logits bit-identical at every step, the decode
-time per token both ways, how many ``normalize_qk`` calls per token went
-through the fold or ran mlx-lm's function, and what the patch engaged, read
-from its own record (:mod:`mlx_dualnorm.integrations.mlx_lm.engagement`):
-gated-delta calls folded, norm-only and norm + RoPE attention layers by class, and
-the attention layers left to mlx-lm's code with the reason. If the runs
-diverge, the unpatched run is repeated, to tell a nondeterministic model
-from a patch that changes results.
-
-The model is a LOCAL mlx-lm folder (``--model PATH``: config.json and
-model*.safetensors, loaded with ``mlx_lm.utils.load_model``; nothing is ever
-downloaded) or one of the small random models of
-:mod:`~mlx_dualnorm.commands.shared.synthetic` (``--synthetic NAME``).
-
-Exit status: 0 identical, 1 diverged, 2 bad arguments or an unloadable model.
+Greedy generation through mlx-lm unpatched, then patched, compared token for
+token and logit bit for bit (:mod:`~mlx_dualnorm.commands.mlx_lm_check.check`),
+on a LOCAL mlx-lm model folder (``--model PATH``; nothing is ever downloaded) or
+a small random model (``--synthetic NAME``). Exit status: 0 identical, 1
+diverged, 2 bad arguments or an unloadable model.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -32,10 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dualnorm.commands.mlx_lm_check.check import (
-    DEFAULT_TIMING_ROUNDS,
-    CheckResult,
-    format_result,
-    run_check,
+    DEFAULT_TIMING_ROUNDS, format_result, run_check,
 )
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.synthetic import (
@@ -44,37 +26,28 @@ from mlx_dualnorm.commands.shared.synthetic import (
 )
 from mlx_dualnorm.integrations import mlx_lm as integration
 
-__all__ = ["CheckResult", "build_parser", "cpu_refusal", "format_result", "main", "run_check"]
-
-PROGRAM = "python -m mlx_dualnorm mlx-lm-check"
-EXIT_IDENTICAL = 0
-EXIT_DIVERGED = 1
-EXIT_USAGE = 2
+EXIT_IDENTICAL = command.EXIT_OK
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-FALLBACK_VOCABULARY = 1000  # prompt ids stay below this when the config has none
-# The longest prompt taken (--prompt-tokens, or --prompt once encoded): two
-# of mlx-lm's 2048-token prefill chunks. Each run processes the prompt
-# again, and on a CPU a 4096-token prompt takes minutes a run.
+# The bounds of a run: every run processes the prompt again (on a CPU a prompt of
+# 4096 tokens, two of mlx-lm's 2048-token prefill chunks, takes minutes a run), every
+# compared run keeps a vocabulary of logits per token, and every round runs both ways.
 MAX_PROMPT_TOKENS = 4096
-# Every generated token keeps its step's logits (a vocabulary of them) in
-# each compared run, and every round generates them again both ways: these
-# bound the check's memory and time.
 MAX_TOKENS = 1024
 MAX_TIMING_ROUNDS = 100
-# From this prompt length on, each generation run is a progress line on
-# stderr with the time left.
-LONG_PROMPT_TOKENS = 256
-# The files of a Hugging Face tokenizer, one of which --prompt needs.
-TOKENIZER_FILES = (
+LONG_PROMPT_TOKENS = 256  # from here on, each generation run is a progress line on stderr
+TOKENIZER_FILES = (  # a Hugging Face tokenizer's files, one of which --prompt needs
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
     "spiece.model",
 )
 
 
+class _UsageError(command.Unavailable):
+    """Bad arguments or an unloadable model: one line from run_tool, exit 2."""
+
+
 def _load_local_model(path_text: str) -> tuple[nn.Module, dict, Path]:
-    """mlx_lm.utils.load_model on an existing folder; never downloads. Any
-    exception while loading (its config, its weights, the model class) is
-    a usage error naming the folder and the cause."""
+    """mlx_lm.utils.load_model on an existing folder; never downloads. Whatever
+    fails while loading is a usage error naming the folder and the cause."""
     try:
         path = Path(path_text).expanduser()
         exists = path.exists()
@@ -102,9 +75,8 @@ def _load_local_model(path_text: str) -> tuple[nn.Module, dict, Path]:
 
 def cpu_refusal(model: nn.Module) -> Optional[str]:
     """Why the default device cannot run ``model``, or None. MLX's CPU
-    gather_mm, the matmul of mlx-lm's unquantized experts (SwitchLinear,
-    in every mixture-of-experts family), takes float32 only, and fails
-    mid-run on anything else (the quantized gather_qmm takes them all)."""
+    gather_mm, the matmul of mlx-lm's unquantized experts (SwitchLinear),
+    takes float32 only and fails mid-run on anything else."""
     if mx.default_device().type != mx.cpu:
         return None
     from mlx_lm.models.switch_layers import SwitchLinear
@@ -123,14 +95,8 @@ def cpu_refusal(model: nn.Module) -> Optional[str]:
     )
 
 
-class _UsageError(Exception):
-    pass
-
-
 def _encoded_prompt(folder: Path, text: str) -> mx.array:
-    """``--prompt``: the token ids of ``text`` from the folder's own
-    tokenizer; a folder without one, a tokenizer mlx-lm cannot load, or a
-    prompt of no tokens or too many is a usage error."""
+    """``--prompt``, encoded with the folder's own tokenizer."""
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise _UsageError(
             f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), so --prompt "
@@ -151,14 +117,13 @@ def _encoded_prompt(folder: Path, text: str) -> mx.array:
     return mx.array(token_ids)
 
 
-def _vocabulary_size(config: dict) -> int:
+def _fixed_prompt(config: dict, length: int) -> mx.array:
+    """``length`` token ids below the config's vocab_size (or its text_config's; else 1000)."""
     for source in (config, config.get("text_config")):
-        if not isinstance(source, dict):
-            continue
-        vocabulary = source.get("vocab_size")
+        vocabulary = source.get("vocab_size") if isinstance(source, dict) else None
         if isinstance(vocabulary, int) and vocabulary > 1:
-            return vocabulary
-    return FALLBACK_VOCABULARY
+            return prompt_token_ids(vocabulary, length)
+    return prompt_token_ids(1000, length)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,34 +135,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
-        "--model",
-        metavar="PATH",
+        "--model", metavar="PATH",
         help="local mlx-lm model folder (config.json, model*.safetensors); never downloaded",
     )
     source.add_argument(
-        "--synthetic",
-        choices=SYNTHETIC_MODEL_TYPES,
-        metavar="NAME",
+        "--synthetic", choices=SYNTHETIC_MODEL_TYPES, metavar="NAME",
         help="a small random model of the mlx-lm family NAME, built here: "
         f"{', '.join(SYNTHETIC_MODEL_TYPES)}",
     )
-    parser.add_argument(
-        "--tokens", type=command.Count(1, MAX_TOKENS), default=64,
-        help="greedy tokens to generate"
-    )
+    parser.add_argument("--tokens", type=command.Count(1, MAX_TOKENS), default=64,
+                        help="greedy tokens to generate")
     parser.add_argument(
         "--prompt",
         help="prompt text, encoded with the model folder's tokenizer (--model only; at most "
         f"{MAX_PROMPT_TOKENS} tokens); default: a fixed prompt of token ids",
     )
+    parser.add_argument("--prompt-tokens", type=command.Count(1, MAX_PROMPT_TOKENS), default=12,
+                        help="length of the fixed prompt")
     parser.add_argument(
-        "--prompt-tokens", type=command.Count(1, MAX_PROMPT_TOKENS), default=12,
-        help="length of the fixed prompt",
-    )
-    parser.add_argument(
-        "--rounds",
-        type=command.Count(1, MAX_TIMING_ROUNDS),
-        default=DEFAULT_TIMING_ROUNDS,
+        "--rounds", type=command.Count(1, MAX_TIMING_ROUNDS), default=DEFAULT_TIMING_ROUNDS,
         help="timing rounds, each way once per round (the first is the compared one)",
     )
     command.add_mode_argument(parser)
@@ -225,21 +181,17 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         with integration.patch(args.mode):
             pass
     except (RuntimeError, ValueError) as error:
-        print(command.error_line("mlx-lm-check", str(error)), file=sys.stderr)
-        return EXIT_USAGE
+        raise _UsageError(str(error)) from None
     try:
         if args.synthetic is not None:
             if args.prompt is not None:
                 raise _UsageError("--prompt needs --model (synthetic models have no tokenizer)")
             model = build_synthetic_model(
-                args.synthetic,
-                seed=DEFAULT_SEED if args.seed is None else args.seed,
+                args.synthetic, seed=DEFAULT_SEED if args.seed is None else args.seed,
                 dtype=DTYPES[args.dtype] if args.dtype else None,
             )
             model_name = f"synthetic {args.synthetic}"
-            prompt = prompt_token_ids(
-                _vocabulary_size(synthetic_model_config(args.synthetic)), args.prompt_tokens
-            )
+            prompt = _fixed_prompt(synthetic_model_config(args.synthetic), args.prompt_tokens)
         else:
             for flag, value in (("--dtype", args.dtype), ("--seed", args.seed)):
                 if value is not None:
@@ -249,20 +201,19 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if args.prompt is not None:
                 prompt = _encoded_prompt(path, args.prompt)
             else:
-                prompt = prompt_token_ids(_vocabulary_size(config), args.prompt_tokens)
+                prompt = _fixed_prompt(config, args.prompt_tokens)
         refusal = cpu_refusal(model)
         if refusal is not None:
             raise _UsageError(f"{model_name} cannot run on this device: {refusal}")
-    except (_UsageError, ValueError) as error:
-        print(command.error_line("mlx-lm-check", str(error)), file=sys.stderr)
-        return EXIT_USAGE
-
+    except ValueError as error:
+        raise _UsageError(str(error)) from None
     progress = None
     if prompt.size >= LONG_PROMPT_TOKENS:
         runs = 2 + 2 * args.rounds  # two warm-ups, then each way once per round
-        progress = command.StepProgress(f"mlx-lm-check, {prompt.size}-token prompt, runs", runs).step
+        stage = f"mlx-lm-check, {prompt.size}-token prompt, runs"
+        progress = command.StepProgress(stage, runs).step
     result = run_check(
         model, prompt, args.tokens, args.mode, timing_rounds=args.rounds, progress=progress
     )
     print(format_result(result, model_name, int(prompt.size)))
-    return EXIT_IDENTICAL if result.comparison.identical else EXIT_DIVERGED
+    return EXIT_IDENTICAL if result.comparison.identical else command.EXIT_MISMATCH

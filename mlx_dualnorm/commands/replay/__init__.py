@@ -1,19 +1,9 @@
-"""Greedy-decode replay: a dual head norm path inside a small model.
-
-The parity harness checks the norm in isolation; this replay checks it the
-way a model uses it. A small deterministic decoder in the shape of a
-Qwen3-Next / Qwen3.5 hybrid (three gated-delta layers, then one full
-attention layer) runs its query/key head norms through the path under test
-and greedily decodes; the run is repeated with the composed path
-(two ``mx.fast.rms_norm`` calls) and the two are compared: the token ids,
-the final hidden state bit for bit, and the first step whose hidden state
-differs in any bit.
-
-The model is :mod:`~mlx_dualnorm.commands.replay.model`.
-
-Hidden-state bits are a far finer detector than tokens: a path that is off
-by one ulp in one element changes the hidden state at once, while the
-argmax may hold for the whole run.
+"""Greedy-decode replay: each dual head norm path inside a small model
+(:mod:`~mlx_dualnorm.commands.replay.model`), decoded greedily and compared
+with the composed path (two ``mx.fast.rms_norm`` calls): the token ids, and
+the hidden state that chose each token, bit for bit. Hidden-state bits are a
+far finer detector than tokens: one ulp off in one element changes them at
+once, while the argmax may hold for the whole run.
 """
 
 from __future__ import annotations
@@ -37,18 +27,10 @@ from mlx_dualnorm.commands.shared.paths import (
     unavailable_paths,
 )
 
-__all__ = [
-    "DEFAULT_DECODE_STEPS", "GreedyDecodeTrace", "ReplayComparison", "ReplayModelConfig",
-    "ReplayReport", "build_parser", "build_replay_model", "compare_decode_traces",
-    "format_replay_report", "greedy_decode", "main", "run_replay",
-]
-
 DEFAULT_DECODE_STEPS = 128
+MAX_DECODE_STEPS = 4096  # bounds the hidden states kept per path and the attention cache
 PATH_FACTORIES: dict[str, DualNormPathFactory] = routinely_checked_paths()
-"""The paths replayed when none is named (see tools.compared_paths)."""
-
-
-# ---- Decoding and comparing ---------------------------------------------------------
+_DTYPES_BY_NAME = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 
 @dataclass(frozen=True)
@@ -61,24 +43,11 @@ class GreedyDecodeTrace:
     step_hidden_states: mx.array
     elapsed_seconds: float
 
-    @property
-    def final_hidden_state(self) -> mx.array:
-        return self.step_hidden_states[-1]
-
-
-def _prompt_token_ids(config: ReplayModelConfig) -> mx.array:
-    prompt_key = mx.random.key(config.seed ^ 0x9E3779B9)
-    return mx.random.randint(0, config.vocabulary_size, (1, config.prompt_length), key=prompt_key)
-
 
 def greedy_decode(
-    dual_head_norm: DualNormPath,
-    parameters: Mapping[str, mx.array],
-    config: ReplayModelConfig = ReplayModelConfig(),
-    *,
-    steps: int = DEFAULT_DECODE_STEPS,
-    path_name: str = "path under test",
-    progress: Optional[Callable[[str], None]] = None,
+    dual_head_norm: DualNormPath, parameters: Mapping[str, mx.array],
+    config: ReplayModelConfig = ReplayModelConfig(), *, steps: int = DEFAULT_DECODE_STEPS,
+    path_name: str = "path under test", progress: Optional[Callable[[str], None]] = None,
 ) -> GreedyDecodeTrace:
     """Prefills the fixed prompt, then picks ``steps`` tokens by argmax,
     evaluating once per token as a server would; ``progress`` hears of
@@ -86,25 +55,20 @@ def greedy_decode(
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     started = time.perf_counter()
-    caches = [LayerCache() for _ in config.layer_kinds]
-    logits, final_hidden = forward(
-        _prompt_token_ids(config), parameters, caches, config, dual_head_norm
-    )
+    caches: list[LayerCache] = [{} for _ in config.layer_kinds]
+    prompt_key = mx.random.key(config.seed ^ 0x9E3779B9)
+    tokens = mx.random.randint(0, config.vocabulary_size, (1, config.prompt_length), key=prompt_key)
     token_ids: list[int] = []
     step_hidden_states: list[mx.array] = []
     for step in range(steps):
-        next_token = mx.argmax(logits[:, -1, :], axis=-1)
+        logits, final_hidden = forward(tokens, parameters, caches, config, dual_head_norm)
+        tokens = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
         chooser_hidden = final_hidden[0, -1, :]
-        cached_arrays = [array for cache in caches for array in cache.arrays()]
-        mx.eval(next_token, chooser_hidden, *cached_arrays)
-        token_ids.append(int(next_token))
+        mx.eval(tokens, chooser_hidden, caches)
+        token_ids.append(int(tokens))
         step_hidden_states.append(chooser_hidden)
         if progress is not None:
             progress(f"{path_name} token {step + 1}/{steps}")
-        if step + 1 < steps:
-            logits, final_hidden = forward(
-                next_token[:, None], parameters, caches, config, dual_head_norm
-            )
     stacked_hidden_states = mx.stack(step_hidden_states)
     mx.eval(stacked_hidden_states)
     return GreedyDecodeTrace(
@@ -117,12 +81,11 @@ class ReplayComparison:
     """A path's decode against the composed path's."""
 
     path_name: str
-    steps: int
     tokens_identical: bool
     final_hidden_state_identical: bool
     first_divergent_token_step: Optional[int]
     first_divergent_hidden_step: Optional[int]
-    elapsed_seconds: float = 0.0
+    elapsed_seconds: float
 
     @property
     def diverged(self) -> bool:
@@ -130,12 +93,8 @@ class ReplayComparison:
 
     @property
     def first_divergence_step(self) -> Optional[int]:
-        steps = [
-            step
-            for step in (self.first_divergent_token_step, self.first_divergent_hidden_step)
-            if step is not None
-        ]
-        return min(steps) if steps else None
+        steps = (self.first_divergent_token_step, self.first_divergent_hidden_step)
+        return min((step for step in steps if step is not None), default=None)
 
 
 def compare_decode_traces(
@@ -143,43 +102,21 @@ def compare_decode_traces(
 ) -> ReplayComparison:
     """Tokens compared as ids; hidden states compared as bit patterns (a
     NaN equals only the same NaN), step by step."""
-    steps = min(len(trace.token_ids), len(reference.token_ids))
-    first_divergent_token_step = next(
-        (
-            step
-            for step in range(steps)
-            if trace.token_ids[step] != reference.token_ids[step]
-        ),
-        None,
-    )
-    tokens_identical = trace.token_ids == reference.token_ids
-    first_divergent_hidden_step: Optional[int] = None
-    final_hidden_state_identical = False
-    if (
-        trace.step_hidden_states.shape == reference.step_hidden_states.shape
-        and trace.step_hidden_states.dtype == reference.step_hidden_states.dtype
-    ):
+    token_pairs = enumerate(zip(trace.token_ids, reference.token_ids))
+    token_steps = [step for step, (token, expected) in token_pairs if token != expected]
+    hidden, expected_hidden = trace.step_hidden_states, reference.step_hidden_states
+    rows_differ = [True]  # hidden states of another shape or dtype differ from the first step
+    if hidden.shape == expected_hidden.shape and hidden.dtype == expected_hidden.dtype:
         # The hidden states are (steps, width): one flag per step.
-        rows_differ = cast(
-            list[bool],
-            mx.any(
-                bit_difference_mask(trace.step_hidden_states, reference.step_hidden_states),
-                axis=-1,
-            ).tolist(),
-        )
-        first_divergent_hidden_step = next(
-            (step for step, differs in enumerate(rows_differ) if differs), None
-        )
-        final_hidden_state_identical = not rows_differ[-1]
-    else:
-        first_divergent_hidden_step = 0
+        row_flags = mx.any(bit_difference_mask(hidden, expected_hidden), axis=-1)
+        rows_differ = cast(list[bool], row_flags.tolist())
+    hidden_steps = [step for step, differs in enumerate(rows_differ) if differs]
     return ReplayComparison(
         path_name=trace.path_name,
-        steps=steps,
-        tokens_identical=tokens_identical,
-        final_hidden_state_identical=final_hidden_state_identical,
-        first_divergent_token_step=first_divergent_token_step,
-        first_divergent_hidden_step=first_divergent_hidden_step,
+        tokens_identical=trace.token_ids == reference.token_ids,
+        final_hidden_state_identical=not rows_differ[-1],
+        first_divergent_token_step=token_steps[0] if token_steps else None,
+        first_divergent_hidden_step=hidden_steps[0] if hidden_steps else None,
         elapsed_seconds=trace.elapsed_seconds,
     )
 
@@ -197,10 +134,8 @@ class ReplayReport:
 
 
 def run_replay(
-    path_factories: Mapping[str, DualNormPathFactory] = PATH_FACTORIES,
-    *,
-    config: ReplayModelConfig = ReplayModelConfig(),
-    steps: int = DEFAULT_DECODE_STEPS,
+    path_factories: Mapping[str, DualNormPathFactory] = PATH_FACTORIES, *,
+    config: ReplayModelConfig = ReplayModelConfig(), steps: int = DEFAULT_DECODE_STEPS,
     progress: Optional[Callable[[str], None]] = None,
 ) -> ReplayReport:
     """Decodes with the composed path, then with each path, and compares.
@@ -213,12 +148,8 @@ def run_replay(
     }
     parameters = build_replay_model(config)
     reference = greedy_decode(
-        make_composed_path(config.rms_norm_eps),
-        parameters,
-        config,
-        steps=steps,
-        path_name=REFERENCE_PATH,
-        progress=progress,
+        make_composed_path(config.rms_norm_eps), parameters, config,
+        steps=steps, path_name=REFERENCE_PATH, progress=progress,
     )
     report = ReplayReport(config, steps, reference)
     try:
@@ -233,38 +164,32 @@ def run_replay(
 
 
 def format_replay_report(report: ReplayReport) -> str:
-    config = report.config
-    gated_delta_count = config.layer_kinds.count(GATED_DELTA_LAYER)
-    attention_count = config.layer_kinds.count(FULL_ATTENTION_LAYER)
-    reference = report.reference
+    config, reference = report.config, report.reference
     lines = [
-        f"replay: {len(config.layer_kinds)}-layer decoder ({gated_delta_count} gated-delta, "
+        f"replay: {len(config.layer_kinds)}-layer decoder "
+        f"({config.layer_kinds.count(GATED_DELTA_LAYER)} gated-delta, "
         f"q/k {config.gated_delta_key_heads}x{config.gated_delta_head_width} weightless; "
-        f"{attention_count} full attention, q/k {config.attention_query_heads}/"
-        f"{config.attention_key_value_heads}x{config.attention_head_width} weighted), "
-        f"{str(config.dtype).removeprefix('mlx.core.')}, "
+        f"{config.layer_kinds.count(FULL_ATTENTION_LAYER)} full attention, "
+        f"q/k {config.attention_query_heads}/{config.attention_key_value_heads}x"
+        f"{config.attention_head_width} weighted), {str(config.dtype).removeprefix('mlx.core.')}, "
         f"{config.prompt_length}-token prompt + {report.steps} greedy tokens, "
         f"seed {config.seed}",
         f"  {REFERENCE_PATH + ' (reference)':<24} {reference.elapsed_seconds:6.2f} s  "
         f"{len(set(reference.token_ids))} distinct tokens, first {list(reference.token_ids[:8])}",
     ]
     for comparison in report.comparisons:
+        verdict = "tokens identical, every hidden state bit-identical"
         if comparison.diverged:
             tokens = (
-                "identical"
-                if comparison.tokens_identical
+                "identical" if comparison.tokens_identical
                 else f"differ from step {comparison.first_divergent_token_step}"
             )
-            final_state = (
-                "bit-identical" if comparison.final_hidden_state_identical else "differs"
-            )
+            final_state = "bit-identical" if comparison.final_hidden_state_identical else "differs"
             verdict = (
                 f"DIVERGED at step {comparison.first_divergence_step}: tokens {tokens}, "
                 f"hidden states differ from step {comparison.first_divergent_hidden_step}, "
                 f"final hidden state {final_state}"
             )
-        else:
-            verdict = "tokens identical, every hidden state bit-identical"
         lines.append(f"  {comparison.path_name:<24} {comparison.elapsed_seconds:6.2f} s  {verdict}")
     path_names = [REFERENCE_PATH, *(comparison.path_name for comparison in report.comparisons)]
     lines += ["  paths:", *(f"    {line}" for line in describe_paths(path_names))]
@@ -272,21 +197,15 @@ def format_replay_report(report: ReplayReport) -> str:
     return "\n".join(lines)
 
 
-PROGRESS_INTERVAL_SECONDS = 2.0
-# Each step adds a hidden state per path and a position to the attention
-# layer's cache: this bounds both.
-MAX_DECODE_STEPS = 4096
-_DTYPES_BY_NAME = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-
-
-def _replay_parser(selection: PathSelection) -> argparse.ArgumentParser:
+def build_parser(selection: Optional[PathSelection] = None) -> argparse.ArgumentParser:
+    """The command line's parser, over ``selection`` (default: the registered paths)."""
     parser = command.tool_parser(
         "replay",
         "Greedy-decode a small gated-delta + attention model with each dual head norm "
         "path and compare its tokens and hidden-state bits with the composed path's. "
         "Exit status 1 if any path diverges.",
     )
-    selection.add_path_argument(parser, "replay")
+    (selection or PathSelection.of(None, PATH_FACTORIES)).add_path_argument(parser, "replay")
     parser.add_argument(
         "--steps", type=command.Count(1, MAX_DECODE_STEPS), default=DEFAULT_DECODE_STEPS,
         help="greedy tokens to decode",
@@ -295,21 +214,14 @@ def _replay_parser(selection: PathSelection) -> argparse.ArgumentParser:
         "--seed", type=command.seed, default=ReplayModelConfig.seed,
         help="seed of the weights and prompt",
     )
-    parser.add_argument(
-        "--dtype", choices=sorted(_DTYPES_BY_NAME), default="bfloat16", help="model dtype"
-    )
+    parser.add_argument("--dtype", choices=sorted(_DTYPES_BY_NAME), default="bfloat16",
+                        help="model dtype")
     command.add_device_argument(parser)
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser, over the registered paths."""
-    return _replay_parser(PathSelection.of(None, PATH_FACTORIES))
-
-
 def main(
-    argv: Optional[Sequence[str]] = None,
-    *,
+    argv: Optional[Sequence[str]] = None, *,
     path_factories: Optional[Mapping[str, DualNormPathFactory]] = None,
 ) -> int:
     """``python -m mlx_dualnorm replay``: exits 1 if any path's decode
@@ -321,16 +233,12 @@ def main(
         command.select_device(arguments.device, parser)
         path_names = selection.named(arguments)
         progress = command.StepProgress(
-            "replay, tokens", (len(path_names) + 1) * arguments.steps,
-            min_interval_s=PROGRESS_INTERVAL_SECONDS,
+            "replay, tokens", (len(path_names) + 1) * arguments.steps, min_interval_s=2.0
         )
+        config = ReplayModelConfig(seed=arguments.seed, dtype=_DTYPES_BY_NAME[arguments.dtype])
         try:
             report = run_replay(
-                selection.factories_named(path_names),
-                config=ReplayModelConfig(
-                    seed=arguments.seed, dtype=_DTYPES_BY_NAME[arguments.dtype]
-                ),
-                steps=arguments.steps,
+                selection.factories_named(path_names), config=config, steps=arguments.steps,
                 progress=progress.step,
             )
         except command.InterruptedWithPartialResult as interrupted:
@@ -345,4 +253,4 @@ def main(
                 print(line)
         return command.EXIT_OK if report.passed else command.EXIT_MISMATCH
 
-    return command.run_tool(_replay_parser(selection), run, argv)
+    return command.run_tool(build_parser(selection), run, argv)
