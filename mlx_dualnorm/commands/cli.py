@@ -1,34 +1,20 @@
-"""``python -m mlx_dualnorm``: the package's main job and its sub-commands.
+"""``python -m mlx_dualnorm``: the main job, and dispatch to the sub-commands.
 
-What every command shares (its parser, argument types, exit statuses and
-progress lines) is :mod:`mlx_dualnorm.commands.shared.command`; this module lists the
-sub-commands, dispatches to them and runs the main job.
-
-Exit statuses, the same for every command: 0 ok, 1 a mismatch (outputs,
-tokens or bits differ), 2 bad usage or something that cannot run here (a
-path, a device, an unsupported mlx-lm), 130 interrupted (Ctrl-C; what was
-measured so far is printed first).
-
-Global options (``--device``) may come before the sub-command or after it:
-``python -m mlx_dualnorm --device cpu parity --quick`` and
-``python -m mlx_dualnorm parity --quick --device cpu`` are the same command.
-
-The modules of the mlx-lm sub-commands are imported only when named, so
-``--help`` and the main job never import mlx-lm.
+Global options (``--device``) may come before the sub-command or after it.
+A sub-command's module is imported only when named, so ``--help`` and the
+main job never import mlx-lm.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import sys
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
 from mlx_dualnorm.commands import bench as benchmark, parity
-
 from mlx_dualnorm.commands.parity import rope as rope_parity
 from mlx_dualnorm.commands.shared.command import (
     EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, PROGRAM, DefaultShownOnceFormatter, ToolParser,
@@ -36,46 +22,30 @@ from mlx_dualnorm.commands.shared.command import (
 )
 from mlx_dualnorm.commands.shared.paths import PATH_REGISTRY, REFERENCE_PATH, unavailable_paths
 
-__all__ = ["SUBCOMMANDS", "SubCommand", "main", "subcommand_parser"]
 
-
-@dataclasses.dataclass(frozen=True)
-class SubCommand:
+class SubCommand(NamedTuple):
     name: str
-    module: str  # imported when the sub-command runs; it defines main(argv) -> int
     summary: str  # one line, for ``python -m mlx_dualnorm --help``
+
+    @property
+    def module(self) -> str:
+        """Imported when the sub-command runs; it defines main(argv) -> int."""
+        return f"mlx_dualnorm.commands.{self.name.replace('-', '_')}"
 
 
 SUBCOMMANDS: tuple[SubCommand, ...] = (
-    SubCommand(
-        "parity",
-        "mlx_dualnorm.commands.parity",
-        "check each path, bit for bit, against two mx.fast.rms_norm calls over the "
-        "parity matrix, and the norm + RoPE against its composed path",
-    ),
-    SubCommand(
-        "replay",
-        "mlx_dualnorm.commands.replay",
-        "greedy-decode a small hybrid model with each path; compare tokens and hidden-state bits",
-    ),
-    SubCommand(
-        "bench",
-        "mlx_dualnorm.commands.bench",
-        "time each path against the composed path (host us/call, us/token, prefill, memory)",
-    ),
-    SubCommand(
-        "mlx-lm-check",
-        "mlx_dualnorm.commands.mlx_lm_check",
-        "generate with mlx-lm unpatched and patched; identical tokens and logit bits, or exit 1",
-    ),
-    SubCommand(
-        "mlx-lm-bench",
-        "mlx_dualnorm.commands.mlx_lm_bench",
-        "time mlx-lm unpatched against patched: the q/k prework, generation with small "
-        "random models, decode at released model sizes (or over --ranks)",
-    ),
+    SubCommand("parity", "check each path, bit for bit, against two mx.fast.rms_norm calls over "
+               "the parity matrix, and the norm + RoPE against its composed path"),
+    SubCommand("replay", "greedy-decode a small hybrid model with each path; compare tokens and "
+               "hidden-state bits"),
+    SubCommand("bench", "time each path against the composed path (host us/call, us/token, "
+               "prefill, memory)"),
+    SubCommand("mlx-lm-check", "generate with mlx-lm unpatched and patched; identical tokens and "
+               "logit bits, or exit 1"),
+    SubCommand("mlx-lm-bench", "time mlx-lm unpatched against patched: the q/k prework, "
+               "generation with small random models, decode at released model sizes (or over "
+               "--ranks)"),
 )
-
 _BY_NAME = {subcommand.name: subcommand for subcommand in SUBCOMMANDS}
 
 MAIN_JOB_DESCRIPTION = (
@@ -103,37 +73,21 @@ def _main_parser() -> argparse.ArgumentParser:
         title="sub-commands", metavar="SUB-COMMAND", dest="subcommand"
     )
     for subcommand in SUBCOMMANDS:
-        # Listed for --help only: a named sub-command is dispatched before
-        # this parser runs, and parses its own options.
+        # For --help only: a named sub-command is dispatched before this
+        # parser runs, and parses its own options.
         subcommands.add_parser(subcommand.name, help=subcommand.summary, add_help=False)
     return parser
 
 
 def subcommand_parser(name: str) -> argparse.ArgumentParser:
-    """The parser sub-command ``name`` runs (its module's
-    ``build_parser()``): its options and their choices, as the command
-    line reads them."""
+    """The parser sub-command ``name`` runs (its module's ``build_parser()``)."""
     return importlib.import_module(_BY_NAME[name].module).build_parser()
 
 
-def _run_subcommand(subcommand: SubCommand, argv: Sequence[str]) -> int:
-    try:
-        module = importlib.import_module(subcommand.module)
-    except ModuleNotFoundError as missing:
-        if not (missing.name or "").startswith("mlx_lm"):
-            raise
-        print(
-            error_line(subcommand.name, "needs mlx-lm (pip install 'mlx-lm==0.32.2')"),
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    return int(module.main(list(argv)))
-
-
 def _run_main_job(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """The quick bit-parity check of every path the quick benchmark times
-    (and of the norm + RoPE), the benchmark's summary, then the parity
-    verdict as the last line, with the paths skipped and why."""
+    """The quick parity check of every path the quick benchmark times (and
+    of the norm + RoPE), the benchmark's summary, then the parity verdict
+    as the last line, with the paths skipped and why."""
     select_device(arguments.device, parser)
     mlx_version = getattr(mx, "__version__")  # not in MLX's type stubs
     print(f"mlx_dualnorm on {mx.default_device()} (MLX {mlx_version})\n")
@@ -158,15 +112,11 @@ def _run_main_job(arguments: argparse.Namespace, parser: argparse.ArgumentParser
 def _split_at_subcommand(
     argv: Sequence[str], parser: argparse.ArgumentParser
 ) -> tuple[list[str], Optional[SubCommand], list[str]]:
-    """(global options, the sub-command or None, the sub-command's own
-    arguments). Global options are the main parser's; the value of one
-    that takes a value is never read as a sub-command name."""
-    options_taking_a_value = {
-        option
-        for action in parser._actions  # argparse has no public list of its options
-        if action.nargs != 0 and action.option_strings
-        for option in action.option_strings
-    }
+    """(global options, the sub-command or None, its own arguments); the
+    value of a global option is never read as a sub-command name."""
+    # argparse has no public list of its options.
+    takes_a_value = {option for action in parser._actions if action.nargs != 0
+                     for option in action.option_strings}
     index = 0
     while index < len(argv):
         token = argv[index]
@@ -174,24 +124,31 @@ def _split_at_subcommand(
             return list(argv[:index]), _BY_NAME[token], list(argv[index + 1 :])
         if token == "--":
             break
-        index += 2 if token in options_taking_a_value else 1
+        index += 2 if token in takes_a_value else 1
     return list(argv), None, []
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the sub-command named, with the global options given before it
-    passed on ahead of its own (every sub-command takes them, so a global
-    option given after the sub-command works too); without one, the main
-    job."""
+    passed on ahead of its own; without one, the main job."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _main_parser()
     global_options, subcommand, subcommand_arguments = _split_at_subcommand(argv, parser)
     if subcommand is None:
         return run_tool(parser, _run_main_job, argv)
     if global_options:
-        # Bad global options (or --help before the sub-command) are the main
-        # parser's to report.
+        # Bad global options (or --help before the sub-command) are the main parser's to report.
         status = run_tool(parser, lambda arguments, parser: EXIT_OK, global_options)
         if status != EXIT_OK or any(option in ("-h", "--help") for option in global_options):
             return status
-    return _run_subcommand(subcommand, [*global_options, *subcommand_arguments])
+    try:
+        module = importlib.import_module(subcommand.module)
+    except ModuleNotFoundError as missing:
+        if not (missing.name or "").startswith("mlx_lm"):
+            raise
+        print(
+            error_line(subcommand.name, "needs mlx-lm (pip install 'mlx-lm==0.32.2')"),
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    return int(module.main([*global_options, *subcommand_arguments]))

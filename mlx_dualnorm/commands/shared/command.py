@@ -1,33 +1,20 @@
-"""What every ``python -m mlx_dualnorm`` command shares: its parser, its
-argument types, its exit statuses, its progress lines.
-
-:func:`tool_parser` gives each sub-command its usage line
-(``python -m mlx_dualnorm NAME ...``) and shows every option's default
-once, and reports a bad argument in one line, ``[NAME] message``;
-:func:`run_tool` turns argparse's exits, a path or package that cannot
-run here, and Ctrl-C into exit statuses, so each tool's ``main(argv)``
-returns an int whether it runs from the shell or from a test. The
-argument types here check each value where argparse reads it, the same
-way for every command, before any work: every number is a :class:`Count`
-or :class:`Number` (or a :class:`CountList` of counts) with a range that
-its help shows, and output paths are tried for real.
-
-Exit statuses, the same for every command: 0 ok, 1 a mismatch (outputs,
-tokens or bits differ), 2 bad usage or something that cannot run here (a
-path, a device, an unsupported mlx-lm), 130 interrupted (Ctrl-C; what was
-measured so far is printed first).
-
-The argument types live in :mod:`~mlx_dualnorm.commands.shared.arguments`
-and are re-exported here. The command line itself
-(:mod:`mlx_dualnorm.commands.cli`) and every command import this module;
-it imports none of them.
-"""
+"""What every ``python -m mlx_dualnorm`` command shares: its parser (usage
+errors as one line, ``[NAME] message``), its bounded argument types (each
+value checked where argparse reads it, before any work), its exit statuses
+and its progress lines. Exit statuses: 0 ok, 1 a mismatch, 2 bad usage or
+something that cannot run here, 130 interrupted (Ctrl-C; what was measured
+so far is printed first)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import math
+import pathlib
 import statistics
 import sys
+import tempfile
 import time
 import typing
 from typing import Any, Callable, NoReturn, Optional, Sequence
@@ -35,25 +22,161 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 import mlx.core as mx
 
 from mlx_dualnorm import Mode
-from mlx_dualnorm.commands.shared.arguments import (
-    SEED_MAX, Count, CountList, Number, output_file, output_folder, seed,
-)
 from mlx_dualnorm.commands.shared.paths import PathUnavailable
-
-__all__ = [
-    "Count", "CountList", "DefaultShownOnceFormatter", "EXIT_INTERRUPTED", "EXIT_MISMATCH",
-    "EXIT_OK", "EXIT_USAGE", "InterruptedWithPartialResult", "MODE_CHOICES", "Number",
-    "PROGRAM", "SEED_MAX", "StepProgress", "ToolParser", "Unavailable",
-    "add_device_argument", "add_mode_argument", "cause", "error_line", "output_file",
-    "output_folder", "ratio_of_medians", "run_tool", "seed", "select_device", "spread",
-    "tool_parser",
-]
 
 PROGRAM = "python -m mlx_dualnorm"
 EXIT_OK = 0
 EXIT_MISMATCH = 1
 EXIT_USAGE = 2  # bad usage, or what was asked cannot run here
 EXIT_INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (SIGINT)
+
+DEVICE_CHOICES = ("default", "cpu", "gpu")
+# A mode name not among these is a usage error naming the choices; a mode
+# among them that this build or device lacks is refused by patch().
+MODE_CHOICES: tuple[str, ...] = typing.get_args(Mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Range:
+    """A bounded argparse ``type``: every number option of every command is
+    one, its range checked where argparse reads it, shown in its help
+    (``range_text``), and bounding what the option can cost."""
+
+    minimum: float
+    maximum: float
+    _format = ""  # how the bounds are written
+
+    @property
+    def range_text(self) -> str:
+        return f"{self.minimum:{self._format}} to {self.maximum:{self._format}}"
+
+
+class Count(_Range):
+    """An integer from ``minimum`` to ``maximum``."""
+
+    def __call__(self, text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if self.minimum <= value <= self.maximum:
+            return value
+        if self.minimum == 1:  # a count: "at least 1" / "at most N" reads best
+            bound = "at least 1" if value < 1 else f"at most {self.maximum}"
+        else:
+            bound = f"from {self.range_text}"
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+
+
+class Number(_Range):
+    """A finite number from ``minimum`` to ``maximum``."""
+
+    _format = "g"
+
+    def __call__(self, text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (math.isfinite(value) and self.minimum <= value <= self.maximum):
+            raise argparse.ArgumentTypeError(f"must be finite, from {self.range_text}, got {text}")
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class CountList:
+    """argparse ``type`` of at most ``max_items`` comma-separated counts of
+    ``item``'s range; an empty string is an empty list (measure none), an
+    empty item between commas (``36,,48``) is refused."""
+
+    item: Count
+    max_items: int
+
+    @property
+    def range_text(self) -> str:
+        return f"up to {self.max_items} values, each {self.item.range_text}"
+
+    def __call__(self, text: str) -> list[int]:
+        if not text.strip():
+            return []
+        parts = [part.strip() for part in text.split(",")]
+        if not all(parts):
+            raise argparse.ArgumentTypeError(f"an empty value in {text!r}")
+        if len(parts) > self.max_items:
+            raise argparse.ArgumentTypeError(f"at most {self.max_items} values, got {len(parts)}")
+        return [self.item(part) for part in parts]
+
+
+# Numpy's seed range: parity's case keys use the seed's low 32 bits, so a
+# wider seed would repeat another's values.
+SEED_MAX = 2**32 - 1
+seed = Count(0, SEED_MAX)  # argparse ``type`` of every command's ``--seed``
+
+
+def _refusal(text: str, failed: OSError) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(f"cannot write {text}: {failed.strerror or failed}")
+
+
+def _path(text: str) -> pathlib.Path:
+    """An output path: not empty (that would be the current folder), ``~``
+    expanded."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a path")
+    try:
+        return pathlib.Path(text).expanduser()
+    except RuntimeError as no_home:  # "~nouser/x"
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {no_home}") from None
+
+
+def output_folder(text: str) -> pathlib.Path:
+    """argparse ``type`` of a folder a command writes into, tried for real
+    before any work: missing folders are created, a file is created and
+    removed in it (permission bits say nothing for root, a read-only mount
+    or /proc), then what was created is removed again; the command creates
+    it for good when it writes."""
+    path = _path(text)
+    created: list[pathlib.Path] = []
+    try:
+        if path.exists() and not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+        folder = path.absolute()
+        while not folder.exists():
+            created.append(folder)
+            folder = folder.parent
+        if not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"cannot create {text}: {folder} is not a folder")
+        for missing in reversed(created):
+            missing.mkdir()
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".mlx_dualnorm-write-check-"):
+            pass
+    except OSError as failed:  # no permission, a name too long, a loop of links, ...
+        raise _refusal(text, failed) from None
+    finally:
+        for made in created:  # deepest first
+            with contextlib.suppress(OSError):
+                made.rmdir()
+    return path
+
+
+def output_file(text: str) -> pathlib.Path:
+    """argparse ``type`` of a file a command writes, in an existing folder,
+    tried for real before any work: an existing file is opened for appending
+    (nothing written), a new one created and removed."""
+    path = _path(text)
+    try:
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a folder; give the path of a file")
+        folder = path.absolute().parent
+        if not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"no folder {folder} to write {path.name} into")
+        existed = path.exists()
+        with open(path, "a" if existed else "x"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as failed:
+        raise _refusal(text, failed) from None
+    return path
 
 
 class Unavailable(Exception):
@@ -62,10 +185,18 @@ class Unavailable(Exception):
     message on one line and exits 2, with no traceback."""
 
 
+class InterruptedWithPartialResult(KeyboardInterrupt):
+    """Ctrl-C inside a measurement, carrying what was measured so far
+    (``partial``) for the command to print before exiting 130."""
+
+    def __init__(self, partial: object) -> None:
+        super().__init__()
+        self.partial = partial
+
+
 class DefaultShownOnceFormatter(argparse.HelpFormatter):
-    """Appends an option's range (from its bounded ``type``) and its
-    default to its help, "(1 to 512; default: 48)"; the default is left
-    out where the help already says it, for flags (off unless given) and
+    """Appends an option's range and default to its help, "(1 to 512;
+    default: 48)"; no default where the help already says it, for flags and
     where it is None (the help says what leaving it out does)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
@@ -74,36 +205,28 @@ class DefaultShownOnceFormatter(argparse.HelpFormatter):
         bounds = getattr(action.type, "range_text", None)
         if bounds is not None and help_text is not argparse.SUPPRESS:
             notes.append(bounds)
-        if not (
-            "(default" in help_text
-            or "default:" in help_text
-            or action.default in (None, False, argparse.SUPPRESS)
-            or action.nargs == 0  # a flag: store_true, store_const, help
-            or not action.option_strings
-        ):
+        said = "(default" in help_text or "default:" in help_text
+        # Not for flags (store_true, store_const, help, nargs 0) nor positionals.
+        if (action.option_strings and action.nargs != 0 and not said
+                and action.default not in (None, False, argparse.SUPPRESS)):
             notes.append("default: %(default)s")
         return f"{help_text} ({'; '.join(notes)})" if notes else help_text
 
 
 def error_line(operation: str, message: str) -> str:
-    """The one line a command prints on stderr when it refuses to run:
-    ``[operation] message``, a message of several lines (a library's
-    exception, say) joined into one."""
+    """``[operation] message``, a message of several lines joined into one."""
     return f"[{operation}] {' '.join(message.split())}"
 
 
 def cause(error: BaseException) -> str:
-    """``error`` as the end of a one-line message: its type and its text
-    (the type alone where it has none)."""
+    """``error`` as the end of a one-line message: its type and its text."""
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 class ToolParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line on stderr,
-    ``[operation] message`` and where ``--help`` is (argparse's own prints
-    the whole usage first), exit status 2. ``operation`` is the
-    sub-command's name (default: ``prog``)."""
+    """Usage errors are one line, ``[operation] message`` and where
+    ``--help`` is, exit status 2; ``operation`` defaults to ``prog``."""
 
     def __init__(self, *arguments: Any, operation: Optional[str] = None, **options: Any) -> None:
         super().__init__(*arguments, **options)
@@ -115,32 +238,9 @@ class ToolParser(argparse.ArgumentParser):
 
 
 def tool_parser(subcommand_name: str, description: str) -> ToolParser:
-    """The parser of one sub-command: its usage line names the command as
-    typed, every option's help shows its default once, and a bad argument
-    is one line on stderr, ``[subcommand] message``."""
-    return ToolParser(
-        prog=f"{PROGRAM} {subcommand_name}",
-        description=description,
-        formatter_class=DefaultShownOnceFormatter,
-        operation=subcommand_name,
-    )
-
-
-class InterruptedWithPartialResult(KeyboardInterrupt):
-    """Ctrl-C inside a measurement, carrying what it had measured so far
-    (``partial``), so the command can print it before exiting 130. Still a
-    KeyboardInterrupt for any caller that does not look."""
-
-    def __init__(self, partial: object) -> None:
-        super().__init__()
-        self.partial = partial
-
-
-DEVICE_CHOICES = ("default", "cpu", "gpu")
-# The package's modes, by name: a name not among them is a usage error
-# naming the choices; a mode among them that this build or device lacks
-# is refused by patch() as one that cannot run here.
-MODE_CHOICES: tuple[str, ...] = typing.get_args(Mode)
+    """The parser of one sub-command, its usage line naming it as typed."""
+    return ToolParser(prog=f"{PROGRAM} {subcommand_name}", description=description,
+                      formatter_class=DefaultShownOnceFormatter, operation=subcommand_name)
 
 
 def add_mode_argument(parser: argparse.ArgumentParser) -> None:
@@ -152,16 +252,13 @@ def add_mode_argument(parser: argparse.ArgumentParser) -> None:
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--device",
-        choices=DEVICE_CHOICES,
-        default="default",
+        "--device", choices=DEVICE_CHOICES, default="default",
         help="MLX default device to run on ('default' keeps MLX's choice)",
     )
 
 
 def select_device(device_name: str, parser: argparse.ArgumentParser) -> None:
-    """``--device``: "gpu" without a GPU backend is a usage error (exit 2),
-    not a traceback."""
+    """``--device``; "gpu" without a GPU backend is a usage error (exit 2)."""
     if device_name == "cpu":
         mx.set_default_device(mx.cpu)
     elif device_name == "gpu":
@@ -175,73 +272,49 @@ def run_tool(
     run: Callable[[argparse.Namespace, argparse.ArgumentParser], int],
     argv: Optional[Sequence[str]],
 ) -> int:
-    """Parses ``argv`` and runs the tool. argparse exits (0 after --help, 2
-    on bad usage, also from ``parser.error`` inside ``run``) come back as
-    the exit status; so do :class:`Unavailable` and a path's
-    ``PathUnavailable`` (2, one line on stderr) and Ctrl-C (130: a tool
-    that has partial results prints them before the interrupt reaches
-    here)."""
+    """Parses ``argv`` and runs the tool, returning its exit status:
+    argparse's exits (0 after --help, 2 on bad usage), 2 for
+    :class:`Unavailable` and ``PathUnavailable`` (one line on stderr), 130
+    for Ctrl-C (a tool with partial results prints them first)."""
+    operation = getattr(parser, "operation", parser.prog)
     try:
-        arguments = parser.parse_args(list(argv) if argv is not None else None)
-        return run(arguments, parser)
+        return run(parser.parse_args(list(argv) if argv is not None else None), parser)
     except SystemExit as exit_request:
         code = exit_request.code
         return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
     except (Unavailable, PathUnavailable) as cannot_run:
-        print(error_line(_operation(parser), str(cannot_run)), file=sys.stderr)
+        print(error_line(operation, str(cannot_run)), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(error_line(_operation(parser), "interrupted"), file=sys.stderr)
+        print(error_line(operation, "interrupted"), file=sys.stderr)
         return EXIT_INTERRUPTED
-
-
-def _operation(parser: argparse.ArgumentParser) -> str:
-    return getattr(parser, "operation", parser.prog)
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
     """min, median and max of ``values``: how a table sums up the repeats."""
-    return {
-        "min": min(values),
-        "median": statistics.median(values),
-        "max": max(values),
-    }
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def ratio_of_medians(values: Sequence[float], reference_values: Sequence[float]) -> Optional[float]:
-    """median(values) / median(reference_values): the ratio a table prints
-    beside those two medians, so the three never contradict each other (a
-    median of per-round ratios can fall on the other side of 1). The
-    per-round ratios' min..max is the spread to print with it. None when
+    """median(values) / median(reference_values), the ratio a table prints
+    beside the two medians so the three never contradict each other (a
+    median of per-round ratios can fall on the other side of 1). None when
     either is empty or the reference median is not positive."""
-    if not values or not reference_values:
+    if not values or not reference_values or not statistics.median(reference_values) > 0:
         return None
-    reference_median = statistics.median(reference_values)
-    if not reference_median > 0:
-        return None
-    return statistics.median(values) / reference_median
+    return statistics.median(values) / statistics.median(reference_values)
 
 
 class StepProgress:
-    """One line per step on stderr: which step of how many, the time so
-    far and an estimate of the time left (from the mean step so far), so
-    a long run shows it is moving and how long it will take.
+    """One line per step (on stderr, or to ``emit``): the step of how many,
+    the time so far and an estimate of the time left. With
+    ``min_interval_s``, a step is printed only that long after the last
+    printed one (the last step always)."""
 
-    ``steps`` is the total expected; ``step(detail)`` reports one more
-    done, on stderr or to ``emit``. With ``min_interval_s``, a step is printed only that long after
-    the last printed one (and the last step always), for runs of many
-    short steps."""
-
-    def __init__(
-        self,
-        stage: str,
-        steps: int,
-        *,
-        min_interval_s: float = 0.0,
-        emit: Optional[Callable[[str], None]] = None,
-    ) -> None:
+    def __init__(self, stage: str, steps: int, *, min_interval_s: float = 0.0,
+                 emit: Optional[Callable[[str], None]] = None) -> None:
         self.stage = stage
-        self.emit = emit
+        self.emit = emit or (lambda line: print(line, file=sys.stderr, flush=True))
         self.steps = max(steps, 1)
         self.done = 0
         self.started = time.perf_counter()
@@ -257,11 +330,6 @@ class StepProgress:
         elapsed = now - self.started
         left = elapsed / self.done * max(self.steps - self.done, 0)
         suffix = f" {detail}" if detail else ""
-        line = (
-            f"{self.stage}: {self.done}/{self.steps}{suffix}, "
-            f"{elapsed:.0f} s so far, ~{left:.0f} s left"
-        )
-        if self.emit is not None:
-            self.emit(line)
-        else:
-            print(line, file=sys.stderr, flush=True)
+        line = (f"{self.stage}: {self.done}/{self.steps}{suffix}, "
+                f"{elapsed:.0f} s so far, ~{left:.0f} s left")
+        self.emit(line)

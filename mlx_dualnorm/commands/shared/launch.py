@@ -1,9 +1,7 @@
 """Programs run over ``mx.distributed`` ranks on loopback: :func:`launch`
 starts one on the ring backend (127.0.0.1 only, free ports chosen here),
-through ``mlx.launch`` or directly with what it hands the ranks, bounded in
-time, and kills every process it started when the time runs out, a rank
-fails, or it is interrupted. ``mlx-lm-bench --ranks`` starts its rank
-program with it (:mod:`~mlx_dualnorm.commands.mlx_lm_bench.report`)."""
+through ``mlx.launch`` or directly, bounded in time, and kills every process
+it started when the time runs out, a rank fails, or it is interrupted."""
 
 from __future__ import annotations
 
@@ -21,8 +19,6 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["DIRECT", "LAUNCHERS", "LaunchResult", "MLX_LAUNCH", "free_port_run", "launch"]
-
 LOOPBACK = "127.0.0.1"
 # mlx.launch is a console script; its entry point is resolved in the child,
 # so this works wherever mlx is installed, with or without the script on PATH.
@@ -33,6 +29,8 @@ LAUNCHER_CODE = (
     "sys.argv[0] = 'mlx.launch'\n"
     "sys.exit(script.load()())\n"
 )
+MLX_LAUNCH, DIRECT = "mlx.launch", "direct"
+LAUNCHERS = (MLX_LAUNCH, DIRECT)
 
 
 @dataclasses.dataclass
@@ -65,32 +63,27 @@ class LaunchResult:
         )
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port_run(count: int) -> int:
     """The first of ``count`` consecutive loopback ports free right now (the
-    ring backend listens on ``starting_port + rank``), from the range the
-    system hands out for port 0."""
+    ring backend listens on ``starting_port + rank``)."""
     for _ in range(64):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.bind((LOOPBACK, 0))
             start = probe.getsockname()[1]
-        if start + count <= 65535 and all(_bindable(start + i) for i in range(count)):
-            return start
+        try:
+            for port in range(start, start + count):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                    probe.bind((LOOPBACK, port))
+        except (OSError, OverflowError):  # taken, or past port 65535
+            continue
+        return start
     raise RuntimeError(f"no {count} consecutive free ports on {LOOPBACK}")
 
 
 def _rank_environment() -> dict:
     """This environment, with the folder this package was imported from put
     first on the ranks' import path where the interpreter would not find it
-    by itself (a source tree); an installed package needs nothing."""
+    by itself (a source tree)."""
     import mlx_dualnorm
 
     environment = dict(os.environ)
@@ -106,79 +99,35 @@ def _rank_environment() -> dict:
     return environment
 
 
-def _kill_groups(processes: Sequence[subprocess.Popen]) -> None:
-    """Kills the process group each of ``processes`` leads (itself and what
-    it started: mlx.launch's ranks) and reaps the processes."""
-    for process in processes:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-    for process in processes:
-        process.wait()
-
-
-def _wait_for_all_or_a_failure(processes: Sequence[subprocess.Popen], deadline: float) -> list:
-    """The exit statuses once all processes ended or one failed (the others
-    still running, None: they would wait for it forever in a collective);
-    TimeoutError past ``deadline``."""
-    while True:
-        codes = [process.poll() for process in processes]
-        if all(code is not None for code in codes) or any(code for code in codes):
-            return codes
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        time.sleep(0.05)
-
-
-MLX_LAUNCH, DIRECT = "mlx.launch", "direct"
-LAUNCHERS = (MLX_LAUNCH, DIRECT)
-
-
 def launch(
-    rank_arguments: Sequence[str],
-    *,
-    ranks: int = 2,
-    timeout_s: float = 120.0,
-    cwd: Optional[Path] = None,
-    attempts: int = 2,
-    launcher: str = MLX_LAUNCH,
+    rank_arguments: Sequence[str], *, ranks: int = 2, timeout_s: float = 120.0,
+    cwd: Optional[Path] = None, attempts: int = 2, launcher: str = MLX_LAUNCH,
     program: Sequence[str] = (),
 ) -> LaunchResult:
-    """Runs ``program`` (what follows the interpreter: ``-m MODULE`` or a
-    script) with ``rank_arguments`` on ``ranks`` ranks of
-    the ring backend on loopback, with this interpreter, on free ports.
-
-    ``launcher`` "mlx.launch" runs ``mlx.launch --backend ring --hosts
-    127.0.0.1 -n <ranks>``, as a user would; "direct" starts the ranks here
-    with what mlx.launch hands them (``MLX_RANK``, ``MLX_HOSTFILE`` naming a
-    file with one ``["127.0.0.1:<port>"]`` per rank), for timing: mlx.launch
-    relays the ranks' output in threads that poll without blocking, CPU
-    time taken from the ranks.
-
-    Past ``timeout_s`` every process started is killed (``returncode``
-    None): each leads a process group, killed whole. A run whose ports were taken
-    in the meantime is retried on new ones, up to ``attempts`` runs."""
+    """Runs ``program`` (``-m MODULE`` or a script) with ``rank_arguments``
+    on ``ranks`` ranks of the ring backend, with this interpreter: through
+    ``mlx.launch``, as a user would, or "direct" (``MLX_RANK`` and
+    ``MLX_HOSTFILE`` set here, for timing: mlx.launch's output relay polls,
+    taking CPU from the ranks). Past ``timeout_s`` every process group
+    started is killed (``returncode`` None); a run whose ports were taken
+    meanwhile is retried on new ones, up to ``attempts`` runs."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r}: choose from {', '.join(LAUNCHERS)}")
-    result = _launch_once([*program, *rank_arguments], ranks, timeout_s, cwd, launcher)
-    for _ in range(attempts - 1):
-        if result.timed_out or result.ok or not _ports_were_taken(result):
-            break
+    for _ in range(max(attempts, 1)):
         result = _launch_once([*program, *rank_arguments], ranks, timeout_s, cwd, launcher)
+        text = (result.stdout + result.stderr).lower()
+        ports_taken = "address already in use" in text or "couldn't bind" in text
+        if result.timed_out or result.ok or not ports_taken:
+            break
     return result
-
-
-def _ports_were_taken(result: LaunchResult) -> bool:
-    text = (result.stdout + result.stderr).lower()
-    return "address already in use" in text or "couldn't bind" in text
 
 
 def _launch_once(rank_arguments, ranks, timeout_s, cwd, launcher) -> LaunchResult:
     rank_command = [sys.executable, *rank_arguments]
     first_port = free_port_run(ranks)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory() as scratch:
-        scratch_path = Path(scratch)
-        environment = _rank_environment()
+    environment = _rank_environment()
+    with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as files:
         if launcher == MLX_LAUNCH:
             commands = [[
                 sys.executable, "-c", LAUNCHER_CODE,
@@ -187,7 +136,7 @@ def _launch_once(rank_arguments, ranks, timeout_s, cwd, launcher) -> LaunchResul
             ]]
             environments = [environment]
         else:
-            hostfile = scratch_path / "hostfile.json"
+            hostfile = Path(scratch) / "hostfile.json"
             hostfile.write_text(json.dumps(
                 [[f"{LOOPBACK}:{first_port + rank}"] for rank in range(ranks)]
             ))
@@ -197,23 +146,30 @@ def _launch_once(rank_arguments, ranks, timeout_s, cwd, launcher) -> LaunchResul
                 for rank in range(ranks)
             ]
         outputs = [
-            (open(scratch_path / f"stdout{i}", "w+"), open(scratch_path / f"stderr{i}", "w+"))
-            for i in range(len(commands))
+            (files.enter_context(tempfile.TemporaryFile("w+")),
+             files.enter_context(tempfile.TemporaryFile("w+")))
+            for _ in commands
         ]
         processes: list[subprocess.Popen] = []
         returncode: Optional[int] = None
         try:
-            for index, (process_command, rank_environment) in enumerate(zip(commands, environments)):
+            for command, rank_environment, (stdout, stderr) in zip(commands, environments, outputs):
                 # Each process leads a process group of its own, so one kill
-                # per group reaches it and everything it started.
-                # mlx.launch polls its stdin: a pipe left open keeps that
-                # poll blocking (at end of file it would spin a core).
+                # per group reaches it and everything it started. mlx.launch
+                # polls its stdin: a pipe left open keeps that poll blocking
+                # (at end of file it would spin a core).
                 processes.append(subprocess.Popen(
-                    process_command, stdin=subprocess.PIPE, stdout=outputs[index][0],
-                    stderr=outputs[index][1], cwd=str(cwd or scratch), env=rank_environment,
-                    start_new_session=True,
+                    command, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
+                    cwd=str(cwd or scratch), env=rank_environment, start_new_session=True,
                 ))
-            codes = _wait_for_all_or_a_failure(processes, time.monotonic() + timeout_s)
+            deadline = time.monotonic() + timeout_s
+            codes = [process.poll() for process in processes]
+            # Until all ended or one failed: the others would wait for it forever in a collective.
+            while not (all(code is not None for code in codes) or any(codes)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                time.sleep(0.05)
+                codes = [process.poll() for process in processes]
             returncode = next((code for code in codes if code not in (0, None)), 0)
             if launcher == DIRECT and returncode != 0:
                 outputs[0][1].write("".join(
@@ -224,18 +180,17 @@ def _launch_once(rank_arguments, ranks, timeout_s, cwd, launcher) -> LaunchResul
             returncode = None
         finally:
             # Also on success: a rank that outlived the launcher would hold a port.
-            _kill_groups(processes)
             for process in processes:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
+            for process in processes:
+                process.wait()
                 if process.stdin is not None:
                     process.stdin.close()
-        texts = []
-        for stdout, stderr in outputs:
-            stdout.seek(0)
-            stderr.seek(0)
-            texts.append((stdout.read(), stderr.read()))
-            stdout.close()
-            stderr.close()
+        for output in (file for pair in outputs for file in pair):
+            output.seek(0)
         return LaunchResult(
-            returncode, "".join(out for out, _ in texts), "".join(err for _, err in texts),
+            returncode, "".join(out.read() for out, _ in outputs),
+            "".join(err.read() for _, err in outputs),
             time.monotonic() - started, [process.pid for process in processes],
         )

@@ -1,20 +1,10 @@
-"""Tiny mlx-lm models of the attention families outside the qwen3 shape.
-
-One config.json-style dict per mlx-lm model file whose q/k norms the patch
-makes one call (``norm_after_transpose``, ``norm_before_transpose`` and ``whole_projection`` in
-:mod:`mlx_dualnorm.integrations.mlx_lm`), each as small as the file allows
-while keeping every kind of layer it has: sliding-window and global layers,
-KV-shared layers, linear-attention, conv-mixer and sparse-attention layers,
-mixture-of-experts MLPs. :mod:`~mlx_dualnorm.commands.shared.synthetic` builds
-them (``python -m mlx_dualnorm mlx-lm-check --synthetic NAME``).
-
-Models with experts are built in float32 by default (MLX 0.32's CPU
-gather_mm takes float32 only), the others in bfloat16. Their norm weights
-are drawn at random around their initial value (mlx-lm initializes them to
-ones, or to zeros where the norm adds one): with all-ones weights a norm
-whose weight went missing would give the same bits, and checking could not
-tell.
-"""
+"""Tiny mlx-lm models (config.json-style) of the attention families outside
+the qwen3 shape, one per mlx-lm model file whose q/k norms the patch makes
+one call, each as small as the file allows while keeping every kind of layer
+it has. Models with experts are float32 (MLX 0.32's CPU gather_mm takes
+float32 only), the others bfloat16. Their norm weights are drawn around
+their initial value: with all-ones weights a norm whose weight went missing
+would give the same bits, and checking could not tell."""
 
 from __future__ import annotations
 
@@ -24,136 +14,123 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_dualnorm.commands.shared.synthetic_qwen3_like import SMALL_ATTENTION_MODEL
+
 NORM_WEIGHT_SPREAD = 0.5
 
 _SMALL = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": 512,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
+    key: value for key, value in SMALL_ATTENTION_MODEL.items()
+    if key not in ("num_hidden_layers", "head_dim", "rope_theta")
 }
 _EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+_SLIDING_FULL = ["sliding_attention", "full_attention"]
+
+
+def _family(model_type: str, **changes: object) -> dict[str, object]:
+    return {"model_type": model_type, **_SMALL, **changes}
+
 
 ATTENTION_FAMILY_CONFIGS: dict[str, dict[str, object]] = {
     # ---- q/k norms after the transpose to (B, H, L, D) ----
-    "afmoe": {
-        "model_type": "afmoe", **_SMALL, **_EXPERTS, "head_dim": 32, "num_hidden_layers": 3,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-        "num_dense_layers": 1, "num_shared_experts": 1, "sliding_window": 8,
-    },
-    "openelm": {
-        "model_type": "openelm", "head_dim": 16, "num_transformer_layers": 2, "model_dim": 64,
-        "vocab_size": 512, "ffn_dim_divisor": 8, "num_query_heads": [4, 4],
-        "num_kv_heads": [2, 1], "ffn_multipliers": [1.0, 2.0],
-        "share_input_output_layers": False,
-    },
-    "bailing_moe": {
-        "model_type": "bailing_moe", **_SMALL, **_EXPERTS, "num_hidden_layers": 2,
-        "num_shared_experts": 1, "norm_topk_prob": True, "rope_theta": 10_000.0,
-        "first_k_dense_replace": 1, "use_qk_norm": True, "partial_rotary_factor": 0.5,
-    },
-    "bailing_moe_linear": {
-        "model_type": "bailing_moe_linear", **_SMALL, **_EXPERTS, "num_hidden_layers": 2,
-        "num_shared_experts": 1, "norm_topk_prob": True, "rope_theta": 10_000.0,
-        "first_k_dense_replace": 1, "use_qk_norm": True, "layer_group_size": 2,
-        "group_norm_size": 2, "partial_rotary_factor": 0.5,
-    },
-    "bailing_hybrid": {
-        "model_type": "bailing_hybrid", **_SMALL, **_EXPERTS, "num_hidden_layers": 2,
-        "num_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
-        "layer_group_size": 2, "group_norm_size": 2, "rope_theta": 10_000.0,
-        "routed_scaling_factor": 1.0, "head_dim": 16, "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
-    },
-    "gemma3_text": {
-        "model_type": "gemma3_text", **_SMALL, "num_hidden_layers": 2, "head_dim": 32,
-        "num_key_value_heads": 1, "query_pre_attn_scalar": 32, "sliding_window": 8,
-        "sliding_window_pattern": 2,
-    },
-    "plamo3": {
-        "model_type": "plamo3", **_SMALL, "num_hidden_layers": 2, "head_dim": 16,
-        "sliding_window_pattern": 2, "window_size": 8, "tie_word_embeddings": True,
-    },
+    "afmoe": _family(
+        "afmoe", **_EXPERTS, head_dim=32, num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        num_dense_layers=1, num_shared_experts=1, sliding_window=8,
+    ),
+    "openelm": dict(
+        model_type="openelm", head_dim=16, num_transformer_layers=2, model_dim=64,
+        vocab_size=512, ffn_dim_divisor=8, num_query_heads=[4, 4], num_kv_heads=[2, 1],
+        ffn_multipliers=[1.0, 2.0], share_input_output_layers=False,
+    ),
+    "bailing_moe": _family(
+        "bailing_moe", **_EXPERTS, num_hidden_layers=2, num_shared_experts=1,
+        norm_topk_prob=True, rope_theta=10_000.0, first_k_dense_replace=1, use_qk_norm=True,
+        partial_rotary_factor=0.5,
+    ),
+    "bailing_moe_linear": _family(
+        "bailing_moe_linear", **_EXPERTS, num_hidden_layers=2, num_shared_experts=1,
+        norm_topk_prob=True, rope_theta=10_000.0, first_k_dense_replace=1, use_qk_norm=True,
+        layer_group_size=2, group_norm_size=2, partial_rotary_factor=0.5,
+    ),
+    "bailing_hybrid": _family(
+        "bailing_hybrid", **_EXPERTS, num_hidden_layers=2, num_shared_experts=1, n_group=1,
+        topk_group=1, first_k_dense_replace=1, layer_group_size=2, group_norm_size=2,
+        rope_theta=10_000.0, routed_scaling_factor=1.0, head_dim=16, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    ),
+    "gemma3_text": _family(
+        "gemma3_text", num_hidden_layers=2, head_dim=32, num_key_value_heads=1,
+        query_pre_attn_scalar=32, sliding_window=8, sliding_window_pattern=2,
+    ),
+    "plamo3": _family(
+        "plamo3", num_hidden_layers=2, head_dim=16, sliding_window_pattern=2, window_size=8,
+        tie_word_embeddings=True,
+    ),
     "minimax_m3_vl": {
         "model_type": "minimax_m3_vl",
-        "text_config": {
-            **_SMALL, "intermediate_size": 32, "dense_intermediate_size": 128,
-            "shared_intermediate_size": 32, "num_hidden_layers": 2, "num_local_experts": 4,
-            "num_experts_per_tok": 2, "head_dim": 16, "rotary_dim": 8,
-            "mlp_layer_types": ["dense", "sparse"],
-            "layer_types": ["full_attention", "sparse_attention"],
-            "index_n_heads": 2, "index_head_dim": 16, "index_block_size": 4,
-            "index_topk_blocks": 2,
-        },
+        "text_config": dict(
+            _SMALL, intermediate_size=32, dense_intermediate_size=128,
+            shared_intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
+            num_experts_per_tok=2, head_dim=16, rotary_dim=8, mlp_layer_types=["dense", "sparse"],
+            layer_types=["full_attention", "sparse_attention"], index_n_heads=2,
+            index_head_dim=16, index_block_size=4, index_topk_blocks=2,
+        ),
     },
     # ---- q/k norms per head before the transpose ----
     "gemma3n": {
         "model_type": "gemma3n",
-        "text_config": {
-            "model_type": "gemma3n_text", **_SMALL, "num_hidden_layers": 4, "head_dim": 32,
-            "num_key_value_heads": 1, "num_kv_shared_layers": 2,
-            "vocab_size_per_layer_input": 512, "sliding_window": 8,
-            "rope_local_base_freq": 10_000.0, "rope_theta": 1_000_000.0,
-            "final_logit_softcapping": 30.0,
-            "layer_types": ["sliding_attention", "full_attention"] * 2,
-            "activation_sparsity_pattern": [0.0] * 4,
-            "hidden_size_per_layer_input": 16, "altup_num_inputs": 2,
-            "altup_coef_clip": 120.0, "altup_correct_scale": True, "altup_active_idx": 0,
-            "laurel_rank": 8,
-        },
+        "text_config": _family(
+            "gemma3n_text", num_hidden_layers=4, head_dim=32, num_key_value_heads=1,
+            num_kv_shared_layers=2, vocab_size_per_layer_input=512, sliding_window=8,
+            rope_local_base_freq=10_000.0, rope_theta=1_000_000.0, final_logit_softcapping=30.0,
+            layer_types=_SLIDING_FULL * 2, activation_sparsity_pattern=[0.0] * 4,
+            hidden_size_per_layer_input=16, altup_num_inputs=2, altup_coef_clip=120.0,
+            altup_correct_scale=True, altup_active_idx=0, laurel_rank=8,
+        ),
     },
-    "gemma4_text": {
-        "model_type": "gemma4_text", **_SMALL, "num_hidden_layers": 6, "head_dim": 32,
-        "global_head_dim": 64, "num_key_value_heads": 1, "num_kv_shared_layers": 2,
-        "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 16,
-        "sliding_window": 8, "final_logit_softcapping": 30.0,
-        "layer_types": ["sliding_attention", "full_attention"] * 3,
-        "rope_parameters": {
+    "gemma4_text": _family(
+        "gemma4_text", num_hidden_layers=6, head_dim=32, global_head_dim=64,
+        num_key_value_heads=1, num_kv_shared_layers=2, vocab_size_per_layer_input=512,
+        hidden_size_per_layer_input=16, sliding_window=8, final_logit_softcapping=30.0,
+        layer_types=_SLIDING_FULL * 3,
+        rope_parameters={
             "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0,
                                "rope_type": "proportional"},
             "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
         },
-    },
-    "gear": {
-        "model_type": "gear", **_SMALL, "num_hidden_layers": 3, "head_dim": 16,
-        "layer_types": ["sliding_attention", "full_attention", "conv_mixer"],
-        "sliding_window": 8, "attn_logit_softcapping": 50.0,
-    },
+    ),
+    "gear": _family(
+        "gear", num_hidden_layers=3, head_dim=16,
+        layer_types=["sliding_attention", "full_attention", "conv_mixer"], sliding_window=8,
+        attn_logit_softcapping=50.0,
+    ),
     # ---- q/k norms over the whole H * D projection ----
-    "olmo2": {"model_type": "olmo2", **_SMALL, "num_hidden_layers": 2},
-    "olmo3": {
-        "model_type": "olmo3", **_SMALL, "num_hidden_layers": 2, "sliding_window": 8,
-        "rope_theta": 10_000.0, "layer_types": ["sliding_attention", "full_attention"],
-    },
-    "olmoe": {
-        "model_type": "olmoe", **_SMALL, "num_hidden_layers": 2, "num_experts": 4,
-        "num_experts_per_tok": 2, "intermediate_size": 32,
-    },
-    "minimax": {
-        "model_type": "minimax", **_SMALL, "num_hidden_layers": 2, "num_local_experts": 4,
-        "num_experts_per_tok": 2, "shared_intermediate_size": 32, "intermediate_size": 32,
-        "rope_theta": 10_000.0, "rotary_dim": 16,
-    },
-    "olmo_hybrid": {
-        "model_type": "olmo_hybrid", **_SMALL, "num_hidden_layers": 2,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
-        "linear_allow_neg_eigval": False, "attention_bias": False,
-        "layer_types": ["linear_attention", "full_attention"],
-    },
+    "olmo2": _family("olmo2", num_hidden_layers=2),
+    "olmo3": _family(
+        "olmo3", num_hidden_layers=2, sliding_window=8, rope_theta=10_000.0,
+        layer_types=_SLIDING_FULL,
+    ),
+    "olmoe": _family(
+        "olmoe", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, intermediate_size=32,
+    ),
+    "minimax": _family(
+        "minimax", num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=32, intermediate_size=32, rope_theta=10_000.0, rotary_dim=16,
+    ),
+    "olmo_hybrid": _family(
+        "olmo_hybrid", num_hidden_layers=2, linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        linear_allow_neg_eigval=False, attention_bias=False,
+        layer_types=["linear_attention", "full_attention"],
+    ),
 }
 
 _WITH_EXPERTS = {
     "afmoe", "bailing_moe", "bailing_moe_linear", "bailing_hybrid", "minimax_m3_vl", "olmoe",
     "minimax",
 }
-ATTENTION_FAMILY_DTYPES = {
-    name: mx.float32 if name in _WITH_EXPERTS else mx.bfloat16
-    for name in ATTENTION_FAMILY_CONFIGS
+ATTENTION_FAMILY_DTYPE_NAMES = {
+    name: "float32" if name in _WITH_EXPERTS else "bfloat16" for name in ATTENTION_FAMILY_CONFIGS
 }
 
 

@@ -1,66 +1,36 @@
-"""Small random models of the mlx-lm families whose attention has no q/k
-norms (the package's RoPE-only call): at least one config per registered
-class, most of two layers of four query and two key/value heads.
-
-Every config starts from the small attention model of the qwen3-like
-families, with the fields more families' ``ModelArgs`` read (``_SMALL``;
-mlx-lm keeps only the fields a family declares), and adds what that
-family needs: experts, multipliers, a fused projection's sizes. ``llama-llama3``, ``qwen2-yarn`` and
-``phimoe`` rotate with a frequency table (llama3's, YaRN's and the
-su-scaled RoPE); ``glm4``, ``nemotron`` and ``stablelm`` rotate part of
-each head; ``cohere`` and ``stablelm`` have their optional q/k norms off,
-and ``cohere2``'s global layers no RoPE. Mixture-of-experts families are
-float32 (MLX 0.32's CPU ``gather_mm`` takes float32 only), and so is
-``falcon_h1``, for one float32 model with Mamba layers; the others are
-bfloat16. Nothing here imports MLX.
-"""
+"""Small random models (config.json-style) of the mlx-lm families whose
+attention has no q/k norms (the package's RoPE-only call): at least one per
+registered class, from the qwen3-like small model with the fields more
+families' ``ModelArgs`` read (mlx-lm keeps only those a family declares).
+Mixture-of-experts families and ``falcon_h1`` (Mamba layers) are float32,
+the others bfloat16."""
 
 from __future__ import annotations
 
 from mlx_dualnorm.commands.shared.synthetic_qwen3_like import SMALL_ATTENTION_MODEL
 
-__all__ = ["LLAMA_2048", "ROPE_ONLY_CONFIGS", "ROPE_ONLY_DTYPE_NAMES"]
-
 _SMALL = {
-    **SMALL_ATTENTION_MODEL,
-    "head_dim": 32,
-    "rms_norm_eps": 1e-5,
-    "norm_eps": 1e-5,
-    "rope_theta": 10_000.0,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "use_bias": False,
+    **SMALL_ATTENTION_MODEL, "head_dim": 32, "rms_norm_eps": 1e-5, "norm_eps": 1e-5,
+    "rope_theta": 10_000.0, "attention_bias": False, "mlp_bias": False, "use_bias": False,
 }
 _EXPERTS = {
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
+    "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
 }
 _MULTIPLIERS = {  # granite's muP scalings
-    "logits_scaling": 2.0,
-    "attention_multiplier": 0.125,
-    "embedding_multiplier": 4.0,
+    "logits_scaling": 2.0, "attention_multiplier": 0.125, "embedding_multiplier": 4.0,
     "residual_multiplier": 0.5,
 }
 _LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 1024,
 }
 _SU_SCALED = {  # phimoe's (required before mlx-lm 0.32): a su-scaled RoPE
     "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.8, 2.2, 2.7],
     "long_factor": [1.0, 1.2, 1.5, 2.0, 2.6, 3.4, 4.4, 5.6],
-    "short_mscale": 1.1,
-    "long_mscale": 1.2,
+    "short_mscale": 1.1, "long_mscale": 1.2,
 }
-_YARN = {
-    "type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 1024,
-}
+_YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
 
 
 def _family(model_type: str, **changes: object) -> dict[str, object]:
@@ -154,16 +124,8 @@ ROPE_ONLY_DTYPE_NAMES = {
 # Llama 3.2 1B's dimensions, its RoPE scaling left out (plain RoPE): the
 # decode model of this shape (synthetic.DECODE_MODELS).
 LLAMA_2048 = {
-    "model_type": "llama",
-    "hidden_size": 2048,
-    "num_hidden_layers": 16,
-    "intermediate_size": 8192,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "rms_norm_eps": 1e-5,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rope_theta": 500_000.0,
-    "tie_word_embeddings": True,
+    "model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
+    "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rope_theta": 500_000.0, "tie_word_embeddings": True,
 }
