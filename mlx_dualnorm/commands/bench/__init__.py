@@ -1,16 +1,13 @@
 """``python -m mlx_dualnorm bench``: every path timed against the composed
-one on the default MLX device (:func:`run_benchmark`); this module prints and
-writes a run: the full table, the main job's short summary, the JSON file and
-the PNG chart, each path's median over the repeats beside its ratio of medians."""
+one (:func:`run_benchmark`); this module prints and writes a run: the full
+table, the main job's summary, the JSON file and the PNG chart."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import statistics
-import sys
 from typing import Any, Optional, Sequence
 
 # Beside what this module uses, the programmatic API of bench/README.md.
@@ -21,6 +18,7 @@ from mlx_dualnorm.commands.bench.results import (
     BenchmarkReport, MetricResult,
 )
 from mlx_dualnorm.commands.shared import command
+from mlx_dualnorm.commands.shared.command import progress_to_stderr
 from mlx_dualnorm.commands.shared.paths import (
     PATH_REGISTRY, PathUnavailable, describe_paths, package_mode_factory, refuse_unavailable,
     register_path, unavailable_paths,
@@ -33,10 +31,8 @@ PATH_COLOR = "tab:blue"
 
 
 def write_json(report: BenchmarkReport, output_dir: os.PathLike | str) -> pathlib.Path:
-    destination = pathlib.Path(output_dir) / JSON_FILE_NAME
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    destination.write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
-    return destination
+    pathlib.Path(output_dir).mkdir(parents=True, exist_ok=True)
+    return command.write_json(pathlib.Path(output_dir) / JSON_FILE_NAME, report.to_json())
 
 
 def write_chart(report: BenchmarkReport, output_dir: os.PathLike | str) -> Optional[pathlib.Path]:
@@ -59,10 +55,8 @@ def write_chart(report: BenchmarkReport, output_dir: os.PathLike | str) -> Optio
         scale, unit = (2**20, "MiB") if metric.kind.unit == "bytes" else (1, metric.kind.unit)
         summaries = [command.spread(values) for values in metric.samples.values()]
         medians = [summary["median"] / scale for summary in summaries]
-        whiskers = [
-            [(summary["median"] - summary["min"]) / scale for summary in summaries],
-            [(summary["max"] - summary["median"]) / scale for summary in summaries],
-        ]
+        whiskers = [[abs(summary[end] - summary["median"]) / scale for summary in summaries]
+                    for end in ("min", "max")]
         paths = list(metric.samples)
         ratios = [metric.ratio_of_medians(path) for path in paths]
         labels = [path if r is None else f"{path}\n{r:.2f}x" for path, r in zip(paths, ratios)]
@@ -134,8 +128,8 @@ def _paths_legend(paths: list[str]) -> list[str]:
 
 
 def format_report_table(report: BenchmarkReport, *, all_metrics: bool = False) -> str:
-    """The full text table: per metric and path, the median over repeats and
-    the ratio to the baseline [min-max], then what each metric and path is."""
+    """Per metric and path, the median over repeats and the ratio to the
+    baseline [min-max], then what each metric and path is."""
     config, metadata = report.config, report.metadata
     paths = report.paths_ran()
     metrics = [metric for metric in report.metrics.values() if all_metrics or metric.kind.headline]
@@ -202,10 +196,6 @@ def summary_table(report: BenchmarkReport) -> str:
         f"  (N.NNx): {RATIO_NOTE}",
         *_paths_legend(paths),
     ])
-
-
-def progress_to_stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,13 +266,9 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(format_report_table(report, all_metrics=arguments.all_metrics), flush=True)
     if arguments.output_dir is None:
         return 0
-    try:
+    with command.writing(f"into {arguments.output_dir}"):
         progress_to_stderr(f"wrote {write_json(report, arguments.output_dir)}")
         chart = None if arguments.no_plot else write_chart(report, arguments.output_dir)
-    except OSError as failed:
-        raise command.Unavailable(
-            f"could not write into {arguments.output_dir}: {failed.strerror or failed}"
-        ) from failed
     if chart:
         progress_to_stderr(f"wrote {chart}")
     elif not arguments.no_plot:

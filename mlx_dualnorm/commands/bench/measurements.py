@@ -1,6 +1,5 @@
-"""The benchmark's measurements: deterministic inputs per scenario, the
-timing loops (host graph builds, decode tokens, prefill calls), the paths
-taking their samples in turn, and :func:`run_benchmark`."""
+"""The benchmark's inputs, timing loops (host graph builds, decode tokens,
+prefill calls), paths sampled in turn, and :func:`run_benchmark`."""
 
 from __future__ import annotations
 
@@ -21,9 +20,6 @@ from mlx_dualnorm.commands.bench.results import (
 )
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.paths import PATH_REGISTRY, DualNormPath, PathUnavailable
-
-Sample = tuple
-
 
 class ScenarioInputs(NamedTuple):
     queries: mx.array
@@ -121,14 +117,14 @@ def run_prefill_call(call: DualNormPath, inputs: ScenarioInputs) -> tuple[int, i
 
 
 def interleaved_samples(
-    calls: dict[str, DualNormPath], take_sample: Callable[[DualNormPath], Sample],
+    calls: dict[str, DualNormPath], take_sample: Callable[[DualNormPath], tuple],
     samples: int, warmup: int, per_turn: int = 1,
-) -> dict[str, list[Sample]]:
+) -> dict[str, list[tuple]]:
     """``samples`` samples of every path (after ``warmup`` untimed ones),
     taken in turns of ``per_turn`` consecutive samples of one path, the
     order as :func:`_rotated`: load that comes and goes falls on all alike."""
     names = list(calls)
-    results: dict[str, list[Sample]] = {name: [] for name in names}
+    results: dict[str, list[tuple]] = {name: [] for name in names}
     with _garbage_collection_paused():
         for name in names:
             for _ in range(warmup):
@@ -151,8 +147,8 @@ def _rotated(names: Sequence[str], offset: int) -> list[str]:
 
 
 class _Run:
-    """One run's state: the paths built (with their status), the inputs,
-    the scenarios each path cannot run, and the metrics so far."""
+    """One run's state: the paths built, their status and the scenarios
+    each cannot run, the inputs, and the metrics so far."""
 
     def __init__(self, config: BenchmarkConfig, progress: Callable[[str], None]):
         self.config = config
@@ -193,9 +189,9 @@ class _Run:
         )[0]
 
     def sample(
-        self, scenario: Scenario, repeat: int, measure: Callable[..., Sample], count: int,
+        self, scenario: Scenario, repeat: int, measure: Callable[..., tuple], count: int,
         **sampling: int,
-    ) -> dict[str, list[Sample]]:
+    ) -> dict[str, list[tuple]]:
         """:func:`interleaved_samples` of ``measure(call, inputs)`` at
         ``scenario``, the first path rotating per repeat."""
         calls = {
@@ -207,7 +203,7 @@ class _Run:
         return interleaved_samples(calls, lambda call: measure(call, inputs), count, **sampling)
 
     def record(
-        self, kind: MetricKind, scenario: Scenario, samples: dict[str, list[Sample]], index: int,
+        self, kind: MetricKind, scenario: Scenario, samples: dict[str, list[tuple]], index: int,
         scale: float = 1.0, summary: Callable[..., float] = statistics.median,
     ) -> None:
         """Per path, ``summary`` of its samples' ``index``-th numbers, over ``scale``."""
@@ -258,9 +254,8 @@ class _Run:
 def run_benchmark(
     config: Optional[BenchmarkConfig] = None, *, progress: Optional[Callable[[str], None]] = None,
 ) -> BenchmarkReport:
-    """Runs every measurement on the default device. ``progress``, if given,
-    receives a line per stage and per repeat, with the time left. Ctrl-C
-    raises :class:`~mlx_dualnorm.commands.shared.command.InterruptedWithPartialResult`
+    """Runs every measurement on the default device, a line per stage and
+    repeat to ``progress``. Ctrl-C raises InterruptedWithPartialResult
     carrying the report of the repeats that completed."""
     config = config or BenchmarkConfig()
     if config.repeats < 1 or config.layers < 1:

@@ -1,7 +1,6 @@
-"""What the benchmark measures and what a run holds: the scenarios, the
-kinds of number, the configuration, and a value per repeat for every path.
-A ratio is always ``value(path) / value(composed)``: lower is better; a
-table prints the ratio of two medians, the per-repeat ratios its spread."""
+"""What the benchmark measures and a run holds: scenarios, kinds of number,
+configuration, a value per repeat for every path. A ratio is always
+``value(path) / value(composed)``, lower is better."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ class Scenario(NamedTuple):
 
 def _scenario(layer: str, phase: str, query_shape: tuple[int, ...],
               key_shape: Optional[tuple[int, ...]] = None, weighted: bool = False) -> Scenario:
-    """A bf16 scenario named and described from its shapes, so that the
-    description cannot disagree with them."""
+    """A bf16 scenario named and described from its shapes (so they agree)."""
     key_shape = key_shape or query_shape
     query, key = ("(" + ",".join(map(str, shape)) + ")" for shape in (query_shape, key_shape))
     shapes = f"q, k {query}" if query == key else f"q {query}, k {key}"

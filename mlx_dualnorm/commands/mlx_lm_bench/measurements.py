@@ -1,8 +1,6 @@
-"""What ``mlx-lm-bench`` measures: the q/k prework at the Qwen3-Next decode
-shape, generation with the small random models and decode tokens of random
-bfloat16 models at released dimensions, each in rounds of mlx-lm's code and
-the patch interleaved; ratios are patched / unpatched time (lower is better).
-"""
+"""What ``mlx-lm-bench`` measures, in interleaved rounds of mlx-lm's code
+and the patch: the q/k prework, small random models' generation and decode
+of random bfloat16 models at released dimensions."""
 
 from __future__ import annotations
 
@@ -118,12 +116,11 @@ def _timed_rounds(
     measure: Callable[[bool, int, str], float], progress: Optional[StepReport] = None,
     result: object = None,
 ) -> PairedTiming:
-    """``warm_up(patched)`` both ways (traces, folds, compiled helpers, the
-    allocator), then ``rounds`` rounds of ``measure(patched, round, label)``
-    into ``timing``, the first path alternating (round 0 unpatched first) so
-    neither always runs on what the other just warmed. On Ctrl-C the rounds
-    done come with the interrupt (InterruptedWithPartialResult: ``result``,
-    else ``timing``; None before a complete round)."""
+    """``warm_up(patched)`` both ways, then ``rounds`` rounds of
+    ``measure(patched, round, label)`` into ``timing``, the first path
+    alternating (round 0 unpatched first) so neither always runs on what the
+    other just warmed. Ctrl-C raises InterruptedWithPartialResult carrying
+    ``result`` or ``timing`` (None before a complete round)."""
     try:
         for patched in (False, True):
             warm_up(patched)
@@ -218,9 +215,8 @@ def run_decode(
 ) -> DecodeMeasurement:
     """Milliseconds per decode token of ``DECODE_MODELS[model]`` in bfloat16,
     every round's greedy tokens compared with the first (unpatched) round's.
-    ``quick``: its ``quick_layers`` and ``QUICK_DECODE_VOCABULARY``; ``config``
-    (tests) replaces the config; ``progress`` hears of every token; an
-    ``mx.distributed`` ``group`` shards the model over it."""
+    ``quick``: fewer layers, a smaller vocabulary; ``config`` (tests)
+    replaces the config; a ``group`` (mx.distributed) shards the model."""
     spec = DECODE_MODELS[model]
     if config is None:
         reduced = {"layers": spec.quick_layers, "vocab_size": QUICK_DECODE_VOCABULARY}

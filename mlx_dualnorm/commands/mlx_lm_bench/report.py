@@ -1,8 +1,6 @@
-"""What ``mlx-lm-bench`` prints and writes: its tables and JSON report, and
-``--ranks N``: the decode models whose mlx-lm family has ``Model.shard``,
-tensor-parallel over N loopback ranks. ``python -m`` this module is the
-program every rank runs (started by :func:`~mlx_dualnorm.commands.shared.launch.launch`).
-"""
+"""What ``mlx-lm-bench`` prints and writes (tables, JSON), and ``--ranks N``:
+decode models tensor-parallel over N loopback ranks, each rank running
+``python -m`` this module."""
 
 from __future__ import annotations
 
@@ -12,7 +10,6 @@ import importlib
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -166,14 +163,11 @@ def print_report(
 
 
 def write_json_report(path: Path, report: object) -> None:
-    """Writes ``--json`` after the tables are printed: a write that fails
-    anyway (the path was checked before the run) is one line and exit 2."""
+    """``--json``, written after the tables are printed."""
     sys.stdout.flush()
-    try:
-        Path(path).write_text(json.dumps(report, indent=2) + "\n")
-    except OSError as failed:
-        raise command.Unavailable(f"could not write {path}: {failed.strerror or failed}") from failed
-    print(f"wrote {path}", file=sys.stderr)
+    with command.writing(path):
+        command.write_json(path, report)
+    command.progress_to_stderr(f"wrote {path}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -215,7 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "token_mismatch": measurement.token_mismatch,
     }
     if group.rank() == 0:
-        (Path(arguments.out) / "bench.json").write_text(json.dumps(report, indent=1))
+        command.write_json(Path(arguments.out) / "bench.json", report)
     return 1 if report["token_mismatch"] else 0
 
 
@@ -223,8 +217,8 @@ def format_bench_report(report: dict) -> str:
     """Median and range over rounds of ms/token, both paths, and the ratio."""
 
     def spread(values: list, digits: int) -> str:
-        return (f"{statistics.median(values):.{digits}f} "
-                f"[{min(values):.{digits}f} .. {max(values):.{digits}f}]")
+        low, median, high = (f"{value:.{digits}f}" for value in command.spread(values).values())
+        return f"{median} [{low} .. {high}]"
 
     config = report["config"]
     shape = ", ".join(f"{key} {config[key]}" for key in

@@ -1,23 +1,24 @@
 """What every ``python -m mlx_dualnorm`` command shares: its parser (usage
-errors as one line, ``[NAME] message``), its bounded argument types (each
-value checked where argparse reads it, before any work), its exit statuses
-and its progress lines. Exit statuses: 0 ok, 1 a mismatch, 2 bad usage or
-something that cannot run here, 130 interrupted (Ctrl-C; what was measured
-so far is printed first)."""
+errors as one line, ``[NAME] message``), bounded argument types checked
+before any work, exit statuses (0 ok, 1 a mismatch, 2 bad usage or cannot
+run here, 130 Ctrl-C, what was measured printed first), progress lines,
+the summary numbers of its tables and its JSON files."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
+import os
 import pathlib
 import statistics
 import sys
 import tempfile
 import time
 import typing
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 import mlx.core as mx
 
@@ -38,9 +39,9 @@ MODE_CHOICES: tuple[str, ...] = typing.get_args(Mode)
 
 @dataclasses.dataclass(frozen=True)
 class _Range:
-    """A bounded argparse ``type``: every number option of every command is
-    one, its range checked where argparse reads it, shown in its help
-    (``range_text``), and bounding what the option can cost."""
+    """A bounded argparse ``type``, the type of every number option: its
+    range is checked where argparse reads it, shown in its help
+    (``range_text``), and bounds what the option can cost."""
 
     minimum: float
     maximum: float
@@ -85,9 +86,8 @@ class Number(_Range):
 
 @dataclasses.dataclass(frozen=True)
 class CountList:
-    """argparse ``type`` of at most ``max_items`` comma-separated counts of
-    ``item``'s range; an empty string is an empty list (measure none), an
-    empty item between commas (``36,,48``) is refused."""
+    """At most ``max_items`` comma-separated counts of ``item``'s range; an
+    empty string is an empty list (measure none), ``36,,48`` is refused."""
 
     item: Count
     max_items: int
@@ -118,8 +118,7 @@ def _refusal(text: str, failed: OSError) -> argparse.ArgumentTypeError:
 
 
 def _path(text: str) -> pathlib.Path:
-    """An output path: not empty (that would be the current folder), ``~``
-    expanded."""
+    """An output path, ``~`` expanded; not empty (the current folder)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path; give a path")
     try:
@@ -129,11 +128,9 @@ def _path(text: str) -> pathlib.Path:
 
 
 def output_folder(text: str) -> pathlib.Path:
-    """argparse ``type`` of a folder a command writes into, tried for real
-    before any work: missing folders are created, a file is created and
-    removed in it (permission bits say nothing for root, a read-only mount
-    or /proc), then what was created is removed again; the command creates
-    it for good when it writes."""
+    """A folder a command writes into, tried for real before any work
+    (permission bits say nothing for root, a read-only mount or /proc):
+    missing folders and a file in it are created, then removed again."""
     path = _path(text)
     created: list[pathlib.Path] = []
     try:
@@ -159,9 +156,8 @@ def output_folder(text: str) -> pathlib.Path:
 
 
 def output_file(text: str) -> pathlib.Path:
-    """argparse ``type`` of a file a command writes, in an existing folder,
-    tried for real before any work: an existing file is opened for appending
-    (nothing written), a new one created and removed."""
+    """A file a command writes, in an existing folder, tried for real before
+    any work: opened for appending (nothing written), or created and removed."""
     path = _path(text)
     try:
         if path.is_dir():
@@ -196,8 +192,7 @@ class InterruptedWithPartialResult(KeyboardInterrupt):
 
 class DefaultShownOnceFormatter(argparse.HelpFormatter):
     """Appends an option's range and default to its help, "(1 to 512;
-    default: 48)"; no default where the help already says it, for flags and
-    where it is None (the help says what leaving it out does)."""
+    default: 48)"; no default for flags, None or where the help says it."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
@@ -290,6 +285,28 @@ def run_tool(
         return EXIT_INTERRUPTED
 
 
+def progress_to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def write_json(path: "os.PathLike[str] | str", data: object) -> pathlib.Path:
+    """``data`` as the commands' JSON files hold it: indented, a newline last."""
+    destination = pathlib.Path(path)
+    destination.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    return destination
+
+
+@contextlib.contextmanager
+def writing(target: object) -> Iterator[None]:
+    """An OSError writing ``target`` after the run (its path was checked
+    before it: a full disk, a folder removed meanwhile) is one line, exit 2;
+    the tables are printed first, so nothing measured is lost."""
+    try:
+        yield
+    except OSError as failed:
+        raise Unavailable(f"could not write {target}: {failed.strerror or failed}") from failed
+
+
 def spread(values: Sequence[float]) -> dict[str, float]:
     """min, median and max of ``values``: how a table sums up the repeats."""
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
@@ -306,15 +323,14 @@ def ratio_of_medians(values: Sequence[float], reference_values: Sequence[float])
 
 
 class StepProgress:
-    """One line per step (on stderr, or to ``emit``): the step of how many,
-    the time so far and an estimate of the time left. With
-    ``min_interval_s``, a step is printed only that long after the last
-    printed one (the last step always)."""
+    """One line per step (to ``emit``, else stderr): the step of how many,
+    the time so far and left; with ``min_interval_s``, at most one line
+    that often (the last step always)."""
 
     def __init__(self, stage: str, steps: int, *, min_interval_s: float = 0.0,
                  emit: Optional[Callable[[str], None]] = None) -> None:
         self.stage = stage
-        self.emit = emit or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.emit = emit or progress_to_stderr
         self.steps = max(steps, 1)
         self.done = 0
         self.started = time.perf_counter()
@@ -330,6 +346,5 @@ class StepProgress:
         elapsed = now - self.started
         left = elapsed / self.done * max(self.steps - self.done, 0)
         suffix = f" {detail}" if detail else ""
-        line = (f"{self.stage}: {self.done}/{self.steps}{suffix}, "
-                f"{elapsed:.0f} s so far, ~{left:.0f} s left")
-        self.emit(line)
+        self.emit(f"{self.stage}: {self.done}/{self.steps}{suffix}, "
+                  f"{elapsed:.0f} s so far, ~{left:.0f} s left")
