@@ -1,12 +1,8 @@
-"""mlx-lm's own command line, patched: ``python -m mlx_dualnorm.mlx_lm
-SUBCOMMAND ...`` (or ``mlx-lm-dualnorm``) is ``python -m mlx_lm SUBCOMMAND
-...`` with :func:`mlx_dualnorm.integrations.mlx_lm.patch` applied first;
-output and exit status are mlx-lm's. Its own flags, taken out before a bare
-``--``: ``--dualnorm-mode MODE`` (a bad or unrunnable mode is one line on
-stderr and exit status 2, before mlx-lm runs) and ``--quiet-dualnorm`` (no
-line at exit saying what the patch engaged). A SIGTERM still ends the
-process by SIGTERM; Ctrl-C is mlx-lm's own to handle (docs/mlx-lm.md).
-"""
+"""``python -m mlx_dualnorm.mlx_lm SUBCOMMAND ...`` (``mlx-lm-dualnorm``) is
+``python -m mlx_lm SUBCOMMAND ...`` patched first; output and exit status are
+mlx-lm's. Own flags (before a bare ``--``): ``--dualnorm-mode MODE`` (a bad mode:
+one line, exit 2) and ``--quiet-dualnorm`` (no engagement line at exit). A SIGTERM
+still ends the process by SIGTERM; Ctrl-C is mlx-lm's to handle (docs/mlx-lm.md)."""
 
 from __future__ import annotations
 
@@ -108,9 +104,8 @@ def _on_sigterm(signal_number: int, frame: object) -> None:
 
 
 def main(arguments: Optional[Sequence[str]] = None) -> Optional[int]:
-    """Runs ``python -m mlx_lm`` on ``arguments`` (default: the process's),
-    patched; what mlx-lm's CLI returns, or 2 where this command's own flags
-    are wrong or the patch cannot be applied."""
+    """``python -m mlx_lm`` on ``arguments`` (default: the process's), patched;
+    2 where this command's own flags are wrong or the patch cannot be applied."""
     try:
         parsed = split_arguments(sys.argv[1:] if arguments is None else arguments)
         _apply_patch(parsed.mode)

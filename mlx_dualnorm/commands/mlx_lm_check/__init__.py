@@ -1,11 +1,7 @@
-"""``python -m mlx_dualnorm mlx-lm-check``: does the patch change a model's output?
-
-Greedy generation through mlx-lm unpatched, then patched, compared token for
-token and logit bit for bit (:mod:`~mlx_dualnorm.commands.mlx_lm_check.check`),
-on a LOCAL mlx-lm model folder (``--model PATH``; nothing is ever downloaded) or
-a small random model (``--synthetic NAME``). Exit status: 0 identical, 1
-diverged, 2 bad arguments or an unloadable model.
-"""
+"""``python -m mlx_dualnorm mlx-lm-check``: greedy generation through mlx-lm
+unpatched, then patched, compared token for token and logit bit for bit, on a
+LOCAL model folder (never downloaded) or a small random model. Exit status: 0
+identical, 1 diverged, 2 bad arguments or an unloadable model."""
 
 from __future__ import annotations
 
@@ -46,8 +42,8 @@ class _UsageError(command.Unavailable):
 
 
 def _load_local_model(path_text: str) -> tuple[nn.Module, dict, Path]:
-    """mlx_lm.utils.load_model on an existing folder; never downloads. Whatever
-    fails while loading is a usage error naming the folder and the cause."""
+    """mlx_lm.utils.load_model on an existing folder; never downloads. A
+    failure is a usage error naming the folder and the cause."""
     try:
         path = Path(path_text).expanduser()
         exists = path.exists()
@@ -169,7 +165,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m mlx_dualnorm mlx-lm-check``; see the module doc."""
     return command.run_tool(build_parser(), _run, argv)
 
 

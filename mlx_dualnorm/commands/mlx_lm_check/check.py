@@ -13,8 +13,8 @@ import mlx.nn as nn
 from mlx_dualnorm import Mode
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.generation import (
-    AttentionLayerCounts, GreedyTrace, NormalizeQkCallCounts, TraceComparison,
-    compare_traces, count_normalize_qk_calls, count_package_calls, greedy_generate,
+    GreedyTrace, PatchCallCounts, TraceComparison, compare_traces, count_normalize_qk_calls,
+    greedy_generate,
 )
 from mlx_dualnorm.integrations import mlx_lm as integration
 
@@ -32,8 +32,7 @@ class CheckResult:
     reference: GreedyTrace
     patched: GreedyTrace
     comparison: TraceComparison
-    counts: NormalizeQkCallCounts
-    attention: AttentionLayerCounts
+    counts: PatchCallCounts
     engagement: integration.LayerEngagement  # the patch's own record, read while patched
     reference_repeat: Optional[TraceComparison] = None  # only after a divergence
     # Median ms per decode token of each timing round (the checked runs are
@@ -47,11 +46,17 @@ def run_check(
     timing_rounds: int = DEFAULT_TIMING_ROUNDS, progress: Optional[Callable[[str], None]] = None,
 ) -> CheckResult:
     """Unpatched, then patched (``mode``), greedy generation; compared. A short
-    run each way first warms both up (compiles, folds, allocator), so the
-    first-token times compare like with like. The compared runs are the first
-    of ``timing_rounds`` timing rounds; the others run both ways again, in
-    alternating order. ``progress`` hears of each generation run."""
+    warm-up each way first, so first-token times compare like with like. The
+    compared runs are the first of ``timing_rounds``; the others run both ways
+    again, in alternating order. ``progress`` hears of each generation run."""
     run_done = progress or (lambda detail: None)
+
+    def generate(patched: bool, detail: str) -> GreedyTrace:
+        with integration.patch(mode) if patched else integration.unpatch():
+            trace = greedy_generate(model, prompt, max_tokens)
+        run_done(detail)
+        return trace
+
     with integration.unpatch():
         try:
             greedy_generate(model, prompt, WARM_UP_TOKENS)
@@ -63,32 +68,24 @@ def run_check(
     with integration.patch(mode), integration.recording() as record:
         greedy_generate(model, prompt, WARM_UP_TOKENS)
     run_done("patched warm-up")
-    with integration.unpatch():
-        reference = greedy_generate(model, prompt, max_tokens)
-    run_done("unpatched, compared")
-    with integration.patch(mode), count_normalize_qk_calls() as counts, \
-            count_package_calls() as attention:
+    reference = generate(False, "unpatched, compared")
+    with integration.patch(mode), count_normalize_qk_calls() as counts:
         patched = greedy_generate(model, prompt, max_tokens)
         engagement = record.engagement(model)
     run_done("patched, compared")
     result = CheckResult(
-        reference, patched, compare_traces(reference, patched), counts, attention, engagement,
+        reference, patched, compare_traces(reference, patched), counts, engagement,
         unpatched_round_ms=[reference.median_decode_ms],
         patched_round_ms=[patched.median_decode_ms],
     )
     if not result.comparison.identical:
-        with integration.unpatch():
-            repeat = greedy_generate(model, prompt, max_tokens)
-        run_done("unpatched rerun")
-        result.reference_repeat = compare_traces(reference, repeat)
+        result.reference_repeat = compare_traces(reference, generate(False, "unpatched rerun"))
     for round_index in range(1, timing_rounds):
         for patched_round in (True, False) if round_index % 2 else (False, True):
-            with integration.patch(mode) if patched_round else integration.unpatch():
-                milliseconds = greedy_generate(model, prompt, max_tokens).median_decode_ms
             way = "patched" if patched_round else "unpatched"
-            run_done(f"timing round {round_index + 1}, {way}")
+            trace = generate(patched_round, f"timing round {round_index + 1}, {way}")
             rounds = result.patched_round_ms if patched_round else result.unpatched_round_ms
-            rounds.append(milliseconds)
+            rounds.append(trace.median_decode_ms)
     return result
 
 
@@ -131,7 +128,7 @@ def format_result(result: CheckResult, model_name: str, prompt_length: int) -> s
           for (class_name, reason), layers in sorted(engagement.left.items())),
         f"  attention:      attention layers engaged {engagement.engaged_layers}, "
         f"left to mlx-lm's code {engagement.left_layers}; "
-        f"{result.attention.package_calls / model_steps:.1f} q/k prework calls per step",
+        f"{counts.package_calls / model_steps:.1f} q/k prework calls per step",
         f"  ms per token:   unpatched {_median_text(result.unpatched_round_ms)}, "
         f"patched {_median_text(result.patched_round_ms)} (median over rounds of the "
         f"median over decode tokens); {_ratio_text(result)}",

@@ -1,10 +1,7 @@
-"""Greedy-decode replay: each dual head norm path inside a small model
-(:mod:`~mlx_dualnorm.commands.replay.model`), decoded greedily and compared
-with the composed path (two ``mx.fast.rms_norm`` calls): the token ids, and
-the hidden state that chose each token, bit for bit. Hidden-state bits are a
-far finer detector than tokens: one ulp off in one element changes them at
-once, while the argmax may hold for the whole run.
-"""
+"""Greedy-decode replay: each dual head norm path inside a small model, its
+token ids and the hidden state that chose each token compared bit for bit with
+the composed path's. Hidden-state bits show one ulp off in one element at once,
+while the argmax may hold for the whole run."""
 
 from __future__ import annotations
 
@@ -50,8 +47,7 @@ def greedy_decode(
     path_name: str = "path under test", progress: Optional[Callable[[str], None]] = None,
 ) -> GreedyDecodeTrace:
     """Prefills the fixed prompt, then picks ``steps`` tokens by argmax,
-    evaluating once per token as a server would; ``progress`` hears of
-    each token."""
+    evaluating once per token as a server would."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     started = time.perf_counter()
@@ -139,9 +135,8 @@ def run_replay(
     progress: Optional[Callable[[str], None]] = None,
 ) -> ReplayReport:
     """Decodes with the composed path, then with each path, and compares.
-    ``progress`` hears of every token of every decode. Ctrl-C after the
-    reference decode raises InterruptedWithPartialResult carrying the
-    report of the paths compared so far."""
+    Ctrl-C after the reference decode raises InterruptedWithPartialResult
+    carrying the report of the paths compared so far."""
     paths = {  # built before decoding: a path that cannot run here refuses at once
         path_name: build_path(path_name, path_factory, config.rms_norm_eps)
         for path_name, path_factory in path_factories.items()
@@ -224,8 +219,7 @@ def main(
     argv: Optional[Sequence[str]] = None, *,
     path_factories: Optional[Mapping[str, DualNormPathFactory]] = None,
 ) -> int:
-    """``python -m mlx_dualnorm replay``: exits 1 if any path's decode
-    differs from the composed path's in any token or hidden bit.
+    """``python -m mlx_dualnorm replay``: exits 1 if any path diverges.
     ``path_factories`` replaces the registered paths (for tests)."""
     selection = PathSelection.of(path_factories, PATH_FACTORIES)
 

@@ -1,9 +1,7 @@
-"""The replay's model: a small seeded decoder shaped like a Qwen3-Next / Qwen3.5
-hybrid (three gated-delta layers, then one full attention layer) whose q/k head
-norms run through the path under test. The head widths and norm calls are the
-real ones (gated-delta q/k heads of 128, weightless, then scaled by 1/d and
-1/sqrt(d); attention heads of 256 with q/k norm weights), in prefill and decode
-shapes; the rest is small enough for a few seconds on two CPU cores."""
+"""The replay's model: a small seeded Qwen3-Next-like hybrid (three gated-delta
+layers, one full attention layer) whose q/k head norms run through the path under
+test, with the real head widths and norm calls; the rest is small enough for a
+few seconds on two CPU cores."""
 
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ _Weight = tuple[str, tuple[int, ...], str]  # name, shape, initialization
 
 
 def _weight_shapes(config: ReplayModelConfig) -> list[_Weight]:
-    """Every weight, in an order that ties each to its slice of the seed:
-    changing the order changes every weight."""
+    """Every weight, in the order that ties each to its slice of the seed."""
     width = config.model_width
     shapes: list[_Weight] = [("embedding", (config.vocabulary_size, width), "embedding")]
     for layer_index, layer_kind in enumerate(config.layer_kinds):

@@ -20,9 +20,8 @@ from mlx_dualnorm.integrations import mlx_lm as integration
 
 @dataclasses.dataclass
 class GreedyTrace:
-    """One greedy generation: the token ids, the raw logits of every model
-    step (one more than tokens: generate_step computes the step after the
-    last yielded token too), and wall times."""
+    """Token ids, raw logits of every model step (one more than tokens:
+    generate_step computes the step after the last token too), wall times."""
 
     token_ids: list[int]
     step_logits: list[mx.array]
@@ -141,10 +140,8 @@ def _first_difference(expected_items, actual_items, same) -> Optional[int]:
 
 @dataclasses.dataclass
 class PatchCallCounts:
-    """What the patch's report counted while a block ran: the patched
-    ``normalize_qk``'s calls (all, and those that ran mlx-lm's own
-    function), and engaged attention layers' calls of the package's q/k
-    prework."""
+    """The patched ``normalize_qk``'s calls (all, and those that ran
+    mlx-lm's own), and engaged attention layers' q/k prework calls."""
 
     calls: int = 0
     original: int = 0
@@ -156,7 +153,7 @@ class PatchCallCounts:
 
 
 @contextlib.contextmanager
-def count_patch_calls() -> Iterator[PatchCallCounts]:
+def count_normalize_qk_calls() -> Iterator[PatchCallCounts]:
     """The patch's counts at the block's end less those before it."""
     counts = PatchCallCounts()
     before = integration.report()
@@ -168,9 +165,3 @@ def count_patch_calls() -> Iterator[PatchCallCounts]:
         counts.original = after.normalize_qk_original - before.normalize_qk_original
         counts.package_calls = after.calls - before.calls
 
-
-# The names the commands count by.
-NormalizeQkCallCounts = PatchCallCounts
-AttentionLayerCounts = PatchCallCounts
-count_normalize_qk_calls = count_patch_calls
-count_package_calls = count_patch_calls

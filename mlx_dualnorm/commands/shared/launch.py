@@ -1,7 +1,5 @@
-"""Programs run over ``mx.distributed`` ranks on loopback: :func:`launch`
-starts one on the ring backend (127.0.0.1 only, free ports chosen here),
-through ``mlx.launch`` or directly, bounded in time, and kills every process
-it started when the time runs out, a rank fails, or it is interrupted."""
+"""Programs run over ``mx.distributed`` ranks of the ring backend on loopback,
+bounded in time: every process started is killed at the end."""
 
 from __future__ import annotations
 
@@ -81,9 +79,8 @@ def free_port_run(count: int) -> int:
 
 
 def _rank_environment() -> dict:
-    """This environment, with the folder this package was imported from put
-    first on the ranks' import path where the interpreter would not find it
-    by itself (a source tree)."""
+    """This environment, with this package's folder first on the ranks' import
+    path where the interpreter would not find it (a source tree)."""
     import mlx_dualnorm
 
     environment = dict(os.environ)

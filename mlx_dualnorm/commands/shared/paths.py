@@ -1,8 +1,6 @@
-"""The paths the tools compare, named once (``PATH_REGISTRY``). A path is a
-factory ``make_path(eps)`` returning ``path(queries, keys, query_weight,
-key_weight) -> (normalized_queries, normalized_keys)``; a factory (or a
-call, for one shape) raises :class:`PathUnavailable` where the path cannot
-run here, and the tools then skip it and say why."""
+"""The paths the tools compare (``PATH_REGISTRY``): factories ``make_path(eps)``
+of ``path(queries, keys, query_weight, key_weight) -> (queries, keys)``
+normalized, raising :class:`PathUnavailable` where the path cannot run here."""
 
 from __future__ import annotations
 
@@ -116,8 +114,7 @@ def describe_paths(names: Sequence[str]) -> list[str]:
 
 
 def unavailable_paths(names: Sequence[str], eps: float = 1e-6) -> dict[str, str]:
-    """Of the registered paths named, those this build or device cannot
-    run, each with its factory's reason, so a skipped path is never silent."""
+    """The registered paths named that cannot run here, with the reason."""
     reasons = {}
     for name in names:
         path = PATH_REGISTRY.get(name)
@@ -156,10 +153,9 @@ def refuse_unavailable(reasons: Mapping[str, str]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PathSelection:
-    """What ``--path`` accepts (``factories``, and ``extra_names`` that are
-    no dual norm paths: parity's norm + RoPE), what runs without it
-    (``default_names``), and whether these are the registered paths rather
-    than a caller's own (a test's)."""
+    """What ``--path`` accepts (``factories``, and ``extra_names`` that are no
+    dual norm paths), what runs without it, and whether these are the
+    registered paths rather than a test's own."""
 
     factories: dict[str, DualNormPathFactory]
     default_names: list[str]

@@ -1,12 +1,8 @@
-"""Small random mlx-lm models with the head shapes of released models, from
-mlx-lm's own model classes and a config.json-style dict, random weights
-from a fixed seed: nothing is downloaded. ``qwen3_next`` and ``qwen3_5``
-are tiny but have Qwen3-Next's head counts (q and k of ``(1, 1, 16, 128)``
-per token, as the 80B model); ``qwen3`` and ``qwen3_moe`` have Qwen3's.
-Models with experts are float32 (MLX 0.32's CPU gather_mm takes float32
-only), the others bfloat16. ``DECODE_MODELS`` are random models at the
-dimensions of released checkpoints, for timing whole decode tokens.
-"""
+"""Small random mlx-lm models (mlx-lm's own classes, a config.json-style dict,
+weights from a fixed seed; nothing downloaded) with released models' head
+shapes: ``qwen3_next`` and ``qwen3_5`` have Qwen3-Next's, ``qwen3`` and
+``qwen3_moe`` Qwen3's. ``DECODE_MODELS``: released checkpoints' dimensions,
+for timing whole decode tokens."""
 
 from __future__ import annotations
 
@@ -97,10 +93,9 @@ def synthetic_model_config(model_type: str) -> dict:
 def build_synthetic_model(
     model_type: str, *, seed: int = DEFAULT_SEED, dtype: Optional[mx.Dtype] = None
 ) -> nn.Module:
-    """:func:`build_model` of ``model_type`` (this reseeds MLX's global
-    generator) in ``dtype`` (None: ``DEFAULT_DTYPES``), then the weights a
-    degenerate random model would need changed scaled, and the attention
-    families' norm weights drawn around their initial value."""
+    """:func:`build_model` of ``model_type`` (reseeding MLX's global generator)
+    in ``dtype`` (None: ``DEFAULT_DTYPES``), the family's weight scales applied
+    and the attention families' norm weights drawn around their initial value."""
     dtype = DEFAULT_DTYPES[model_type] if dtype is None else dtype
     model = build_model(synthetic_model_config(model_type), seed=seed, dtype=dtype)
     scales = QWEN3_LIKE_WEIGHT_SCALES.get(model_type)
@@ -117,10 +112,9 @@ def build_synthetic_model(
 
 
 def build_model(config: dict, *, seed: int = DEFAULT_SEED, dtype: mx.Dtype) -> nn.Module:
-    """mlx-lm's model class for ``config["model_type"]``, randomly
-    initialized after ``mx.random.seed(seed)``, its floating weights cast to
-    ``dtype`` (except where ``cast_predicate`` keeps them), in eval mode,
-    evaluated."""
+    """mlx-lm's model for ``config["model_type"]``, initialized after
+    ``mx.random.seed(seed)``, floating weights cast to ``dtype`` (except where
+    its ``cast_predicate`` keeps them), in eval mode, evaluated."""
     architecture = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = architecture.Model(architecture.ModelArgs.from_dict(config))
@@ -221,8 +215,8 @@ DECODE_MODELS = {
 def decode_model_config(
     name: str, *, layers: Optional[int] = None, vocab_size: Optional[int] = None
 ) -> dict:
-    """The config of ``DECODE_MODELS[name]`` (a fresh copy), with ``layers``
-    decoder layers and a vocabulary of ``vocab_size`` where given."""
+    """A fresh copy of ``DECODE_MODELS[name]``'s config, with ``layers`` and
+    ``vocab_size`` where given."""
     if name not in DECODE_MODELS:
         raise ValueError(f"unknown decode model {name!r}; choose from {', '.join(DECODE_MODELS)}")
     config = copy.deepcopy(DECODE_MODELS[name].config)

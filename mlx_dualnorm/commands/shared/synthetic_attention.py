@@ -1,10 +1,7 @@
 """Tiny mlx-lm models (config.json-style) of the attention families outside
-the qwen3 shape, one per mlx-lm model file whose q/k norms the patch makes
-one call, each as small as the file allows while keeping every kind of layer
-it has. Models with experts are float32 (MLX 0.32's CPU gather_mm takes
-float32 only), the others bfloat16. Their norm weights are drawn around
-their initial value: with all-ones weights a norm whose weight went missing
-would give the same bits, and checking could not tell."""
+the qwen3 shape, one per model file whose q/k norms the patch makes one call,
+keeping every kind of layer the file has. Norm weights are drawn around their
+initial value: with all-ones weights a lost norm weight would not show."""
 
 from __future__ import annotations
 
@@ -135,9 +132,8 @@ ATTENTION_FAMILY_DTYPE_NAMES = {
 
 
 def randomize_norm_weights(model: nn.Module, seed: int) -> None:
-    """Adds ``NORM_WEIGHT_SPREAD`` times a standard normal draw (from
-    ``seed``) to the weight of every norm of ``model`` (parameters named
-    ``weight`` under a module whose name contains ``norm``), in its dtype."""
+    """Adds ``NORM_WEIGHT_SPREAD`` times a normal draw (from ``seed``) to every
+    ``*norm*...weight`` parameter of ``model``, in its dtype."""
     key = mx.random.key(seed)
     weights = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     updated = []

@@ -1,11 +1,7 @@
-"""Small random models (config.json-style) of the mlx-lm families whose
-attention has qwen3's q/k prework (:mod:`mlx_dualnorm.integrations.mlx_lm.qwen3_like`):
-two layers, hidden size 64, with the layer kinds of each family's released
-checkpoints (layers without RoPE, partial rotary, YaRN beside default RoPE,
-convolution layers). Mixture-of-experts families are float32 (MLX 0.32's
-CPU ``gather_mm`` takes float32 only), the others bfloat16. lfm2's output
-head is its embedding (tied), which would outweigh what the layers add with
-mlx-lm's random weights: it is scaled by 0.1 after initialization."""
+"""Small random models (config.json-style) of the mlx-lm families with qwen3's
+q/k prework: two layers, hidden size 64, with the layer kinds of each family's
+released checkpoints. Mixture-of-experts families are float32 (MLX 0.32's CPU
+``gather_mm`` takes float32 only), the others bfloat16."""
 
 from __future__ import annotations
 
@@ -134,7 +130,8 @@ QWEN3_LIKE_DTYPE_NAMES = {
     name: "float32" if name in _FLOAT32 else "bfloat16" for name in QWEN3_LIKE_CONFIGS
 }
 
-# name -> {parameter path: factor}, applied after initialization.
+# name -> {parameter path: factor}, applied after initialization: lfm2's tied
+# output head would outweigh what its random layers add.
 QWEN3_LIKE_WEIGHT_SCALES = {
     "lfm2": {"model.embed_tokens.weight": 0.1},
     "lfm2_moe": {"model.embed_tokens.weight": 0.1},

@@ -1,9 +1,6 @@
-"""Small random models (config.json-style) of the mlx-lm families whose
-attention has no q/k norms (the package's RoPE-only call): at least one per
-registered class, from the qwen3-like small model with the fields more
-families' ``ModelArgs`` read (mlx-lm keeps only those a family declares).
-Mixture-of-experts families and ``falcon_h1`` (Mamba layers) are float32,
-the others bfloat16."""
+"""Small random models (config.json-style) of the mlx-lm families without q/k
+norms (the RoPE-only call), at least one per registered class. ``_SMALL``
+carries fields of many families (``ModelArgs`` keep those they declare)."""
 
 from __future__ import annotations
 
