@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Sequence
 import mlx.core as mx
 
 from mlx_dualnorm.commands import bench as benchmark, parity
-from mlx_dualnorm.commands.parity import rope as rope_parity
+from mlx_dualnorm.commands.parity import matrices as rope_parity
 from mlx_dualnorm.commands.shared.command import (
     EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, PROGRAM, DefaultShownOnceFormatter, ToolParser,
     add_device_argument, error_line, run_tool, select_device,

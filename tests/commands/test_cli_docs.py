@@ -17,7 +17,7 @@ from mlx_dualnorm.commands import cli
 
 from mlx_dualnorm.commands.shared import command
 
-from mlx_dualnorm.commands.parity import matrix as parity_matrix, rope as rope_parity
+from mlx_dualnorm.commands.parity import matrices
 from mlx_dualnorm.commands.shared.paths import PATH_REGISTRY
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
@@ -89,14 +89,14 @@ def test_the_main_usage_line_lists_the_device_choices():
 
 def test_the_parity_numbers_are_the_matrices():
     text = " ".join(CLI_PAGE.read_text(encoding="utf-8").split())
-    full = parity_matrix.build_full_parity_matrix()
+    full = matrices.build_full_parity_matrix()
     families = {case.family for case in full}
     assert f"({len(full)} cases in {len(families)} families" in text
-    rope_matrix = rope_parity.build_rope_parity_matrix()
+    rope_matrix = matrices.build_rope_parity_matrix()
     assert f"the norm + RoPE matrix of {len(rope_matrix)} cases: the `norm_rope` family" in text
     assert {case.family for case in rope_matrix} == {"norm_rope", "rope_only"}
-    quick = len(parity_matrix.build_quick_parity_matrix())
-    quick_rope = len(rope_parity.build_rope_parity_matrix(quick=True))
+    quick = len(matrices.build_quick_parity_matrix())
+    quick_rope = len(matrices.build_rope_parity_matrix(quick=True))
     assert f"a small matrix ({quick} dual norm cases and {quick_rope} norm + RoPE cases)" in text
     help_text = " ".join(cli.subcommand_parser("parity").format_help().split())
     assert f"({quick} dual norm cases and {quick_rope} norm + RoPE cases)" in help_text

@@ -15,7 +15,7 @@ import pytest
 
 from mlx_dualnorm import available_modes, composed_dual_head_norm
 from mlx_dualnorm.commands import bench as benchmark, cli, parity, replay
-from mlx_dualnorm.commands.parity import rope as rope_parity
+from mlx_dualnorm.commands.parity import matrices as rope_parity
 
 FUSED_AVAILABLE = "fused" in available_modes()
 needs_no_fused = pytest.mark.skipif(FUSED_AVAILABLE, reason="the fused mode runs here")
@@ -140,7 +140,7 @@ def test_the_norm_rope_check_catches_a_reference_one_position_off(monkeypatch):
         return composed(*arguments, offset=offset + 1, **options)
 
     monkeypatch.setattr(rope_parity, "composed_dual_head_norm_rope", one_position_later)
-    (report,) = rope_parity.run_rope_parity_matrix(
+    (report,) = parity.run_rope_parity_matrix(
         ["rope_compiled"], rope_parity.build_rope_parity_matrix(quick=True), seed=1,
         matrix_name="quick",
     ).values()

@@ -14,12 +14,10 @@ import pytest
 from helpers.bit_parity import assert_bit_identical
 from mlx_dualnorm import CompiledDualHeadNorm, available_modes, composed_dual_head_norm
 from mlx_dualnorm.commands import parity
-from mlx_dualnorm.commands.parity import build_case_inputs, check_path_parity, run_parity_matrix
-from mlx_dualnorm.commands.parity.matrix import (
+from mlx_dualnorm.commands.parity import check_path_parity, run_parity_matrix
+from mlx_dualnorm.commands.parity.cases import (
     BATCH_SIZES,
     DTYPE_CONFIGURATIONS,
-    FAMILY_NAMES,
-    FULL_MATRIX_ELEMENT_BUDGET,
     HEAD_COUNTS,
     NON_CONTIGUOUS_INPUT_LAYOUTS,
     NON_CONTIGUOUS_WEIGHT_LAYOUTS,
@@ -27,6 +25,11 @@ from mlx_dualnorm.commands.parity.matrix import (
     WIDTHS,
     ParityCase,
     Weighting,
+    build_case_inputs,
+)
+from mlx_dualnorm.commands.parity.matrices import (
+    FAMILY_NAMES,
+    FULL_MATRIX_ELEMENT_BUDGET,
     build_full_parity_matrix,
     build_quick_parity_matrix,
 )

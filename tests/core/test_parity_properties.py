@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from helpers.bit_parity import assert_bit_identical, composed_reference
 from helpers.hypothesis_profiles import scaled_examples
 from mlx_dualnorm import CompiledDualHeadNorm, composed_dual_head_norm
-from mlx_dualnorm.commands.parity import ValueProfile, generate_head_values
+from mlx_dualnorm.commands.parity.cases import ValueProfile, generate_head_values
 
 FLOATING_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 SMALLEST_FLOAT32_SUBNORMAL = float(np.nextafter(np.float32(0), np.float32(1)))

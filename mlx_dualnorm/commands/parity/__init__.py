@@ -1,31 +1,32 @@
-"""``python -m mlx_dualnorm parity``: any dual head norm path (a factory
-``make_path(eps)`` of ``path(queries, keys, query_weight, key_weight) ->
-(normalized_queries, normalized_keys)``) against two ``mx.fast.rms_norm``
-calls over the matrix of :mod:`.matrix`, and the norm + RoPE of :mod:`.rope`:
-the same shape, dtype and bits (``--values``: values), then a verdict."""
+"""``python -m mlx_dualnorm parity``: dual head norm paths (factories ``make_path(eps)``
+of ``path(queries, keys, query_weight, key_weight) -> (normalized_queries,
+normalized_keys)``) against two ``mx.fast.rms_norm`` calls, and the norm + RoPE against
+its composed path, over the cases of :mod:`.matrices`: same shape, dtype and bits
+(``--values``: values). Here: the comparison, the report, running, the command line."""
 
 from __future__ import annotations
 
 import argparse
-import enum
-import math
-from typing import Callable, Mapping, Optional, Sequence
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
 import mlx.core as mx
 
 from mlx_dualnorm import composed_dual_head_norm
+from mlx_dualnorm.bits import count_bit_differences, count_value_differences
 from mlx_dualnorm.commands.shared import command, paths as compared_paths
-from mlx_dualnorm.commands.parity import rope as rope_parity
-from mlx_dualnorm.commands.parity.matrix import (
-    DEFAULT_PARITY_SEED, FAMILY_NAMES, DualNormInputs, InputLayout, ParityCase, ValueProfile,
-    WeightLayout, Weighting, build_full_parity_matrix, build_quick_parity_matrix, case_key,
+from mlx_dualnorm.commands.parity import matrices
+from mlx_dualnorm.commands.parity.cases import (
+    DEFAULT_PARITY_SEED, Outputs, ParityCase, PathCalls, build_case_inputs,
 )
-from mlx_dualnorm.commands.parity.rope import (
-    Outputs, ParityReport, format_parity_report, parity_verdict, run_cases,
+from mlx_dualnorm.commands.parity.matrices import (
+    FAMILY_NAMES, RopeParityCase, build_full_parity_matrix, build_quick_parity_matrix,
 )
 from mlx_dualnorm.commands.shared.paths import (
-    PATH_REGISTRY, DualNormPath, DualNormPathFactory, PathSelection, build_path,
-    refuse_unavailable, routinely_checked_paths, unavailable_paths,
+    PATH_REGISTRY, REFERENCE_PATH, DualNormPath, DualNormPathFactory, PathSelection, build_path,
+    describe_paths, refuse_unavailable, routinely_checked_paths, unavailable_paths,
 )
 
 PATH_FACTORIES: dict[str, DualNormPathFactory] = routinely_checked_paths()
@@ -33,169 +34,180 @@ PATH_FACTORIES: dict[str, DualNormPathFactory] = routinely_checked_paths()
 can run, and Python's mx.compile for comparison."""
 PROGRESS_INTERVAL_SECONDS = 5.0
 
-# ---- A case's inputs ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OutputDifference:
+    """How one output of a path differs from the reference's."""
+
+    output_name: str  # "normalized queries" or "normalized keys"
+    reason: str  # "shape", "dtype", "values" or "bit patterns"
+    differing_elements: int
+    element_count: int
+    detail: str = ""
+
+    def describe(self) -> str:
+        suffix = f" ({self.detail})" if self.detail else ""
+        return (f"{self.output_name}: {self.reason} differ, "
+                f"{self.differing_elements}/{self.element_count} elements{suffix}")
 
 
-class _RowKind(enum.Enum):
-    VARIED = "varied"  # magnitudes 2^-3 .. 2^3 per row
-    SIGNED_ZERO = "signed-zero"  # +0 and -0
-    NEAR_EPSILON = "near-epsilon"  # mean square from ~1e-4 eps to ~30 eps
-    OVERFLOWING = "overflowing"  # squares overflow the input dtype
-    SUBNORMAL = "subnormal"  # below the input dtype's smallest normal
-    NAN_INF_SPRINKLED = "nan-inf-sprinkled"  # ~3/32 of entries NaN/+inf/-inf
-    INFINITE = "infinite"  # every entry +inf or -inf
+def compare_dual_outputs(
+    actual: Outputs, expected: Outputs, *, bitwise: bool = False,
+) -> tuple[OutputDifference, ...]:
+    """The contract, output by output: same shape, same dtype, equal values
+    with NaN matching NaN (and with ``bitwise``, the same bits). Empty when
+    the path agrees."""
+    if not isinstance(actual, (tuple, list)) or len(actual) != 2:
+        raise TypeError(f"a dual norm path must return two arrays, got {type(actual).__name__}")
+    differences = []
+    for name, output, reference in zip(("normalized queries", "normalized keys"), actual, expected):
+        if output.shape != reference.shape:
+            differences.append(OutputDifference(
+                name, "shape", max(output.size, reference.size), reference.size,
+                f"{tuple(output.shape)} instead of {tuple(reference.shape)}"))
+        elif output.dtype != reference.dtype:
+            differences.append(OutputDifference(
+                name, "dtype", count_value_differences(output, reference), reference.size,
+                f"{output.dtype} instead of {reference.dtype}"))
+        elif differing := count_value_differences(output, reference):
+            differences.append(OutputDifference(name, "values", differing, reference.size))
+        elif bitwise and (differing := count_bit_differences(output, reference)):
+            differences.append(OutputDifference(name, "bit patterns", differing, reference.size,
+                                                "signed zeros or NaN signs/payloads"))
+    return tuple(differences)
 
 
-_ROW_KINDS_BY_PROFILE: dict[ValueProfile, tuple[_RowKind, ...]] = {
-    ValueProfile.VARIED_ROWS: (_RowKind.VARIED,),
-    ValueProfile.NEAR_EPSILON: (_RowKind.SIGNED_ZERO, _RowKind.NEAR_EPSILON, _RowKind.NEAR_EPSILON,
-                                _RowKind.SUBNORMAL, _RowKind.NEAR_EPSILON),
-    ValueProfile.ZERO_ROWS: (_RowKind.SIGNED_ZERO, _RowKind.VARIED, _RowKind.VARIED),
-    ValueProfile.OVERFLOWING_SQUARES: (_RowKind.OVERFLOWING, _RowKind.VARIED),
-    ValueProfile.SUBNORMAL_ROWS: (_RowKind.SUBNORMAL, _RowKind.VARIED),
-    ValueProfile.NAN_AND_INF: (_RowKind.VARIED, _RowKind.NAN_INF_SPRINKLED, _RowKind.VARIED,
-                               _RowKind.INFINITE),
-    ValueProfile.ALL_SPECIAL_ROWS: tuple(_RowKind),
-}
+@dataclass(frozen=True)
+class ParityMismatch:
+    """A case where the path broke the contract, or raised."""
+
+    case: ParityCase | RopeParityCase
+    differences: tuple[OutputDifference, ...] = ()
+    error: Optional[str] = None
+
+    @property
+    def differing_elements(self) -> int:
+        return sum(difference.differing_elements for difference in self.differences)
+
+    def describe(self) -> str:
+        what = (f"raised {self.error}" if self.error is not None
+                else "; ".join(difference.describe() for difference in self.differences))
+        return f"[{self.case.family}] {self.case.describe()}: {what}"
 
 
-def _row_kind_values(
-    row_kind: _RowKind, unit_values: mx.array, row_fractions: mx.array,
-    special_fractions: mx.array, dtype: mx.Dtype, eps: float,
-) -> mx.array:
-    """float32 values of one row kind, from uniform values in (-1, 1) per
-    element (``unit_values``, ``special_fractions`` in [0, 1)) and per row."""
-    varied = unit_values * mx.power(2.0, row_fractions * 6.0 - 3.0)  # lazy: costs only if used
-    if row_kind is _RowKind.VARIED:
-        return varied
-    if row_kind is _RowKind.SIGNED_ZERO:
-        return unit_values * 0.0
-    if row_kind is _RowKind.NEAR_EPSILON:
-        # Where eps decides the rounding; a zero eps is stood in for by 1e-12.
-        root_eps = math.sqrt(max(eps, 1e-12))
-        return unit_values * (root_eps * mx.power(10.0, row_fractions * 3.0 - 2.0))
-    if row_kind is _RowKind.OVERFLOWING:
-        # |x| from sqrt(max) up to the largest power of two below max: finite values.
-        largest = math.floor(math.log2(mx.finfo(dtype).max))
-        exponents = largest / 2.0 + row_fractions * (largest - largest / 2.0)
-        return unit_values * mx.power(2.0, exponents)
-    if row_kind is _RowKind.SUBNORMAL:
-        return unit_values * mx.finfo(dtype).smallest_normal
-    if row_kind is _RowKind.NAN_INF_SPRINKLED:
-        special = mx.where(special_fractions < 1 / 32, mx.nan,
-                           mx.where(special_fractions < 2 / 32, mx.inf, -mx.inf))
-        return mx.where(special_fractions < 3 / 32, special, varied)
-    if row_kind is _RowKind.INFINITE:
-        return mx.where(unit_values < 0, -mx.inf, mx.inf)
-    raise AssertionError(f"unhandled row kind {row_kind}")
+@dataclass
+class ParityReport:
+    """What one path did over one matrix."""
+
+    path_name: str
+    matrix_name: str
+    seed: int
+    bitwise: bool = False
+    mismatches: list[ParityMismatch] = field(default_factory=list)
+    cases_per_family: Counter = field(default_factory=Counter)
+    elapsed_seconds: float = 0.0  # in the path
+    reference_description: str = f"{REFERENCE_PATH!r} (2 x mx.fast.rms_norm)"
+    path_description: str = ""  # "name: what it is"; empty: the registered path's
+
+    @property
+    def cases_run(self) -> int:
+        return sum(self.cases_per_family.values())
+
+    @property
+    def mismatched_cases_per_family(self) -> Counter:
+        return Counter(mismatch.case.family for mismatch in self.mismatches)
+
+    @property
+    def mismatched_families(self) -> set[str]:
+        return set(self.mismatched_cases_per_family)
+
+    @property
+    def passed(self) -> bool:
+        return self.cases_run > 0 and not self.mismatches
 
 
-def generate_head_values(
-    shape: Sequence[int], dtype: mx.Dtype, value_profile: ValueProfile, eps: float,
-    key: mx.array,
-) -> mx.array:
-    """Inputs of ``shape`` whose rows (all axes but the last) cycle through
-    the profile's row kinds. Deterministic from ``key``."""
-    shape = tuple(shape)
-    row_shape = shape[:-1] + (1,)
-    unit_key, row_key, special_key = mx.random.split(key, 3)
-    unit_values = mx.random.uniform(-1.0, 1.0, shape, key=unit_key)
-    row_fractions = mx.random.uniform(0.0, 1.0, row_shape, key=row_key)
-    row_kinds = _ROW_KINDS_BY_PROFILE[value_profile]
-    special_fractions = (
-        mx.random.uniform(0.0, 1.0, shape, key=special_key)
-        if _RowKind.NAN_INF_SPRINKLED in row_kinds else unit_values
-    )
-    kind_values = [_row_kind_values(kind, unit_values, row_fractions, special_fractions, dtype, eps)
-                   for kind in row_kinds]
-    row_kind_index = (mx.arange(math.prod(shape[:-1])) % len(row_kinds)).reshape(row_shape)
-    values = kind_values[0]
-    for kind_index in range(1, len(row_kinds)):
-        values = mx.where(row_kind_index == kind_index, kind_values[kind_index], values)
-    return values.astype(dtype)
+Case = TypeVar("Case", ParityCase, RopeParityCase)
 
 
-def _nans(values: mx.array, width: Optional[int] = None) -> mx.array:
-    """NaN filler: of ``values``' shape, or ``width`` wide."""
-    shape = values.shape if width is None else values.shape[:-1] + (width,)
-    return mx.full(shape, mx.nan, dtype=values.dtype)
+def run_cases(
+    reports: dict[str, ParityReport], cases: Sequence[Case],
+    prepare: Callable[[Case], tuple[Outputs, PathCalls]], bitwise: bool,
+    case_done: Optional[Callable[[Case], None]] = None,
+) -> dict[str, ParityReport]:
+    """Each case against its reference, for each path of ``reports``:
+    ``prepare(case)`` gives the reference's outputs and a path's call on the
+    case's inputs, by name. A raising call is a broken contract, recorded,
+    not a harness crash; ``case_done`` is called after each case."""
+    for case in cases:
+        expected, path_call = prepare(case)
+        mx.eval(expected)
+        for path_name, report in reports.items():
+            started = time.perf_counter()
+            call = path_call(path_name)
+            try:
+                actual = call()
+                mx.eval(actual)
+                differences = compare_dual_outputs(actual, expected, bitwise=bitwise)
+                mismatch = ParityMismatch(case, differences) if differences else None
+            except Exception as error:
+                mismatch = ParityMismatch(case, error=f"{type(error).__name__}: {error}")
+            report.cases_per_family[case.family] += 1
+            report.elapsed_seconds += time.perf_counter() - started
+            if mismatch is not None:
+                report.mismatches.append(mismatch)
+        if case_done is not None:
+            case_done(case)
+    return reports
 
 
-def _evaluated(buffer: mx.array) -> mx.array:
-    """``buffer``, contiguous and evaluated: a view of it is a real strided view."""
-    buffer = mx.contiguous(buffer)
-    mx.eval(buffer)
-    return buffer
+# ---- Printing ------------------------------------------------------------------------
+
+MISMATCHES_LISTED_PER_REPORT = 20
 
 
-_INPUT_VIEWS: dict[InputLayout, Callable[[mx.array], mx.array]] = {
-    InputLayout.CONTIGUOUS: lambda values: values,
-    InputLayout.HEADS_SEQUENCE_TRANSPOSED: lambda values: _evaluated(
-        values.swapaxes(1, 2)).swapaxes(1, 2),
-    InputLayout.LAST_AXIS_STRIDED: lambda values: _evaluated(
-        values.swapaxes(-1, -2)).swapaxes(-1, -2),
-    InputLayout.ROW_SLICED: lambda values: _evaluated(  # each head after a NaN head
-        mx.stack([_nans(values), values], axis=-2).reshape(*values.shape[:2], -1, values.shape[3])
-    )[:, :, 1::2, :],
-    InputLayout.WIDTH_SLICED: lambda values: _evaluated(  # two NaN columns before, one after
-        mx.concatenate([_nans(values, 2), values, _nans(values, 1)], axis=-1))[..., 2:-1],
-    InputLayout.STEPPED_LAST_AXIS: lambda values: _evaluated(  # a NaN after each element
-        mx.stack([values, _nans(values)], axis=-1).reshape(*values.shape[:-1], -1))[..., ::2],
-    InputLayout.BROADCAST_HEADS: lambda values: mx.broadcast_to(
-        _evaluated(values[:, :, :1, :]), values.shape),
-}
-_WEIGHT_VIEWS: dict[WeightLayout, Callable[[mx.array], mx.array]] = {
-    WeightLayout.CONTIGUOUS: lambda weight: weight,
-    WeightLayout.STRIDED_COLUMN: lambda weight: _evaluated(
-        mx.stack([_nans(weight), weight, _nans(weight)], axis=-1))[:, 1],
-    WeightLayout.REVERSED: lambda weight: _evaluated(weight[::-1])[::-1],
-    WeightLayout.STEPPED: lambda weight: _evaluated(
-        mx.stack([weight, _nans(weight)], axis=-1).reshape(-1))[::2],
-    WeightLayout.BROADCAST_SCALAR: lambda weight: mx.broadcast_to(
-        _evaluated(weight[:1]), weight.shape),
-}
+def format_parity_report(report: ParityReport) -> str:
+    """A short table: cases and mismatched cases per family, then the first
+    mismatches with their case descriptions."""
+    contract = "bit patterns" if report.bitwise else "values (array_equal, NaN equal to NaN)"
+    lines = [
+        f"parity of {report.path_name!r} against {report.reference_description}, "
+        f"{report.matrix_name} matrix, seed {report.seed}: dtype + shape + {contract}",
+        f"  {report.path_description or describe_paths([report.path_name])[0]}",
+        f"  {'family':<20} {'cases':>6} {'mismatched':>11}",
+    ]
+    families = [family for family in FAMILY_NAMES if family in report.cases_per_family]
+    mismatched = report.mismatched_cases_per_family
+    for family in families + sorted(set(report.cases_per_family) - set(FAMILY_NAMES)):
+        lines.append(f"  {family:<20} {report.cases_per_family[family]:>6} "
+                     f"{mismatched[family]:>11}")
+    lines.append(f"  {'total':<20} {report.cases_run:>6} {len(report.mismatches):>11}"
+                 f"   {report.elapsed_seconds:.2f} s in the path")
+    lines += [f"  MISMATCH {mismatch.describe()}"
+              for mismatch in report.mismatches[:MISMATCHES_LISTED_PER_REPORT]]
+    if len(report.mismatches) > MISMATCHES_LISTED_PER_REPORT:
+        unlisted = len(report.mismatches) - MISMATCHES_LISTED_PER_REPORT
+        lines.append(f"  ... and {unlisted} more mismatched cases")
+    lines.append("  PASS" if report.passed else "  FAIL")
+    return "\n".join(lines)
 
 
-def build_case_inputs(case: ParityCase, seed: int = DEFAULT_PARITY_SEED) -> DualNormInputs:
-    """The evaluated inputs of one case, laid out as it says: what reproduces
-    a reported mismatch. Weights are uniform in (-2, 2): signs, small and
-    large scales."""
-    query_key, key_key, query_weight_key, key_weight_key = mx.random.split(
-        case_key(case.describe(), seed), 4
-    )
-
-    def heads(
-        shape: tuple[int, ...], dtype: mx.Dtype, layout: InputLayout, key: mx.array
-    ) -> mx.array:
-        values = generate_head_values(shape, dtype, case.value_profile, case.eps, key)
-        return _INPUT_VIEWS[layout](values)
-
-    def weight(side_only: Weighting, key: mx.array) -> Optional[mx.array]:
-        if case.weighting not in (Weighting.WEIGHTED, side_only):
-            return None
-        values = mx.random.uniform(-2.0, 2.0, (case.width,), key=key)
-        return _WEIGHT_VIEWS[case.weight_layout](values.astype(case.dtypes.weight_dtype))
-
-    inputs = DualNormInputs(
-        heads(case.query_shape, case.dtypes.query_dtype, case.query_layout, query_key),
-        heads(case.key_shape, case.dtypes.key_dtype, case.key_layout, key_key),
-        weight(Weighting.QUERY_WEIGHT_ONLY, query_weight_key),
-        weight(Weighting.KEY_WEIGHT_ONLY, key_weight_key),
-    )
-    mx.eval([array for array in vars(inputs).values() if array is not None])
-    return inputs
+def parity_verdict(reports: Sequence[ParityReport]) -> str:
+    """The one line a parity run ends with: every path identical, or which
+    paths mismatched."""
+    contract = "bit-identical" if all(report.bitwise for report in reports) else "value-identical"
+    failed = [report.path_name for report in reports if not report.passed]
+    if not failed:
+        return f"parity: all {len(reports)} path{'s' if len(reports) != 1 else ''} {contract}"
+    return (f"parity: MISMATCH in {', '.join(failed)} "
+            f"({len(reports) - len(failed)} of {len(reports)} paths {contract})")
 
 
 # ---- Running ----------------------------------------------------------------------
 
 
 def run_parity_matrix(
-    path_factories: Mapping[str, DualNormPathFactory],
-    cases: Sequence[ParityCase],
-    *,
-    seed: int = DEFAULT_PARITY_SEED,
-    matrix_name: str = "custom",
-    bitwise: bool = False,
+    path_factories: Mapping[str, DualNormPathFactory], cases: Sequence[ParityCase], *,
+    seed: int = DEFAULT_PARITY_SEED, matrix_name: str = "custom", bitwise: bool = False,
     reports: Optional[dict[str, ParityReport]] = None,
     case_done: Optional[Callable[[ParityCase], None]] = None,
 ) -> dict[str, ParityReport]:
@@ -208,20 +220,36 @@ def run_parity_matrix(
     reports.update(run_reports)
     paths: dict[tuple[str, float], DualNormPath] = {}
 
-    def prepare(case: ParityCase) -> tuple[Outputs, Callable[[str], Callable[[], Outputs]]]:
+    def prepare(case: ParityCase) -> tuple[Outputs, PathCalls]:
         inputs = build_case_inputs(case, seed)
-        arrays = (inputs.queries, inputs.keys, inputs.query_weight, inputs.key_weight)
 
         def path_call(name: str) -> Callable[[], Outputs]:
             if (name, case.eps) not in paths:
                 paths[name, case.eps] = build_path(name, path_factories[name], case.eps)
             path = paths[name, case.eps]
-            return lambda: path(*arrays)
+            return lambda: path(*inputs)
 
-        return composed_dual_head_norm(*arrays, case.eps), path_call
+        return composed_dual_head_norm(*inputs, case.eps), path_call
 
     run_cases(run_reports, cases, prepare, bitwise, case_done)
     return reports
+
+
+def run_rope_parity_matrix(
+    path_names: Sequence[str], cases: Sequence[RopeParityCase], *, seed: int, matrix_name: str,
+    bitwise: bool = True,
+) -> dict[str, ParityReport]:
+    """Every rope path over every case, against the composed norm + RoPE."""
+    reports = {
+        name: ParityReport(
+            name, matrix_name, seed, bitwise,
+            reference_description=matrices.ROPE_REFERENCE_DESCRIPTION,
+            path_description=f"{name}: {matrices.ROPE_PATH_DESCRIPTIONS[name]}"
+            if name in matrices.ROPE_PATH_DESCRIPTIONS else "",
+        )
+        for name in path_names
+    }
+    return run_cases(reports, cases, lambda case: matrices.prepare_rope_case(case, seed), bitwise)
 
 
 def _matrix(quick: bool, seed: int, families: Optional[Sequence[str]]) -> list[ParityCase]:
@@ -230,16 +258,11 @@ def _matrix(quick: bool, seed: int, families: Optional[Sequence[str]]) -> list[P
 
 
 def check_path_parity(
-    path_factory: DualNormPathFactory,
-    *,
-    quick: bool = False,
-    seed: int = DEFAULT_PARITY_SEED,
-    path_name: str = "path under test",
-    bitwise: bool = False,
+    path_factory: DualNormPathFactory, *, quick: bool = False, seed: int = DEFAULT_PARITY_SEED,
+    path_name: str = "path under test", bitwise: bool = False,
     families: Optional[Sequence[str]] = None,
 ) -> ParityReport:
-    """One path over the full (or quick) matrix, optionally only some
-    families."""
+    """One path over the full (or quick) matrix, optionally only some families."""
     unknown_families = set(families or ()) - set(FAMILY_NAMES)
     if unknown_families:
         raise ValueError(f"unknown parity families: {sorted(unknown_families)}")
@@ -250,12 +273,8 @@ def check_path_parity(
 
 
 def check_paths(
-    path_factories: Mapping[str, DualNormPathFactory],
-    rope_path_names: Sequence[str],
-    *,
-    quick: bool,
-    seed: int = DEFAULT_PARITY_SEED,
-    families: Optional[Sequence[str]] = None,
+    path_factories: Mapping[str, DualNormPathFactory], rope_path_names: Sequence[str], *,
+    quick: bool, seed: int = DEFAULT_PARITY_SEED, families: Optional[Sequence[str]] = None,
     bitwise: bool = True,
 ) -> list[ParityReport]:
     """The dual norm paths over the (quick or full) matrix, then the norm +
@@ -263,7 +282,7 @@ def check_paths(
     Ctrl-C, the reports of the cases that ran are printed, said to be
     partial, and the interrupt goes on."""
     cases = _matrix(quick, seed, families)
-    rope_cases = [case for case in rope_parity.build_rope_parity_matrix(quick=quick)
+    rope_cases = [case for case in matrices.build_rope_parity_matrix(quick=quick)
                   if not families or case.family in families]
     matrix_name = "quick" if quick else "full"
     progress = command.StepProgress(
@@ -278,7 +297,7 @@ def check_paths(
                 reports=reports, case_done=lambda case: progress.step(f"[{case.family}]"),
             )
         if rope_path_names and rope_cases:
-            reports.update(rope_parity.run_rope_parity_matrix(
+            reports.update(run_rope_parity_matrix(
                 rope_path_names, rope_cases, seed=seed, matrix_name=matrix_name, bitwise=bitwise,
             ))
     except KeyboardInterrupt:
@@ -301,8 +320,8 @@ def skipped_path_lines(skipped: Mapping[str, str]) -> list[str]:
 
 def _path_selection(path_factories: Optional[Mapping[str, DualNormPathFactory]]) -> PathSelection:
     return PathSelection.of(
-        path_factories, PATH_FACTORIES, extra_names=list(rope_parity.ROPE_PATH_DESCRIPTIONS),
-        extra_default_names=rope_parity.available_rope_paths(),
+        path_factories, PATH_FACTORIES, extra_names=list(matrices.ROPE_PATH_DESCRIPTIONS),
+        extra_default_names=matrices.available_rope_paths(),
     )
 
 
@@ -313,11 +332,13 @@ def _skipped_by_default(selection: PathSelection) -> dict[str, str]:
         path = PATH_REGISTRY.get(name)
         if name not in skipped and path is not None and not path.routinely_checked:
             skipped[name] = f"not checked by default (it retraces per shape; --path {name})"
-    skipped.update(rope_parity.unavailable_rope_paths(selection.extra_names))
+    skipped.update(matrices.unavailable_rope_paths(selection.extra_names))
     return skipped
 
 
-def _parity_parser(selection: PathSelection) -> argparse.ArgumentParser:
+def build_parser(selection: Optional[PathSelection] = None) -> argparse.ArgumentParser:
+    """The command line's parser, by default over the registered paths."""
+    selection = selection or _path_selection(None)
     parser = command.tool_parser(
         "parity",
         "Check dual head norm paths against two mx.fast.rms_norm calls, and the "
@@ -330,13 +351,13 @@ def _parity_parser(selection: PathSelection) -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick", action="store_true",
         help=f"run the quick matrix ({len(build_quick_parity_matrix())} dual norm cases and "
-        f"{len(rope_parity.build_rope_parity_matrix(quick=True))} norm + RoPE cases)",
+        f"{len(matrices.build_rope_parity_matrix(quick=True))} norm + RoPE cases)",
     )
     parser.add_argument("--seed", type=command.seed, default=DEFAULT_PARITY_SEED,
                         help="seed of the matrix and its values")
     parser.add_argument(
         "--family", dest="families", action="append",
-        choices=[*FAMILY_NAMES, rope_parity.ROPE_FAMILY, rope_parity.ROPE_ONLY_FAMILY],
+        choices=[*FAMILY_NAMES, matrices.ROPE_FAMILY, matrices.ROPE_ONLY_FAMILY],
         help="only this family of cases (repeatable; default: all)",
     )
     parser.add_argument(
@@ -349,14 +370,8 @@ def _parity_parser(selection: PathSelection) -> argparse.ArgumentParser:
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser, over the registered paths."""
-    return _parity_parser(_path_selection(None))
-
-
 def main(
-    argv: Optional[Sequence[str]] = None,
-    *,
+    argv: Optional[Sequence[str]] = None, *,
     path_factories: Optional[Mapping[str, DualNormPathFactory]] = None,
 ) -> int:
     """``python -m mlx_dualnorm parity``: prints one report per path and a
@@ -369,7 +384,7 @@ def main(
         command.select_device(arguments.device, parser)
         named = selection.named(arguments)
         rope_names = [name for name in named if name in selection.extra_names]
-        refuse_unavailable(rope_parity.unavailable_rope_paths(rope_names))
+        refuse_unavailable(matrices.unavailable_rope_paths(rope_names))
         reports = check_paths(
             selection.factories_named(named), rope_names, quick=arguments.quick,
             seed=arguments.seed, families=arguments.families, bitwise=arguments.bitwise,
@@ -381,4 +396,4 @@ def main(
         passed = all(report.passed for report in reports)
         return command.EXIT_OK if passed else command.EXIT_MISMATCH
 
-    return command.run_tool(_parity_parser(selection), run, argv)
+    return command.run_tool(build_parser(selection), run, argv)
