@@ -16,6 +16,14 @@ against mlx-lm's own code:
                   between them as the patched path runs them (exact only
                   if the run finds the same bits; plain Linear only:
                   "n/a" under ``--bits 4``)
+  safe-halves     compiled-halves with what a replacement inside the
+                  package must read at each call: the classes' ``__call__``
+                  and ``mx.fast``'s functions checked by identity, the exact
+                  types of the norms and projections, no biases, each norm's
+                  own eps and mlx-lm's ``swiglu`` read per call (the replay
+                  keyed by them and by the quantization), every array read
+                  from the module's dict and passed in (nothing served stale);
+                  the RoPE alone (llama) through the package's RoPE-only call
   no-layer-norms  patched, with both residual-block RMS norms of every
                   decoder layer removed: the ceiling of fusing them into
                   their residual adds (wrong tokens; timing only)
@@ -83,7 +91,9 @@ MODELS = {
     },
 }
 PROMPT_TOKENS = 16
-EXACT_PATHS = ("mlx-lm", "patched", "compiled-mlp", "compiled-residual-mlp", "compiled-halves")
+EXACT_PATHS = (
+    "mlx-lm", "patched", "compiled-mlp", "compiled-residual-mlp", "compiled-halves", "safe-halves",
+)
 PATHS = EXACT_PATHS + ("no-layer-norms", "step-no-cache", "compiled-no-cache")
 
 
@@ -228,6 +238,108 @@ def compiled_halves_block(self, x, mask=None, cache=None):
     )
 
 
+def _safe_halves(key: tuple):
+    """The two replays of ``safe_halves_block``; ``key`` is (input eps,
+    post-attention eps, swiglu, quantization), the quantization () for
+    plain Linear or (group_size, bits, mode), whose projections then take
+    (weight, scales, biases) triples."""
+    input_eps, post_eps, activation, quantization = key
+    if not quantization:
+        project = lambda n, w: n @ w.T  # noqa: E731
+    else:
+        group_size, bits, mode = quantization
+
+        def project(n, w):
+            weight, scales, biases = w
+            return mx.quantized_matmul(n, weight, scales=scales, biases=biases, transpose=True,
+                                       group_size=group_size, bits=bits, mode=mode)
+
+    def before(x, norm_weight, query, key, value):
+        normed = mx.fast.rms_norm(x, norm_weight, input_eps)
+        return project(normed, query), project(normed, key), project(normed, value)
+
+    def after(x, attended, output, norm_weight, gate, up, down):
+        h = x + project(attended, output)
+        normed = mx.fast.rms_norm(h, norm_weight, post_eps)
+        return h + project(activation(project(normed, gate), project(normed, up)), down)
+
+    return mx.compile(before), mx.compile(after)
+
+
+_safe_replays: dict = {}
+_SAFE_CHECKS: list = []  # (owner, attribute, value) as decided; read at every call
+
+
+def _decide_safe_checks(architecture) -> None:
+    """What the replay restates, held by identity: checked at every call,
+    so a class or function replaced after the first call is followed."""
+    attention, mlp = architecture.Attention, architecture.MLP
+    _SAFE_CHECKS[:] = [
+        (owner, attribute, getattr(owner, attribute))
+        for owner in (attention, mlp, nn.RMSNorm, nn.Linear, nn.QuantizedLinear)
+        for attribute in ("__call__",)
+    ] + [
+        (owner.__call__, "__code__", owner.__call__.__code__)
+        for owner in (attention, mlp, nn.RMSNorm, nn.Linear, nn.QuantizedLinear)
+    ] + [(mx.fast, "rms_norm", mx.fast.rms_norm), (mx.fast, "rope", mx.fast.rope)]
+
+
+def _safe_projection(linear):
+    """(quantization, arrays) of a projection read as its class reads it,
+    or None where its type or a bias is not what the replay computes."""
+    kind = type(linear)
+    if kind is nn.Linear and "bias" not in linear:
+        return (), linear["weight"]
+    if kind is nn.QuantizedLinear and "bias" not in linear:
+        return (linear.group_size, linear.bits, linear.mode), (
+            linear["weight"], linear["scales"], linear.get("biases"))
+    return None
+
+
+def safe_halves_block(self, x, mask=None, cache=None):
+    for owner, attribute, value in _SAFE_CHECKS:
+        if getattr(owner, attribute, None) is not value:
+            return _ORIGINAL_BLOCKS[type(self)](self, x, mask, cache)
+    get = dict.get
+    attention, mlp = get(self, "self_attn"), get(self, "mlp")
+    input_norm, post_norm = get(self, "input_layernorm"), get(self, "post_attention_layernorm")
+    projections = [
+        _safe_projection(get(owner, name))
+        for owner, name in ((attention, "q_proj"), (attention, "k_proj"), (attention, "v_proj"),
+                            (attention, "o_proj"), (mlp, "gate_proj"), (mlp, "up_proj"),
+                            (mlp, "down_proj"))
+    ]
+    if (cache is None or type(input_norm) is not nn.RMSNorm or type(post_norm) is not nn.RMSNorm
+            or any(p is None for p in projections)
+            or len({p[0] for p in projections}) != 1):
+        return _ORIGINAL_BLOCKS[type(self)](self, x, mask, cache)
+    activation = type(mlp).__call__.__globals__.get("swiglu")
+    key = (input_norm.eps, post_norm.eps, activation, projections[0][0])
+    replays = _safe_replays.get(key)
+    if replays is None:
+        replays = _safe_replays[key] = _safe_halves(key)
+    before, after = replays
+    query, key_, value, output, gate, up, down = (p[1] for p in projections)
+    batch, length, _ = x.shape
+    queries, keys, values = before(x, input_norm["weight"], query, key_, value)
+    queries = queries.reshape(batch, length, attention.n_heads, -1)
+    keys = keys.reshape(batch, length, attention.n_kv_heads, -1)
+    values = values.reshape(batch, length, attention.n_kv_heads, -1)
+    if "q_norm" in attention:  # qwen3: the package's norm + RoPE + cache write
+        prework = norm_rope.layer_prework(attention)
+    else:  # llama: the package's RoPE-only call + cache write
+        prework = norm_rope.LayerPrework(attention["rope"], None, None, None, None, None)
+    prepared = cache_update.prework_and_cache_update(prework, queries, keys, values, cache)
+    if prepared is None:  # the attention's prework is not what the package computes
+        return _ORIGINAL_BLOCKS[type(self)](self, x, mask, cache)
+    queries, keys, values = prepared
+    attended = cache_update.attended(attention, queries, keys, values, cache, mask, batch, length)
+    return after(x, attended, output, post_norm["weight"], gate, up, down)
+
+
+_ORIGINAL_BLOCKS: dict = {}
+
+
 def block_without_norms(self, x, mask=None, cache=None):
     h = x + self.self_attn(x, mask, cache)
     return h + self.mlp(h)
@@ -244,6 +356,10 @@ def path_of(architecture, path: str):
             block.__call__ = compiled_residual_mlp_block
         elif path == "compiled-halves":
             block.__call__ = compiled_halves_block
+        elif path == "safe-halves":
+            _ORIGINAL_BLOCKS[block] = original
+            _decide_safe_checks(architecture)
+            block.__call__ = safe_halves_block
         elif path == "no-layer-norms":
             block.__call__ = block_without_norms
         try:

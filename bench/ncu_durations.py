@@ -1,5 +1,6 @@
 """Reads ncu's text report (stdin) of a --metrics gpu__time_duration.sum run
-and prints each kernel's launches: median [min-max] µs, by kernel name."""
+and prints each kernel's launches: median [min-max] µs, by kernel name,
+then the sum of every launch's time."""
 import re
 import statistics
 import sys
@@ -21,3 +22,5 @@ for line in sys.stdin:
 for name, values in sorted(durations.items()):
     print(f"{statistics.median(values):6.2f} [{min(values):.2f}-{max(values):.2f}] µs  "
           f"x{len(values):<3d} {name}")
+print(f"{sum(sum(values) for values in durations.values()):8.2f} µs in "
+      f"{sum(len(values) for values in durations.values())} launches, all kernels")
