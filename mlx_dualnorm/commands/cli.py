@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Sequence
 import mlx.core as mx
 
 from mlx_dualnorm.commands import bench as benchmark, parity
-from mlx_dualnorm.commands.parity import matrices as rope_parity
+from mlx_dualnorm.commands.parity import matrices
 from mlx_dualnorm.commands.shared.command import (
     EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, PROGRAM, DefaultShownOnceFormatter, ToolParser,
     add_device_argument, error_line, run_tool, select_device,
@@ -96,7 +96,7 @@ def _run_main_job(arguments: argparse.Namespace, parser: argparse.ArgumentParser
     skipped = unavailable_paths(benchmarked)
     reports = parity.check_paths(
         {name: PATH_REGISTRY[name].factory for name in benchmarked if name not in skipped},
-        rope_parity.available_rope_paths(),
+        matrices.available_rope_paths(),
         quick=True,
     )
     print()

@@ -15,7 +15,7 @@ import pytest
 
 from mlx_dualnorm import available_modes, composed_dual_head_norm
 from mlx_dualnorm.commands import bench as benchmark, cli, parity, replay
-from mlx_dualnorm.commands.parity import matrices as rope_parity
+from mlx_dualnorm.commands.parity import matrices
 
 FUSED_AVAILABLE = "fused" in available_modes()
 needs_no_fused = pytest.mark.skipif(FUSED_AVAILABLE, reason="the fused mode runs here")
@@ -134,14 +134,14 @@ def test_parity_checks_the_norm_rope_against_its_composed_path(capsys):
 
 
 def test_the_norm_rope_check_catches_a_reference_one_position_off(monkeypatch):
-    composed = rope_parity.composed_dual_head_norm_rope
+    composed = matrices.composed_dual_head_norm_rope
 
     def one_position_later(*arguments, offset=0, **options):
         return composed(*arguments, offset=offset + 1, **options)
 
-    monkeypatch.setattr(rope_parity, "composed_dual_head_norm_rope", one_position_later)
+    monkeypatch.setattr(matrices, "composed_dual_head_norm_rope", one_position_later)
     (report,) = parity.run_rope_parity_matrix(
-        ["rope_compiled"], rope_parity.build_rope_parity_matrix(quick=True), seed=1,
+        ["rope_compiled"], matrices.build_rope_parity_matrix(quick=True), seed=1,
         matrix_name="quick",
     ).values()
     assert not report.passed
@@ -149,7 +149,7 @@ def test_the_norm_rope_check_catches_a_reference_one_position_off(monkeypatch):
 
 
 def test_the_rope_matrix_covers_dtypes_offsets_and_rope_variants():
-    cases = rope_parity.build_rope_parity_matrix()
+    cases = matrices.build_rope_parity_matrix()
     assert {case.dtype_name for case in cases} == {"bfloat16", "float16", "float32"}
     assert {0, 7, 4095} <= {case.offset for case in cases}
     assert any(isinstance(case.offset, tuple) for case in cases)  # one offset per batch entry

@@ -194,6 +194,17 @@ def test_epsilon_one_ulp_high_is_caught_by_the_epsilon_family() -> None:
     )
 
 
+def test_an_empty_family_list_selects_no_case() -> None:
+    """None means every family; an empty list means none: a caller that
+    filtered its families down to nothing runs nothing, and its report
+    does not pass (no case ran)."""
+    report = check_path_parity(make_compiled_path, quick=True, families=[])
+
+    assert report.cases_run == 0
+    assert not report.passed
+    assert check_path_parity(make_compiled_path, quick=True, families=["epsilon"]).cases_run > 0
+
+
 def test_epsilon_one_ulp_high_is_caught_by_the_quick_matrix() -> None:
     report = check_path_parity(make_path_with_epsilon_one_ulp_high, quick=True)
 

@@ -206,7 +206,10 @@ class _Run:
         self, kind: MetricKind, scenario: Scenario, samples: dict[str, list[tuple]], index: int,
         scale: float = 1.0, summary: Callable[..., float] = statistics.median,
     ) -> None:
-        """Per path, ``summary`` of its samples' ``index``-th numbers, over ``scale``."""
+        """Per path, ``summary`` of its samples' ``index``-th numbers, over ``scale``
+        (a sample is (build us, release us) of a host batch, (build ns, total
+        ns) of a decode token, (ns, peak bytes) of a prefill call; a scale of
+        1e3 turns ns into us)."""
         metric = self.metrics.setdefault(kind.key(scenario), MetricResult(kind, scenario))
         for name, path_samples in samples.items():
             values = (sample[index] for sample in path_samples)
@@ -218,23 +221,23 @@ class _Run:
         host_batch = functools.partial(build_batch, calls=config.host_calls_per_batch)
         for scenario in DECODE_SCENARIOS:
             batches = self.sample(scenario, repeat, host_batch, config.host_batches, warmup=1)
-            self.record(HOST_CALL, scenario, batches, 0)
-            self.record(HOST_RELEASE, scenario, batches, 1)
+            self.record(HOST_CALL, scenario, batches, index=0)
+            self.record(HOST_RELEASE, scenario, batches, index=1)
         decode_token = functools.partial(run_decode_token, layers=config.layers)
         for scenario in DECODE_SCENARIOS:
             tokens = self.sample(
                 scenario, repeat, decode_token, config.decode_tokens,
                 warmup=config.decode_warmup_tokens, per_turn=config.decode_tokens_per_turn,
             )
-            self.record(DECODE_TOKEN, scenario, tokens, 1, 1e3)
-            self.record(DECODE_BUILD, scenario, tokens, 0, 1e3)
+            self.record(DECODE_TOKEN, scenario, tokens, index=1, scale=1e3)
+            self.record(DECODE_BUILD, scenario, tokens, index=0, scale=1e3)
         # Same buffer cache for every path: emptied once, then one warm-up
         # call each refills it.
         mx.clear_cache()
         prefill = GATED_DELTA_PREFILL
         calls = self.sample(prefill, repeat, run_prefill_call, config.prefill_iterations, warmup=1)
-        self.record(PREFILL_CALL, prefill, calls, 0, 1e3)
-        self.record(PREFILL_PEAK, prefill, calls, 1, summary=max)
+        self.record(PREFILL_CALL, prefill, calls, index=0, scale=1e3)
+        self.record(PREFILL_PEAK, prefill, calls, index=1, summary=max)
         self.completed_repeats += 1
 
     def report(self) -> BenchmarkReport:

@@ -217,8 +217,8 @@ def format_bench_report(report: dict) -> str:
     """Median and range over rounds of ms/token, both paths, and the ratio."""
 
     def spread(values: list, digits: int) -> str:
-        low, median, high = (f"{value:.{digits}f}" for value in command.spread(values).values())
-        return f"{median} [{low} .. {high}]"
+        summary = command.spread(values)
+        return f"{summary['median']:.{digits}f} [{summary['min']:.{digits}f} .. {summary['max']:.{digits}f}]"
 
     config = report["config"]
     shape = ", ".join(f"{key} {config[key]}" for key in

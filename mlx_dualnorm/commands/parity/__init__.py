@@ -254,7 +254,7 @@ def run_rope_parity_matrix(
 
 def _matrix(quick: bool, seed: int, families: Optional[Sequence[str]]) -> list[ParityCase]:
     cases = build_quick_parity_matrix(seed) if quick else build_full_parity_matrix(seed)
-    return [case for case in cases if not families or case.family in families]
+    return [case for case in cases if families is None or case.family in families]
 
 
 def check_path_parity(
@@ -283,7 +283,7 @@ def check_paths(
     partial, and the interrupt goes on."""
     cases = _matrix(quick, seed, families)
     rope_cases = [case for case in matrices.build_rope_parity_matrix(quick=quick)
-                  if not families or case.family in families]
+                  if families is None or case.family in families]
     matrix_name = "quick" if quick else "full"
     progress = command.StepProgress(
         f"parity, {matrix_name} matrix, cases", len(cases) if path_factories else 0,

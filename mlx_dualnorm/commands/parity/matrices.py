@@ -126,6 +126,7 @@ def _non_contiguous_family(at: _At, case: _CaseOfFamily) -> list[ParityCase]:
     Width-sliced weightless inputs are the production gated-delta case."""
     layouts = NON_CONTIGUOUS_INPUT_LAYOUTS
     cases: list[ParityCase] = []
+    weighted_cases = 0
     for position, (layout_index, dtypes) in enumerate(
         itertools.product(range(len(layouts)), BASE_DTYPE_CONFIGURATIONS)
     ):
@@ -133,10 +134,10 @@ def _non_contiguous_family(at: _At, case: _CaseOfFamily) -> list[ParityCase]:
         weighting = pick("weighting", tuple(Weighting))
         weight_layout = "contiguous"
         if weighting is not Weighting.WEIGHTLESS:
-            weighted_position = sum(case.weighting is not Weighting.WEIGHTLESS for case in cases)
-            weight_layout = at("views", weighted_position)(
+            weight_layout = at("views", weighted_cases)(
                 "weight-layout", NON_CONTIGUOUS_WEIGHT_LAYOUTS
             )
+            weighted_cases += 1
         cases.append(case(
             width=pick("width", (64, 128, 200, 256)), dtypes=dtypes,
             heads=pick("heads", HEAD_COUNTS),

@@ -56,7 +56,10 @@ def register_path(
 def make_composed_path(eps: float) -> DualNormPath:
     """The reference: two ``mx.fast.rms_norm`` calls, nothing compiled."""
 
-    def composed_path(queries, keys, query_weight, key_weight):
+    def composed_path(
+        queries: mx.array, keys: mx.array,
+        query_weight: Optional[mx.array], key_weight: Optional[mx.array],
+    ) -> tuple[mx.array, mx.array]:
         return composed_dual_head_norm(queries, keys, query_weight, key_weight, eps)
 
     return composed_path
@@ -85,12 +88,16 @@ make_compiled_path = package_mode_factory("compiled")
 
 register_path(REFERENCE_PATH, make_composed_path,
               "the reference: two mx.fast.rms_norm calls, nothing compiled")
-register_path("compiled", make_compiled_path, "mlx_dualnorm.CompiledDualHeadNorm(mode='compiled'): "
-              "one graph compiled in C, traced per shape",
-              available=lambda: "compiled" in available_modes())
-register_path("fused", package_mode_factory("fused"), "mlx_dualnorm.CompiledDualHeadNorm("
-              "mode='fused'): one kernel for both inputs (CUDA)",
-              available=lambda: "fused" in available_modes())
+register_path(
+    "compiled", make_compiled_path,
+    "mlx_dualnorm.CompiledDualHeadNorm(mode='compiled'): one graph compiled in C, traced per shape",
+    available=lambda: "compiled" in available_modes(),
+)
+register_path(
+    "fused", package_mode_factory("fused"),
+    "mlx_dualnorm.CompiledDualHeadNorm(mode='fused'): one kernel for both inputs (CUDA)",
+    available=lambda: "fused" in available_modes(),
+)
 register_path("mx_compile", make_mx_compile_path,
               "Python mx.compile(shapeless=True) of the two mx.fast.rms_norm calls")
 register_path("mx_compile_shaped", lambda eps: mx.compile(make_composed_path(eps)),
