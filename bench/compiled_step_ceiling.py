@@ -1,0 +1,140 @@
+"""Device experiment: an exact replay of a whole decode step.
+
+mlx-lm's own model code runs under one ``mx.compile(shapeless=True)``
+with the model's arrays as implicit inputs (read at each call: nothing
+served stale), the step's cache handed in as a stand-in whose
+``update_and_fetch`` concatenates the rows cached so far (an input, the
+buffer's rows ``[0, offset)``) with the step's new rows, and whose offset
+is an array (RoPE takes it so); after the replay the new rows go into
+mlx-lm's own ``KVCache`` by its ``update_and_fetch``. Attention then reads
+the same key and value rows in the same order as mlx-lm's, and the run
+says whether every step's log-probabilities keep mlx-lm's bits.
+
+``compiled-step-captured`` is the same replay with the model's arrays
+captured in the trace (stale after any update: timing only, the cost of
+reading them at each call). For the models of ``bench/layer_ceilings.py``,
+paths round-robin per round, ratio to mlx-lm per round, median [range]:
+
+    python3 bench/compiled_step_ceiling.py [--models qwen3-1024,llama-2048]
+                                           [--rounds 7] [--steps 64] [--layers N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import layer_ceilings
+from mlx_dualnorm.integrations import mlx_lm as integration
+
+
+class _StepCache:
+    """What one layer's attention sees of its cache inside the replay."""
+
+    def __init__(self, offset: mx.array, keys: mx.array, values: mx.array) -> None:
+        self.offset = offset
+        self._past = (keys, values)
+        self.written: tuple = ()
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.written = (keys, values)
+        past_keys, past_values = self._past
+        return (mx.concatenate([past_keys, keys], axis=2),
+                mx.concatenate([past_values, values], axis=2))
+
+
+def replayed_step(model, captured: bool = False):
+    """The replay; ``captured``: the model's arrays captured in the trace
+    instead of read at each call (served stale after any update: timing
+    only, the cost of reading them)."""
+
+    def step(tokens, offset, pasts):
+        caches = [_StepCache(offset, keys, values) for keys, values in pasts]
+        logits = model(tokens, cache=caches)
+        return logits, [cache.written for cache in caches]
+
+    if captured:
+        return mx.compile(step, shapeless=True)
+    return mx.compile(step, inputs=model.state, shapeless=True)
+
+
+def decode(model, prompt, steps: int, path: str):
+    """(token ids, a hash per step of its log-probabilities' bits, median
+    ms per step), pipelined as mlx-lm's generate_step is."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    compiled = None
+    if path.startswith("compiled-step"):
+        compiled = replayed_step(model, captured=path == "compiled-step-captured")
+
+    def forward(tokens):
+        if compiled is None:
+            return model(tokens, cache=cache)
+        offset = cache[0].offset
+        pasts = [(c.keys[..., :offset, :], c.values[..., :offset, :]) for c in cache]
+        logits, written = compiled(tokens, mx.array(offset, dtype=mx.int32), pasts)
+        for c, (keys, values) in zip(cache, written):
+            c.update_and_fetch(keys, values)
+        return logits
+
+    logits = model(prompt, cache=cache)
+    logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
+    token = mx.argmax(logprobs, axis=-1)
+    mx.async_eval(token, logprobs)
+    tokens, hashes, seconds = [], [], []
+    previous = time.perf_counter()
+    for _ in range(steps + 1):
+        logits = forward(token[:, None])
+        next_logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
+        next_token = mx.argmax(next_logprobs, axis=-1)
+        mx.async_eval(next_token, next_logprobs)
+        tokens.append(tuple(token.tolist()))
+        hashes.append(hashlib.sha1(np.array(logprobs.view(mx.uint16)).tobytes()).hexdigest()[:12])
+        now = time.perf_counter()
+        if len(tokens) > 1:
+            seconds.append(now - previous)
+        previous = now
+        token, logprobs = next_token, next_logprobs
+    return tokens, hashes, 1e3 * statistics.median(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="qwen3-1024,llama-2048")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--layers", type=int)
+    args = parser.parse_args()
+    paths = ("mlx-lm", "patched", "compiled-step", "compiled-step-captured")
+    print(f"MLX {mx.__version__} on {mx.default_device()}; {args.rounds} rounds of "
+          f"{args.steps} steps, ms per step, ratio to mlx-lm per round: median [range]")
+    for name in args.models.split(","):
+        _, model, prompt = layer_ceilings.build(layer_ceilings.MODELS[name], args.layers)
+
+        def run(path, steps):
+            with integration.patch() if path == "patched" else integration.unpatch():
+                return decode(model, prompt, steps, path)
+
+        reference = run("mlx-lm", 24)[:2]
+        for path in paths[1:]:
+            same = run(path, 24)[:2] == reference
+            print(f"  {name} {path:22s} {'tokens and log-probs bit-identical' if same else 'DIFFERS'}")
+        times: dict[str, list[float]] = {path: [] for path in paths}
+        for round_index in range(args.rounds):
+            for path in paths if round_index % 2 == 0 else paths[::-1]:
+                times[path].append(run(path, args.steps)[2])
+        for path in paths:
+            ratios = [t / r for t, r in zip(times[path], times["mlx-lm"])]
+            print(f"  {name} {path:22s} {statistics.median(times[path]):7.3f} ms  "
+                  f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]")
+        del model
+
+
+if __name__ == "__main__":
+    main()
