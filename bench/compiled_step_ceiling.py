@@ -12,7 +12,11 @@ says whether every step's log-probabilities keep mlx-lm's bits.
 
 ``compiled-step-captured`` is the same replay with the model's arrays
 captured in the trace (stale after any update: timing only, the cost of
-reading them at each call). For the models of ``bench/layer_ceilings.py``,
+reading them at each call); ``no-cache`` and ``no-cache-shapeless`` the
+step without a cache (each token attends to itself: timing only) under
+``mx.compile``, traced for its shape or shapeless. Each path's host call
+(the graph building of a step, including the cache's slices and writes
+around a replay) is timed apart. For the models of ``bench/layer_ceilings.py``,
 paths round-robin per round, ratio to mlx-lm per round, median [range]:
 
     python3 bench/compiled_step_ceiling.py [--models qwen3-1024,llama-2048]
@@ -65,15 +69,20 @@ def replayed_step(model, captured: bool = False):
 
 def decode(model, prompt, steps: int, path: str):
     """(token ids, a hash per step of its log-probabilities' bits, median
-    ms per step), pipelined as mlx-lm's generate_step is."""
+    ms per step, median us of the host's call building a step's graph),
+    pipelined as mlx-lm's generate_step is."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     compiled = None
     if path.startswith("compiled-step"):
         compiled = replayed_step(model, captured=path == "compiled-step-captured")
+    elif path.startswith("no-cache"):  # timing only: each step attends to itself
+        no_cache = mx.compile(lambda tokens: model(tokens), shapeless=path == "no-cache-shapeless")
 
     def forward(tokens):
+        if path.startswith("no-cache"):
+            return no_cache(tokens)
         if compiled is None:
             return model(tokens, cache=cache)
         offset = cache[0].offset
@@ -87,10 +96,12 @@ def decode(model, prompt, steps: int, path: str):
     logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
     token = mx.argmax(logprobs, axis=-1)
     mx.async_eval(token, logprobs)
-    tokens, hashes, seconds = [], [], []
+    tokens, hashes, seconds, host = [], [], [], []
     previous = time.perf_counter()
     for _ in range(steps + 1):
+        started = time.perf_counter()
         logits = forward(token[:, None])
+        host.append(time.perf_counter() - started)
         next_logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
         next_token = mx.argmax(next_logprobs, axis=-1)
         mx.async_eval(next_token, next_logprobs)
@@ -101,7 +112,7 @@ def decode(model, prompt, steps: int, path: str):
             seconds.append(now - previous)
         previous = now
         token, logprobs = next_token, next_logprobs
-    return tokens, hashes, 1e3 * statistics.median(seconds)
+    return tokens, hashes, 1e3 * statistics.median(seconds), 1e6 * statistics.median(host)
 
 
 def main() -> None:
@@ -111,7 +122,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--layers", type=int)
     args = parser.parse_args()
-    paths = ("mlx-lm", "patched", "compiled-step", "compiled-step-captured")
+    paths = ("mlx-lm", "patched", "compiled-step", "compiled-step-captured", "no-cache",
+             "no-cache-shapeless")
     print(f"MLX {mx.__version__} on {mx.default_device()}; {args.rounds} rounds of "
           f"{args.steps} steps, ms per step, ratio to mlx-lm per round: median [range]")
     for name in args.models.split(","):
@@ -123,16 +135,23 @@ def main() -> None:
 
         reference = run("mlx-lm", 24)[:2]
         for path in paths[1:]:
+            if path.startswith("no-cache"):
+                print(f"  {name} {path:22s} timing only")
+                continue
             same = run(path, 24)[:2] == reference
             print(f"  {name} {path:22s} {'tokens and log-probs bit-identical' if same else 'DIFFERS'}")
         times: dict[str, list[float]] = {path: [] for path in paths}
+        host: dict[str, list[float]] = {path: [] for path in paths}
         for round_index in range(args.rounds):
             for path in paths if round_index % 2 == 0 else paths[::-1]:
-                times[path].append(run(path, args.steps)[2])
+                _, _, step_ms, host_us = run(path, args.steps)
+                times[path].append(step_ms)
+                host[path].append(host_us)
         for path in paths:
             ratios = [t / r for t, r in zip(times[path], times["mlx-lm"])]
             print(f"  {name} {path:22s} {statistics.median(times[path]):7.3f} ms  "
-                  f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]")
+                  f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]  "
+                  f"host call {statistics.median(host[path]):8.1f} us")
         del model
 
 
