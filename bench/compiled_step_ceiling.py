@@ -26,12 +26,9 @@ paths round-robin per round, ratio to mlx-lm per round, median [range]:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
-import time
 
 import mlx.core as mx
-import numpy as np
 
 import layer_ceilings
 from mlx_dualnorm.integrations import mlx_lm as integration
@@ -92,27 +89,7 @@ def decode(model, prompt, steps: int, path: str):
             c.update_and_fetch(keys, values)
         return logits
 
-    logits = model(prompt, cache=cache)
-    logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
-    token = mx.argmax(logprobs, axis=-1)
-    mx.async_eval(token, logprobs)
-    tokens, hashes, seconds, host = [], [], [], []
-    previous = time.perf_counter()
-    for _ in range(steps + 1):
-        started = time.perf_counter()
-        logits = forward(token[:, None])
-        host.append(time.perf_counter() - started)
-        next_logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
-        next_token = mx.argmax(next_logprobs, axis=-1)
-        mx.async_eval(next_token, next_logprobs)
-        tokens.append(tuple(token.tolist()))
-        hashes.append(hashlib.sha1(np.array(logprobs.view(mx.uint16)).tobytes()).hexdigest()[:12])
-        now = time.perf_counter()
-        if len(tokens) > 1:
-            seconds.append(now - previous)
-        previous = now
-        token, logprobs = next_token, next_logprobs
-    return tokens, hashes, 1e3 * statistics.median(seconds), 1e6 * statistics.median(host)
+    return layer_ceilings.timed_greedy(forward, model(prompt, cache=cache), steps)
 
 
 def main() -> None:

@@ -381,13 +381,23 @@ def decode(model, prompt, steps: int, path: str):
         cache = make_prompt_cache(model)
         step = lambda tokens: model(tokens, cache=cache)  # noqa: E731
         logits = model(prompt, cache=cache)
+    return timed_greedy(step, logits, steps)[:3]
+
+
+def timed_greedy(step, logits, steps: int):
+    """Greedy decode from the prompt's ``logits``, ``step(tokens)`` giving
+    each next step's: (token ids, a hash per step of its log-probabilities'
+    bits, median ms per step, median us of the host's ``step`` call),
+    pipelined as mlx-lm's generate_step is."""
     logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
     token = mx.argmax(logprobs, axis=-1)
     mx.async_eval(token, logprobs)
-    tokens, hashes, seconds = [], [], []
+    tokens, hashes, seconds, host = [], [], [], []
     previous = time.perf_counter()
     for _ in range(steps + 1):
+        started = time.perf_counter()
         logits = step(token[:, None])
+        host.append(time.perf_counter() - started)
         next_logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], keepdims=True)
         next_token = mx.argmax(next_logprobs, axis=-1)
         mx.async_eval(next_token, next_logprobs)
@@ -398,7 +408,7 @@ def decode(model, prompt, steps: int, path: str):
             seconds.append(now - previous)
         previous = now
         token, logprobs = next_token, next_logprobs
-    return tokens, hashes, 1e3 * statistics.median(seconds)
+    return tokens, hashes, 1e3 * statistics.median(seconds), 1e6 * statistics.median(host)
 
 
 def main() -> None:
