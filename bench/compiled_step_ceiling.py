@@ -65,23 +65,22 @@ def replayed_step(model, captured: bool = False):
 
 
 def decode(model, prompt, steps: int, path: str):
-    """(token ids, a hash per step of its log-probabilities' bits, median
-    ms per step, median us of the host's call building a step's graph),
-    pipelined as mlx-lm's generate_step is."""
+    """``layer_ceilings.timed_greedy`` of ``path``'s step: the replay, the
+    step without a cache compiled shapeless, or the paths of
+    ``layer_ceilings.decode`` (``no-cache`` is its ``compiled-no-cache``)."""
+    if path == "no-cache-shapeless":  # timing only: each step attends to itself
+        forward = mx.compile(model, shapeless=True)
+        return layer_ceilings.timed_greedy(forward, forward(prompt), steps)
+    if not path.startswith("compiled-step"):
+        return layer_ceilings.decode(
+            model, prompt, steps, "compiled-no-cache" if path == "no-cache" else path
+        )
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    compiled = None
-    if path.startswith("compiled-step"):
-        compiled = replayed_step(model, captured=path == "compiled-step-captured")
-    elif path.startswith("no-cache"):  # timing only: each step attends to itself
-        no_cache = mx.compile(lambda tokens: model(tokens), shapeless=path == "no-cache-shapeless")
+    compiled = replayed_step(model, captured=path == "compiled-step-captured")
 
     def forward(tokens):
-        if path.startswith("no-cache"):
-            return no_cache(tokens)
-        if compiled is None:
-            return model(tokens, cache=cache)
         offset = cache[0].offset
         pasts = [(c.keys[..., :offset, :], c.values[..., :offset, :]) for c in cache]
         logits, written = compiled(tokens, mx.array(offset, dtype=mx.int32), pasts)
@@ -106,7 +105,7 @@ def main() -> None:
     for name in args.models.split(","):
         _, model, prompt = layer_ceilings.build(layer_ceilings.MODELS[name], args.layers)
 
-        def run(path, steps):
+        def run(path, steps, model=model):
             with integration.patch() if path == "patched" else integration.unpatch():
                 return decode(model, prompt, steps, path)
 

@@ -11,8 +11,6 @@ prompt (ncu's report holds the prompt's kernels too, alike in both).
 """
 import sys
 
-import mlx.core as mx
-
 import layer_ceilings
 from mlx_dualnorm.integrations import mlx_lm as integration
 

@@ -268,20 +268,18 @@ def _safe_halves(key: tuple):
 
 _safe_replays: dict = {}
 _SAFE_CHECKS: list = []  # (owner, attribute, value) as decided; read at every call
+_ORIGINAL_BLOCKS: dict = {}  # block class -> its own __call__, for every fallback
 
 
 def _decide_safe_checks(architecture) -> None:
     """What the replay restates, held by identity: checked at every call,
     so a class or function replaced after the first call is followed."""
-    attention, mlp = architecture.Attention, architecture.MLP
+    owners = (architecture.Attention, architecture.MLP, nn.RMSNorm, nn.Linear, nn.QuantizedLinear)
     _SAFE_CHECKS[:] = [
-        (owner, attribute, getattr(owner, attribute))
-        for owner in (attention, mlp, nn.RMSNorm, nn.Linear, nn.QuantizedLinear)
-        for attribute in ("__call__",)
-    ] + [
-        (owner.__call__, "__code__", owner.__call__.__code__)
-        for owner in (attention, mlp, nn.RMSNorm, nn.Linear, nn.QuantizedLinear)
-    ] + [(mx.fast, "rms_norm", mx.fast.rms_norm), (mx.fast, "rope", mx.fast.rope)]
+        *((owner, "__call__", owner.__call__) for owner in owners),
+        *((owner.__call__, "__code__", owner.__call__.__code__) for owner in owners),
+        (mx.fast, "rms_norm", mx.fast.rms_norm), (mx.fast, "rope", mx.fast.rope),
+    ]
 
 
 def _safe_projection(linear):
@@ -337,9 +335,6 @@ def safe_halves_block(self, x, mask=None, cache=None):
     return after(x, attended, output, post_norm["weight"], gate, up, down)
 
 
-_ORIGINAL_BLOCKS: dict = {}
-
-
 def block_without_norms(self, x, mask=None, cache=None):
     h = x + self.self_attn(x, mask, cache)
     return h + self.mlp(h)
@@ -369,8 +364,8 @@ def path_of(architecture, path: str):
 
 
 def decode(model, prompt, steps: int, path: str):
-    """(token ids, a hash per step of its log-probabilities' bits, median
-    ms per decode step), pipelined as mlx-lm's generate_step is."""
+    """:func:`timed_greedy` of ``path``'s step (a step without a cache for
+    the no-cache paths, else mlx-lm's ``model`` with a prompt cache)."""
     if path in ("step-no-cache", "compiled-no-cache"):
         forward = mx.compile(model) if path == "compiled-no-cache" else model
         step = lambda tokens: forward(tokens)  # noqa: E731
@@ -381,7 +376,7 @@ def decode(model, prompt, steps: int, path: str):
         cache = make_prompt_cache(model)
         step = lambda tokens: model(tokens, cache=cache)  # noqa: E731
         logits = model(prompt, cache=cache)
-    return timed_greedy(step, logits, steps)[:3]
+    return timed_greedy(step, logits, steps)
 
 
 def timed_greedy(step, logits, steps: int):
@@ -436,7 +431,7 @@ def main() -> None:
                     print(f"  {name} {path:21s} n/a (plain Linear only)")
                 continue
             with path_of(architecture, path):
-                tokens, hashes, _ = decode(model, prompt, min(args.steps, 16), path)
+                tokens, hashes = decode(model, prompt, min(args.steps, 16), path)[:2]
             if path == "mlx-lm":
                 reference = (tokens, hashes)
             verdict = "timing only"

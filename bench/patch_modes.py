@@ -64,7 +64,7 @@ def main() -> None:
         reference = None
         for path in paths:
             with patched(path):
-                tokens, hashes, _ = layer_ceilings.decode(model, prompt, 16, "patched")
+                tokens, hashes = layer_ceilings.decode(model, prompt, 16, "patched")[:2]
             reference = reference or (tokens, hashes)
             same = (tokens, hashes) == reference
             print(f"  {name} {path:9s} {'bit-identical' if same else 'DIFFERS'}")
@@ -73,14 +73,14 @@ def main() -> None:
         for round_index in range(args.rounds):
             for path in paths if round_index % 2 == 0 else paths[::-1]:
                 with patched(path):
-                    step_ms[path].append(layer_ceilings.decode(model, prompt, args.steps, "x")[2])
+                    step_ms[path].append(layer_ceilings.decode(model, prompt, args.steps, "patched")[2])
                     host_us[path].append(host_us_per_step(model, prompt, args.steps))
         for path in paths:
             cells = []
-            for values, unit in ((step_ms[path], "ms/step"), (host_us[path], "host us/step")):
-                ratios = [v / r for v, r in zip(values, (step_ms if unit == "ms/step" else host_us)["mlx-lm"])]
-                cells.append(f"{statistics.median(values):8.3f} {unit} {statistics.median(ratios):.3f}x "
-                             f"[{min(ratios):.3f}-{max(ratios):.3f}]")
+            for measured, unit in ((step_ms, "ms/step"), (host_us, "host us/step")):
+                ratios = [v / r for v, r in zip(measured[path], measured["mlx-lm"])]
+                cells.append(f"{statistics.median(measured[path]):8.3f} {unit} "
+                             f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]")
             print(f"  {name} {path:9s} " + "   ".join(cells))
         del model
 
