@@ -254,7 +254,7 @@ def run_rope_parity_matrix(
 
 def _matrix(quick: bool, seed: int, families: Optional[Sequence[str]]) -> list[ParityCase]:
     cases = build_quick_parity_matrix(seed) if quick else build_full_parity_matrix(seed)
-    return [case for case in cases if families is None or case.family in families]
+    return matrices.of_families(cases, families)
 
 
 def check_path_parity(
@@ -282,8 +282,7 @@ def check_paths(
     Ctrl-C, the reports of the cases that ran are printed, said to be
     partial, and the interrupt goes on."""
     cases = _matrix(quick, seed, families)
-    rope_cases = [case for case in matrices.build_rope_parity_matrix(quick=quick)
-                  if families is None or case.family in families]
+    rope_cases = matrices.of_families(matrices.build_rope_parity_matrix(quick=quick), families)
     matrix_name = "quick" if quick else "full"
     progress = command.StepProgress(
         f"parity, {matrix_name} matrix, cases", len(cases) if path_factories else 0,

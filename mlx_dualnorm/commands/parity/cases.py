@@ -280,6 +280,9 @@ EPSILONS: tuple[float, ...] = (1e-6, 1e-5, 1e-12, 0.0)
 """1e-6 and 1e-5 are what models use, 1e-12 sits far below any float32
 mean square of O(1) rows, and 0 turns zero rows into 0 * inf = NaN."""
 WEIGHTED_WEIGHTINGS = (Weighting.WEIGHTED, Weighting.QUERY_WEIGHT_ONLY, Weighting.KEY_WEIGHT_ONLY)
-NON_CONTIGUOUS_INPUT_LAYOUTS = tuple(INPUT_VIEWS)[1:]  # all but the first, contiguous
-NON_CONTIGUOUS_WEIGHT_LAYOUTS = tuple(WEIGHT_VIEWS)[1:]
-SPECIAL_VALUE_PROFILES = tuple(ValueProfile)[2:]  # all but the width and epsilon families'
+NON_CONTIGUOUS_INPUT_LAYOUTS = tuple(name for name in INPUT_VIEWS if name != "contiguous")
+NON_CONTIGUOUS_WEIGHT_LAYOUTS = tuple(name for name in WEIGHT_VIEWS if name != "contiguous")
+SPECIAL_VALUE_PROFILES: tuple[ValueProfile, ...] = (
+    ValueProfile.ZERO_ROWS, ValueProfile.OVERFLOWING_SQUARES, ValueProfile.SUBNORMAL_ROWS,
+    ValueProfile.NAN_AND_INF, ValueProfile.ALL_SPECIAL_ROWS,
+)

@@ -12,7 +12,7 @@ import functools
 import itertools
 import random
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence, Union, cast
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union, cast
 
 import mlx.core as mx
 
@@ -313,6 +313,14 @@ def build_rope_parity_matrix(quick: bool = False) -> list[RopeParityCase]:
         cases.append(RopeParityCase(*shape, dtype_name="bfloat16", offset=offsets[1],
                                     weighted=False, norms=False, family=ROPE_ONLY_FAMILY))
     return cases
+
+
+Case = TypeVar("Case", ParityCase, RopeParityCase)
+
+
+def of_families(cases: Sequence[Case], families: Optional[Sequence[str]]) -> list[Case]:
+    """The cases of ``families``; every case where None (an empty list: none)."""
+    return [case for case in cases if families is None or case.family in families]
 
 
 def rope_case_inputs(
