@@ -10,7 +10,7 @@ import argparse
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Callable, Mapping, Optional, Sequence
 
 import mlx.core as mx
 
@@ -22,7 +22,7 @@ from mlx_dualnorm.commands.parity.cases import (
     DEFAULT_PARITY_SEED, Outputs, ParityCase, PathCalls, build_case_inputs,
 )
 from mlx_dualnorm.commands.parity.matrices import (
-    FAMILY_NAMES, RopeParityCase, build_full_parity_matrix, build_quick_parity_matrix,
+    FAMILY_NAMES, Case, RopeParityCase, build_full_parity_matrix, build_quick_parity_matrix,
 )
 from mlx_dualnorm.commands.shared.paths import (
     PATH_REGISTRY, REFERENCE_PATH, DualNormPath, DualNormPathFactory, PathSelection, build_path,
@@ -124,9 +124,6 @@ class ParityReport:
     @property
     def passed(self) -> bool:
         return self.cases_run > 0 and not self.mismatches
-
-
-Case = TypeVar("Case", ParityCase, RopeParityCase)
 
 
 def run_cases(
