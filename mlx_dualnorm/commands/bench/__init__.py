@@ -10,7 +10,6 @@ import pathlib
 import statistics
 from typing import Any, Optional, Sequence
 
-# Beside what this module uses, the programmatic API of bench/README.md.
 from mlx_dualnorm.commands.bench.measurements import interleaved_samples, run_benchmark
 from mlx_dualnorm.commands.bench.results import (
     BASELINE_PATH, DECODE_SCENARIOS, DECODE_TOKEN, FULL_ATTENTION_DECODE, GATED_DELTA_DECODE,
@@ -23,6 +22,15 @@ from mlx_dualnorm.commands.shared.paths import (
     PATH_REGISTRY, PathUnavailable, describe_paths, package_mode_factory, refuse_unavailable,
     register_path, unavailable_paths,
 )
+
+# The programmatic API of bench/README.md, and what the tests and bench/'s scripts import.
+__all__ = [
+    "BenchmarkConfig", "BenchmarkReport", "CHART_FILE_NAME", "DECODE_SCENARIOS", "DECODE_TOKEN",
+    "GATED_DELTA_DECODE", "GATED_DELTA_PREFILL", "JSON_FILE_NAME", "PATH_REGISTRY",
+    "PREFILL_CALL", "PathUnavailable", "REPORT_SCHEMA", "build_parser", "format_report_table",
+    "interleaved_samples", "main", "package_mode_factory", "progress_to_stderr", "register_path",
+    "run_benchmark", "summary_table", "write_chart", "write_json",
+]
 
 JSON_FILE_NAME = "benchmark.json"
 CHART_FILE_NAME = "benchmark.png"

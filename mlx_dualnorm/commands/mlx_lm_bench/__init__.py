@@ -15,8 +15,6 @@ from typing import Any, Callable, Collection, Optional, Sequence
 import mlx.core as mx
 import mlx_lm.models.gated_delta as gated_delta_module
 
-# DECODE_* for bench/'s scripts; DecodeMeasurement, PairedTiming and
-# first_token_mismatch for the tests
 from mlx_dualnorm.commands.mlx_lm_bench.measurements import (
     DECODE_DTYPE_OF_WEIGHTS, DECODE_PROMPT_TOKENS, QUICK_DECODE_VOCABULARY, DecodeMeasurement,
     GenerationMismatch, PairedTiming, decode_progress_steps, first_token_mismatch, run_decode,
@@ -27,6 +25,12 @@ from mlx_dualnorm.commands.shared.synthetic import (
     DECODE_MODELS, GATED_DELTA_MODEL_TYPES, SYNTHETIC_MODEL_TYPES,
 )
 from mlx_dualnorm.integrations import mlx_lm as integration
+
+# The command, and what bench/'s scripts (DECODE_*) and the tests import.
+__all__ = [
+    "DECODE_DTYPE_OF_WEIGHTS", "DECODE_PROMPT_TOKENS", "QUICK_DECODE_VOCABULARY",
+    "DecodeMeasurement", "PairedTiming", "first_token_mismatch", "main", "run_decode",
+]
 
 # Each count: (the full run's default, the reduced run's, the most it may
 # be). A round holds one time per token or step, a decode model's cache

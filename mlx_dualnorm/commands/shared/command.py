@@ -289,7 +289,7 @@ def progress_to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def write_json(path: "os.PathLike[str] | str", data: object) -> pathlib.Path:
+def write_json(path: os.PathLike[str] | str, data: object) -> pathlib.Path:
     """``data`` as the commands' JSON files hold it: indented, a newline last."""
     destination = pathlib.Path(path)
     destination.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
