@@ -44,12 +44,10 @@ def write_json(report: BenchmarkReport, output_dir: os.PathLike | str) -> pathli
 
 
 def write_chart(report: BenchmarkReport, output_dir: os.PathLike | str) -> Optional[pathlib.Path]:
-    """A bar chart per headline metric: medians, min-max whiskers, the ratio
-    of medians under each path's name, a legend for every colour, "lower is
-    better", a QUICK RUN mark on a --quick run. None without matplotlib."""
+    """A bar chart per headline metric: medians, min-max whiskers, the ratio of
+    medians under each path's name. None without matplotlib."""
     try:
         import matplotlib
-
         matplotlib.use("Agg")
         import matplotlib.pyplot as pyplot
         from matplotlib.lines import Line2D
@@ -115,8 +113,7 @@ RATIO_NOTE = (
 
 
 def _metric_cell(metric: Optional[MetricResult], path: str, with_range: bool) -> str:
-    """The median over repeats and, for a path other than the baseline, the
-    ratio of medians (with the min-max of the per-repeat ratios)."""
+    """The median over repeats, and the ratio of medians [min-max of the per-repeat ratios]."""
     if metric is None or not metric.samples.get(path):
         return "-"
     median = statistics.median(metric.samples[path])
@@ -131,15 +128,10 @@ def _metric_cell(metric: Optional[MetricResult], path: str, with_range: bool) ->
     return cell
 
 
-def _paths_legend(paths: list[str]) -> list[str]:
-    return ["paths:", *(f"  {line}" for line in describe_paths(paths))]
-
-
 def format_report_table(report: BenchmarkReport, *, all_metrics: bool = False) -> str:
     """Per metric and path, the median over repeats and the ratio to the
     baseline [min-max], then what each metric and path is."""
-    config, metadata = report.config, report.metadata
-    paths = report.paths_ran()
+    config, metadata, paths = report.config, report.metadata, report.paths_ran()
     metrics = [metric for metric in report.metrics.values() if all_metrics or metric.kind.headline]
     rows = [["metric / scenario", *paths]] + [
         [f"{metric.kind.name} {metric.scenario.name}",
@@ -166,7 +158,7 @@ def format_report_table(report: BenchmarkReport, *, all_metrics: bool = False) -
         "metrics:",
         *(f"  {metric.kind.name} {metric.scenario.name}: {metric.kind.title}, "
           f"{metric.scenario.description}" for metric in metrics),
-        *_paths_legend(paths),
+        "paths:", *(f"  {line}" for line in describe_paths(paths)),
         *(["skipped paths:", *skipped] if skipped else []),
     ])
 
@@ -184,10 +176,8 @@ SUMMARY_COLUMNS = (  # (kind, scenario, column title, what the column means)
 
 def summary_table(report: BenchmarkReport) -> str:
     """What ``python -m mlx_dualnorm`` prints after its parity check: per
-    path, host us/call and us/token at both decode shapes with their ratios
-    to the baseline, then what each column and path means."""
-    config, metadata = report.config, report.metadata
-    paths = report.paths_ran()
+    path, the SUMMARY_COLUMNS with their ratios, then what each column and path means."""
+    config, metadata, paths = report.config, report.metadata, report.paths_ran()
     rows = [["path", *(title for _, _, title, _ in SUMMARY_COLUMNS)]] + [
         [path, *(_metric_cell(report.metrics.get(kind.key(scenario)), path, False)
                  for kind, scenario, _, _ in SUMMARY_COLUMNS)]
@@ -202,7 +192,7 @@ def summary_table(report: BenchmarkReport) -> str:
         *(f"  {title}: {meaning.format(layers=config.layers)}"
           for _, _, title, meaning in SUMMARY_COLUMNS),
         f"  (N.NNx): {RATIO_NOTE}",
-        *_paths_legend(paths),
+        "paths:", *(f"  {line}" for line in describe_paths(paths)),
     ])
 
 

@@ -15,11 +15,13 @@ import mlx.core as mx
 
 from mlx_dualnorm.commands.bench.results import (
     BASELINE_PATH, DECODE_BUILD, DECODE_SCENARIOS, DECODE_TOKEN, GATED_DELTA_DECODE,
-    GATED_DELTA_PREFILL, HOST_CALL, HOST_RELEASE, PREFILL_CALL, PREFILL_PEAK, BenchmarkConfig,
-    BenchmarkReport, MetricKind, MetricResult, Scenario, collect_metadata, machine_load,
+    GATED_DELTA_PREFILL, HOST_CALL, HOST_RELEASE, PREFILL_CALL, PREFILL_PEAK, SCENARIOS,
+    BenchmarkConfig, BenchmarkReport, MetricKind, MetricResult, Scenario, collect_metadata,
+    machine_load,
 )
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.paths import PATH_REGISTRY, DualNormPath, PathUnavailable
+
 
 class ScenarioInputs(NamedTuple):
     queries: mx.array
@@ -63,9 +65,8 @@ def _garbage_collection_paused() -> Iterator[None]:
 def build_batch(
     call: Callable[..., object], inputs: ScenarioInputs, calls: int
 ) -> tuple[float, float]:
-    """One host sample: (us per call to build, us per call to release).
-    The outputs stay alive until the clock stops, so the build time holds
-    no graph teardown; their release is timed apart."""
+    """One host sample: (us per call to build, us per call to release). The
+    outputs live until the clock stops, so the build time holds no teardown."""
     queries, keys, query_weight, key_weight = inputs
     kept_outputs: list = []
     keep = kept_outputs.append
@@ -85,10 +86,8 @@ def time_graph_builds(
     """One path alone: the medians over ``batches`` of :func:`build_batch`."""
     with _garbage_collection_paused():
         samples = [build_batch(call, inputs, calls_per_batch) for _ in range(batches)]
-    return (
-        statistics.median(build for build, _ in samples),
-        statistics.median(release for _, release in samples),
-    )
+    builds, releases = zip(*samples)
+    return statistics.median(builds), statistics.median(releases)
 
 
 def run_decode_token(call: DualNormPath, inputs: ScenarioInputs, layers: int) -> tuple[int, int]:
@@ -169,7 +168,7 @@ class _Run:
             raise RuntimeError(f"the baseline path {BASELINE_PATH!r} did not build")
         self.inputs = {
             scenario.name: make_inputs(scenario, config.seed + index)
-            for index, scenario in enumerate((*DECODE_SCENARIOS, GATED_DELTA_PREFILL))
+            for index, scenario in enumerate(SCENARIOS)
         }
         progress(f"warming up {len(self.calls)} paths (tracing, kernel JIT)")
         # Traces and JIT-compiles every path at every scenario, outside the
@@ -188,56 +187,47 @@ class _Run:
             config.host_batches, config.host_calls_per_batch,
         )[0]
 
-    def sample(
-        self, scenario: Scenario, repeat: int, measure: Callable[..., tuple], count: int,
-        **sampling: int,
-    ) -> dict[str, list[tuple]]:
-        """:func:`interleaved_samples` of ``measure(call, inputs)`` at
-        ``scenario``, the first path rotating per repeat."""
+    def measure(
+        self, scenario: Scenario, repeat: int, take_sample: Callable[..., tuple], count: int,
+        numbers: Sequence[tuple[MetricKind, int, float]], **sampling: int,
+    ) -> None:
+        """:func:`interleaved_samples` of ``take_sample(call, inputs)`` at ``scenario``, the
+        first path rotating per repeat; then per (kind, index, scale) of ``numbers``, each
+        path's median (a peak: the max) of its samples' ``index``-th number, over ``scale``."""
         calls = {
             name: self.calls[name]
             for name in _rotated(list(self.calls), repeat)
             if scenario.name not in self.path_status[name].get("skipped_scenarios", {})
         }
         inputs = self.inputs[scenario.name]
-        return interleaved_samples(calls, lambda call: measure(call, inputs), count, **sampling)
-
-    def record(
-        self, kind: MetricKind, scenario: Scenario, samples: dict[str, list[tuple]], index: int,
-        scale: float = 1.0, summary: Callable[..., float] = statistics.median,
-    ) -> None:
-        """Per path, ``summary`` of its samples' ``index``-th numbers, over ``scale``
-        (a sample is (build us, release us) of a host batch, (build ns, total
-        ns) of a decode token, (ns, peak bytes) of a prefill call; a scale of
-        1e3 turns ns into us)."""
-        metric = self.metrics.setdefault(kind.key(scenario), MetricResult(kind, scenario))
-        for name, path_samples in samples.items():
-            values = (sample[index] for sample in path_samples)
-            metric.samples.setdefault(name, []).append(summary(values) / scale)
+        samples = interleaved_samples(
+            calls, lambda call: take_sample(call, inputs), count, **sampling
+        )
+        for kind, index, scale in numbers:
+            summary = max if kind.unit == "bytes" else statistics.median
+            metric = self.metrics.setdefault(kind.key(scenario), MetricResult(kind, scenario))
+            for name, path_samples in samples.items():
+                values = (sample[index] for sample in path_samples)
+                metric.samples.setdefault(name, []).append(summary(values) / scale)
 
     def measure_repeat(self, repeat: int) -> None:
-        """One repeat: host calls, decode tokens, then prefill calls."""
+        """One repeat: host calls, decode tokens, then prefill calls (scale 1e3: ns to us)."""
         config = self.config
         host_batch = functools.partial(build_batch, calls=config.host_calls_per_batch)
         for scenario in DECODE_SCENARIOS:
-            batches = self.sample(scenario, repeat, host_batch, config.host_batches, warmup=1)
-            self.record(HOST_CALL, scenario, batches, index=0)
-            self.record(HOST_RELEASE, scenario, batches, index=1)
+            self.measure(scenario, repeat, host_batch, config.host_batches,
+                         [(HOST_CALL, 0, 1.0), (HOST_RELEASE, 1, 1.0)], warmup=1)
         decode_token = functools.partial(run_decode_token, layers=config.layers)
         for scenario in DECODE_SCENARIOS:
-            tokens = self.sample(
-                scenario, repeat, decode_token, config.decode_tokens,
-                warmup=config.decode_warmup_tokens, per_turn=config.decode_tokens_per_turn,
-            )
-            self.record(DECODE_TOKEN, scenario, tokens, index=1, scale=1e3)
-            self.record(DECODE_BUILD, scenario, tokens, index=0, scale=1e3)
+            self.measure(scenario, repeat, decode_token, config.decode_tokens,
+                         [(DECODE_TOKEN, 1, 1e3), (DECODE_BUILD, 0, 1e3)],
+                         warmup=config.decode_warmup_tokens,
+                         per_turn=config.decode_tokens_per_turn)
         # Same buffer cache for every path: emptied once, then one warm-up
         # call each refills it.
         mx.clear_cache()
-        prefill = GATED_DELTA_PREFILL
-        calls = self.sample(prefill, repeat, run_prefill_call, config.prefill_iterations, warmup=1)
-        self.record(PREFILL_CALL, prefill, calls, index=0, scale=1e3)
-        self.record(PREFILL_PEAK, prefill, calls, index=1, summary=max)
+        self.measure(GATED_DELTA_PREFILL, repeat, run_prefill_call, config.prefill_iterations,
+                     [(PREFILL_CALL, 0, 1e3), (PREFILL_PEAK, 1, 1.0)], warmup=1)
         self.completed_repeats += 1
 
     def report(self) -> BenchmarkReport:

@@ -50,6 +50,7 @@ GATED_DELTA_DECODE = _scenario("gated-delta", "decode", (1, 1, 16, 128))
 FULL_ATTENTION_DECODE = _scenario("full-attention", "decode", (1, 1, 16, 256), (1, 1, 2, 256), True)
 GATED_DELTA_PREFILL = _scenario("gated-delta", "prefill", (1, 512, 16, 128))
 DECODE_SCENARIOS = (GATED_DELTA_DECODE, FULL_ATTENTION_DECODE)
+SCENARIOS = (*DECODE_SCENARIOS, GATED_DELTA_PREFILL)
 
 
 class MetricKind(NamedTuple):
@@ -97,21 +98,19 @@ class BenchmarkConfig:
 
     @classmethod
     def quick(cls, **overrides: Any) -> "BenchmarkConfig":
-        settings: dict[str, Any] = dict(
-            repeats=3, host_batches=8, host_calls_per_batch=50, decode_warmup_tokens=1,
-            decode_tokens=4, decode_tokens_per_turn=2, prefill_iterations=2, quick_mode=True,
-        )
-        return cls(**{**settings, **overrides})
+        return cls(**{
+            "repeats": 3, "host_batches": 8, "host_calls_per_batch": 50,
+            "decode_warmup_tokens": 1, "decode_tokens": 4, "decode_tokens_per_turn": 2,
+            "prefill_iterations": 2, "quick_mode": True, **overrides,
+        })
 
     def selected_paths(self) -> tuple[str, ...]:
         """The paths named (or all), the baseline first if not named."""
         names = tuple(PATH_REGISTRY) if self.paths is None else tuple(self.paths)
         unknown = [name for name in names if name not in PATH_REGISTRY]
         if unknown:
-            raise ValueError(
-                f"unknown benchmark path(s) {', '.join(unknown)}; "
-                f"registered: {', '.join(PATH_REGISTRY)}"
-            )
+            raise ValueError(f"unknown benchmark path(s) {', '.join(unknown)}; "
+                             f"registered: {', '.join(PATH_REGISTRY)}")
         return names if BASELINE_PATH in names else (BASELINE_PATH, *names)
 
 
@@ -124,8 +123,7 @@ class MetricResult:
     samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def ratio_samples(self, path: str) -> Optional[list[float]]:
-        """Per-repeat ratios to the baseline (None if either did not run,
-        or a baseline value is zero)."""
+        """Per-repeat ratios to the baseline (None if either did not run or a baseline is 0)."""
         values, references = self.samples.get(path), self.samples.get(BASELINE_PATH)
         if not values or not references or len(values) != len(references) or 0 in references:
             return None
@@ -133,9 +131,8 @@ class MetricResult:
 
     def ratio_of_medians(self, path: str) -> Optional[float]:
         """The ratio printed beside the two medians (None if either did not run)."""
-        return command.ratio_of_medians(
-            self.samples.get(path, []), self.samples.get(BASELINE_PATH, [])
-        )
+        reference = self.samples.get(BASELINE_PATH, [])
+        return command.ratio_of_medians(self.samples.get(path, []), reference)
 
     def to_json(self) -> dict:
         paths = {}
@@ -173,16 +170,10 @@ class BenchmarkReport:
 
     def to_json(self) -> dict:
         return {
-            "schema": REPORT_SCHEMA,
-            "metadata": self.metadata,
-            "config": dataclasses.asdict(self.config),
-            "elapsed_s": self.elapsed_s,
-            "interrupted": self.interrupted,
-            "paths": self.path_status,
-            "scenarios": {
-                scenario.name: scenario._asdict()
-                for scenario in (*DECODE_SCENARIOS, GATED_DELTA_PREFILL)
-            },
+            "schema": REPORT_SCHEMA, "metadata": self.metadata,
+            "config": dataclasses.asdict(self.config), "elapsed_s": self.elapsed_s,
+            "interrupted": self.interrupted, "paths": self.path_status,
+            "scenarios": {scenario.name: scenario._asdict() for scenario in SCENARIOS},
             "metrics": {key: metric.to_json() for key, metric in self.metrics.items()},
         }
 
