@@ -58,8 +58,7 @@ class PairedTiming:
             "name": self.name, "unit": self.unit, "rounds": self.complete_rounds,
             "unpatched_time": command.spread(self.unpatched),
             "patched_time": command.spread(self.patched),
-            # What the tables print: the ratio of the two medians, and the
-            # per-round ratios as its spread.
+            # What the tables print: the ratio of the two medians, the per-round ratios its spread.
             "time_ratio_of_medians": command.ratio_of_medians(self.patched, self.unpatched),
             "time_ratio_patched_over_unpatched": command.spread(self.time_ratios),
         }
@@ -67,8 +66,7 @@ class PairedTiming:
 
 @dataclasses.dataclass
 class DecodeMeasurement:
-    """One decode model's paired rounds, what it was, and whether every
-    round's greedy tokens agreed."""
+    """One decode model's paired rounds, what it was, and whether all greedy tokens agreed."""
 
     model: str
     resembles: str
@@ -116,11 +114,10 @@ def _timed_rounds(
     measure: Callable[[bool, int, str], float], progress: Optional[StepReport] = None,
     result: object = None,
 ) -> PairedTiming:
-    """``warm_up(patched)`` both ways, then ``rounds`` rounds of
-    ``measure(patched, round, label)`` into ``timing``, the first path
-    alternating (round 0 unpatched first) so neither always runs on what the
-    other just warmed. Ctrl-C raises InterruptedWithPartialResult carrying
-    ``result`` or ``timing`` (None before a complete round)."""
+    """``warm_up(patched)`` both ways, then ``rounds`` rounds of ``measure(patched, round,
+    label)`` into ``timing``, round 0 unpatched first and the order alternating after, so
+    neither path always runs on what the other just warmed. Ctrl-C raises
+    InterruptedWithPartialResult with ``result`` or ``timing`` (None before a complete round)."""
     try:
         for patched in (False, True):
             warm_up(patched)
@@ -138,8 +135,7 @@ def _timed_rounds(
 
 
 def run_prework(
-    layers: int, tokens: int = 200, repeats: int = 7, mode: Optional[Mode] = None,
-    progress: Optional[StepReport] = None,
+    layers: int, tokens: int, repeats: int, mode: Optional[Mode], progress: StepReport
 ) -> PairedTiming:
     """Microseconds per token of ``layers`` chained q/k normalizations, one
     ``mx.eval`` per token; ``progress`` hears of each path's round."""
@@ -171,13 +167,11 @@ def run_prework(
 
 
 def run_generation(
-    model_type: str, tokens: int = 64, repeats: int = 3, mode: Optional[Mode] = None,
-    dtype: Optional[mx.Dtype] = None, progress: Optional[StepReport] = None,
+    model_type: str, tokens: int, repeats: int, mode: Optional[Mode], progress: StepReport
 ) -> PairedTiming:
-    """Milliseconds per decode token of a synthetic model, greedy through
-    mlx-lm's ``generate_step``; every round's token ids must be the first
-    round's (else GenerationMismatch)."""
-    model = build_synthetic_model(model_type, dtype=dtype)
+    """Milliseconds per decode token of a synthetic model, greedy through mlx-lm's
+    ``generate_step``; every round's token ids must be the first's (else GenerationMismatch)."""
+    model = build_synthetic_model(model_type)
     config = synthetic_model_config(model_type)
     prompt = prompt_token_ids((config.get("text_config") or config)["vocab_size"])
     expected_tokens: Optional[list[int]] = None
@@ -192,7 +186,7 @@ def run_generation(
             raise GenerationMismatch(f"{model_type}: greedy token ids changed between rounds")
         return trace.median_decode_ms
 
-    dtype_name = str(dtype or DEFAULT_DTYPES[model_type]).rsplit(".", 1)[-1]
+    dtype_name = str(DEFAULT_DTYPES[model_type]).rsplit(".", 1)[-1]
     timing = PairedTiming(f"generation_{model_type}_{dtype_name}", "ms/token", [], [])
     return _timed_rounds(timing, repeats, one_round, one_round, progress)
 
@@ -213,10 +207,9 @@ def run_decode(
     quick: bool = False, config: Optional[dict] = None, progress: Optional[StepReport] = None,
     group: Any = None,
 ) -> DecodeMeasurement:
-    """Milliseconds per decode token of ``DECODE_MODELS[model]`` in bfloat16,
-    every round's greedy tokens compared with the first (unpatched) round's.
-    ``quick``: fewer layers, a smaller vocabulary; ``config`` (tests)
-    replaces the config; a ``group`` (mx.distributed) shards the model."""
+    """Milliseconds per decode token of ``DECODE_MODELS[model]`` in bfloat16, every round's
+    greedy tokens compared with the first (unpatched) round's. ``quick``: fewer layers, a
+    smaller vocabulary; ``config`` (tests) replaces the config; a ``group`` shards the model."""
     spec = DECODE_MODELS[model]
     if config is None:
         reduced = {"layers": spec.quick_layers, "vocab_size": QUICK_DECODE_VOCABULARY}
@@ -225,21 +218,22 @@ def run_decode(
     if group is not None:
         network.shard(group)
     prompt = prompt_token_ids(config["vocab_size"], DECODE_PROMPT_TOKENS)
-
-    def one_run(patched: bool, run_steps: int, detail: str) -> tuple[list[int], float]:
-        with integration.patch(mode) if patched else integration.unpatch():
-            return timed_greedy_decode(network, prompt, run_steps, progress, detail)
+    timing = PairedTiming(f"decode_{model}_bfloat16", "ms/token", [], [])
+    measurement = DecodeMeasurement(
+        model, spec.resembles, config, config != decode_model_config(model),
+        DECODE_PROMPT_TOKENS, steps, timing, token_mismatch=None,
+    )
 
     def warm_up(patched: bool) -> None:
         """The patched warm-up also records what the patch engaged."""
+        detail = f"warm-up {PATCHED if patched else UNPATCHED}"
         if not patched:
-            one_run(False, WARM_UP_DECODE_STEPS, f"warm-up {UNPATCHED}")
+            with integration.unpatch():
+                timed_greedy_decode(network, prompt, WARM_UP_DECODE_STEPS, progress, detail)
             return
         with integration.patch(mode), count_normalize_qk_calls() as calls, \
                 integration.recording() as record:
-            timed_greedy_decode(
-                network, prompt, WARM_UP_DECODE_STEPS, progress, f"warm-up {PATCHED}"
-            )
+            timed_greedy_decode(network, prompt, WARM_UP_DECODE_STEPS, progress, detail)
             engagement = record.engagement(network)
         measurement.engaged = {
             "attention_layers_engaged": engagement.engaged_layers,
@@ -252,7 +246,8 @@ def run_decode(
 
     def one_round(patched: bool, round_index: int, label: str) -> float:
         nonlocal reference_tokens
-        token_ids, milliseconds = one_run(patched, steps, label)
+        with integration.patch(mode) if patched else integration.unpatch():
+            token_ids, milliseconds = timed_greedy_decode(network, prompt, steps, progress, label)
         if reference_tokens is None:  # round 0 runs unpatched first
             reference_tokens = token_ids
         difference = first_token_mismatch(reference_tokens, token_ids)
@@ -261,11 +256,6 @@ def run_decode(
             measurement.token_mismatch = f"round {round_index}, {path}: {difference}"
         return milliseconds
 
-    timing = PairedTiming(f"decode_{model}_bfloat16", "ms/token", [], [])
-    measurement = DecodeMeasurement(
-        model, spec.resembles, config, config != decode_model_config(model),
-        DECODE_PROMPT_TOKENS, steps, timing, token_mismatch=None,
-    )
     _timed_rounds(timing, rounds, warm_up, one_round, result=measurement)
     return measurement
 

@@ -39,12 +39,10 @@ def _table_header(first_column: str, width: int) -> str:
 
 
 def _table_row(name: str, width: int, unit: str, summary: dict, digits: int) -> str:
-    """One paired measurement: median times, their ratio, then the range of
-    the per-round ratios, with ``digits`` decimals."""
+    """Median times, their ratio, then the per-round ratios' range, to ``digits`` decimals."""
     spread = summary["time_ratio_patched_over_unpatched"]
     return (
-        f"{name:<{width}} {unit:<9} "
-        f"{summary['unpatched_time']['median']:>10.3f} "
+        f"{name:<{width}} {unit:<9} {summary['unpatched_time']['median']:>10.3f} "
         f"{summary['patched_time']['median']:>10.3f} "
         f"{summary['time_ratio_of_medians']:>6.{digits}f}x  "
         f"({spread['min']:.{digits}f}..{spread['max']:.{digits}f}, {summary['rounds']} rounds)"
@@ -52,9 +50,9 @@ def _table_row(name: str, width: int, unit: str, summary: dict, digits: int) -> 
 
 
 def format_table(timings: list[PairedTiming]) -> str:
-    lines = [_table_header("measurement", 34)]
-    lines += [_table_row(t.name, 34, t.unit, t.summary(), digits=2) for t in timings]
-    lines += [
+    return "\n".join([
+        _table_header("measurement", 34),
+        *(_table_row(t.name, 34, t.unit, t.summary(), digits=2) for t in timings),
         "columns: median time per round, unpatched (mlx-lm's normalize_qk) and patched "
         "(mlx_dualnorm.integrations.mlx_lm.patch());",
         "  ratio = median patched time / median unpatched time, then the per-round ratios' "
@@ -62,8 +60,7 @@ def format_table(timings: list[PairedTiming]) -> str:
         f"  prework_N_layers: N chained q/k normalizations at {DECODE_SHAPE} bfloat16, "
         "one eval per token",
         "  generation_MODEL_DTYPE: ms per decode token of a small random mlx-lm model",
-    ]
-    return "\n".join(lines)
+    ])
 
 
 def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> str:
@@ -75,34 +72,29 @@ def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> s
         _table_header("model", 16),
     ]
     for measurement in measurements:
-        summary = measurement.summary()
-        dimensions = summary["dimensions"]
-        layers = f"{dimensions['num_hidden_layers']} layers"
-        if "gated_delta_layers" in dimensions:
-            layers += (
-                f" ({dimensions['gated_delta_layers']} gated-delta, "
-                f"{dimensions['full_attention_layers']} full-attention)"
-            )
+        size = measurement.dimensions()
+        layers = f"{size['num_hidden_layers']} layers"
+        if "gated_delta_layers" in size:
+            layers += (f" ({size['gated_delta_layers']} gated-delta, "
+                       f"{size['full_attention_layers']} full-attention)")
         lines += [
-            _table_row(measurement.model, 16, "ms/token", summary, digits=3),
-            f"  like {measurement.resembles}: {layers}, hidden {dimensions['hidden_size']}, "
-            f"MLP {dimensions['intermediate_size']}, {dimensions['num_attention_heads']}/"
-            f"{dimensions['num_key_value_heads']} heads x {dimensions['head_dim']}, "
-            f"vocabulary {dimensions['vocab_size']}",
+            _table_row(measurement.model, 16, "ms/token", measurement.summary(), digits=3),
+            f"  like {measurement.resembles}: {layers}, hidden {size['hidden_size']}, "
+            f"MLP {size['intermediate_size']}, {size['num_attention_heads']}/"
+            f"{size['num_key_value_heads']} heads x {size['head_dim']}, "
+            f"vocabulary {size['vocab_size']}",
         ]
         if measurement.quick_reduced:
             real = DECODE_MODELS[measurement.model].config
-            lines.append(
-                f"  QUICK: reduced from {real['num_hidden_layers']} layers and vocabulary "
-                f"{real['vocab_size']}; not the real model's time per token"
-            )
+            lines.append(f"  QUICK: reduced from {real['num_hidden_layers']} layers and vocabulary "
+                         f"{real['vocab_size']}; not the real model's time per token")
         engaged = measurement.engaged
         if engaged is not None:
             prework = "".join(f" ({name} {count})" for name, count in engaged["by_prework"].items())
             text = (
                 f"  patch engaged: attention layers {engaged['attention_layers_engaged']}{prework}"
-                f", left to mlx-lm {engaged['attention_layers_left']}; "
-                f"gated-delta calls folded {engaged['gated_delta_calls_folded']} (warm-up run)"
+                f", left to mlx-lm {engaged['attention_layers_left']}; gated-delta calls folded "
+                f"{engaged['gated_delta_calls_folded']} (warm-up run)"
             )
             if not (engaged["attention_layers_engaged"] or engaged["gated_delta_calls_folded"]):
                 text += "; NOTHING: the patch covers no layer of this model, the ratio is noise"
@@ -119,8 +111,8 @@ def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> s
 def print_report(
     arguments: argparse.Namespace, measured: list, interrupted_in: Optional[str], seconds: float
 ) -> int:
-    """The tables (and ``--json``) of what was measured, ``interrupted_in``
-    naming the measurement cut short; 1 when a decode model's tokens differed."""
+    """The tables (and ``--json``) of what was measured, ``interrupted_in`` naming the
+    measurement cut short; 1 when a decode model's tokens differed."""
     from mlx_lm import __version__ as mlx_lm_version
 
     timings = [timing for timing in measured if isinstance(timing, PairedTiming)]
@@ -134,16 +126,11 @@ def print_report(
     size = "reduced run" if arguments.reduced else "full run"
     if arguments.reduced and not arguments.quick:
         size += " (the CPU default; --full-size for the released sizes)"
-    print(
-        f"mlx-lm patch benchmark on {environment['device']} (MLX {environment['mlx']}, "
-        f"mlx-lm {environment['mlx_lm']}, {environment['cpu_count']} CPUs), {size}, "
-        f"{seconds:.0f} s"
-    )
+    print(f"mlx-lm patch benchmark on {environment['device']} (MLX {environment['mlx']}, "
+          f"mlx-lm {mlx_lm_version}, {environment['cpu_count']} CPUs), {size}, {seconds:.0f} s")
     if interrupted_in is not None:
-        print(
-            f"INTERRUPTED during {interrupted_in}: the tables hold what was measured "
-            "before it and that measurement's complete rounds"
-        )
+        print(f"INTERRUPTED during {interrupted_in}: the tables hold what was measured before "
+              "it and that measurement's complete rounds")
     if timings:
         print(format_table(timings))
     if decodes:
@@ -199,26 +186,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         arguments.model, arguments.steps, arguments.rounds, config=config, group=group
     )
     timing = measurement.timing
-    report = {
-        "model": arguments.model,
-        "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str))},
-        "ranks": group.size(), "rank": group.rank(), "decode_steps": arguments.steps,
-        "rounds": arguments.rounds, "unit": "ms/token",
-        "unpatched": timing.unpatched, "patched": timing.patched,
-        "ratios_patched_over_unpatched": timing.time_ratios,
-        "token_mismatch": measurement.token_mismatch,
-    }
     if group.rank() == 0:
-        command.write_json(Path(arguments.out) / "bench.json", report)
-    return 1 if report["token_mismatch"] else 0
+        command.write_json(Path(arguments.out) / "bench.json", {
+            "model": arguments.model,
+            "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str))},
+            "ranks": group.size(), "rank": group.rank(), "decode_steps": arguments.steps,
+            "rounds": arguments.rounds, "unit": "ms/token",
+            "unpatched": timing.unpatched, "patched": timing.patched,
+            "ratios_patched_over_unpatched": timing.time_ratios,
+            "token_mismatch": measurement.token_mismatch,
+        })
+    return 1 if measurement.token_mismatch else 0
 
 
 def format_bench_report(report: dict) -> str:
     """Median and range over rounds of ms/token, both paths, and the ratio."""
 
-    def spread(values: list, digits: int) -> str:
-        summary = command.spread(values)
-        return f"{summary['median']:.{digits}f} [{summary['min']:.{digits}f} .. {summary['max']:.{digits}f}]"
+    def spread(key: str, digits: int) -> str:
+        summary = command.spread(report[key])
+        return (f"{summary['median']:.{digits}f} "
+                f"[{summary['min']:.{digits}f} .. {summary['max']:.{digits}f}]")
 
     config = report["config"]
     shape = ", ".join(f"{key} {config[key]}" for key in
@@ -227,9 +214,9 @@ def format_bench_report(report: dict) -> str:
         f"decode, {report['model']} ({shape}), tensor-parallel over {report['ranks']} ranks "
         f"(ring backend, loopback), {report['rounds']} interleaved rounds of "
         f"{report['decode_steps']} decode steps; median [min .. max] over rounds:",
-        f"  unpatched  {spread(report['unpatched'], 2)} ms/token",
-        f"  patched    {spread(report['patched'], 2)} ms/token",
-        f"  patched / unpatched  {spread(report['ratios_patched_over_unpatched'], 3)}",
+        f"  unpatched  {spread('unpatched', 2)} ms/token",
+        f"  patched    {spread('patched', 2)} ms/token",
+        f"  patched / unpatched  {spread('ratios_patched_over_unpatched', 3)}",
     ]
     if report["token_mismatch"]:
         lines.append(f"  TOKEN MISMATCH at {report['token_mismatch']}")
@@ -247,9 +234,8 @@ def _has_shard(name: str) -> bool:
 
 
 def _indivisible(ranks: int, name: str) -> dict[str, int]:
-    """The sizes of decode model ``name`` that ``Model.shard`` splits (head
-    counts, MLP widths) and ``ranks`` does not divide: shard_linear would
-    fail in every rank, or a head count be silently floored."""
+    """The head counts and MLP widths of decode model ``name`` that ``ranks`` does not divide:
+    shard_linear would fail in every rank, or a head count be silently floored."""
     return {
         key: value for key, value in DECODE_MODELS[name].config.items()
         if (key in ("num_attention_heads", "num_key_value_heads")
@@ -259,9 +245,9 @@ def _indivisible(ranks: int, name: str) -> dict[str, int]:
 
 
 def run_over_ranks(arguments: argparse.Namespace, decode_models: Sequence[str]) -> int:
-    """``--ranks N``, the rank count checked against every model before any
-    rank starts. The ranks are started directly: mlx.launch's output relay
-    would take CPU from them. 1 on a token mismatch or a failed rank."""
+    """``--ranks N``, the rank count checked against every model before any rank starts.
+    The ranks are started directly: mlx.launch's output relay would take CPU from them.
+    1 on a token mismatch or a failed rank."""
     shardable = [name for name in decode_models if _has_shard(name)]
     if not shardable:
         named = f"none of {', '.join(decode_models)} has" if decode_models else "none named"
