@@ -1,12 +1,12 @@
-"""``python -m mlx_dualnorm parity``: dual head norm paths (factories ``make_path(eps)``
-of ``path(queries, keys, query_weight, key_weight) -> (normalized_queries,
-normalized_keys)``) against two ``mx.fast.rms_norm`` calls, and the norm + RoPE against
-its composed path, over the cases of :mod:`.matrices`: same shape, dtype and bits
-(``--values``: values). Here: the comparison, the report, running, the command line."""
+"""``python -m mlx_dualnorm parity``: the dual head norm paths of ``shared.paths`` against two
+``mx.fast.rms_norm`` calls, and the norm + RoPE against its composed path, over the cases of
+:mod:`.matrices`: same shape, dtype and bits (``--values``: values). Here: the comparison, the
+report, running, the command line."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,6 +33,7 @@ PATH_FACTORIES: dict[str, DualNormPathFactory] = routinely_checked_paths()
 """The paths checked when none is named: every mode this build and device
 can run, and Python's mx.compile for comparison."""
 PROGRESS_INTERVAL_SECONDS = 5.0
+MISMATCHES_LISTED_PER_REPORT = 20
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,8 @@ class OutputDifference:
 def compare_dual_outputs(
     actual: Outputs, expected: Outputs, *, bitwise: bool = False,
 ) -> tuple[OutputDifference, ...]:
-    """The contract, output by output: same shape, same dtype, equal values
-    with NaN matching NaN (and with ``bitwise``, the same bits). Empty when
-    the path agrees."""
+    """The contract, output by output: same shape, same dtype, equal values with NaN matching
+    NaN (and with ``bitwise``, the same bits). Empty when the path agrees."""
     if not isinstance(actual, (tuple, list)) or len(actual) != 2:
         raise TypeError(f"a dual norm path must return two arrays, got {type(actual).__name__}")
     differences = []
@@ -126,45 +126,8 @@ class ParityReport:
         return self.cases_run > 0 and not self.mismatches
 
 
-def run_cases(
-    reports: dict[str, ParityReport], cases: Sequence[Case],
-    prepare: Callable[[Case], tuple[Outputs, PathCalls]], bitwise: bool,
-    case_done: Optional[Callable[[Case], None]] = None,
-) -> dict[str, ParityReport]:
-    """Each case against its reference, for each path of ``reports``:
-    ``prepare(case)`` gives the reference's outputs and a path's call on the
-    case's inputs, by name. A raising call is a broken contract, recorded,
-    not a harness crash; ``case_done`` is called after each case."""
-    for case in cases:
-        expected, path_call = prepare(case)
-        mx.eval(expected)
-        for path_name, report in reports.items():
-            started = time.perf_counter()
-            call = path_call(path_name)
-            try:
-                actual = call()
-                mx.eval(actual)
-                differences = compare_dual_outputs(actual, expected, bitwise=bitwise)
-                mismatch = ParityMismatch(case, differences) if differences else None
-            except Exception as error:
-                mismatch = ParityMismatch(case, error=f"{type(error).__name__}: {error}")
-            report.cases_per_family[case.family] += 1
-            report.elapsed_seconds += time.perf_counter() - started
-            if mismatch is not None:
-                report.mismatches.append(mismatch)
-        if case_done is not None:
-            case_done(case)
-    return reports
-
-
-# ---- Printing ------------------------------------------------------------------------
-
-MISMATCHES_LISTED_PER_REPORT = 20
-
-
 def format_parity_report(report: ParityReport) -> str:
-    """A short table: cases and mismatched cases per family, then the first
-    mismatches with their case descriptions."""
+    """A short table of cases and mismatched cases per family, then the first mismatches."""
     contract = "bit patterns" if report.bitwise else "values (array_equal, NaN equal to NaN)"
     lines = [
         f"parity of {report.path_name!r} against {report.reference_description}, "
@@ -189,8 +152,7 @@ def format_parity_report(report: ParityReport) -> str:
 
 
 def parity_verdict(reports: Sequence[ParityReport]) -> str:
-    """The one line a parity run ends with: every path identical, or which
-    paths mismatched."""
+    """The line a parity run ends with: every path identical, or which mismatched."""
     contract = "bit-identical" if all(report.bitwise for report in reports) else "value-identical"
     failed = [report.path_name for report in reports if not report.passed]
     if not failed:
@@ -199,7 +161,34 @@ def parity_verdict(reports: Sequence[ParityReport]) -> str:
             f"({len(reports) - len(failed)} of {len(reports)} paths {contract})")
 
 
-# ---- Running ----------------------------------------------------------------------
+def run_cases(
+    reports: dict[str, ParityReport], cases: Sequence[Case],
+    prepare: Callable[[Case], tuple[Outputs, PathCalls]], bitwise: bool,
+    case_done: Optional[Callable[[Case], None]] = None,
+) -> dict[str, ParityReport]:
+    """Each case against its reference, for each path of ``reports``: ``prepare(case)`` gives
+    the reference's outputs and a path's call on the case's inputs, by name. A raising call is a
+    broken contract, recorded, not a harness crash."""
+    for case in cases:
+        expected, path_call = prepare(case)
+        mx.eval(expected)
+        for path_name, report in reports.items():
+            started = time.perf_counter()
+            call = path_call(path_name)
+            try:
+                actual = call()
+                mx.eval(actual)
+                differences = compare_dual_outputs(actual, expected, bitwise=bitwise)
+                mismatch = ParityMismatch(case, differences) if differences else None
+            except Exception as error:
+                mismatch = ParityMismatch(case, error=f"{type(error).__name__}: {error}")
+            report.cases_per_family[case.family] += 1
+            report.elapsed_seconds += time.perf_counter() - started
+            if mismatch is not None:
+                report.mismatches.append(mismatch)
+        if case_done is not None:
+            case_done(case)
+    return reports
 
 
 def run_parity_matrix(
@@ -208,28 +197,23 @@ def run_parity_matrix(
     reports: Optional[dict[str, ParityReport]] = None,
     case_done: Optional[Callable[[ParityCase], None]] = None,
 ) -> dict[str, ParityReport]:
-    """Runs every path over every case; each factory is called once per
-    epsilon, so compiled paths are reused across cases as in a model. A given
-    (empty) ``reports`` fills as the cases run, so an interrupted caller still
-    holds what ran. A factory's PathUnavailable propagates, naming the path."""
+    """Every path over every case; each factory is called once per epsilon, so compiled paths
+    are reused across cases as in a model. A given (empty) ``reports`` fills as the cases run, so
+    an interrupted caller still holds what ran. A factory's PathUnavailable names the path."""
     reports = {} if reports is None else reports
-    run_reports = {name: ParityReport(name, matrix_name, seed, bitwise) for name in path_factories}
-    reports.update(run_reports)
-    paths: dict[tuple[str, float], DualNormPath] = {}
+    for name in path_factories:
+        reports[name] = ParityReport(name, matrix_name, seed, bitwise)
+
+    @functools.cache
+    def path(name: str, eps: float) -> DualNormPath:
+        return build_path(name, path_factories[name], eps)
 
     def prepare(case: ParityCase) -> tuple[Outputs, PathCalls]:
         inputs = build_case_inputs(case, seed)
+        return (composed_dual_head_norm(*inputs, case.eps),
+                lambda name: functools.partial(path(name, case.eps), *inputs))
 
-        def path_call(name: str) -> Callable[[], Outputs]:
-            if (name, case.eps) not in paths:
-                paths[name, case.eps] = build_path(name, path_factories[name], case.eps)
-            path = paths[name, case.eps]
-            return lambda: path(*inputs)
-
-        return composed_dual_head_norm(*inputs, case.eps), path_call
-
-    run_cases(run_reports, cases, prepare, bitwise, case_done)
-    return reports
+    return run_cases(reports, cases, prepare, bitwise, case_done)
 
 
 def run_rope_parity_matrix(
@@ -238,20 +222,12 @@ def run_rope_parity_matrix(
 ) -> dict[str, ParityReport]:
     """Every rope path over every case, against the composed norm + RoPE."""
     reports = {
-        name: ParityReport(
-            name, matrix_name, seed, bitwise,
-            reference_description=matrices.ROPE_REFERENCE_DESCRIPTION,
-            path_description=f"{name}: {matrices.ROPE_PATH_DESCRIPTIONS[name]}"
-            if name in matrices.ROPE_PATH_DESCRIPTIONS else "",
-        )
+        name: ParityReport(name, matrix_name, seed, bitwise,
+                           reference_description=matrices.ROPE_REFERENCE_DESCRIPTION,
+                           path_description=f"{name}: {matrices.ROPE_PATH_DESCRIPTIONS[name]}")
         for name in path_names
     }
     return run_cases(reports, cases, lambda case: matrices.prepare_rope_case(case, seed), bitwise)
-
-
-def _matrix(quick: bool, seed: int, families: Optional[Sequence[str]]) -> list[ParityCase]:
-    cases = build_quick_parity_matrix(seed) if quick else build_full_parity_matrix(seed)
-    return matrices.of_families(cases, families)
 
 
 def check_path_parity(
@@ -263,8 +239,9 @@ def check_path_parity(
     unknown_families = set(families or ()) - set(FAMILY_NAMES)
     if unknown_families:
         raise ValueError(f"unknown parity families: {sorted(unknown_families)}")
+    cases = build_quick_parity_matrix(seed) if quick else build_full_parity_matrix(seed)
     return run_parity_matrix(
-        {path_name: path_factory}, _matrix(quick, seed, families), seed=seed,
+        {path_name: path_factory}, matrices.of_families(cases, families), seed=seed,
         matrix_name="quick" if quick else "full", bitwise=bitwise,
     )[path_name]
 
@@ -274,28 +251,24 @@ def check_paths(
     quick: bool, seed: int = DEFAULT_PARITY_SEED, families: Optional[Sequence[str]] = None,
     bitwise: bool = True,
 ) -> list[ParityReport]:
-    """The dual norm paths over the (quick or full) matrix, then the norm +
-    RoPE paths over theirs, each report printed; progress on stderr. On
-    Ctrl-C, the reports of the cases that ran are printed, said to be
-    partial, and the interrupt goes on."""
-    cases = _matrix(quick, seed, families)
+    """The dual norm paths over their matrix, then the norm + RoPE paths over theirs, each report
+    printed; progress on stderr. On Ctrl-C, the reports of the cases that ran are printed, said
+    to be partial, and the interrupt goes on."""
+    cases = matrices.of_families(
+        build_quick_parity_matrix(seed) if quick else build_full_parity_matrix(seed), families)
     rope_cases = matrices.of_families(matrices.build_rope_parity_matrix(quick=quick), families)
     matrix_name = "quick" if quick else "full"
-    progress = command.StepProgress(
-        f"parity, {matrix_name} matrix, cases", len(cases) if path_factories else 0,
-        min_interval_s=PROGRESS_INTERVAL_SECONDS,
-    )
+    progress = command.StepProgress(f"parity, {matrix_name} matrix, cases", len(cases),
+                                    min_interval_s=PROGRESS_INTERVAL_SECONDS)
     reports: dict[str, ParityReport] = {}
     try:
         if path_factories and cases:
-            run_parity_matrix(
-                path_factories, cases, seed=seed, matrix_name=matrix_name, bitwise=bitwise,
-                reports=reports, case_done=lambda case: progress.step(f"[{case.family}]"),
-            )
+            run_parity_matrix(path_factories, cases, seed=seed, matrix_name=matrix_name,
+                              bitwise=bitwise, reports=reports,
+                              case_done=lambda case: progress.step(f"[{case.family}]"))
         if rope_path_names and rope_cases:
-            reports.update(run_rope_parity_matrix(
-                rope_path_names, rope_cases, seed=seed, matrix_name=matrix_name, bitwise=bitwise,
-            ))
+            reports.update(run_rope_parity_matrix(rope_path_names, rope_cases, seed=seed,
+                                                  matrix_name=matrix_name, bitwise=bitwise))
     except KeyboardInterrupt:
         for report in reports.values():
             print(format_parity_report(report))
@@ -305,9 +278,6 @@ def check_paths(
     for report in reports.values():
         print(format_parity_report(report))
     return list(reports.values())
-
-
-# ---- The command line ---------------------------------------------------------------
 
 
 def skipped_path_lines(skipped: Mapping[str, str]) -> list[str]:
@@ -321,27 +291,15 @@ def _path_selection(path_factories: Optional[Mapping[str, DualNormPathFactory]])
     )
 
 
-def _skipped_by_default(selection: PathSelection) -> dict[str, str]:
-    """The paths a run without --path leaves out, and why."""
-    skipped = unavailable_paths(list(selection.factories))
-    for name in selection.factories:
-        path = PATH_REGISTRY.get(name)
-        if name not in skipped and path is not None and not path.routinely_checked:
-            skipped[name] = f"not checked by default (it retraces per shape; --path {name})"
-    skipped.update(matrices.unavailable_rope_paths(selection.extra_names))
-    return skipped
-
-
 def build_parser(selection: Optional[PathSelection] = None) -> argparse.ArgumentParser:
     """The command line's parser, by default over the registered paths."""
     selection = selection or _path_selection(None)
     parser = command.tool_parser(
         "parity",
-        "Check dual head norm paths against two mx.fast.rms_norm calls, and the "
-        "dual head norm + RoPE against composed_dual_head_norm_rope: same shape, "
-        "same dtype, the same bits (with --values: equal values, NaN matching NaN). "
-        "Exit status 0 all identical, 1 a mismatch, 2 bad usage or a path that "
-        "cannot run here, 130 interrupted.",
+        "Check dual head norm paths against two mx.fast.rms_norm calls, and the dual head norm + "
+        "RoPE against composed_dual_head_norm_rope: same shape, same dtype, the same bits (with "
+        "--values: equal values, NaN matching NaN). Exit status 0 all identical, 1 a mismatch, "
+        "2 bad usage or a path that cannot run here, 130 interrupted.",
     )
     selection.add_path_argument(parser, "check")
     parser.add_argument(
@@ -351,15 +309,11 @@ def build_parser(selection: Optional[PathSelection] = None) -> argparse.Argument
     )
     parser.add_argument("--seed", type=command.seed, default=DEFAULT_PARITY_SEED,
                         help="seed of the matrix and its values")
-    parser.add_argument(
-        "--family", dest="families", action="append",
-        choices=[*FAMILY_NAMES, matrices.ROPE_FAMILY, matrices.ROPE_ONLY_FAMILY],
-        help="only this family of cases (repeatable; default: all)",
-    )
-    parser.add_argument(
-        "--values", dest="bitwise", action="store_false",
-        help="compare values (NaN equal to NaN, -0 equal to +0) instead of bits",
-    )
+    parser.add_argument("--family", dest="families", action="append",
+                        choices=[*FAMILY_NAMES, matrices.ROPE_FAMILY, matrices.ROPE_ONLY_FAMILY],
+                        help="only this family of cases (repeatable; default: all)")
+    parser.add_argument("--values", dest="bitwise", action="store_false",
+                        help="compare values (NaN equal to NaN, -0 equal to +0) instead of bits")
     # Bits are the default; --bitwise stays accepted for command lines that say so.
     parser.add_argument("--bitwise", action="store_true", help=argparse.SUPPRESS)
     command.add_device_argument(parser)
@@ -370,10 +324,9 @@ def main(
     argv: Optional[Sequence[str]] = None, *,
     path_factories: Optional[Mapping[str, DualNormPathFactory]] = None,
 ) -> int:
-    """``python -m mlx_dualnorm parity``: prints one report per path and a
-    verdict line; exits 1 when any path mismatches anywhere, 2 when a path
-    named cannot run here. ``path_factories`` replaces the registered paths
-    (a test's deliberately broken path, say), the norm + RoPE left out."""
+    """Prints one report per path and a verdict line; exits 1 when any path mismatches, 2 when a
+    path named cannot run here. ``path_factories`` replaces the registered paths (a test's
+    deliberately broken path, say), the norm + RoPE left out."""
     selection = _path_selection(path_factories)
 
     def run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -385,8 +338,14 @@ def main(
             selection.factories_named(named), rope_names, quick=arguments.quick,
             seed=arguments.seed, families=arguments.families, bitwise=arguments.bitwise,
         )
-        if not arguments.path_names:
-            for line in skipped_path_lines(_skipped_by_default(selection)):
+        if not arguments.path_names:  # say what the default run left out, and why
+            skipped = unavailable_paths(list(selection.factories))
+            for name in selection.factories:
+                path = PATH_REGISTRY.get(name)
+                if name not in skipped and path is not None and not path.routinely_checked:
+                    skipped[name] = f"not checked by default (it retraces per shape; --path {name})"
+            skipped.update(matrices.unavailable_rope_paths(selection.extra_names))
+            for line in skipped_path_lines(skipped):
                 print(line)
         print(parity_verdict(reports))
         passed = all(report.passed for report in reports)

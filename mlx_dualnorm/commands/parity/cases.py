@@ -1,7 +1,6 @@
-"""A dual head norm parity case: its type, the values of its axes, and its
-inputs. A case's values come from the seed and its description, so it
-reproduces from the description alone; a non-contiguous input is a view of a
-larger or permuted buffer whose unused slots hold NaN."""
+"""A dual head norm parity case: its type, the values of its axes, and its inputs. A case's
+values come from the seed and its description, so it reproduces from the description alone; a
+non-contiguous input is a view of a larger or permuted buffer whose unused slots hold NaN."""
 
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ import mlx.core as mx
 
 DEFAULT_PARITY_SEED = 20261129
 PRODUCTION_RMS_NORM_EPSILON = 1e-6
-
-# ---- A case: its axes ------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -56,9 +53,8 @@ class ValueProfile(enum.Enum):
 
 @dataclass(frozen=True)
 class ParityCase:
-    """One point of the matrix. Inputs are ``(batch, sequence, heads,
-    width)``; queries and keys share all but the head count. A layout is a
-    key of ``INPUT_VIEWS`` or ``WEIGHT_VIEWS``."""
+    """One point of the matrix. Inputs are ``(batch, sequence, heads, width)``; queries and
+    keys share all but the head count. A layout is a key of ``INPUT_VIEWS`` or ``WEIGHT_VIEWS``."""
 
     family: str
     width: int
@@ -86,21 +82,17 @@ class ParityCase:
         return math.prod(self.query_shape)
 
     def describe(self) -> str:
-        """Every field, in a stable order: the key the case's values are
-        generated from, and what a mismatch report prints."""
-        parts = [
+        """Every field, in a stable order: the key the case's values are generated from, and
+        what a mismatch report prints."""
+        layouts = {"q": self.query_layout, "k": self.key_layout, "w": self.weight_layout}
+        return " ".join([
             f"width={self.width}", f"dtypes={self.dtypes.name}",
             f"heads={self.heads.query_heads}/{self.heads.key_heads}", f"batch={self.batch_size}",
             f"seq={self.sequence_length}", f"eps={self.eps!r}", self.weighting.value,
             f"values={self.value_profile.value}",
-        ]
-        layouts = {"q": self.query_layout, "k": self.key_layout, "w": self.weight_layout}
-        parts += [f"{side}-layout={layout}" for side, layout in layouts.items()
-                  if layout != "contiguous"]
-        return " ".join(parts)
-
-
-# ---- A case's inputs ------------------------------------------------------------------
+            *(f"{side}-layout={layout}" for side, layout in layouts.items()
+              if layout != "contiguous"),
+        ])
 
 
 class DualNormInputs(NamedTuple):
@@ -115,8 +107,7 @@ PathCalls = Callable[[str], Callable[[], Outputs]]  # a path's call on a case's 
 
 
 def case_key(description: str, seed: int) -> mx.array:
-    """The MLX key of a case's values: the seed and a hash of the case's
-    description, so a case reproduces from its description alone."""
+    """The MLX key of a case's values: the seed and a hash of the case's description."""
     return mx.random.key(((seed & 0xFFFFFFFF) << 32) | zlib.crc32(description.encode()))
 
 
@@ -133,40 +124,12 @@ _ROW_KINDS_BY_PROFILE: dict[ValueProfile, tuple[str, ...]] = {
 }
 
 
-def _row_kind_values(
-    unit_values: mx.array, row_fractions: mx.array, special_fractions: mx.array,
-    dtype: mx.Dtype, eps: float,
-) -> dict[str, mx.array]:
-    """float32 values of each row kind, from uniform values in (-1, 1) per
-    element (``unit_values``, ``special_fractions`` in [0, 1)) and per row.
-    MLX is lazy: only the kinds a profile uses are computed."""
-    varied = unit_values * mx.power(2.0, row_fractions * 6.0 - 3.0)
-    # Where eps decides the rounding; a zero eps is stood in for by 1e-12.
-    root_eps = math.sqrt(max(eps, 1e-12))
-    # Overflowing: |x| from sqrt(max) up to the largest power of two below max.
-    largest = math.floor(math.log2(mx.finfo(dtype).max))
-    exponents = largest / 2.0 + row_fractions * (largest - largest / 2.0)
-    special = mx.where(special_fractions < 1 / 32, mx.nan,
-                       mx.where(special_fractions < 2 / 32, mx.inf, -mx.inf))
-    return {
-        "varied": varied,  # magnitudes 2^-3 .. 2^3 per row
-        "signed-zero": unit_values * 0.0,  # +0 and -0
-        # mean square from ~1e-4 eps to ~30 eps
-        "near-epsilon": unit_values * (root_eps * mx.power(10.0, row_fractions * 3.0 - 2.0)),
-        "overflowing": unit_values * mx.power(2.0, exponents),  # squares overflow the dtype
-        "subnormal": unit_values * mx.finfo(dtype).smallest_normal,  # below its smallest normal
-        # ~3/32 of entries NaN/+inf/-inf
-        "nan-inf-sprinkled": mx.where(special_fractions < 3 / 32, special, varied),
-        "infinite": mx.where(unit_values < 0, -mx.inf, mx.inf),  # every entry +inf or -inf
-    }
-
-
 def generate_head_values(
     shape: Sequence[int], dtype: mx.Dtype, value_profile: ValueProfile, eps: float,
     key: mx.array,
 ) -> mx.array:
-    """Inputs of ``shape`` whose rows (all axes but the last) cycle through
-    the profile's row kinds. Deterministic from ``key``."""
+    """Inputs of ``shape`` whose rows (all axes but the last) cycle through the profile's row
+    kinds. Deterministic from ``key``; MLX is lazy, so only the kinds used are computed."""
     shape = tuple(shape)
     row_shape = shape[:-1] + (1,)
     unit_key, row_key, special_key = mx.random.split(key, 3)
@@ -177,11 +140,29 @@ def generate_head_values(
         mx.random.uniform(0.0, 1.0, shape, key=special_key)
         if "nan-inf-sprinkled" in row_kinds else unit_values
     )
-    kind_values = _row_kind_values(unit_values, row_fractions, special_fractions, dtype, eps)
+    varied = unit_values * mx.power(2.0, row_fractions * 6.0 - 3.0)
+    # Where eps decides the rounding; a zero eps is stood in for by 1e-12.
+    root_eps = math.sqrt(max(eps, 1e-12))
+    # Overflowing: |x| from sqrt(max) up to the largest power of two below max.
+    largest = math.floor(math.log2(mx.finfo(dtype).max))
+    exponents = largest / 2.0 + row_fractions * (largest - largest / 2.0)
+    special = mx.where(special_fractions < 1 / 32, mx.nan,
+                       mx.where(special_fractions < 2 / 32, mx.inf, -mx.inf))
+    kind_values = {
+        "varied": varied,  # magnitudes 2^-3 .. 2^3 per row
+        "signed-zero": unit_values * 0.0,  # +0 and -0
+        # mean square from ~1e-4 eps to ~30 eps
+        "near-epsilon": unit_values * (root_eps * mx.power(10.0, row_fractions * 3.0 - 2.0)),
+        "overflowing": unit_values * mx.power(2.0, exponents),  # squares overflow the dtype
+        "subnormal": unit_values * mx.finfo(dtype).smallest_normal,  # below its smallest normal
+        # ~3/32 of entries NaN/+inf/-inf
+        "nan-inf-sprinkled": mx.where(special_fractions < 3 / 32, special, varied),
+        "infinite": mx.where(unit_values < 0, -mx.inf, mx.inf),  # every entry +inf or -inf
+    }
     row_kind_index = (mx.arange(math.prod(shape[:-1])) % len(row_kinds)).reshape(row_shape)
     values = kind_values[row_kinds[0]]
-    for kind_index in range(1, len(row_kinds)):
-        values = mx.where(row_kind_index == kind_index, kind_values[row_kinds[kind_index]], values)
+    for kind_index, kind in enumerate(row_kinds[1:], start=1):
+        values = mx.where(row_kind_index == kind_index, kind_values[kind], values)
     return values.astype(dtype)
 
 
@@ -226,9 +207,8 @@ WEIGHT_VIEWS: dict[str, Callable[[mx.array], mx.array]] = {
 
 
 def build_case_inputs(case: ParityCase, seed: int = DEFAULT_PARITY_SEED) -> DualNormInputs:
-    """The evaluated inputs of one case, laid out as it says: what reproduces
-    a reported mismatch. Weights are uniform in (-2, 2): signs, small and
-    large scales."""
+    """The evaluated inputs of one case, laid out as it says: what reproduces a reported
+    mismatch. Weights are uniform in (-2, 2): signs, small and large scales."""
     query_key, key_key, query_weight_key, key_weight_key = mx.random.split(
         case_key(case.describe(), seed), 4
     )
@@ -249,12 +229,11 @@ def build_case_inputs(case: ParityCase, seed: int = DEFAULT_PARITY_SEED) -> Dual
         weight(Weighting.QUERY_WEIGHT_ONLY, query_weight_key),
         weight(Weighting.KEY_WEIGHT_ONLY, key_weight_key),
     )
-    mx.eval([array for array in inputs if array is not None])
+    mx.eval(inputs)
     return inputs
 
 
-# ---- The axes' values ---------------------------------------------------------------
-
+# The values of the axes.
 WIDTHS: tuple[int, ...] = (64, 80, 96, 128, 200, 256, 512, 1024, 2048, 4096, 8192)
 BASE_DTYPE_CONFIGURATIONS: tuple[DtypeConfiguration, ...] = (
     DtypeConfiguration("float32", mx.float32, mx.float32, mx.float32),
@@ -277,8 +256,8 @@ BATCH_SIZES: tuple[int, ...] = tuple(range(1, 9))
 DECODE_SEQUENCE_LENGTH, PREFILL_SEQUENCE_LENGTH = 1, 512
 SEQUENCE_LENGTHS: tuple[int, ...] = (DECODE_SEQUENCE_LENGTH, PREFILL_SEQUENCE_LENGTH)
 EPSILONS: tuple[float, ...] = (1e-6, 1e-5, 1e-12, 0.0)
-"""1e-6 and 1e-5 are what models use, 1e-12 sits far below any float32
-mean square of O(1) rows, and 0 turns zero rows into 0 * inf = NaN."""
+"""1e-6 and 1e-5 are what models use, 1e-12 sits far below any float32 mean square of O(1)
+rows, and 0 turns zero rows into 0 * inf = NaN."""
 WEIGHTED_WEIGHTINGS = (Weighting.WEIGHTED, Weighting.QUERY_WEIGHT_ONLY, Weighting.KEY_WEIGHT_ONLY)
 NON_CONTIGUOUS_INPUT_LAYOUTS = tuple(name for name in INPUT_VIEWS if name != "contiguous")
 NON_CONTIGUOUS_WEIGHT_LAYOUTS = tuple(name for name in WEIGHT_VIEWS if name != "contiguous")

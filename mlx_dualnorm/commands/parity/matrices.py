@@ -1,10 +1,8 @@
-"""Which cases a parity run checks. The dual head norm's designed matrix
-(``FAMILY_NAMES``): each family fixes the axes it is about and rotates the rest
-in seed-shuffled orders, since the product of all axes is millions of cases.
-Then the norm + RoPE's: ``CompiledDualHeadNormRope`` against
-``composed_dual_head_norm_rope`` over a small matrix of its own (it takes
-RoPE's parameters and an offset), one path ``rope_MODE`` per mode but the
-reference."""
+"""Which cases a parity run checks. The dual head norm's designed matrix (``FAMILY_NAMES``):
+each family fixes the axes it is about and rotates the rest in seed-shuffled orders, since the
+product of all axes is millions of cases. Then the norm + RoPE's: ``CompiledDualHeadNormRope``
+against ``composed_dual_head_norm_rope`` over a small matrix of its own (it takes RoPE's
+parameters and an offset), one path ``rope_MODE`` per mode but the reference."""
 
 from __future__ import annotations
 
@@ -29,22 +27,20 @@ from mlx_dualnorm.commands.parity.cases import (
 )
 
 FULL_MATRIX_ELEMENT_BUDGET = 1 << 22
-"""Most elements one query input may hold (4 Mi): a prefill of 8 x 512 x 32
-heads x 8192 would take seconds per case on CPU to generate and normalize."""
+"""Most elements one query input may hold (4 Mi): a prefill of 8 x 512 x 32 heads x 8192
+would take seconds per case on CPU to generate and normalize."""
 QUICK_MATRIX_ELEMENT_BUDGET = 1 << 17
 
-# ---- The matrix ------------------------------------------------------------------------
-
+# ---- The dual head norm's matrix --------------------------------------------------------
 
 _Pick = Callable[[str, Sequence], Any]  # (axis name, its values) -> the value picked
 _At = Callable[[str, int], _Pick]  # (family, position) -> its picker there
 
 
 def _rotation(seed: int) -> _At:
-    """``at(family, position)``: the picker of a family's axes at a position.
-    Each axis cycles through its values in a seed-shuffled order, so every
-    value appears once per cycle whatever the seed, and different seeds pair
-    the axes differently."""
+    """``at(family, position)``: the picker of a family's axes at a position. Each axis cycles
+    through its values in a seed-shuffled order, so every value appears once per cycle whatever
+    the seed, and different seeds pair the axes differently."""
     draw = random.Random(seed)
     orders: dict[str, list] = {}
 
@@ -61,15 +57,14 @@ def _rotation(seed: int) -> _At:
 
 
 def _weighting(pick: _Pick, dtypes: DtypeConfiguration) -> Weighting:
-    """Every weighting in turn, except for dtype configurations that promote:
-    they promote only through a weight, so they take the weighted ones."""
+    """Every weighting in turn, except for dtype configurations that promote: they promote only
+    through a weight, so they take the weighted ones."""
     if dtypes in PROMOTING_DTYPE_CONFIGURATIONS:
         return pick("weighting-promoting", WEIGHTED_WEIGHTINGS)
     return pick("weighting", tuple(Weighting))
 
 
-# A family's builder makes its cases with this: ParityCase with the family filled in.
-_CaseOfFamily = Callable[..., ParityCase]
+_CaseOfFamily = Callable[..., ParityCase]  # ParityCase with the family filled in
 
 
 def _width_by_dtype_family(at: _At, case: _CaseOfFamily) -> list[ParityCase]:
@@ -84,8 +79,8 @@ def _width_by_dtype_family(at: _At, case: _CaseOfFamily) -> list[ParityCase]:
 
 
 def _head_counts_family(at: _At, case: _CaseOfFamily) -> list[ParityCase]:
-    """Gated-delta shape (weightless, width 128) and full-attention shape
-    (weighted, width 256), at decode and at prefill, in bfloat16."""
+    """Gated-delta shape (weightless, width 128) and full-attention shape (weighted, width
+    256), at decode and at prefill, in bfloat16."""
     model_shapes = ((128, Weighting.WEIGHTLESS), (256, Weighting.WEIGHTED))
     return [
         case(width=width, dtypes=BASE_DTYPE_CONFIGURATIONS[2], heads=heads,
@@ -108,8 +103,8 @@ def _batch_and_sequence_family(at: _At, case: _CaseOfFamily) -> list[ParityCase]
 
 
 def _epsilon_family(at: _At, case: _CaseOfFamily) -> list[ParityCase]:
-    """Near-epsilon, zero and subnormal rows: the only rows where an epsilon
-    that is off by one ulp changes any output bit."""
+    """Near-epsilon, zero and subnormal rows: the only rows where an epsilon off by one ulp
+    changes any output bit."""
     return [
         case(width=pick("width", (128, 256)), heads=pick("heads", HEAD_COUNTS), dtypes=dtypes,
              batch_size=1, sequence_length=4, eps=eps, weighting=weighting,
@@ -121,29 +116,26 @@ def _epsilon_family(at: _At, case: _CaseOfFamily) -> list[ParityCase]:
 
 
 def _non_contiguous_family(at: _At, case: _CaseOfFamily) -> list[ParityCase]:
-    """Each layout for queries (and, shifted by one, for keys). Weight views
-    rotate over the weighted cases only, so each appears whatever the seed.
-    Width-sliced weightless inputs are the production gated-delta case."""
+    """Each layout for queries (and, shifted by one, for keys). Weight views rotate over the
+    weighted cases only, so each appears whatever the seed. Width-sliced weightless inputs are
+    the production gated-delta case."""
     layouts = NON_CONTIGUOUS_INPUT_LAYOUTS
-    cases: list[ParityCase] = []
-    weighted_cases = 0
-    for position, (layout_index, dtypes) in enumerate(
-        itertools.product(range(len(layouts)), BASE_DTYPE_CONFIGURATIONS)
-    ):
+    layout_pairs = zip(layouts, layouts[1:] + layouts[:1])
+    weighted_cases = itertools.count()
+    cases = []
+    for position, ((query_layout, key_layout), dtypes) in enumerate(
+            itertools.product(layout_pairs, BASE_DTYPE_CONFIGURATIONS)):
         pick = at("views", position)
         weighting = pick("weighting", tuple(Weighting))
         weight_layout = "contiguous"
         if weighting is not Weighting.WEIGHTLESS:
-            weight_layout = at("views", weighted_cases)(
-                "weight-layout", NON_CONTIGUOUS_WEIGHT_LAYOUTS
-            )
-            weighted_cases += 1
+            pick_weight_layout = at("views", next(weighted_cases))
+            weight_layout = pick_weight_layout("weight-layout", NON_CONTIGUOUS_WEIGHT_LAYOUTS)
         cases.append(case(
             width=pick("width", (64, 128, 200, 256)), dtypes=dtypes,
-            heads=pick("heads", HEAD_COUNTS),
-            batch_size=pick("batch", (1, 2, 3)), sequence_length=pick("seq", (1, 7)),
-            weighting=weighting, query_layout=layouts[layout_index],
-            key_layout=layouts[(layout_index + 1) % len(layouts)], weight_layout=weight_layout,
+            heads=pick("heads", HEAD_COUNTS), batch_size=pick("batch", (1, 2, 3)),
+            sequence_length=pick("seq", (1, 7)), weighting=weighting, query_layout=query_layout,
+            key_layout=key_layout, weight_layout=weight_layout,
         ))
     return cases
 
@@ -160,8 +152,8 @@ def _special_values_family(at: _At, case: _CaseOfFamily) -> list[ParityCase]:
 
 
 def _mixed_dtypes_family(at: _At, case: _CaseOfFamily) -> list[ParityCase]:
-    """Queries and keys of different dtypes (each traced separately), and
-    half-precision inputs with a weight of the other half type."""
+    """Queries and keys of different dtypes (each traced separately), and half-precision inputs
+    with a weight of the other half type."""
     pairs = [
         (dtypes, weighting) for dtypes in MIXED_DTYPE_CONFIGURATIONS
         for weighting in ((Weighting.WEIGHTLESS, Weighting.WEIGHTED)
@@ -189,9 +181,8 @@ FAMILY_NAMES: tuple[str, ...] = tuple(_FAMILY_BUILDERS)
 
 
 def _fit_to_element_budget(case: ParityCase, element_budget: int) -> ParityCase:
-    """Halves the batch, then the sequence, until the query input fits, so
-    a wide prefill stays a (shorter) prefill; the case description then
-    names what actually runs."""
+    """Halves the batch, then the sequence, until the query input fits, so a wide prefill stays
+    a (shorter) prefill; the case description then names what actually runs."""
     while case.query_element_count > element_budget and case.batch_size > 1:
         case = replace(case, batch_size=case.batch_size // 2)
     while case.query_element_count > element_budget and case.sequence_length > 1:
@@ -219,28 +210,26 @@ _IN_QUICK_MATRIX: dict[str, Callable[[ParityCase], bool]] = {
     "special_values": lambda case: case.value_profile is ValueProfile.ALL_SPECIAL_ROWS,
     "mixed_dtypes": lambda case: True,
 }
-"""A few cases per family, chosen so each deliberate perturbation the tests
-try (epsilon off by an ulp, outputs swapped, weight applied before rounding,
-NaN flushed, dtype changed) still shows up."""
+"""A few cases per family, chosen so each deliberate perturbation the tests try (epsilon off by
+an ulp, outputs swapped, weight applied before rounding, NaN flushed, dtype changed) shows up."""
 
 
 def build_quick_parity_matrix(seed: int = DEFAULT_PARITY_SEED) -> list[ParityCase]:
-    """About 50 cases picked from the full matrix and shrunk to at most 128
-    Ki query elements: a second or two on CPU once kernels are cached. A
-    shrunk case has its own description, hence its own values."""
+    """About 50 cases picked from the full matrix and shrunk to at most 128 Ki query elements: a
+    second or two on CPU once kernels are cached. A shrunk case has its own description, hence
+    its own values."""
     return [
         _fit_to_element_budget(case, QUICK_MATRIX_ELEMENT_BUDGET)
         for case in build_full_parity_matrix(seed) if _IN_QUICK_MATRIX[case.family](case)
     ]
 
 
-# ---- The norm + RoPE ----------------------------------------------------------------
+# ---- The norm + RoPE's matrix -----------------------------------------------------------
 
 ROPE_FAMILY = "norm_rope"
 ROPE_ONLY_FAMILY = "rope_only"  # the cases without norms
-ROPE_REFERENCE_DESCRIPTION = (
-    "composed_dual_head_norm_rope (rms_norm, transpose, rope per side; no rms_norm for rope_only)"
-)
+ROPE_REFERENCE_DESCRIPTION = ("composed_dual_head_norm_rope (rms_norm, transpose, rope per side; "
+                              "no rms_norm for rope_only)")
 ROPE_PATH_PREFIX = "rope_"
 ROPE_PATH_DESCRIPTIONS = {
     "rope_compiled": "mlx_dualnorm.CompiledDualHeadNormRope(mode='compiled'): "
@@ -249,8 +238,7 @@ ROPE_PATH_DESCRIPTIONS = {
 }
 ROPE_BASE = 10000.0
 
-OffsetSpec = Union[int, tuple[int, ...]]
-"""An int offset, or one offset per batch entry (passed as an int32 array)."""
+OffsetSpec = Union[int, tuple[int, ...]]  # an int, or one per batch entry (an int32 array)
 
 
 @dataclass(frozen=True)
@@ -285,9 +273,9 @@ class RopeParityCase:
 
 
 def build_rope_parity_matrix(quick: bool = False) -> list[RopeParityCase]:
-    """Every shape (of the models that call it) with every dtype, the offset,
-    weighting and RoPE variant rotating across them, then the shape without
-    norms (``rope_only``); ``quick`` keeps one dtype per shape."""
+    """Every shape (of the models that call it) with every dtype, the offset, weighting and RoPE
+    variant rotating across them, then the shape without norms (``rope_only``); ``quick`` keeps
+    one dtype per shape."""
     shapes = (
         # (batch, sequence, query heads, key heads, width, dims)
         (1, 1, 16, 2, 256, 64),  # Qwen3-Next full-attention decode, partial rotary
@@ -323,11 +311,10 @@ def of_families(cases: Sequence[Case], families: Optional[Sequence[str]]) -> lis
     return [case for case in cases if families is None or case.family in families]
 
 
-def rope_case_inputs(
-    case: RopeParityCase, seed: int
-) -> tuple[DualNormInputs, Union[int, mx.array]]:
-    """Evaluated inputs of one case and its offset, from the seed and its
-    description."""
+def prepare_rope_case(case: RopeParityCase, seed: int) -> tuple[Outputs, PathCalls]:
+    """The composed norm + RoPE's outputs on the case's inputs (from the seed and its
+    description), and the call of a path (by name) on them. Each call builds its object, as a
+    model builds one per attention layer."""
     query_key, key_key, query_weight_key, key_weight_key = mx.random.split(
         case_key(case.describe(), seed), 4
     )
@@ -342,16 +329,8 @@ def rope_case_inputs(
         (4.0 * mx.random.normal(case.key_shape, key=key_key)).astype(dtype),
         query_weight, key_weight,
     )
-    mx.eval([array for array in inputs if array is not None])
+    mx.eval(inputs)
     offset = case.offset if isinstance(case.offset, int) else mx.array(case.offset, dtype=mx.int32)
-    return inputs, offset
-
-
-def prepare_rope_case(case: RopeParityCase, seed: int) -> tuple[Outputs, PathCalls]:
-    """The composed norm + RoPE's outputs on the case's inputs, and the call
-    of a path (by name) on them. Each call builds its object, as a model
-    builds one per attention layer."""
-    inputs, offset = rope_case_inputs(case, seed)
     eps = PRODUCTION_RMS_NORM_EPSILON if case.norms else None
     expected = composed_dual_head_norm_rope(
         *inputs, eps=eps, dims=case.dims, base=ROPE_BASE, traditional=case.traditional,
@@ -365,13 +344,12 @@ def prepare_rope_case(case: RopeParityCase, seed: int) -> tuple[Outputs, PathCal
 
 def available_rope_paths() -> list[str]:
     """``rope_MODE`` for every mode but the reference that runs here."""
-    return [ROPE_PATH_PREFIX + mode for mode in available_modes()
-            if mode != "composed" and ROPE_PATH_PREFIX + mode in ROPE_PATH_DESCRIPTIONS]
+    return [name for name in ROPE_PATH_DESCRIPTIONS
+            if name.removeprefix(ROPE_PATH_PREFIX) in available_modes()]
 
 
 def unavailable_rope_paths(path_names: Sequence[str]) -> dict[str, str]:
-    """Of the rope paths named, those this build or device cannot run, each
-    with the reason."""
+    """Of the rope paths named, those this build or device cannot run, with the reason."""
     available = available_rope_paths()
     return {name: f"mode {name.removeprefix(ROPE_PATH_PREFIX)!r} is not available here"
             for name in path_names if name not in available}
