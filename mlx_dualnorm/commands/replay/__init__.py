@@ -59,17 +59,15 @@ def greedy_decode(
     for step in range(steps):
         logits, final_hidden = forward(tokens, parameters, caches, config, dual_head_norm)
         tokens = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
-        chooser_hidden = final_hidden[0, -1, :]
-        mx.eval(tokens, chooser_hidden, caches)
+        step_hidden_states.append(final_hidden[0, -1, :])
+        mx.eval(tokens, step_hidden_states[-1], caches)
         token_ids.append(int(tokens))
-        step_hidden_states.append(chooser_hidden)
         if progress is not None:
             progress(f"{path_name} token {step + 1}/{steps}")
-    stacked_hidden_states = mx.stack(step_hidden_states)
-    mx.eval(stacked_hidden_states)
-    return GreedyDecodeTrace(
-        path_name, tuple(token_ids), stacked_hidden_states, time.perf_counter() - started
-    )
+    hidden_states = mx.stack(step_hidden_states)
+    mx.eval(hidden_states)
+    elapsed = time.perf_counter() - started
+    return GreedyDecodeTrace(path_name, tuple(token_ids), hidden_states, elapsed)
 
 
 @dataclass(frozen=True)
@@ -201,14 +199,10 @@ def build_parser(selection: Optional[PathSelection] = None) -> argparse.Argument
         "Exit status 1 if any path diverges.",
     )
     (selection or PathSelection.of(None, PATH_FACTORIES)).add_path_argument(parser, "replay")
-    parser.add_argument(
-        "--steps", type=command.Count(1, MAX_DECODE_STEPS), default=DEFAULT_DECODE_STEPS,
-        help="greedy tokens to decode",
-    )
-    parser.add_argument(
-        "--seed", type=command.seed, default=ReplayModelConfig.seed,
-        help="seed of the weights and prompt",
-    )
+    parser.add_argument("--steps", type=command.Count(1, MAX_DECODE_STEPS),
+                        default=DEFAULT_DECODE_STEPS, help="greedy tokens to decode")
+    parser.add_argument("--seed", type=command.seed, default=ReplayModelConfig.seed,
+                        help="seed of the weights and prompt")
     parser.add_argument("--dtype", choices=sorted(_DTYPES_BY_NAME), default="bfloat16",
                         help="model dtype")
     command.add_device_argument(parser)

@@ -6,7 +6,7 @@ few seconds on two CPU cores."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 import mlx.core as mx
 
@@ -47,28 +47,22 @@ def _weight_shapes(config: ReplayModelConfig) -> list[_Weight]:
     width = config.model_width
     shapes: list[_Weight] = [("embedding", (config.vocabulary_size, width), "embedding")]
     for layer_index, layer_kind in enumerate(config.layer_kinds):
-        prefix = f"layers.{layer_index}."
-        kind_weights: list[_Weight]
         if layer_kind == GATED_DELTA_LAYER:
             value_heads = config.gated_delta_value_heads
             query_width = key_width = config.gated_delta_key_heads * config.gated_delta_head_width
             value_width = mixed_width = value_heads * config.gated_delta_value_width
-            kind_weights = [
+            kind_weights: list[_Weight] = [
                 ("decay_projection", (width, value_heads), "projection"),
                 ("write_strength_projection", (width, value_heads), "projection"),
                 ("decay_log_rate", (value_heads,), "decay_log_rate"),
                 ("decay_time_bias", (value_heads,), "small"),
             ]
-        elif layer_kind == FULL_ATTENTION_LAYER:
+        else:
             head_width = config.attention_head_width
             query_width = mixed_width = config.attention_query_heads * head_width
             key_width = value_width = config.attention_key_value_heads * head_width
-            kind_weights = [
-                ("query_norm_weight", (head_width,), "norm_weight"),
-                ("key_norm_weight", (head_width,), "norm_weight"),
-            ]
-        else:
-            raise ValueError(f"unknown layer kind {layer_kind!r}")
+            kind_weights = [("query_norm_weight", (head_width,), "norm_weight"),
+                            ("key_norm_weight", (head_width,), "norm_weight")]
         layer_weights = [
             ("input_norm_weight", (width,), "norm_weight"),
             ("query_projection", (width, query_width), "projection"),
@@ -77,7 +71,8 @@ def _weight_shapes(config: ReplayModelConfig) -> list[_Weight]:
             *kind_weights,
             ("output_projection", (mixed_width, width), "projection"),
         ]
-        shapes += [(prefix + name, shape, init) for name, shape, init in layer_weights]
+        shapes += [(f"layers.{layer_index}.{name}", shape, init)
+                   for name, shape, init in layer_weights]
     shapes += [
         ("final_norm_weight", (width,), "norm_weight"),
         ("language_model_head", (width, config.vocabulary_size), "projection"),
@@ -131,9 +126,8 @@ def _gated_delta_mixer(
     for position in range(sequence_length):
         step_key = keys[:, position, :, :, None]  # (batch, heads, head width, 1)
         state = state * decay[:, position, :, None, None]
-        remembered_values = (state * step_key).sum(axis=-2)
-        step_write_strength = write_strength[:, position, :, None]
-        correction = (values[:, position] - remembered_values) * step_write_strength
+        remembered = (state * step_key).sum(axis=-2)  # S^T k
+        correction = (values[:, position] - remembered) * write_strength[:, position, :, None]
         state = state + step_key * correction[:, :, None, :]
         step_outputs.append((state * queries[:, position, :, :, None]).sum(axis=-2))
     cache["state"] = state
@@ -180,16 +174,13 @@ def forward(
             name.removeprefix(prefix): value for name, value in parameters.items()
             if name.startswith(prefix)
         }
-        normalized_input = mx.fast.rms_norm(
-            hidden, weights["input_norm_weight"], config.rms_norm_eps
-        )
-        norm_weights: tuple[Optional[mx.array], Optional[mx.array]] = (None, None)
+        normalized_input = mx.fast.rms_norm(hidden, weights["input_norm_weight"],
+                                            config.rms_norm_eps)
         if layer_kind == GATED_DELTA_LAYER:
             mixer = _gated_delta_mixer
             heads = (config.gated_delta_key_heads,) * 2 + (config.gated_delta_value_heads,)
         else:
             mixer = _full_attention_mixer
-            norm_weights = (weights["query_norm_weight"], weights["key_norm_weight"])
             heads = (config.attention_query_heads,) + (config.attention_key_value_heads,) * 2
         queries, keys, values = (
             (normalized_input @ weights[f"{name}_projection"]).reshape(
@@ -197,9 +188,11 @@ def forward(
             )
             for name, count in zip(("query", "key", "value"), heads)
         )
-        # The path under test: weightless in gated-delta layers, with the q/k
-        # norm weights in full-attention layers, as mlx-lm's models call it.
-        queries, keys = dual_head_norm(queries, keys, *norm_weights)
+        # The path under test, as mlx-lm's models call it: weightless in gated-delta
+        # layers (they have no q/k norm weights), weighted in full-attention layers.
+        queries, keys = dual_head_norm(
+            queries, keys, weights.get("query_norm_weight"), weights.get("key_norm_weight")
+        )
         mixed = mixer(normalized_input, queries, keys, values, weights, cache, config)
         hidden = hidden + mixed.reshape(batch, sequence_length, -1) @ weights["output_projection"]
     final_hidden = mx.fast.rms_norm(hidden, parameters["final_norm_weight"], config.rms_norm_eps)
