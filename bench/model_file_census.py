@@ -64,9 +64,9 @@ from mlx_dualnorm.commands.shared.synthetic import (
     SYNTHETIC_MODEL_TYPES,
     build_model,
     prompt_token_ids,
+    randomize_norm_weights,
     synthetic_model_config,
 )
-from mlx_dualnorm.commands.shared.synthetic_attention import randomize_norm_weights
 from mlx_dualnorm.integrations import mlx_lm as integration
 
 ENGAGED = "engaged"

@@ -1,11 +1,6 @@
-"""``python -m mlx_dualnorm``: see :mod:`mlx_dualnorm.commands.cli` (or run it
-with ``--help``).
-
-Python imports the package before this module runs, so an installed MLX
-other than the one the package was built against is refused there, by
-:mod:`mlx_dualnorm._mlx_version_guard`: under ``python -m`` as one line on
-stderr and exit status 2 (cannot run here), for a library user as the
-ImportError."""
+"""``python -m mlx_dualnorm``: see :mod:`mlx_dualnorm.commands.cli`. An MLX other
+than the one the package was built against is refused before this runs, on
+importing the package (:mod:`mlx_dualnorm._mlx_version_guard`): one line, exit 2."""
 
 import sys
 

@@ -1,9 +1,7 @@
 """``python -m mlx_dualnorm``: the main job, and dispatch to the sub-commands.
-
-Global options (``--device``) may come before the sub-command or after it.
-A sub-command's module is imported only when named, so ``--help`` and the
-main job never import mlx-lm.
-"""
+Global options (``--device``) may come before the sub-command or after it. A
+sub-command's module is imported only when named: ``--help`` and the main job
+never import mlx-lm."""
 
 from __future__ import annotations
 
@@ -60,21 +58,17 @@ MAIN_JOB_DESCRIPTION = (
 
 def _main_parser() -> argparse.ArgumentParser:
     parser = ToolParser(
-        prog=PROGRAM,
-        operation="mlx_dualnorm",
+        prog=PROGRAM, operation="mlx_dualnorm", description=MAIN_JOB_DESCRIPTION,
         usage=f"{PROGRAM} [-h] [--device {{default,cpu,gpu}}] [SUB-COMMAND [OPTIONS]]",
-        description=MAIN_JOB_DESCRIPTION,
         epilog=f"'{PROGRAM} SUB-COMMAND --help' shows a sub-command's options; "
         "global options (--device) go before or after the sub-command.",
         formatter_class=DefaultShownOnceFormatter,
     )
     add_device_argument(parser)
-    subcommands = parser.add_subparsers(
-        title="sub-commands", metavar="SUB-COMMAND", dest="subcommand"
-    )
+    subcommands = parser.add_subparsers(title="sub-commands", metavar="SUB-COMMAND",
+                                        dest="subcommand")
     for subcommand in SUBCOMMANDS:
-        # For --help only: a named sub-command is dispatched before this
-        # parser runs, and parses its own options.
+        # For --help only: a named sub-command is dispatched before this parser runs.
         subcommands.add_parser(subcommand.name, help=subcommand.summary, add_help=False)
     return parser
 
@@ -85,9 +79,7 @@ def subcommand_parser(name: str) -> argparse.ArgumentParser:
 
 
 def _run_main_job(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """The quick parity check of every path the quick benchmark times (and
-    of the norm + RoPE), the benchmark's summary, then the parity verdict
-    as the last line, with the paths skipped and why."""
+    """The main job, as ``MAIN_JOB_DESCRIPTION`` tells it."""
     select_device(arguments.device, parser)
     mlx_version = getattr(mx, "__version__")  # not in MLX's type stubs
     print(f"mlx_dualnorm on {mx.default_device()} (MLX {mlx_version})\n")
@@ -96,8 +88,7 @@ def _run_main_job(arguments: argparse.Namespace, parser: argparse.ArgumentParser
     skipped = unavailable_paths(benchmarked)
     reports = parity.check_paths(
         {name: PATH_REGISTRY[name].factory for name in benchmarked if name not in skipped},
-        matrices.available_rope_paths(),
-        quick=True,
+        matrices.available_rope_paths(), quick=True,
     )
     print()
     report = benchmark.run_benchmark(config, progress=benchmark.progress_to_stderr)
@@ -129,8 +120,7 @@ def _split_at_subcommand(
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Runs the sub-command named, with the global options given before it
-    passed on ahead of its own; without one, the main job."""
+    """The sub-command named (the global options before it passed on), or the main job."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _main_parser()
     global_options, subcommand, subcommand_arguments = _split_at_subcommand(argv, parser)
@@ -146,9 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ModuleNotFoundError as missing:
         if not (missing.name or "").startswith("mlx_lm"):
             raise
-        print(
-            error_line(subcommand.name, "needs mlx-lm (pip install 'mlx-lm==0.32.2')"),
-            file=sys.stderr,
-        )
+        message = error_line(subcommand.name, "needs mlx-lm (pip install 'mlx-lm==0.32.2')")
+        print(message, file=sys.stderr)
         return EXIT_USAGE
     return int(module.main([*global_options, *subcommand_arguments]))

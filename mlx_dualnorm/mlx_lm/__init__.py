@@ -7,6 +7,7 @@ still ends the process by SIGTERM; Ctrl-C is mlx-lm's to handle (docs/mlx-lm.md)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -33,8 +34,7 @@ class Arguments(NamedTuple):
 
 
 def split_arguments(arguments: Sequence[str]) -> Arguments:
-    """Takes this command's flags out of ``arguments``; the rest, in order,
-    is mlx-lm's. A bare ``--`` and everything after it are mlx-lm's."""
+    """This command's flags; the rest, in order, and all after a bare ``--`` are mlx-lm's."""
     mode: Optional[str] = None
     quiet = False
     rest: list[str] = []
@@ -55,15 +55,12 @@ def split_arguments(arguments: Sequence[str]) -> Arguments:
 
 def _say(message: str) -> None:
     """One line on stderr, prefixed with this command's name."""
-    try:
+    with contextlib.suppress(OSError, ValueError):  # stderr closed or gone: nothing to tell
         print(f"[{PROGRAM}] {' '.join(message.split())}", file=sys.stderr, flush=True)
-    except (OSError, ValueError):  # stderr closed or gone: nothing to tell
-        pass
 
 
 def _apply_patch(mode: Optional[str]) -> None:
-    """Patches mlx-lm; UsageError (one line) for a mode of no such name
-    (naming the modes), or where the patch cannot be applied here."""
+    """Patches mlx-lm; UsageError for a mode of no such name or a patch that cannot apply."""
     modes = typing.get_args(Mode)
     if mode is not None and mode not in modes:
         raise UsageError(f"{MODE_FLAG} {mode}: no such mode; choose from {', '.join(modes)}")
@@ -96,8 +93,7 @@ def _say_engagement() -> None:
 
 
 def _on_sigterm(signal_number: int, frame: object) -> None:
-    """Says the line, then ends the process by SIGTERM after all, with the
-    status mlx-lm's own process gets."""
+    """Says the line, then ends by SIGTERM after all, as mlx-lm's own process would."""
     _say_engagement()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
@@ -123,9 +119,7 @@ def main(arguments: Optional[Sequence[str]] = None) -> Optional[int]:
         # mlx-lm's too, whether it returns, exits or raises.
         atexit.register(_say_engagement)
         # Signal handlers belong to the main thread; one already set is left alone.
-        if (
-            threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-        ):
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        if in_main_thread and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _on_sigterm)
     return mlx_lm.cli.main()

@@ -1,5 +1,4 @@
-"""``python -m mlx_dualnorm.mlx_lm SUBCOMMAND ...``: see
-:mod:`mlx_dualnorm.mlx_lm`."""
+"""``python -m mlx_dualnorm.mlx_lm SUBCOMMAND ...``: see :mod:`mlx_dualnorm.mlx_lm`."""
 
 import sys
 

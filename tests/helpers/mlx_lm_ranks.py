@@ -28,12 +28,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from mlx_dualnorm.commands.shared.synthetic_attention import ATTENTION_FAMILY_CONFIGS
-from mlx_dualnorm.commands.shared.synthetic_qwen3_like import (
+from mlx_dualnorm.commands.shared.synthetic_families import (
+    ATTENTION_FAMILY_CONFIGS,
     QWEN3_LIKE_CONFIGS,
     QWEN3_LIKE_DTYPE_NAMES,
-)
-from mlx_dualnorm.commands.shared.synthetic_rope_only import (
     ROPE_ONLY_CONFIGS,
     ROPE_ONLY_DTYPE_NAMES,
 )
@@ -185,10 +183,10 @@ mixture-of-experts MLP; ``kimi_k3`` has gated-delta layers and an MLA layer
 the patch leaves alone. ``glm4_moe`` (whose Model ``solar_open`` runs),
 ``exaone_moe`` (RoPE on every layer) and ``step3p5`` (no YaRN) have every
 attention layer engaged; ``minimax`` and ``minimax_m3_vl`` are the tiny
-models of :mod:`~mlx_dualnorm.commands.shared.synthetic_attention`;
+models of :mod:`~mlx_dualnorm.commands.shared.synthetic_families`;
 ``llama``, ``qwen2`` and ``ministral3`` (both with pipeline) and
 ``gpt_oss`` those of
-:mod:`~mlx_dualnorm.commands.shared.synthetic_rope_only`, without q/k
+:mod:`~mlx_dualnorm.commands.shared.synthetic_families`, without q/k
 norms."""
 
 # (name, parallelism, when the patch is made)

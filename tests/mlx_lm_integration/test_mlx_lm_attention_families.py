@@ -35,12 +35,12 @@ from mlx_dualnorm.integrations.mlx_lm import norm_rope  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.commands import mlx_lm_check  # noqa: E402
-from mlx_dualnorm.commands.shared.synthetic_attention import randomize_norm_weights  # noqa: E402
 from mlx_dualnorm.commands.shared.generation import compare_traces, greedy_generate  # noqa: E402
 from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
     build_model,
     build_synthetic_model,
     prompt_token_ids,
+    randomize_norm_weights,
     synthetic_model_config,
 )
 

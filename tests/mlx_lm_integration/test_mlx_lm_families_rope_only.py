@@ -39,7 +39,7 @@ from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
     prompt_token_ids,
     synthetic_model_config,
 )
-from mlx_dualnorm.commands.shared.synthetic_rope_only import ROPE_ONLY_CONFIGS  # noqa: E402
+from mlx_dualnorm.commands.shared.synthetic_families import ROPE_ONLY_CONFIGS  # noqa: E402
 
 GENERATED_TOKENS = 24
 PROMPT = prompt_token_ids(512, 12)

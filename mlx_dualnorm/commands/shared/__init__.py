@@ -1,2 +1,1 @@
-"""What several commands share: the parser and argument types, the compared
-paths, the synthetic mlx-lm models. Importing this package imports none of them."""
+"""What several commands share; importing this package imports none of it."""

@@ -1,8 +1,6 @@
 """What every ``python -m mlx_dualnorm`` command shares: its parser (usage
-errors as one line, ``[NAME] message``), bounded argument types checked
-before any work, exit statuses (0 ok, 1 a mismatch, 2 bad usage or cannot
-run here, 130 Ctrl-C, what was measured printed first), progress lines,
-the summary numbers of its tables and its JSON files."""
+errors as one line, ``[NAME] message``), bounded argument types checked before
+any work, exit statuses, progress lines, table summaries and JSON files."""
 
 from __future__ import annotations
 
@@ -17,8 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
-import typing
-from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence, get_args
 
 import mlx.core as mx
 
@@ -34,14 +31,13 @@ EXIT_INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (SIGI
 DEVICE_CHOICES = ("default", "cpu", "gpu")
 # A mode name not among these is a usage error naming the choices; a mode
 # among them that this build or device lacks is refused by patch().
-MODE_CHOICES: tuple[str, ...] = typing.get_args(Mode)
+MODE_CHOICES: tuple[str, ...] = get_args(Mode)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Range:
-    """A bounded argparse ``type``, the type of every number option: its
-    range is checked where argparse reads it, shown in its help
-    (``range_text``), and bounds what the option can cost."""
+    """The argparse ``type`` of every number option: its range is checked where
+    argparse reads it, shown in its help and bounds what the option can cost."""
 
     minimum: float
     maximum: float
@@ -113,10 +109,6 @@ SEED_MAX = 2**32 - 1
 seed = Count(0, SEED_MAX)  # argparse ``type`` of every command's ``--seed``
 
 
-def _refusal(text: str, failed: OSError) -> argparse.ArgumentTypeError:
-    return argparse.ArgumentTypeError(f"cannot write {text}: {failed.strerror or failed}")
-
-
 def _path(text: str) -> pathlib.Path:
     """An output path, ``~`` expanded; not empty (the current folder)."""
     if not text.strip():
@@ -128,9 +120,8 @@ def _path(text: str) -> pathlib.Path:
 
 
 def output_folder(text: str) -> pathlib.Path:
-    """A folder a command writes into, tried for real before any work
-    (permission bits say nothing for root, a read-only mount or /proc):
-    missing folders and a file in it are created, then removed again."""
+    """A folder a command writes into, tried for real before any work (permission
+    bits say nothing for root, a read-only mount or /proc), leaving nothing."""
     path = _path(text)
     created: list[pathlib.Path] = []
     try:
@@ -147,7 +138,8 @@ def output_folder(text: str) -> pathlib.Path:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".mlx_dualnorm-write-check-"):
             pass
     except OSError as failed:  # no permission, a name too long, a loop of links, ...
-        raise _refusal(text, failed) from None
+        reason = failed.strerror or failed
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {reason}") from None
     finally:
         for made in created:  # deepest first
             with contextlib.suppress(OSError):
@@ -171,19 +163,18 @@ def output_file(text: str) -> pathlib.Path:
         if not existed:
             path.unlink()
     except OSError as failed:
-        raise _refusal(text, failed) from None
+        reason = failed.strerror or failed
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {reason}") from None
     return path
 
 
 class Unavailable(Exception):
-    """What a tool was asked to run cannot run here (a mode this build or
-    device lacks, an unsupported mlx-lm): :func:`run_tool` prints the
-    message on one line and exits 2, with no traceback."""
+    """What a tool was asked to run cannot run here (a mode this build or device
+    lacks, an unsupported mlx-lm): one line and exit 2, no traceback."""
 
 
 class InterruptedWithPartialResult(KeyboardInterrupt):
-    """Ctrl-C inside a measurement, carrying what was measured so far
-    (``partial``) for the command to print before exiting 130."""
+    """Ctrl-C inside a measurement, carrying what was measured (``partial``) to print."""
 
     def __init__(self, partial: object) -> None:
         super().__init__()
@@ -201,7 +192,6 @@ class DefaultShownOnceFormatter(argparse.HelpFormatter):
         if bounds is not None and help_text is not argparse.SUPPRESS:
             notes.append(bounds)
         said = "(default" in help_text or "default:" in help_text
-        # Not for flags (store_true, store_const, help, nargs 0) nor positionals.
         if (action.option_strings and action.nargs != 0 and not said
                 and action.default not in (None, False, argparse.SUPPRESS)):
             notes.append("default: %(default)s")
@@ -220,8 +210,7 @@ def cause(error: BaseException) -> str:
 
 
 class ToolParser(argparse.ArgumentParser):
-    """Usage errors are one line, ``[operation] message`` and where
-    ``--help`` is, exit status 2; ``operation`` defaults to ``prog``."""
+    """Usage errors are one line, ``[operation] message`` and where --help is, exit 2."""
 
     def __init__(self, *arguments: Any, operation: Optional[str] = None, **options: Any) -> None:
         super().__init__(*arguments, **options)
@@ -262,15 +251,11 @@ def select_device(device_name: str, parser: argparse.ArgumentParser) -> None:
         mx.set_default_device(mx.gpu)
 
 
-def run_tool(
-    parser: argparse.ArgumentParser,
-    run: Callable[[argparse.Namespace, argparse.ArgumentParser], int],
-    argv: Optional[Sequence[str]],
-) -> int:
-    """Parses ``argv`` and runs the tool, returning its exit status:
-    argparse's exits (0 after --help, 2 on bad usage), 2 for
-    :class:`Unavailable` and ``PathUnavailable`` (one line on stderr), 130
-    for Ctrl-C (a tool with partial results prints them first)."""
+def run_tool(parser: argparse.ArgumentParser,
+             run: Callable[[argparse.Namespace, argparse.ArgumentParser], int],
+             argv: Optional[Sequence[str]]) -> int:
+    """Runs the tool on ``argv``: its exit status, argparse's (0 after --help, 2 on bad
+    usage), 2 for :class:`Unavailable` and ``PathUnavailable``, 130 for Ctrl-C."""
     operation = getattr(parser, "operation", parser.prog)
     try:
         return run(parser.parse_args(list(argv) if argv is not None else None), parser)
@@ -298,9 +283,8 @@ def write_json(path: os.PathLike[str] | str, data: object) -> pathlib.Path:
 
 @contextlib.contextmanager
 def writing(target: object) -> Iterator[None]:
-    """An OSError writing ``target`` after the run (its path was checked
-    before it: a full disk, a folder removed meanwhile) is one line, exit 2;
-    the tables are printed first, so nothing measured is lost."""
+    """An OSError writing ``target`` after the run (a full disk, a folder removed
+    meanwhile) is :class:`Unavailable`: the tables were printed first."""
     try:
         yield
     except OSError as failed:
@@ -313,19 +297,16 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 
 def ratio_of_medians(values: Sequence[float], reference_values: Sequence[float]) -> Optional[float]:
-    """median(values) / median(reference_values), the ratio a table prints
-    beside the two medians so the three never contradict each other (a
-    median of per-round ratios can fall on the other side of 1). None when
-    either is empty or the reference median is not positive."""
+    """The ratio printed beside two medians, never contradicting them (a median of
+    ratios can): None when either is empty or the reference median is not > 0."""
     if not values or not reference_values or not statistics.median(reference_values) > 0:
         return None
     return statistics.median(values) / statistics.median(reference_values)
 
 
 class StepProgress:
-    """One line per step (to ``emit``, else stderr): the step of how many,
-    the time so far and left; with ``min_interval_s``, at most one line
-    that often (the last step always)."""
+    """One line per step (to ``emit``, else stderr): the step of how many, the
+    time so far and left; at most one per ``min_interval_s`` but the last."""
 
     def __init__(self, stage: str, steps: int, *, min_interval_s: float = 0.0,
                  emit: Optional[Callable[[str], None]] = None) -> None:

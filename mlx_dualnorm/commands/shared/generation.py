@@ -1,7 +1,6 @@
 """Greedy generation through mlx-lm's own ``generate_step``, recorded and
 timed; two runs compared token for token and bit for bit; what the patch's
-``report()`` counted while a block ran. Shared by ``mlx-lm-check`` and
-``mlx-lm-bench``; imports mlx-lm."""
+``report()`` counted while a block ran. Imports mlx-lm."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
+from operator import eq
 from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
@@ -58,8 +58,7 @@ def _timed_greedy_tokens(model, prompt: mx.array, max_tokens: int,
 
 
 def greedy_generate(model: nn.Module, prompt: mx.array, max_tokens: int) -> GreedyTrace:
-    """``max_tokens`` greedy tokens, logits recorded by a logits processor
-    that returns them unchanged."""
+    """``max_tokens`` greedy tokens, logits recorded by a logits processor."""
     step_logits: list[mx.array] = []
 
     def record_logits(tokens: mx.array, logits: mx.array) -> mx.array:
@@ -76,11 +75,8 @@ def greedy_generate(model: nn.Module, prompt: mx.array, max_tokens: int) -> Gree
 def timed_greedy_decode(model, prompt: mx.array, steps: int,
                         progress: Optional[Callable[[str], None]] = None,
                         detail: str = "") -> tuple[list[int], float]:
-    """Prefill ``prompt``, then ``steps`` greedy decode steps: the token ids
-    after the prompt (``steps + 1``) and the median milliseconds per decode
-    step (the first token, which carries the prefill, is not timed).
-    ``progress`` hears of every token (on a CPU a full-size step takes
-    seconds)."""
+    """The ``steps + 1`` greedy token ids after ``prompt`` and the median milliseconds
+    per decode step (the first token, which carries the prefill, is not timed)."""
     token_ids: list[int] = []
     step_seconds: list[float] = []
     for token_id, seconds in _timed_greedy_tokens(model, prompt, steps + 1):
@@ -109,9 +105,7 @@ class TraceComparison:
 def compare_traces(reference: GreedyTrace, candidate: GreedyTrace) -> TraceComparison:
     """Token ids equal and logits equal bit for bit (dtype, shape, bits); a
     length difference counts as a divergence where the shorter one ends."""
-    first_token_divergence = _first_difference(
-        reference.token_ids, candidate.token_ids, lambda expected, actual: expected == actual
-    )
+    first_token_divergence = _first_difference(reference.token_ids, candidate.token_ids, eq)
     first_logits_divergence = _first_difference(
         reference.step_logits, candidate.step_logits, same_bits
     )

@@ -96,22 +96,18 @@ def _rank_environment() -> dict:
     return environment
 
 
-def launch(
-    rank_arguments: Sequence[str], *, ranks: int = 2, timeout_s: float = 120.0,
-    cwd: Optional[Path] = None, attempts: int = 2, launcher: str = MLX_LAUNCH,
-    program: Sequence[str] = (),
-) -> LaunchResult:
-    """Runs ``program`` (``-m MODULE`` or a script) with ``rank_arguments``
-    on ``ranks`` ranks of the ring backend, with this interpreter: through
-    ``mlx.launch``, as a user would, or "direct" (``MLX_RANK`` and
-    ``MLX_HOSTFILE`` set here, for timing: mlx.launch's output relay polls,
-    taking CPU from the ranks). Past ``timeout_s`` every process group
-    started is killed (``returncode`` None); a run whose ports were taken
-    meanwhile is retried on new ones, up to ``attempts`` runs."""
+def launch(rank_arguments: Sequence[str], *, ranks: int = 2, timeout_s: float = 120.0,
+           launcher: str = MLX_LAUNCH, program: Sequence[str] = ()) -> LaunchResult:
+    """Runs ``program`` (``-m MODULE`` or a script) with ``rank_arguments`` on
+    ``ranks`` ranks of the ring backend, with this interpreter: through
+    ``mlx.launch``, as a user would, or "direct" (``MLX_RANK`` and ``MLX_HOSTFILE``
+    set here, for timing: mlx.launch's output relay polls, taking CPU from the
+    ranks). Past ``timeout_s`` every process group started is killed
+    (``returncode`` None); a run whose ports were taken meanwhile runs again once."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r}: choose from {', '.join(LAUNCHERS)}")
-    for _ in range(max(attempts, 1)):
-        result = _launch_once([*program, *rank_arguments], ranks, timeout_s, cwd, launcher)
+    for _ in range(2):
+        result = _launch_once([*program, *rank_arguments], ranks, timeout_s, launcher)
         text = (result.stdout + result.stderr).lower()
         ports_taken = "address already in use" in text or "couldn't bind" in text
         if result.timed_out or result.ok or not ports_taken:
@@ -119,7 +115,7 @@ def launch(
     return result
 
 
-def _launch_once(rank_arguments, ranks, timeout_s, cwd, launcher) -> LaunchResult:
+def _launch_once(rank_arguments, ranks, timeout_s, launcher) -> LaunchResult:
     rank_command = [sys.executable, *rank_arguments]
     first_port = free_port_run(ranks)
     started = time.monotonic()
@@ -134,9 +130,8 @@ def _launch_once(rank_arguments, ranks, timeout_s, cwd, launcher) -> LaunchResul
             environments = [environment]
         else:
             hostfile = Path(scratch) / "hostfile.json"
-            hostfile.write_text(json.dumps(
-                [[f"{LOOPBACK}:{first_port + rank}"] for rank in range(ranks)]
-            ))
+            hosts = [[f"{LOOPBACK}:{first_port + rank}"] for rank in range(ranks)]
+            hostfile.write_text(json.dumps(hosts))
             commands = [rank_command] * ranks
             environments = [
                 {**environment, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
@@ -157,7 +152,7 @@ def _launch_once(rank_arguments, ranks, timeout_s, cwd, launcher) -> LaunchResul
                 # (at end of file it would spin a core).
                 processes.append(subprocess.Popen(
                     command, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
-                    cwd=str(cwd or scratch), env=rank_environment, start_new_session=True,
+                    cwd=scratch, env=rank_environment, start_new_session=True,
                 ))
             deadline = time.monotonic() + timeout_s
             codes = [process.poll() for process in processes]

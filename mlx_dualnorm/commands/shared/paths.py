@@ -12,31 +12,26 @@ import mlx.core as mx
 
 from mlx_dualnorm import CompiledDualHeadNorm, Mode, available_modes, composed_dual_head_norm
 
-DualNormPath = Callable[
-    [mx.array, mx.array, Optional[mx.array], Optional[mx.array]],
-    tuple[mx.array, mx.array],
-]
+DualNormPath = Callable[[mx.array, mx.array, Optional[mx.array], Optional[mx.array]],
+                        tuple[mx.array, mx.array]]
 DualNormPathFactory = Callable[[float], DualNormPath]  # called once per epsilon per run
 
 REFERENCE_PATH = "composed"
 
 
 class PathUnavailable(RuntimeError):
-    """The path cannot run here (its mode is not built, it takes no
-    weights); the tools record the reason and skip it."""
+    """The path cannot run here (its mode is not built, it takes no weights)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class RegisteredPath:
-    """One way of computing ``(rms_norm(q, wq, eps), rms_norm(k, wk, eps))``.
-
-    ``routinely_checked``: whether parity and replay check it when no path
-    is named (a path that retraces per shape would compile once per parity
-    case, minutes on a CPU, and checks nothing ``mx_compile`` does not)."""
+    """One way of computing ``(rms_norm(q, wq, eps), rms_norm(k, wk, eps))``."""
 
     name: str
     factory: DualNormPathFactory
     description: str
+    # Whether parity and replay check it when no path is named: a path that
+    # retraces per shape would compile once per parity case (minutes on a CPU).
     routinely_checked: bool = True
     available: Callable[[], bool] = lambda: True  # whether this build and device run it
 
@@ -44,10 +39,9 @@ class RegisteredPath:
 PATH_REGISTRY: dict[str, RegisteredPath] = {}  # every path, in the order the tools print them
 
 
-def register_path(
-    name: str, factory: DualNormPathFactory, description: str = "", *,
-    routinely_checked: bool = True, available: Callable[[], bool] = lambda: True,
-) -> None:
+def register_path(name: str, factory: DualNormPathFactory, description: str = "", *,
+                  routinely_checked: bool = True,
+                  available: Callable[[], bool] = lambda: True) -> None:
     """Adds (or replaces) a path. If the callable ``factory(eps)`` returns
     has a ``close()`` method, the benchmark calls it when done."""
     PATH_REGISTRY[name] = RegisteredPath(name, factory, description, routinely_checked, available)
@@ -56,10 +50,8 @@ def register_path(
 def make_composed_path(eps: float) -> DualNormPath:
     """The reference: two ``mx.fast.rms_norm`` calls, nothing compiled."""
 
-    def composed_path(
-        queries: mx.array, keys: mx.array,
-        query_weight: Optional[mx.array], key_weight: Optional[mx.array],
-    ) -> tuple[mx.array, mx.array]:
+    def composed_path(queries: mx.array, keys: mx.array, query_weight: Optional[mx.array],
+                      key_weight: Optional[mx.array]) -> tuple[mx.array, mx.array]:
         return composed_dual_head_norm(queries, keys, query_weight, key_weight, eps)
 
     return composed_path
@@ -71,8 +63,7 @@ def make_mx_compile_path(eps: float) -> DualNormPath:
 
 
 def package_mode_factory(mode: Mode) -> DualNormPathFactory:
-    """``CompiledDualHeadNorm(eps, mode=mode)``, or PathUnavailable where
-    this build or device lacks the mode."""
+    """``CompiledDualHeadNorm(eps, mode=mode)``; PathUnavailable where it cannot run."""
 
     def factory(eps: float) -> DualNormPath:
         if mode not in available_modes():
@@ -106,8 +97,7 @@ register_path("mx_compile_shaped", lambda eps: mx.compile(make_composed_path(eps
 
 
 def routinely_checked_paths() -> dict[str, DualNormPathFactory]:
-    """What parity and replay check by default: every routinely checked
-    path but the reference that this build and device can run."""
+    """What parity and replay check by default: the routinely checked paths that run here."""
     return {
         name: path.factory for name, path in PATH_REGISTRY.items()
         if name != REFERENCE_PATH and path.routinely_checked and path.available()
@@ -152,17 +142,15 @@ def build_path(name: str, factory: DualNormPathFactory, eps: float) -> DualNormP
 
 
 def refuse_unavailable(reasons: Mapping[str, str]) -> None:
-    """PathUnavailable for the first path named, so the command exits 2
-    before running any."""
+    """PathUnavailable for the first path named: exit 2 before running any."""
     for name, reason in reasons.items():
         raise PathUnavailable(f"path {name!r}: {reason}")
 
 
 @dataclasses.dataclass(frozen=True)
 class PathSelection:
-    """What ``--path`` accepts (``factories``, and ``extra_names`` that are no
-    dual norm paths), what runs without it, and whether these are the
-    registered paths rather than a test's own."""
+    """What ``--path`` accepts (``factories``, and ``extra_names`` that are no dual
+    norm paths), what runs without it, and whether these are the registered paths."""
 
     factories: dict[str, DualNormPathFactory]
     default_names: list[str]
@@ -170,14 +158,11 @@ class PathSelection:
     registered: bool = True
 
     @classmethod
-    def of(
-        cls, path_factories: Optional[Mapping[str, DualNormPathFactory]],
-        default_factories: Mapping[str, DualNormPathFactory], *,
-        extra_names: Sequence[str] = (), extra_default_names: Sequence[str] = (),
-    ) -> "PathSelection":
+    def of(cls, path_factories: Optional[Mapping[str, DualNormPathFactory]],
+           default_factories: Mapping[str, DualNormPathFactory], *, extra_names: Sequence[str] = (),
+           extra_default_names: Sequence[str] = ()) -> "PathSelection":
         """The registered paths but the reference, ``default_factories`` and
-        ``extra_default_names`` by default; or ``path_factories`` alone, all
-        by default."""
+        ``extra_default_names`` by default; or ``path_factories``, all by default."""
         if path_factories is not None:
             return cls(dict(path_factories), list(path_factories), registered=False)
         return cls(

@@ -1,8 +1,9 @@
 """Small random mlx-lm models (mlx-lm's own classes, a config.json-style dict,
 weights from a fixed seed; nothing downloaded) with released models' head
 shapes: ``qwen3_next`` and ``qwen3_5`` have Qwen3-Next's, ``qwen3`` and
-``qwen3_moe`` Qwen3's. ``DECODE_MODELS``: released checkpoints' dimensions,
-for timing whole decode tokens."""
+``qwen3_moe`` Qwen3's, the other families are those of
+:mod:`~mlx_dualnorm.commands.shared.synthetic_families`. ``DECODE_MODELS``:
+released checkpoints' dimensions, for timing whole decode tokens."""
 
 from __future__ import annotations
 
@@ -15,17 +16,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_dualnorm.commands.shared.synthetic_attention import (
-    ATTENTION_FAMILY_CONFIGS, ATTENTION_FAMILY_DTYPE_NAMES, randomize_norm_weights,
-)
-from mlx_dualnorm.commands.shared.synthetic_qwen3_like import (
-    QWEN3_LIKE_CONFIGS, QWEN3_LIKE_DTYPE_NAMES, QWEN3_LIKE_WEIGHT_SCALES,
-)
-from mlx_dualnorm.commands.shared.synthetic_rope_only import (
-    LLAMA_2048, ROPE_ONLY_CONFIGS, ROPE_ONLY_DTYPE_NAMES,
+from mlx_dualnorm.commands.shared.synthetic_families import (
+    ATTENTION_FAMILY_CONFIGS, FLOAT32_FAMILIES, QWEN3_LIKE_CONFIGS, QWEN3_LIKE_WEIGHT_SCALES,
+    ROPE_ONLY_CONFIGS,
 )
 
 DEFAULT_SEED = 20261129
+NORM_WEIGHT_SPREAD = 0.5
 
 GATED_DELTA_HEADS = {
     "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_num_value_heads": 32,
@@ -62,40 +59,27 @@ _CONFIGS: dict[str, dict[str, object]] = {
     "qwen3_moe": {
         "model_type": "qwen3_moe", **_QWEN3, **_MOE, "mlp_only_layers": [], "norm_topk_prob": True,
     },
+    **QWEN3_LIKE_CONFIGS, **ATTENTION_FAMILY_CONFIGS, **ROPE_ONLY_CONFIGS,
 }
-DEFAULT_DTYPES = {
-    "qwen3_next": mx.float32, "qwen3_5": mx.bfloat16, "qwen3": mx.bfloat16, "qwen3_moe": mx.float32,
-}
+_FLOAT32 = {"qwen3_next", "qwen3_moe", *FLOAT32_FAMILIES}
+DEFAULT_DTYPES = {name: mx.float32 if name in _FLOAT32 else mx.bfloat16 for name in _CONFIGS}
 # The models with gated-delta layers (mlx-lm-bench's default).
 GATED_DELTA_MODEL_TYPES = ("qwen3_next", "qwen3_5")
-
-for _configs, _dtype_names in (
-    (QWEN3_LIKE_CONFIGS, QWEN3_LIKE_DTYPE_NAMES),
-    (ATTENTION_FAMILY_CONFIGS, ATTENTION_FAMILY_DTYPE_NAMES),
-    (ROPE_ONLY_CONFIGS, ROPE_ONLY_DTYPE_NAMES),
-):
-    _CONFIGS.update(_configs)
-    DEFAULT_DTYPES.update({name: getattr(mx, dtype) for name, dtype in _dtype_names.items()})
-
 SYNTHETIC_MODEL_TYPES = tuple(_CONFIGS)
 
 
 def synthetic_model_config(model_type: str) -> dict:
     """The config.json-style dict of a synthetic model (a fresh copy)."""
     if model_type not in _CONFIGS:
-        raise ValueError(
-            f"unknown synthetic model {model_type!r}; choose from "
-            f"{', '.join(SYNTHETIC_MODEL_TYPES)}"
-        )
+        choices = ", ".join(SYNTHETIC_MODEL_TYPES)
+        raise ValueError(f"unknown synthetic model {model_type!r}; choose from {choices}")
     return copy.deepcopy(_CONFIGS[model_type])
 
 
-def build_synthetic_model(
-    model_type: str, *, seed: int = DEFAULT_SEED, dtype: Optional[mx.Dtype] = None
-) -> nn.Module:
-    """:func:`build_model` of ``model_type`` (reseeding MLX's global generator)
-    in ``dtype`` (None: ``DEFAULT_DTYPES``), the family's weight scales applied
-    and the attention families' norm weights drawn around their initial value."""
+def build_synthetic_model(model_type: str, *, seed: int = DEFAULT_SEED,
+                          dtype: Optional[mx.Dtype] = None) -> nn.Module:
+    """:func:`build_model` of ``model_type`` in ``dtype`` (None: ``DEFAULT_DTYPES``), its
+    weight scales applied, the attention families' norm weights randomized."""
     dtype = DEFAULT_DTYPES[model_type] if dtype is None else dtype
     model = build_model(synthetic_model_config(model_type), seed=seed, dtype=dtype)
     scales = QWEN3_LIKE_WEIGHT_SCALES.get(model_type)
@@ -112,9 +96,8 @@ def build_synthetic_model(
 
 
 def build_model(config: dict, *, seed: int = DEFAULT_SEED, dtype: mx.Dtype) -> nn.Module:
-    """mlx-lm's model for ``config["model_type"]``, initialized after
-    ``mx.random.seed(seed)``, floating weights cast to ``dtype`` (except where
-    its ``cast_predicate`` keeps them), in eval mode, evaluated."""
+    """mlx-lm's model of ``config`` after ``mx.random.seed(seed)`` (MLX's global generator),
+    floating weights cast to ``dtype`` where its ``cast_predicate`` allows, in eval mode."""
     architecture = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = architecture.Model(architecture.ModelArgs.from_dict(config))
@@ -129,6 +112,21 @@ def build_model(config: dict, *, seed: int = DEFAULT_SEED, dtype: mx.Dtype) -> n
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+def randomize_norm_weights(model: nn.Module, seed: int) -> None:
+    """Adds ``NORM_WEIGHT_SPREAD`` times a normal draw to every ``*norm*...weight``
+    parameter: with all-ones weights a lost norm weight would not show."""
+    key = mx.random.key(seed)
+    weights = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    updated = []
+    for path, value in weights:
+        if "norm" in path.lower() and path.endswith(".weight"):
+            key, draw = mx.random.split(key)
+            noise = NORM_WEIGHT_SPREAD * mx.random.normal(value.shape, key=draw)
+            updated.append((path, (value.astype(mx.float32) + noise).astype(value.dtype)))
+    model.update(tree_unflatten(updated))
+    mx.eval(model.parameters())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,33 +157,36 @@ DECODE_MODELS = {
         DecodeModel("qwen3-1024", "Qwen3-0.6B", _qwen3_dense(1024, 3072), quick_layers=2),
         DecodeModel("qwen3-2048", "Qwen3-1.7B", _qwen3_dense(2048, 6144), quick_layers=2),
         DecodeModel(
-            "llama-2048", "Llama 3.2 1B (its RoPE scaling left out: plain RoPE)", LLAMA_2048,
-            quick_layers=2,
+            "llama-2048", "Llama 3.2 1B (its RoPE scaling left out: plain RoPE)", quick_layers=2,
+            config=dict(
+                model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+                vocab_size=128256, max_position_embeddings=131072, rope_theta=500_000.0,
+                tie_word_embeddings=True,
+            ),
         ),
         DecodeModel(
-            "gemma3-1152", "Gemma 3 1B",
-            dict(  # mlx-lm's gemma3_text defaults are Gemma 3 1B's config.
+            "gemma3-1152", "Gemma 3 1B", quick_layers=6,  # five sliding-window layers, one global
+            config=dict(  # mlx-lm's gemma3_text defaults are Gemma 3 1B's config.
                 model_type="gemma3_text", hidden_size=1152, num_hidden_layers=26,
                 intermediate_size=6912, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                 rms_norm_eps=1e-6, vocab_size=262144, rope_theta=1_000_000.0,
                 rope_local_base_freq=10_000.0, query_pre_attn_scalar=256, sliding_window=512,
                 sliding_window_pattern=6, max_position_embeddings=32768,
             ),
-            quick_layers=6,  # five sliding-window layers and one global
         ),
         DecodeModel(
-            "olmo2-2048", "OLMo 2 1B",
-            dict(  # its q/k norms span all heads
+            "olmo2-2048", "OLMo 2 1B", quick_layers=2,
+            config=dict(  # its q/k norms span all heads
                 model_type="olmo2", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
                 num_attention_heads=16, num_key_value_heads=16, head_dim=128, rms_norm_eps=1e-6,
                 vocab_size=100352, max_position_embeddings=4096, rope_theta=500_000.0,
                 tie_word_embeddings=False,
             ),
-            quick_layers=2,
         ),
         DecodeModel(
-            "glm4_moe-5120", "GLM-4.5 (355B-A32B), 16 of its 92 layers, dense MLP",
-            dict(
+            "glm4_moe-5120", "GLM-4.5 (355B-A32B), 16 of its 92 layers, dense MLP", quick_layers=2,
+            config=dict(
                 model_type="glm4_moe", hidden_size=5120, num_hidden_layers=16,
                 # Every layer takes the dense MLP of GLM-4.5's first three layers
                 # (about the work of its 8 active experts of 1536 and the shared one).
@@ -197,26 +198,23 @@ DECODE_MODELS = {
                 rope_theta=1_000_000.0, rope_scaling=None, vocab_size=151552,
                 max_position_embeddings=131072, tie_word_embeddings=False,
             ),
-            quick_layers=2,
         ),
         DecodeModel(
             "qwen3_next-2048", "Qwen3-Next-80B-A3B, 24 of its 48 layers, dense MLP",
-            {
+            quick_layers=4,  # three gated-delta layers and one full-attention
+            config={
                 **_CONFIGS["qwen3_next"], "hidden_size": 2048, "num_hidden_layers": 24,
                 "intermediate_size": 5120, "vocab_size": 151936,
                 "num_experts": 0, "num_experts_per_tok": 0,  # every layer takes the dense MLP
             },
-            quick_layers=4,  # three gated-delta layers and one full-attention
         ),
     )
 }
 
 
-def decode_model_config(
-    name: str, *, layers: Optional[int] = None, vocab_size: Optional[int] = None
-) -> dict:
-    """A fresh copy of ``DECODE_MODELS[name]``'s config, with ``layers`` and
-    ``vocab_size`` where given."""
+def decode_model_config(name: str, *, layers: Optional[int] = None,
+                        vocab_size: Optional[int] = None) -> dict:
+    """A copy of ``DECODE_MODELS[name]``'s config, ``layers`` and ``vocab_size`` as given."""
     if name not in DECODE_MODELS:
         raise ValueError(f"unknown decode model {name!r}; choose from {', '.join(DECODE_MODELS)}")
     config = copy.deepcopy(DECODE_MODELS[name].config)
