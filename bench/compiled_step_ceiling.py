@@ -10,6 +10,17 @@ mlx-lm's own ``KVCache`` by its ``update_and_fetch``. Attention then reads
 the same key and value rows in the same order as mlx-lm's, and the run
 says whether every step's log-probabilities keep mlx-lm's bits.
 
+``compiled-padded`` is traced for its shapes instead, once per buffer
+capacity rather than once per token: the stand-in holds mlx-lm's whole
+buffers (capacity a multiple of 256 rows), writes the step's row at the
+offset (an array) with ``mx.slice_update``, and attends over the whole
+buffers with the rows past the offset masked out (``make_mask``, which
+mlx-lm's ``create_attention_mask`` asks the cache for). The buffers grow
+outside the trace as ``KVCache`` grows them. Exact only where masked
+attention over the buffer gives the bits of attention over the written rows
+(``bench/padded_attention_bits.py``); its bits are checked over
+``CHECK_STEPS_PADDED`` steps, across a growth of the buffers.
+
 ``compiled-step-captured`` is the same replay with the model's arrays
 captured in the trace (stale after any update: timing only, the cost of
 reading them at each call); ``no-cache`` and ``no-cache-shapeless`` the
@@ -49,6 +60,64 @@ class _StepCache:
                 mx.concatenate([past_values, values], axis=2))
 
 
+class _PaddedStepCache:
+    """One layer's cache inside the padded replay: mlx-lm's whole buffers,
+    the step's row written at ``offset``, the rows past it masked."""
+
+    def __init__(self, offset: mx.array, keys: mx.array, values: mx.array) -> None:
+        self.offset = offset
+        self.keys, self.values = keys, values
+
+    def make_mask(self, length: int, return_array: bool = False, window_size=None):
+        capacity = self.keys.shape[2]
+        return (mx.arange(capacity) < self.offset + length)[None, None, None, :]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        start = mx.reshape(self.offset, (1,))
+        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
+        self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        return self.keys, self.values
+
+
+CHECK_STEPS_PADDED = 260  # past the first 256-row buffer of a 16-token prompt
+
+
+def padded_decode(model, prompt, steps: int):
+    """``timed_greedy`` of the padded replay (see the module's text)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def step(tokens, offset, buffers):
+        caches = [_PaddedStepCache(offset, keys, values) for keys, values in buffers]
+        logits = model(tokens, cache=caches)
+        return logits, [(cache.keys, cache.values) for cache in caches]
+
+    compiled = mx.compile(step, inputs=model.state)
+    cache = make_prompt_cache(model)
+
+    def forward(tokens):
+        offset = cache[0].offset
+        for layer_cache in cache:  # KVCache's growth, outside the trace
+            if offset + tokens.shape[1] > layer_cache.keys.shape[2]:
+                layer_cache.update_and_fetch(
+                    mx.zeros((*layer_cache.keys.shape[:2], 1, layer_cache.keys.shape[3]),
+                             layer_cache.keys.dtype),
+                    mx.zeros((*layer_cache.values.shape[:2], 1, layer_cache.values.shape[3]),
+                             layer_cache.values.dtype),
+                )
+                layer_cache.offset = offset
+        buffers = [(layer_cache.keys, layer_cache.values) for layer_cache in cache]
+        for layer_cache in cache:  # the trace's graph alone holds the old buffers
+            layer_cache.keys = layer_cache.values = None
+        logits, written = compiled(tokens, mx.array(offset, dtype=mx.int32), buffers)
+        del buffers
+        for layer_cache, (keys, values) in zip(cache, written):
+            layer_cache.keys, layer_cache.values = keys, values
+            layer_cache.offset = offset + tokens.shape[1]
+        return logits
+
+    return layer_ceilings.timed_greedy(forward, model(prompt, cache=cache), steps)
+
+
 def replayed_step(model, captured: bool = False):
     """The replay; ``captured``: the model's arrays captured in the trace
     instead of read at each call (served stale after any update: timing
@@ -68,6 +137,8 @@ def decode(model, prompt, steps: int, path: str):
     """``layer_ceilings.timed_greedy`` of ``path``'s step: the replay, the
     step without a cache compiled shapeless, or the paths of
     ``layer_ceilings.decode`` (``no-cache`` is its ``compiled-no-cache``)."""
+    if path == "compiled-padded":
+        return padded_decode(model, prompt, steps)
     if path == "no-cache-shapeless":  # timing only: each step attends to itself
         forward = mx.compile(model, shapeless=True)
         return layer_ceilings.timed_greedy(forward, forward(prompt), steps)
@@ -97,9 +168,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--layers", type=int)
+    parser.add_argument("--paths", help="paths to run (mlx-lm always); default: all")
     args = parser.parse_args()
-    paths = ("mlx-lm", "patched", "compiled-step", "compiled-step-captured", "no-cache",
-             "no-cache-shapeless")
+    paths = ("mlx-lm", "patched", "compiled-padded", "compiled-step", "compiled-step-captured",
+             "no-cache", "no-cache-shapeless")
+    if args.paths:
+        chosen = set(args.paths.split(",")) | {"mlx-lm"}
+        paths = tuple(path for path in paths if path in chosen)
     print(f"MLX {mx.__version__} on {mx.default_device()}; {args.rounds} rounds of "
           f"{args.steps} steps, ms per step, ratio to mlx-lm per round: median [range]")
     for name in args.models.split(","):
@@ -113,6 +188,12 @@ def main() -> None:
         for path in paths[1:]:
             if path.startswith("no-cache"):
                 print(f"  {name} {path:22s} timing only")
+                continue
+            if path == "compiled-padded":
+                steps = CHECK_STEPS_PADDED
+                same = run(path, steps)[:2] == run("mlx-lm", steps)[:2]
+                print(f"  {name} {path:22s} over {steps} steps: "
+                      f"{'tokens and log-probs bit-identical' if same else 'DIFFERS'}")
                 continue
             same = run(path, 24)[:2] == reference
             print(f"  {name} {path:22s} {'tokens and log-probs bit-identical' if same else 'DIFFERS'}")
