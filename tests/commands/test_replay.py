@@ -147,3 +147,48 @@ def test_main_returns_nonzero_on_divergence(capsys) -> None:
 def test_main_rejects_a_nonpositive_step_count(capsys) -> None:
     assert replay.main(["--steps", "0"]) == 2
     assert "argument --steps: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_the_rope_paths_decode_exactly_like_the_composed_prework() -> None:
+    """The full-attention layer's norms + RoPE in one call, and its RoPE alone
+    in one call of the object without norms, over a prompt and 48 growing
+    offsets: the composed decode's tokens and every hidden state's bits."""
+    runnable = [name for name in replay.ROPE_PATHS if not replay.rope_path_reasons([name])]
+    report = run_replay({}, steps=48, rope_paths=runnable)
+
+    assert {"rope_compiled", "rope_only_compiled"} <= set(runnable)
+    assert [comparison.path_name for comparison in report.comparisons] == runnable
+    assert report.passed, replay.format_replay_report(report)
+    assert len(set(report.reference.token_ids)) >= 16
+
+
+def test_a_rope_of_another_base_in_the_attention_prework_is_detected() -> None:
+    """The replay sees a prework path rotating by another base: the check of
+    the rope paths can fail."""
+    config = ReplayModelConfig()
+    parameters = build_replay_model(config)
+    composed = make_composed_path(config.rms_norm_eps)
+    reference = greedy_decode(composed, parameters, config, steps=16)
+
+    def other_base(queries, keys, query_weight, key_weight, offset):
+        queries, keys = composed(queries, keys, query_weight, key_weight)
+        return tuple(
+            mx.fast.rope(heads.transpose(0, 2, 1, 3), config.attention_rotary_width,
+                         traditional=False, base=10001.0, scale=1.0, offset=offset)
+            for heads in (queries, keys)
+        )
+
+    trace = greedy_decode(composed, parameters, config, steps=16, norm_rope=other_base)
+    assert compare_decode_traces(trace, reference).diverged
+
+
+def test_main_runs_the_rope_paths_by_default_and_refuses_one_that_cannot_run(capsys) -> None:
+    assert replay.main(["--steps", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "rope_compiled" in printed and "rope_only_compiled" in printed
+    assert "norms, transposes and RoPE in one call" in printed
+    if "fused" not in available_modes():
+        assert replay.main(["--steps", "8", "--path", "rope_fused"]) == 2
+        assert "[replay] path 'rope_fused': mode 'fused' is not available here" in (
+            capsys.readouterr().err
+        )

@@ -1,7 +1,10 @@
 """Greedy-decode replay: each dual head norm path inside a small model, its
 token ids and the hidden state that chose each token compared bit for bit with
 the composed path's. Hidden-state bits show one ulp off in one element at once,
-while the argmax may hold for the whole run."""
+while the argmax may hold for the whole run. The ``rope_*`` paths replace the
+full-attention layer's whole q/k prework instead: the norms, transposes and RoPE
+in one CompiledDualHeadNormRope call, or the RoPE alone in one call of the object
+made without norms."""
 
 from __future__ import annotations
 
@@ -12,15 +15,16 @@ from typing import Callable, Mapping, Optional, Sequence, cast
 
 import mlx.core as mx
 
+from mlx_dualnorm import CompiledDualHeadNormRope, Mode, available_modes, composed_dual_head_norm
 from mlx_dualnorm.bits import bit_difference_mask
 from mlx_dualnorm.commands.replay.model import (
-    FULL_ATTENTION_LAYER, GATED_DELTA_LAYER, LayerCache, ReplayModelConfig,
+    FULL_ATTENTION_LAYER, GATED_DELTA_LAYER, ROPE_BASE, LayerCache, NormRope, ReplayModelConfig,
     build_replay_model, forward,
 )
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.paths import (
-    REFERENCE_PATH, DualNormPath, DualNormPathFactory, PathSelection, build_path,
-    describe_paths, make_composed_path, routinely_checked_paths, skipped_path_lines,
+    REFERENCE_PATH, DualNormPath, DualNormPathFactory, PathSelection, PathUnavailable,
+    build_path, describe_paths, make_composed_path, routinely_checked_paths, skipped_path_lines,
     unavailable_paths,
 )
 
@@ -28,6 +32,44 @@ DEFAULT_DECODE_STEPS = 128
 MAX_DECODE_STEPS = 4096  # bounds the hidden states kept per path and the attention cache
 PATH_FACTORIES: dict[str, DualNormPathFactory] = routinely_checked_paths()
 _DTYPES_BY_NAME = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+# The full-attention prework paths: name -> (mode, whether the call normalizes too).
+ROPE_PATHS: dict[str, tuple[Mode, bool]] = {
+    "rope_compiled": ("compiled", True), "rope_fused": ("fused", True),
+    "rope_only_compiled": ("compiled", False), "rope_only_fused": ("fused", False),
+}
+ROPE_PATH_DESCRIPTIONS = {
+    name: f"mlx_dualnorm.CompiledDualHeadNormRope(mode={mode!r}): the full-attention layer's "
+    + ("norms, transposes and RoPE in one call" if norms else
+       "norms composed, then its transposes and RoPE in one call of the object without norms")
+    for name, (mode, norms) in ROPE_PATHS.items()
+}
+
+
+def rope_path_reasons(names: Sequence[str]) -> dict[str, str]:
+    """Of the ``rope_*`` paths named, those this build or device cannot run, with the reason."""
+    return {name: f"mode {ROPE_PATHS[name][0]!r} is not available here"
+            for name in names if ROPE_PATHS[name][0] not in available_modes()}
+
+
+def build_norm_rope_path(name: str, config: ReplayModelConfig) -> NormRope:
+    """The full-attention prework of the ``rope_*`` path ``name`` for ``config``;
+    PathUnavailable where its mode cannot run here."""
+    for reason in rope_path_reasons([name]).values():
+        raise PathUnavailable(f"path {name!r}: {reason}")
+    mode, norms = ROPE_PATHS[name]
+    eps = config.rms_norm_eps
+    norm_rope = CompiledDualHeadNormRope(
+        eps if norms else None, config.attention_rotary_width, base=ROPE_BASE,
+        traditional=False, scale=1.0, mode=mode,
+    )
+
+    def prework(queries, keys, query_weight, key_weight, offset):
+        if not norms:  # the norms composed; the object rotates their outputs
+            queries, keys = composed_dual_head_norm(queries, keys, query_weight, key_weight, eps)
+            query_weight = key_weight = None
+        return norm_rope(queries, keys, query_weight, key_weight, offset=offset)
+
+    return prework
 
 
 @dataclass(frozen=True)
@@ -45,9 +87,11 @@ def greedy_decode(
     dual_head_norm: DualNormPath, parameters: Mapping[str, mx.array],
     config: ReplayModelConfig = ReplayModelConfig(), *, steps: int = DEFAULT_DECODE_STEPS,
     path_name: str = "path under test", progress: Optional[Callable[[str], None]] = None,
+    norm_rope: Optional[NormRope] = None,
 ) -> GreedyDecodeTrace:
     """Prefills the fixed prompt, then picks ``steps`` tokens by argmax,
-    evaluating once per token as a server would."""
+    evaluating once per token as a server would; ``norm_rope`` replaces the
+    full-attention layer's q/k prework."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     started = time.perf_counter()
@@ -57,7 +101,9 @@ def greedy_decode(
     token_ids: list[int] = []
     step_hidden_states: list[mx.array] = []
     for step in range(steps):
-        logits, final_hidden = forward(tokens, parameters, caches, config, dual_head_norm)
+        logits, final_hidden = forward(
+            tokens, parameters, caches, config, dual_head_norm, norm_rope
+        )
         tokens = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
         step_hidden_states.append(final_hidden[0, -1, :])
         mx.eval(tokens, step_hidden_states[-1], caches)
@@ -130,25 +176,29 @@ class ReplayReport:
 def run_replay(
     path_factories: Mapping[str, DualNormPathFactory] = PATH_FACTORIES, *,
     config: ReplayModelConfig = ReplayModelConfig(), steps: int = DEFAULT_DECODE_STEPS,
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Optional[Callable[[str], None]] = None, rope_paths: Sequence[str] = (),
 ) -> ReplayReport:
-    """Decodes with the composed path, then with each path, and compares.
-    Ctrl-C after the reference decode raises InterruptedWithPartialResult
-    carrying the report of the paths compared so far."""
-    paths = {  # built before decoding: a path that cannot run here refuses at once
-        path_name: build_path(path_name, path_factory, config.rms_norm_eps)
+    """Decodes with the composed path, then with each path and each of the
+    ``rope_paths`` (names of :data:`ROPE_PATHS`), and compares. Ctrl-C after the
+    reference decode raises InterruptedWithPartialResult carrying the report of
+    the paths compared so far."""
+    composed = make_composed_path(config.rms_norm_eps)
+    # Built before decoding: a path that cannot run here refuses at once.
+    paths: dict[str, tuple[DualNormPath, Optional[NormRope]]] = {
+        path_name: (build_path(path_name, path_factory, config.rms_norm_eps), None)
         for path_name, path_factory in path_factories.items()
     }
+    paths.update({name: (composed, build_norm_rope_path(name, config)) for name in rope_paths})
     parameters = build_replay_model(config)
     reference = greedy_decode(
-        make_composed_path(config.rms_norm_eps), parameters, config,
-        steps=steps, path_name=REFERENCE_PATH, progress=progress,
+        composed, parameters, config, steps=steps, path_name=REFERENCE_PATH, progress=progress
     )
     report = ReplayReport(config, steps, reference)
     try:
-        for path_name, path in paths.items():
+        for path_name, (path, norm_rope) in paths.items():
             trace = greedy_decode(
-                path, parameters, config, steps=steps, path_name=path_name, progress=progress
+                path, parameters, config, steps=steps, path_name=path_name, progress=progress,
+                norm_rope=norm_rope,
             )
             report.comparisons.append(compare_decode_traces(trace, reference))
     except KeyboardInterrupt:
@@ -185,7 +235,11 @@ def format_replay_report(report: ReplayReport) -> str:
             )
         lines.append(f"  {comparison.path_name:<24} {comparison.elapsed_seconds:6.2f} s  {verdict}")
     path_names = [REFERENCE_PATH, *(comparison.path_name for comparison in report.comparisons)]
-    lines += ["  paths:", *(f"    {line}" for line in describe_paths(path_names))]
+    descriptions = [
+        f"{name}: {ROPE_PATH_DESCRIPTIONS[name]}" if name in ROPE_PATH_DESCRIPTIONS else line
+        for name, line in zip(path_names, describe_paths(path_names))
+    ]
+    lines += ["  paths:", *(f"    {line}" for line in descriptions)]
     lines.append("  PASS" if report.passed else "  FAIL")
     return "\n".join(lines)
 
@@ -195,10 +249,11 @@ def build_parser(selection: Optional[PathSelection] = None) -> argparse.Argument
     parser = command.tool_parser(
         "replay",
         "Greedy-decode a small gated-delta + attention model with each dual head norm "
-        "path and compare its tokens and hidden-state bits with the composed path's. "
+        "path (or the rope_* paths: the attention layer's norms and RoPE in one call) and "
+        "compare its tokens and hidden-state bits with the composed path's. "
         "Exit status 1 if any path diverges.",
     )
-    (selection or PathSelection.of(None, PATH_FACTORIES)).add_path_argument(parser, "replay")
+    (selection or _selection(None)).add_path_argument(parser, "replay")
     parser.add_argument("--steps", type=command.Count(1, MAX_DECODE_STEPS),
                         default=DEFAULT_DECODE_STEPS, help="greedy tokens to decode")
     parser.add_argument("--seed", type=command.seed, default=ReplayModelConfig.seed,
@@ -209,13 +264,20 @@ def build_parser(selection: Optional[PathSelection] = None) -> argparse.Argument
     return parser
 
 
+def _selection(path_factories: Optional[Mapping[str, DualNormPathFactory]]) -> PathSelection:
+    """The dual norm paths, and the rope paths that run here by default."""
+    available_rope_paths = [name for name in ROPE_PATHS if not rope_path_reasons([name])]
+    return PathSelection.of(path_factories, PATH_FACTORIES, extra_names=list(ROPE_PATHS),
+                            extra_default_names=available_rope_paths)
+
+
 def main(
     argv: Optional[Sequence[str]] = None, *,
     path_factories: Optional[Mapping[str, DualNormPathFactory]] = None,
 ) -> int:
     """``python -m mlx_dualnorm replay``: exits 1 if any path diverges.
     ``path_factories`` replaces the registered paths (for tests)."""
-    selection = PathSelection.of(path_factories, PATH_FACTORIES)
+    selection = _selection(path_factories)
 
     def run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         command.select_device(arguments.device, parser)
@@ -227,7 +289,7 @@ def main(
         try:
             report = run_replay(
                 selection.factories_named(path_names), config=config, steps=arguments.steps,
-                progress=progress.step,
+                progress=progress.step, rope_paths=[n for n in path_names if n in ROPE_PATHS],
             )
         except command.InterruptedWithPartialResult as interrupted:
             if isinstance(interrupted.partial, ReplayReport):
@@ -237,7 +299,9 @@ def main(
             raise
         print(format_replay_report(report))
         if not arguments.path_names and selection.registered:
-            for line in skipped_path_lines("replay", unavailable_paths(list(selection.factories))):
+            skipped = {**unavailable_paths(list(selection.factories)),
+                       **rope_path_reasons(list(ROPE_PATHS))}
+            for line in skipped_path_lines("replay", skipped):
                 print(line)
         return command.EXIT_OK if report.passed else command.EXIT_MISMATCH
 

@@ -1,12 +1,13 @@
 """The replay's model: a small seeded Qwen3-Next-like hybrid (three gated-delta
 layers, one full attention layer) whose q/k head norms run through the path under
 test, with the real head widths and norm calls; the rest is small enough for a
-few seconds on two CPU cores."""
+few seconds on two CPU cores. The full-attention layer's whole q/k prework (norms,
+transposes, RoPE at the cache's position) may be a path under test too."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import mlx.core as mx
 
@@ -15,6 +16,10 @@ from mlx_dualnorm.commands.shared.paths import DualNormPath
 GATED_DELTA_LAYER = "gated_delta"
 FULL_ATTENTION_LAYER = "full_attention"
 LayerCache = dict[str, mx.array]  # a layer's recurrent state, or its keys and values so far
+ROPE_BASE = 10000.0
+# The full-attention layer's q/k prework: (B, L, H, D) queries and keys, their norm
+# weights and the position of the first row -> normalized, rotated (B, H, L, D) heads.
+NormRope = Callable[[mx.array, mx.array, mx.array, mx.array, int], tuple[mx.array, mx.array]]
 
 
 @dataclass(frozen=True)
@@ -134,19 +139,28 @@ def _gated_delta_mixer(
     return mx.stack(step_outputs, axis=1).astype(config.dtype)
 
 
+def composed_norm_rope(dual_head_norm: DualNormPath, config: ReplayModelConfig) -> NormRope:
+    """The path's norms, then per side the transpose and ``mx.fast.rope`` (partial
+    rotary), as mlx-lm's layers compose them."""
+
+    def norm_rope(queries, keys, query_weight, key_weight, offset):
+        queries, keys = dual_head_norm(queries, keys, query_weight, key_weight)
+        return tuple(  # type: ignore[return-value]
+            mx.fast.rope(heads.transpose(0, 2, 1, 3), config.attention_rotary_width,
+                         traditional=False, base=ROPE_BASE, scale=1.0, offset=offset)
+            for heads in (queries, keys)
+        )
+
+    return norm_rope
+
+
 def _full_attention_mixer(
     normalized_input: mx.array, queries: mx.array, keys: mx.array, values: mx.array,
     weights: Mapping[str, mx.array], cache: LayerCache, config: ReplayModelConfig,
 ) -> mx.array:
-    """Causal attention over the cache, with partial RoPE at the cache's position."""
-    position_offset = cache["keys"].shape[2] if "keys" in cache else 0
-    rotated_queries, rotated_keys = (
-        mx.fast.rope(
-            heads.transpose(0, 2, 1, 3), config.attention_rotary_width,
-            traditional=False, base=10000.0, scale=1.0, offset=position_offset,
-        )
-        for heads in (queries, keys)
-    )
+    """Causal attention over the cache, of (B, H, L, D) queries and keys rotated at
+    the cache's position."""
+    rotated_queries, rotated_keys = queries, keys
     head_major_values = values.transpose(0, 2, 1, 3)
     if "keys" in cache:
         rotated_keys = mx.concatenate([cache["keys"], rotated_keys], axis=2)
@@ -155,7 +169,7 @@ def _full_attention_mixer(
     attended = mx.fast.scaled_dot_product_attention(
         rotated_queries, rotated_keys, head_major_values,
         scale=config.attention_head_width**-0.5,
-        mask="causal" if queries.shape[1] > 1 else None,
+        mask="causal" if rotated_queries.shape[2] > 1 else None,
     )
     return attended.transpose(0, 2, 1, 3)
 
@@ -163,9 +177,12 @@ def _full_attention_mixer(
 def forward(
     token_ids: mx.array, parameters: Mapping[str, mx.array], caches: Sequence[LayerCache],
     config: ReplayModelConfig, dual_head_norm: DualNormPath,
+    norm_rope: Optional[NormRope] = None,
 ) -> tuple[mx.array, mx.array]:
     """(logits, final normalized hidden states) for ``token_ids`` of shape
-    ``(batch, sequence)``, advancing the caches."""
+    ``(batch, sequence)``, advancing the caches. ``norm_rope``: the full-attention
+    layer's q/k prework (default: ``dual_head_norm``, then the RoPE composed)."""
+    attention_prework = norm_rope or composed_norm_rope(dual_head_norm, config)
     batch, sequence_length = token_ids.shape
     hidden = parameters["embedding"][token_ids]
     for layer_index, (layer_kind, cache) in enumerate(zip(config.layer_kinds, caches)):
@@ -190,9 +207,13 @@ def forward(
         )
         # The path under test, as mlx-lm's models call it: weightless in gated-delta
         # layers (they have no q/k norm weights), weighted in full-attention layers.
-        queries, keys = dual_head_norm(
-            queries, keys, weights.get("query_norm_weight"), weights.get("key_norm_weight")
-        )
+        if layer_kind == GATED_DELTA_LAYER:
+            queries, keys = dual_head_norm(queries, keys, None, None)
+        else:
+            queries, keys = attention_prework(
+                queries, keys, weights["query_norm_weight"], weights["key_norm_weight"],
+                cache["keys"].shape[2] if "keys" in cache else 0,
+            )
         mixed = mixer(normalized_input, queries, keys, values, weights, cache, config)
         hidden = hidden + mixed.reshape(batch, sequence_length, -1) @ weights["output_projection"]
     final_hidden = mx.fast.rms_norm(hidden, parameters["final_norm_weight"], config.rms_norm_eps)
