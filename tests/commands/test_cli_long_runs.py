@@ -105,6 +105,20 @@ def test_bench_interrupted_prints_the_completed_repeats_and_exits_130(monkeypatc
     assert "interrupted" in captured.err and "Traceback" not in captured.err
 
 
+def test_the_time_left_follows_the_pace_since_the_previous_line(monkeypatch) -> None:
+    """A first step of 100 s (kernels compiled) and then steps of 1 s: once the
+    pace is known, the estimate is that pace times the steps left, not the
+    first step's time spread over all of them."""
+    clock = iter([0.0, 100.0, 101.0, 102.0, 103.0])
+    monkeypatch.setattr(command.time, "perf_counter", lambda: next(clock))
+    lines: list[str] = []
+    progress = command.StepProgress("decode", 10, emit=lines.append)
+    for _ in range(4):
+        progress.step()
+    assert lines[0] == "decode: 1/10, 100 s so far, ~900 s left"
+    assert lines[-1] == "decode: 4/10, 103 s so far, ~6 s left"
+
+
 class InterruptingProgress(command.StepProgress):
     """A progress report that presses Ctrl-C at its ``interrupt_at``-th step
     of a stage whose name contains ``stage_word``."""

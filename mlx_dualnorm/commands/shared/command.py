@@ -306,7 +306,9 @@ def ratio_of_medians(values: Sequence[float], reference_values: Sequence[float])
 
 class StepProgress:
     """One line per step (to ``emit``, else stderr): the step of how many, the
-    time so far and left; at most one per ``min_interval_s`` but the last."""
+    time so far and left; at most one per ``min_interval_s`` but the last. The
+    time left is at the pace since the previous line, so a slow first step
+    (kernels compiled, a model loaded) does not inflate every estimate."""
 
     def __init__(self, stage: str, steps: int, *, min_interval_s: float = 0.0,
                  emit: Optional[Callable[[str], None]] = None) -> None:
@@ -317,15 +319,17 @@ class StepProgress:
         self.started = time.perf_counter()
         self.min_interval_s = min_interval_s
         self._last_printed = self.started
+        self._done_at_last_print = 0
 
     def step(self, detail: str = "") -> None:
         self.done += 1
         now = time.perf_counter()
         if now - self._last_printed < self.min_interval_s and self.done < self.steps:
             return
-        self._last_printed = now
+        pace = (now - self._last_printed) / (self.done - self._done_at_last_print)
+        self._last_printed, self._done_at_last_print = now, self.done
         elapsed = now - self.started
-        left = elapsed / self.done * max(self.steps - self.done, 0)
+        left = pace * max(self.steps - self.done, 0)
         suffix = f" {detail}" if detail else ""
         self.emit(f"{self.stage}: {self.done}/{self.steps}{suffix}, "
                   f"{elapsed:.0f} s so far, ~{left:.0f} s left")
