@@ -5,10 +5,12 @@ one element."""
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 
 from helpers.bit_parity import assert_bit_identical
 from mlx_dualnorm import available_modes
 from mlx_dualnorm.commands import replay
+from mlx_dualnorm.commands.shared import paths
 from mlx_dualnorm.commands.shared.paths import DualNormPath, make_composed_path
 from mlx_dualnorm.commands.replay import (
     GreedyDecodeTrace,
@@ -170,7 +172,8 @@ def test_a_rope_of_another_base_in_the_attention_prework_is_detected() -> None:
     composed = make_composed_path(config.rms_norm_eps)
     reference = greedy_decode(composed, parameters, config, steps=16)
 
-    def other_base(queries, keys, query_weight, key_weight, offset):
+    def other_base(queries: mx.array, keys: mx.array, query_weight: mx.array,
+                   key_weight: mx.array, offset: int) -> tuple[mx.array, ...]:
         queries, keys = composed(queries, keys, query_weight, key_weight)
         return tuple(
             mx.fast.rope(heads.transpose(0, 2, 1, 3), config.attention_rotary_width,
@@ -182,13 +185,21 @@ def test_a_rope_of_another_base_in_the_attention_prework_is_detected() -> None:
     assert compare_decode_traces(trace, reference).diverged
 
 
-def test_main_runs_the_rope_paths_by_default_and_refuses_one_that_cannot_run(capsys) -> None:
+def test_main_runs_the_rope_paths_by_default_and_refuses_one_that_cannot_run(
+    capsys, monkeypatch
+) -> None:
     assert replay.main(["--steps", "8"]) == 0
     printed = capsys.readouterr().out
     assert "rope_compiled" in printed and "rope_only_compiled" in printed
     assert "norms, transposes and RoPE in one call" in printed
-    if "fused" not in available_modes():
-        assert replay.main(["--steps", "8", "--path", "rope_fused"]) == 2
-        assert "[replay] path 'rope_fused': mode 'fused' is not available here" in (
-            capsys.readouterr().err
-        )
+    # A build without the fused mode, on any machine.
+    monkeypatch.setattr(paths, "available_modes", lambda: ("composed", "compiled"))
+    assert replay.main(["--steps", "8", "--path", "rope_fused"]) == 2
+    assert "[replay] path 'rope_fused': mode 'fused' is not available here" in (
+        capsys.readouterr().err
+    )
+
+
+def test_an_unknown_rope_path_is_refused_naming_the_command() -> None:
+    with pytest.raises(ValueError, match=r"^\[replay\] unknown rope paths \['rope_typo'\]"):
+        run_replay({}, steps=1, rope_paths=["rope_typo"])

@@ -23,6 +23,14 @@ from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.paths import PATH_REGISTRY, DualNormPath, PathUnavailable
 
 
+class Reading(NamedTuple):
+    """Which number of each sample a metric takes, and the divisor to its unit."""
+
+    kind: MetricKind
+    position: int  # of the number in each sample
+    scale: float = 1.0
+
+
 class ScenarioInputs(NamedTuple):
     queries: mx.array
     keys: mx.array
@@ -189,11 +197,11 @@ class _Run:
 
     def measure(
         self, scenario: Scenario, repeat: int, take_sample: Callable[..., tuple], count: int,
-        numbers: Sequence[tuple[MetricKind, int, float]], **sampling: int,
+        readings: Sequence[Reading], **sampling: int,
     ) -> None:
         """:func:`interleaved_samples` of ``take_sample(call, inputs)`` at ``scenario``, the
-        first path rotating per repeat; then per (kind, index, scale) of ``numbers``, each
-        path's median (a peak: the max) of its samples' ``index``-th number, over ``scale``."""
+        first path rotating per repeat; then per reading, each path's median (a peak in
+        bytes: the max) of its samples' ``position``-th number, over ``scale``."""
         calls = {
             name: self.calls[name]
             for name in _rotated(list(self.calls), repeat)
@@ -203,11 +211,11 @@ class _Run:
         samples = interleaved_samples(
             calls, lambda call: take_sample(call, inputs), count, **sampling
         )
-        for kind, index, scale in numbers:
-            summary = max if kind.unit == "bytes" else statistics.median
+        for kind, position, scale in readings:
+            summary = max if kind.unit == "bytes" else statistics.median  # a peak, or a time
             metric = self.metrics.setdefault(kind.key(scenario), MetricResult(kind, scenario))
             for name, path_samples in samples.items():
-                values = (sample[index] for sample in path_samples)
+                values = (sample[position] for sample in path_samples)
                 metric.samples.setdefault(name, []).append(summary(values) / scale)
 
     def measure_repeat(self, repeat: int) -> None:
@@ -216,18 +224,18 @@ class _Run:
         host_batch = functools.partial(build_batch, calls=config.host_calls_per_batch)
         for scenario in DECODE_SCENARIOS:
             self.measure(scenario, repeat, host_batch, config.host_batches,
-                         [(HOST_CALL, 0, 1.0), (HOST_RELEASE, 1, 1.0)], warmup=1)
+                         [Reading(HOST_CALL, 0), Reading(HOST_RELEASE, 1)], warmup=1)
         decode_token = functools.partial(run_decode_token, layers=config.layers)
         for scenario in DECODE_SCENARIOS:
             self.measure(scenario, repeat, decode_token, config.decode_tokens,
-                         [(DECODE_TOKEN, 1, 1e3), (DECODE_BUILD, 0, 1e3)],
+                         [Reading(DECODE_TOKEN, 1, 1e3), Reading(DECODE_BUILD, 0, 1e3)],
                          warmup=config.decode_warmup_tokens,
                          per_turn=config.decode_tokens_per_turn)
         # Same buffer cache for every path: emptied once, then one warm-up
         # call each refills it.
         mx.clear_cache()
         self.measure(GATED_DELTA_PREFILL, repeat, run_prefill_call, config.prefill_iterations,
-                     [(PREFILL_CALL, 0, 1e3), (PREFILL_PEAK, 1, 1.0)], warmup=1)
+                     [Reading(PREFILL_CALL, 0, 1e3), Reading(PREFILL_PEAK, 1)], warmup=1)
         self.completed_repeats += 1
 
     def report(self) -> BenchmarkReport:

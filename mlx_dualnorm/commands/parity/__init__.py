@@ -201,8 +201,8 @@ def run_parity_matrix(
     are reused across cases as in a model. A given (empty) ``reports`` fills as the cases run, so
     an interrupted caller still holds what ran. A factory's PathUnavailable names the path."""
     reports = {} if reports is None else reports
-    for name in path_factories:
-        reports[name] = ParityReport(name, matrix_name, seed, bitwise)
+    run_reports = {name: ParityReport(name, matrix_name, seed, bitwise) for name in path_factories}
+    reports.update(run_reports)
 
     @functools.cache
     def path(name: str, eps: float) -> DualNormPath:
@@ -213,7 +213,8 @@ def run_parity_matrix(
         return (composed_dual_head_norm(*inputs, case.eps),
                 lambda name: functools.partial(path(name, case.eps), *inputs))
 
-    return run_cases(reports, cases, prepare, bitwise, case_done)
+    run_cases(run_reports, cases, prepare, bitwise, case_done)
+    return reports
 
 
 def run_rope_parity_matrix(
@@ -221,13 +222,21 @@ def run_rope_parity_matrix(
     bitwise: bool = True,
 ) -> dict[str, ParityReport]:
     """Every rope path over every case, against the composed norm + RoPE."""
+    descriptions = matrices.ROPE_PATH_DESCRIPTIONS
     reports = {
-        name: ParityReport(name, matrix_name, seed, bitwise,
-                           reference_description=matrices.ROPE_REFERENCE_DESCRIPTION,
-                           path_description=f"{name}: {matrices.ROPE_PATH_DESCRIPTIONS[name]}")
+        name: ParityReport(
+            name, matrix_name, seed, bitwise,
+            reference_description=matrices.ROPE_REFERENCE_DESCRIPTION,
+            path_description=f"{name}: {descriptions[name]}" if name in descriptions else "",
+        )
         for name in path_names
     }
     return run_cases(reports, cases, lambda case: matrices.prepare_rope_case(case, seed), bitwise)
+
+
+def _matrix(quick: bool, seed: int, families: Optional[Sequence[str]]) -> list[ParityCase]:
+    cases = build_quick_parity_matrix(seed) if quick else build_full_parity_matrix(seed)
+    return matrices.of_families(cases, families)
 
 
 def check_path_parity(
@@ -239,9 +248,8 @@ def check_path_parity(
     unknown_families = set(families or ()) - set(FAMILY_NAMES)
     if unknown_families:
         raise ValueError(f"unknown parity families: {sorted(unknown_families)}")
-    cases = build_quick_parity_matrix(seed) if quick else build_full_parity_matrix(seed)
     return run_parity_matrix(
-        {path_name: path_factory}, matrices.of_families(cases, families), seed=seed,
+        {path_name: path_factory}, _matrix(quick, seed, families), seed=seed,
         matrix_name="quick" if quick else "full", bitwise=bitwise,
     )[path_name]
 
@@ -254,8 +262,7 @@ def check_paths(
     """The dual norm paths over their matrix, then the norm + RoPE paths over theirs, each report
     printed; progress on stderr. On Ctrl-C, the reports of the cases that ran are printed, said
     to be partial, and the interrupt goes on."""
-    cases = matrices.of_families(
-        build_quick_parity_matrix(seed) if quick else build_full_parity_matrix(seed), families)
+    cases = _matrix(quick, seed, families)
     rope_cases = matrices.of_families(matrices.build_rope_parity_matrix(quick=quick), families)
     matrix_name = "quick" if quick else "full"
     progress = command.StepProgress(f"parity, {matrix_name} matrix, cases", len(cases),

@@ -14,9 +14,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar, Union, cast
 
 import mlx.core as mx
 
-from mlx_dualnorm import (
-    CompiledDualHeadNormRope, Mode, available_modes, composed_dual_head_norm_rope,
-)
+from mlx_dualnorm import CompiledDualHeadNormRope, Mode, composed_dual_head_norm_rope
 from mlx_dualnorm.commands.parity.cases import (
     BASE_DTYPE_CONFIGURATIONS, BATCH_SIZES, DECODE_SEQUENCE_LENGTH, DEFAULT_PARITY_SEED,
     DTYPE_CONFIGURATIONS, EPSILONS, HEAD_COUNTS, MIXED_DTYPE_CONFIGURATIONS,
@@ -25,6 +23,7 @@ from mlx_dualnorm.commands.parity.cases import (
     SPECIAL_VALUE_PROFILES, WEIGHTED_WEIGHTINGS, WIDTHS, DtypeConfiguration, DualNormInputs,
     HeadCounts, Outputs, ParityCase, PathCalls, ValueProfile, Weighting, case_key,
 )
+from mlx_dualnorm.commands.shared.paths import ROPE_BASE, unavailable_modes
 
 FULL_MATRIX_ELEMENT_BUDGET = 1 << 22
 """Most elements one query input may hold (4 Mi): a prefill of 8 x 512 x 32 heads x 8192
@@ -236,7 +235,6 @@ ROPE_PATH_DESCRIPTIONS = {
     "one compiled graph for the norms, transposes and RoPE",
     "rope_fused": "mlx_dualnorm.CompiledDualHeadNormRope(mode='fused'): one kernel (CUDA)",
 }
-ROPE_BASE = 10000.0
 
 OffsetSpec = Union[int, tuple[int, ...]]  # an int, or one per batch entry (an int32 array)
 
@@ -344,12 +342,10 @@ def prepare_rope_case(case: RopeParityCase, seed: int) -> tuple[Outputs, PathCal
 
 def available_rope_paths() -> list[str]:
     """``rope_MODE`` for every mode but the reference that runs here."""
-    return [name for name in ROPE_PATH_DESCRIPTIONS
-            if name.removeprefix(ROPE_PATH_PREFIX) in available_modes()]
+    unavailable = unavailable_rope_paths(list(ROPE_PATH_DESCRIPTIONS))
+    return [name for name in ROPE_PATH_DESCRIPTIONS if name not in unavailable]
 
 
 def unavailable_rope_paths(path_names: Sequence[str]) -> dict[str, str]:
     """Of the rope paths named, those this build or device cannot run, with the reason."""
-    available = available_rope_paths()
-    return {name: f"mode {name.removeprefix(ROPE_PATH_PREFIX)!r} is not available here"
-            for name in path_names if name not in available}
+    return unavailable_modes({name: name.removeprefix(ROPE_PATH_PREFIX) for name in path_names})

@@ -15,17 +15,17 @@ from typing import Callable, Mapping, Optional, Sequence, cast
 
 import mlx.core as mx
 
-from mlx_dualnorm import CompiledDualHeadNormRope, Mode, available_modes, composed_dual_head_norm
+from mlx_dualnorm import CompiledDualHeadNormRope, Mode, composed_dual_head_norm
 from mlx_dualnorm.bits import bit_difference_mask
 from mlx_dualnorm.commands.replay.model import (
-    FULL_ATTENTION_LAYER, GATED_DELTA_LAYER, ROPE_BASE, LayerCache, NormRope, ReplayModelConfig,
+    FULL_ATTENTION_LAYER, GATED_DELTA_LAYER, LayerCache, NormRope, ReplayModelConfig,
     build_replay_model, forward,
 )
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.paths import (
-    REFERENCE_PATH, DualNormPath, DualNormPathFactory, PathSelection, PathUnavailable,
-    build_path, describe_paths, make_composed_path, routinely_checked_paths, skipped_path_lines,
-    unavailable_paths,
+    REFERENCE_PATH, ROPE_BASE, DualNormPath, DualNormPathFactory, PathSelection, build_path,
+    describe_paths, make_composed_path, refuse_unavailable, routinely_checked_paths,
+    skipped_path_lines, unavailable_modes, unavailable_paths,
 )
 
 DEFAULT_DECODE_STEPS = 128
@@ -37,25 +37,31 @@ ROPE_PATHS: dict[str, tuple[Mode, bool]] = {
     "rope_compiled": ("compiled", True), "rope_fused": ("fused", True),
     "rope_only_compiled": ("compiled", False), "rope_only_fused": ("fused", False),
 }
+_WITH_NORMS = "the full-attention layer's norms, transposes and RoPE in one call"
+_WITHOUT_NORMS = ("the full-attention layer's norms composed, then its transposes and RoPE in "
+                  "one call of the object without norms")
 ROPE_PATH_DESCRIPTIONS = {
-    name: f"mlx_dualnorm.CompiledDualHeadNormRope(mode={mode!r}): the full-attention layer's "
-    + ("norms, transposes and RoPE in one call" if norms else
-       "norms composed, then its transposes and RoPE in one call of the object without norms")
-    for name, (mode, norms) in ROPE_PATHS.items()
+    "rope_compiled": f"mlx_dualnorm.CompiledDualHeadNormRope(mode='compiled'): {_WITH_NORMS}",
+    "rope_fused": f"mlx_dualnorm.CompiledDualHeadNormRope(mode='fused'): {_WITH_NORMS}",
+    "rope_only_compiled":
+        f"mlx_dualnorm.CompiledDualHeadNormRope(mode='compiled'): {_WITHOUT_NORMS}",
+    "rope_only_fused": f"mlx_dualnorm.CompiledDualHeadNormRope(mode='fused'): {_WITHOUT_NORMS}",
 }
 
 
 def rope_path_reasons(names: Sequence[str]) -> dict[str, str]:
     """Of the ``rope_*`` paths named, those this build or device cannot run, with the reason."""
-    return {name: f"mode {ROPE_PATHS[name][0]!r} is not available here"
-            for name in names if ROPE_PATHS[name][0] not in available_modes()}
+    unknown = [name for name in names if name not in ROPE_PATHS]
+    if unknown:
+        raise ValueError(f"[replay] unknown rope paths {unknown}; the rope paths are "
+                         f"{', '.join(ROPE_PATHS)}")
+    return unavailable_modes({name: ROPE_PATHS[name][0] for name in names})
 
 
 def build_norm_rope_path(name: str, config: ReplayModelConfig) -> NormRope:
     """The full-attention prework of the ``rope_*`` path ``name`` for ``config``;
     PathUnavailable where its mode cannot run here."""
-    for reason in rope_path_reasons([name]).values():
-        raise PathUnavailable(f"path {name!r}: {reason}")
+    refuse_unavailable(rope_path_reasons([name]))
     mode, norms = ROPE_PATHS[name]
     eps = config.rms_norm_eps
     norm_rope = CompiledDualHeadNormRope(
@@ -63,11 +69,13 @@ def build_norm_rope_path(name: str, config: ReplayModelConfig) -> NormRope:
         traditional=False, scale=1.0, mode=mode,
     )
 
-    def prework(queries, keys, query_weight, key_weight, offset):
-        if not norms:  # the norms composed; the object rotates their outputs
-            queries, keys = composed_dual_head_norm(queries, keys, query_weight, key_weight, eps)
-            query_weight = key_weight = None
-        return norm_rope(queries, keys, query_weight, key_weight, offset=offset)
+    def prework(queries: mx.array, keys: mx.array, query_weight: mx.array,
+                key_weight: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        if norms:
+            return norm_rope(queries, keys, query_weight, key_weight, offset=offset)
+        # The norms composed; the object made without norms rotates their outputs.
+        queries, keys = composed_dual_head_norm(queries, keys, query_weight, key_weight, eps)
+        return norm_rope(queries, keys, offset=offset)
 
     return prework
 
@@ -249,7 +257,8 @@ def build_parser(selection: Optional[PathSelection] = None) -> argparse.Argument
     parser = command.tool_parser(
         "replay",
         "Greedy-decode a small gated-delta + attention model with each dual head norm "
-        "path (or the rope_* paths: the attention layer's norms and RoPE in one call) and "
+        "path (or the rope_* paths: the attention layer's q/k prework, with or without its "
+        "norms, in one call) and "
         "compare its tokens and hidden-state bits with the composed path's. "
         "Exit status 1 if any path diverges.",
     )
@@ -289,7 +298,8 @@ def main(
         try:
             report = run_replay(
                 selection.factories_named(path_names), config=config, steps=arguments.steps,
-                progress=progress.step, rope_paths=[n for n in path_names if n in ROPE_PATHS],
+                progress=progress.step,
+                rope_paths=[name for name in path_names if name in ROPE_PATHS],
             )
         except command.InterruptedWithPartialResult as interrupted:
             if isinstance(interrupted.partial, ReplayReport):

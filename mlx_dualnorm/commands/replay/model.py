@@ -11,12 +11,11 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import mlx.core as mx
 
-from mlx_dualnorm.commands.shared.paths import DualNormPath
+from mlx_dualnorm.commands.shared.paths import ROPE_BASE, DualNormPath
 
 GATED_DELTA_LAYER = "gated_delta"
 FULL_ATTENTION_LAYER = "full_attention"
 LayerCache = dict[str, mx.array]  # a layer's recurrent state, or its keys and values so far
-ROPE_BASE = 10000.0
 # The full-attention layer's q/k prework: (B, L, H, D) queries and keys, their norm
 # weights and the position of the first row -> normalized, rotated (B, H, L, D) heads.
 NormRope = Callable[[mx.array, mx.array, mx.array, mx.array, int], tuple[mx.array, mx.array]]
@@ -62,12 +61,14 @@ def _weight_shapes(config: ReplayModelConfig) -> list[_Weight]:
                 ("decay_log_rate", (value_heads,), "decay_log_rate"),
                 ("decay_time_bias", (value_heads,), "small"),
             ]
-        else:
+        elif layer_kind == FULL_ATTENTION_LAYER:
             head_width = config.attention_head_width
             query_width = mixed_width = config.attention_query_heads * head_width
             key_width = value_width = config.attention_key_value_heads * head_width
             kind_weights = [("query_norm_weight", (head_width,), "norm_weight"),
                             ("key_norm_weight", (head_width,), "norm_weight")]
+        else:
+            raise ValueError(f"unknown layer kind {layer_kind!r}")
         layer_weights = [
             ("input_norm_weight", (width,), "norm_weight"),
             ("query_projection", (width, query_width), "projection"),
@@ -143,13 +144,14 @@ def composed_norm_rope(dual_head_norm: DualNormPath, config: ReplayModelConfig) 
     """The path's norms, then per side the transpose and ``mx.fast.rope`` (partial
     rotary), as mlx-lm's layers compose them."""
 
-    def norm_rope(queries, keys, query_weight, key_weight, offset):
+    def rotated(heads: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(heads.transpose(0, 2, 1, 3), config.attention_rotary_width,
+                            traditional=False, base=ROPE_BASE, scale=1.0, offset=offset)
+
+    def norm_rope(queries: mx.array, keys: mx.array, query_weight: mx.array,
+                  key_weight: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         queries, keys = dual_head_norm(queries, keys, query_weight, key_weight)
-        return tuple(  # type: ignore[return-value]
-            mx.fast.rope(heads.transpose(0, 2, 1, 3), config.attention_rotary_width,
-                         traditional=False, base=ROPE_BASE, scale=1.0, offset=offset)
-            for heads in (queries, keys)
-        )
+        return rotated(queries, offset), rotated(keys, offset)
 
     return norm_rope
 
@@ -160,16 +162,15 @@ def _full_attention_mixer(
 ) -> mx.array:
     """Causal attention over the cache, of (B, H, L, D) queries and keys rotated at
     the cache's position."""
-    rotated_queries, rotated_keys = queries, keys
     head_major_values = values.transpose(0, 2, 1, 3)
     if "keys" in cache:
-        rotated_keys = mx.concatenate([cache["keys"], rotated_keys], axis=2)
+        keys = mx.concatenate([cache["keys"], keys], axis=2)
         head_major_values = mx.concatenate([cache["values"], head_major_values], axis=2)
-    cache["keys"], cache["values"] = rotated_keys, head_major_values
+    cache["keys"], cache["values"] = keys, head_major_values
     attended = mx.fast.scaled_dot_product_attention(
-        rotated_queries, rotated_keys, head_major_values,
+        queries, keys, head_major_values,
         scale=config.attention_head_width**-0.5,
-        mask="causal" if rotated_queries.shape[2] > 1 else None,
+        mask="causal" if queries.shape[2] > 1 else None,
     )
     return attended.transpose(0, 2, 1, 3)
 

@@ -138,8 +138,7 @@ def output_folder(text: str) -> pathlib.Path:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".mlx_dualnorm-write-check-"):
             pass
     except OSError as failed:  # no permission, a name too long, a loop of links, ...
-        reason = failed.strerror or failed
-        raise argparse.ArgumentTypeError(f"cannot write {text}: {reason}") from None
+        raise _cannot_write(text, failed) from None
     finally:
         for made in created:  # deepest first
             with contextlib.suppress(OSError):
@@ -163,9 +162,13 @@ def output_file(text: str) -> pathlib.Path:
         if not existed:
             path.unlink()
     except OSError as failed:
-        reason = failed.strerror or failed
-        raise argparse.ArgumentTypeError(f"cannot write {text}: {reason}") from None
+        raise _cannot_write(text, failed) from None
     return path
+
+
+def _cannot_write(text: str, failed: OSError) -> argparse.ArgumentTypeError:
+    """The refusal of an output path the system would not let a command write."""
+    return argparse.ArgumentTypeError(f"cannot write {text}: {failed.strerror or failed}")
 
 
 class Unavailable(Exception):

@@ -17,6 +17,7 @@ DualNormPath = Callable[[mx.array, mx.array, Optional[mx.array], Optional[mx.arr
 DualNormPathFactory = Callable[[float], DualNormPath]  # called once per epsilon per run
 
 REFERENCE_PATH = "composed"
+ROPE_BASE = 10000.0  # the RoPE base of the norm + RoPE paths' parity inputs and replay model
 
 
 class PathUnavailable(RuntimeError):
@@ -127,6 +128,13 @@ def unavailable_paths(names: Sequence[str], eps: float = 1e-6) -> dict[str, str]
             close()
         reasons[name] = "not available on this build or device"
     return reasons
+
+
+def unavailable_modes(modes_by_name: Mapping[str, str]) -> dict[str, str]:
+    """Of the paths named, each with the package mode it runs in, those this build or
+    device cannot run, with the reason."""
+    return {name: f"mode {mode!r} is not available here"
+            for name, mode in modes_by_name.items() if mode not in available_modes()}
 
 
 def skipped_path_lines(tool_name: str, skipped: Mapping[str, str]) -> list[str]:

@@ -360,7 +360,11 @@ FLOAT32_FAMILIES = frozenset({
     "minimax_m3_vl", "olmoe", "minimax", "qwen2_moe", "mixtral", "deepseek", "ernie4_5_moe",
     "granitemoe", "granitemoehybrid", "phimoe", "dbrx", "falcon_h1", "gpt_oss",
 })
-QWEN3_LIKE_DTYPE_NAMES, ROPE_ONLY_DTYPE_NAMES = (
-    {name: "float32" if name in FLOAT32_FAMILIES else "bfloat16" for name in configs}
-    for configs in (QWEN3_LIKE_CONFIGS, ROPE_ONLY_CONFIGS)
-)
+
+
+def _dtype_names(configs: Mapping[str, object]) -> dict[str, str]:
+    return {name: "float32" if name in FLOAT32_FAMILIES else "bfloat16" for name in configs}
+
+
+QWEN3_LIKE_DTYPE_NAMES = _dtype_names(QWEN3_LIKE_CONFIGS)
+ROPE_ONLY_DTYPE_NAMES = _dtype_names(ROPE_ONLY_CONFIGS)
