@@ -27,6 +27,14 @@ against mlx-lm's own code:
   no-layer-norms  patched, with both residual-block RMS norms of every
                   decoder layer removed: the ceiling of fusing them into
                   their residual adds (wrong tokens; timing only)
+  no-residual-adds  patched, with both residual adds of every decoder
+                  layer removed, each norm taking the sublayer's output
+                  alone: the node count of fusing every add into the RMS
+                  norm that follows it, the last layer's and the next
+                  layer's input norm included (wrong tokens; timing only)
+  no-attention-add  the same with only ``h = x + attn(...)`` removed: the
+                  add a decoder-layer replacement could fuse into its own
+                  post-attention norm (wrong tokens; timing only)
   compiled-mlp    patched, with each layer's ``h + mlp(norm(h))`` one
                   ``mx.compile`` replay whose inputs are the layer's
                   arrays of this call (nothing served stale from the
@@ -94,7 +102,9 @@ PROMPT_TOKENS = 16
 EXACT_PATHS = (
     "mlx-lm", "patched", "compiled-mlp", "compiled-residual-mlp", "compiled-halves", "safe-halves",
 )
-PATHS = EXACT_PATHS + ("no-layer-norms", "step-no-cache", "compiled-no-cache")
+PATHS = EXACT_PATHS + (
+    "no-layer-norms", "no-residual-adds", "no-attention-add", "step-no-cache", "compiled-no-cache"
+)
 
 
 def build(config: dict, layers: int | None, bits: int = 0, batch: int = 1):
@@ -340,6 +350,16 @@ def block_without_norms(self, x, mask=None, cache=None):
     return h + self.mlp(h)
 
 
+def block_without_adds(self, x, mask=None, cache=None):
+    h = self.self_attn(self.input_layernorm(x), mask, cache)
+    return self.mlp(self.post_attention_layernorm(h))
+
+
+def block_without_attention_add(self, x, mask=None, cache=None):
+    h = self.self_attn(self.input_layernorm(x), mask, cache)
+    return h + self.mlp(self.post_attention_layernorm(h))
+
+
 @contextlib.contextmanager
 def path_of(architecture, path: str):
     block = architecture.TransformerBlock
@@ -357,6 +377,10 @@ def path_of(architecture, path: str):
             block.__call__ = safe_halves_block
         elif path == "no-layer-norms":
             block.__call__ = block_without_norms
+        elif path == "no-residual-adds":
+            block.__call__ = block_without_adds
+        elif path == "no-attention-add":
+            block.__call__ = block_without_attention_add
         try:
             yield
         finally:
