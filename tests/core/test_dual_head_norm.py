@@ -349,7 +349,7 @@ def test_a_bridge_giving_other_than_two_outputs_is_an_mlx_error(monkeypatch, rng
 
 
 @pytest.mark.parametrize("mode", available_modes())
-@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap"])
+@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap", "compile"])
 def test_transforms_give_the_composed_calls_bits(mode, transform):
     """Fine-tuning differentiates the norms, and users vmap them: reverse-
     and forward-mode derivatives (every input's, weights included) and

@@ -597,11 +597,12 @@ def test_a_bridge_giving_other_than_two_outputs_is_an_mlx_error(monkeypatch, cou
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap"])
+@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap", "compile"])
 def test_transforms_give_the_composed_calls_bits(mode, transform):
     """Fine-tuning differentiates the prework, and users vmap it: reverse-
-    and forward-mode derivatives (every input's, weights included) and
-    vmap give the bits of the same transform of the composed calls. The
+    and forward-mode derivatives (every input's, weights included), vmap
+    and a user's mx.compile give the bits of the same transform of the
+    composed calls. The
     fused node transforms the composed calls themselves; the compiled
     graph is theirs."""
     queries, keys, query_weight, key_weight = random_inputs(

@@ -360,7 +360,7 @@ def test_fetch_adds_the_rows_update_and_fetch_returns(mode, dtype, batch, length
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fetch", [False, True])
-@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap"])
+@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap", "compile"])
 def test_transforms_match_the_composed_path(transform, fetch, mode):
     norm_rope = CompiledDualHeadNormRope(EPS, DIMS, base=BASE, mode=mode)
     queries, keys, values, query_weight, key_weight = layer_inputs(1, 2, mx.float32)
@@ -385,6 +385,8 @@ def test_transforms_match_the_composed_path(transform, fetch, mode):
         tangents = [random(primal.shape, mx.float32, 50 + index)
                     for index, primal in enumerate(primals)]
         results = [mx.jvp(function, primals, tangents)[1] for function in (actual, expected)]
+    elif transform == "compile":  # a user's mx.compile of the step
+        results = [mx.compile(function)(*primals) for function in (actual, expected)]
     else:
         batched = [mx.stack([primal, 2 * primal]) for primal in primals]
         results = [mx.vmap(function)(*batched) for function in (actual, expected)]

@@ -351,7 +351,7 @@ def test_properties_and_repr():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap"])
+@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap", "compile"])
 @pytest.mark.parametrize("rope_name", ["llama3", "yarn", "su"])
 def test_transforms_give_the_composed_calls_bits(mode, transform, rope_name):
     """vjp, jvp (every input's: queries, keys, weights) and vmap of a

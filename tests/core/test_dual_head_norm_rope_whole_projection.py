@@ -74,7 +74,7 @@ def test_one_norm_over_each_tokens_heads(mode, dtype, shape):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap"])
+@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap", "compile"])
 def test_transforms_are_those_of_the_whole_projection_norm(mode, transform):
     """The weights' gradients sum over the tokens' rows as mlx-lm's do."""
     queries, keys, query_weight, key_weight, _ = random_case(2, 3, 4, 2, 32, mx.float32, seed=3)

@@ -148,7 +148,7 @@ def test_the_cache_write_gives_what_update_and_fetch_leaves(mode, dtype, batch, 
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap"])
+@pytest.mark.parametrize("transform", ["vjp", "jvp", "vmap", "compile"])
 def test_transforms_give_the_composed_calls_bits(mode, transform):
     queries, keys = random((2, 3, 4, 64), mx.float32, 10), random((2, 3, 2, 64), mx.float32, 11)
     composite = CompiledDualHeadNormRope(None, 32, base=1e4, mode=mode)

@@ -110,8 +110,9 @@ def assert_transforms_agree(transform: str, actual, expected, primals, vmap_argu
     """``actual`` and ``expected``, functions of (queries, keys,
     query_weight, key_weight) returning a list of arrays, give the same bits
     under ``transform``: "vjp" and "jvp" at ``primals`` with the same seeded
-    cotangents or tangents, or "vmap" over ``vmap_arguments`` (queries and
-    keys batched on axis 0, the weights shared)."""
+    cotangents or tangents, "vmap" over ``vmap_arguments`` (queries and
+    keys batched on axis 0, the weights shared), or "compile": a user's
+    ``mx.compile`` of the function, called at ``primals``."""
 
     def transformed(function):
         if transform == "vjp":
@@ -126,6 +127,8 @@ def assert_transforms_agree(transform: str, actual, expected, primals, vmap_argu
                 for index, primal in enumerate(primals)
             ]
             return mx.jvp(function, primals, tangents)[1]
+        if transform == "compile":
+            return mx.compile(function)(*primals)
         return mx.vmap(function, in_axes=(0, 0, None, None))(*vmap_arguments)
 
     expected_outputs = transformed(expected)
