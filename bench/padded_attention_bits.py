@@ -73,12 +73,12 @@ def main() -> None:
     options = parser.parse_args()
     print(f"MLX {mx.__version__} on {mx.default_device()}; rows 1..{options.max_rows} "
           f"step {options.stride}; capacity the next multiple of {STEP}")
+    checked = len(range(1, options.max_rows + 1, options.stride))
     for name, shape in SHAPES.items():
         for dtype in (mx.bfloat16, mx.float16):
             for filler in ("zeros", "random"):
                 differing = check(shape, dtype, options.max_rows, options.stride, filler)
                 for kind, rows in differing.items():
-                    checked = len(range(1, options.max_rows + 1, options.stride))
                     shown = rows[:8] + (["..."] if len(rows) > 8 else [])
                     print(f"  {name:13} {str(dtype):14} rows past n {filler:6} {kind:8} mask: "
                           f"{checked - len(rows)}/{checked} bit-identical; differing at {shown}")

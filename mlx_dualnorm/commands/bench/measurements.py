@@ -9,7 +9,7 @@ import functools
 import gc
 import statistics
 import time
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
@@ -24,11 +24,13 @@ from mlx_dualnorm.commands.shared.paths import PATH_REGISTRY, DualNormPath, Path
 
 
 class Reading(NamedTuple):
-    """Which number of each sample a metric takes, and the divisor to its unit."""
+    """Which number of each sample a metric takes, the divisor to its unit, and how
+    a path's samples make one value per repeat (a time: their median; a peak: max)."""
 
     kind: MetricKind
     position: int  # of the number in each sample
     scale: float = 1.0
+    summary: Callable[[Iterable[float]], float] = statistics.median
 
 
 class ScenarioInputs(NamedTuple):
@@ -200,8 +202,8 @@ class _Run:
         readings: Sequence[Reading], **sampling: int,
     ) -> None:
         """:func:`interleaved_samples` of ``take_sample(call, inputs)`` at ``scenario``, the
-        first path rotating per repeat; then per reading, each path's median (a peak in
-        bytes: the max) of its samples' ``position``-th number, over ``scale``."""
+        first path rotating per repeat; then per reading, each path's ``summary`` of its
+        samples' ``position``-th number, over ``scale``."""
         calls = {
             name: self.calls[name]
             for name in _rotated(list(self.calls), repeat)
@@ -211,8 +213,7 @@ class _Run:
         samples = interleaved_samples(
             calls, lambda call: take_sample(call, inputs), count, **sampling
         )
-        for kind, position, scale in readings:
-            summary = max if kind.unit == "bytes" else statistics.median  # a peak, or a time
+        for kind, position, scale, summary in readings:
             metric = self.metrics.setdefault(kind.key(scenario), MetricResult(kind, scenario))
             for name, path_samples in samples.items():
                 values = (sample[position] for sample in path_samples)
@@ -235,7 +236,8 @@ class _Run:
         # call each refills it.
         mx.clear_cache()
         self.measure(GATED_DELTA_PREFILL, repeat, run_prefill_call, config.prefill_iterations,
-                     [Reading(PREFILL_CALL, 0, 1e3), Reading(PREFILL_PEAK, 1)], warmup=1)
+                     [Reading(PREFILL_CALL, 0, 1e3), Reading(PREFILL_PEAK, 1, summary=max)],
+                     warmup=1)
         self.completed_repeats += 1
 
     def report(self) -> BenchmarkReport:

@@ -133,8 +133,9 @@ def unavailable_paths(names: Sequence[str], eps: float = 1e-6) -> dict[str, str]
 def unavailable_modes(modes_by_name: Mapping[str, str]) -> dict[str, str]:
     """Of the paths named, each with the package mode it runs in, those this build or
     device cannot run, with the reason."""
+    available = available_modes()
     return {name: f"mode {mode!r} is not available here"
-            for name, mode in modes_by_name.items() if mode not in available_modes()}
+            for name, mode in modes_by_name.items() if mode not in available}
 
 
 def skipped_path_lines(tool_name: str, skipped: Mapping[str, str]) -> list[str]:
