@@ -25,6 +25,7 @@ export OPENBLAS_NUM_THREADS=1
     --all-metrics "$@" | tee "${output_dir}/benchmark.txt"
 "${python}" bench/targets.py "${output_dir}/benchmark.json" \
     | tee -a "${output_dir}/benchmark.txt" || true
+"${python}" bench/chart.py "${output_dir}" || true  # needs matplotlib
 
 "${python}" bench/profile_host_path.py --output-dir "${output_dir}" \
     | tee "${output_dir}/host_path_profile.txt"

@@ -40,9 +40,8 @@ SUBCOMMANDS: tuple[SubCommand, ...] = (
                "prefill, memory)"),
     SubCommand("mlx-lm-check", "generate with mlx-lm unpatched and patched; identical tokens and "
                "logit bits, or exit 1"),
-    SubCommand("mlx-lm-bench", "time mlx-lm unpatched against patched: the q/k prework, "
-               "generation with small random models, decode at released model sizes (or over "
-               "--ranks)"),
+    SubCommand("mlx-lm-bench", "time mlx-lm decode unpatched against patched at released model "
+               "sizes, greedy tokens compared every round"),
 )
 _BY_NAME = {subcommand.name: subcommand for subcommand in SUBCOMMANDS}
 

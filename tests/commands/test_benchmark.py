@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
+import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
@@ -48,8 +51,11 @@ def assert_spread(entry: dict) -> None:
 
 
 def test_quick_cli_run_writes_valid_json(tmp_path, capsys):
-    status = benchmark.main(["--quick", "--output-dir", str(tmp_path), "--no-plot"])
+    status = benchmark.main(["--quick", "--output-dir", str(tmp_path)])
     assert status == 0
+    assert [path.name for path in tmp_path.iterdir()] == [benchmark.JSON_FILE_NAME], (
+        "the package writes the JSON only: bench/chart.py draws it"
+    )
 
     report = json.loads((tmp_path / benchmark.JSON_FILE_NAME).read_text())
     assert report["schema"] == benchmark.REPORT_SCHEMA
@@ -154,26 +160,149 @@ def test_unknown_path_is_a_usage_error(capsys):
     assert "no_such_path" in capsys.readouterr().err
 
 
-def test_chart_is_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
-    report = benchmark.run_benchmark(tiny_config(paths=("compiled",)))
-    chart = benchmark.write_chart(report, tmp_path)
-    assert chart is not None
-    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+BENCH_FOLDER = pathlib.Path(__file__).resolve().parents[2] / "bench"
+CHART_SCRIPT = BENCH_FOLDER / "chart.py"
 
 
-def load_bench_targets():
-    """bench/targets.py: the project's goals, judged outside the package."""
+def load_bench_script(name: str):
+    """bench/NAME.py, a script of the project's benchmark home outside the package."""
     import importlib.util
-    import pathlib
-    import sys
 
-    location = pathlib.Path(__file__).resolve().parents[2] / "bench" / "targets.py"
-    spec = importlib.util.spec_from_file_location("bench_targets", location)
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH_FOLDER / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def load_bench_targets():
+    """bench/targets.py: the project's goals, judged outside the package."""
+    return load_bench_script("targets")
+
+
+def run_chart(*arguments: str, prelude: str = "") -> subprocess.CompletedProcess:
+    """``python bench/chart.py ARGUMENTS``, after ``prelude`` (Python) where one is given."""
+    command = [sys.executable, str(CHART_SCRIPT), *arguments]
+    if prelude:
+        command = [sys.executable, "-c", f"{prelude}\nimport runpy, sys\n"
+                   f"sys.argv = {[str(CHART_SCRIPT), *arguments]!r}\n"
+                   f"runpy.run_path(sys.argv[0], run_name='__main__')"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def quick_report_folder(tmp_path_factory) -> pathlib.Path:
+    """The folder a real ``bench --quick --output-dir`` wrote its JSON into."""
+    folder = tmp_path_factory.mktemp("quick_bench")
+    process = subprocess.run(
+        [sys.executable, "-m", "mlx_dualnorm", "bench", "--quick", "--output-dir", str(folder)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert process.returncode == 0, process.stderr
+    return folder
+
+
+HEADLINE_KINDS = {  # the kinds the table prints without --all-metrics, and the chart draws
+    "host_us_per_call", "decode_us_per_token", "prefill_us_per_call", "prefill_peak_bytes",
+}
+
+
+def headline_metrics(report: dict) -> list[dict]:
+    """The report's headline metrics, in its order."""
+    return [metric for metric in report["metrics"].values() if metric["kind"] in HEADLINE_KINDS]
+
+
+def tiny_report_json() -> dict:
+    """A small run's report as benchmark.json holds it."""
+    report = benchmark.run_benchmark(tiny_config(paths=("compiled",)))
+    return json.loads(json.dumps(report.to_json()))
+
+
+def test_chart_is_a_png(quick_report_folder, tmp_path):
+    """bench/chart.py draws a real run's JSON into a PNG, beside it or where --out says:
+    three charts a row at 110 dpi, 15 x 4 inches a row."""
+    pyplot = pytest.importorskip("matplotlib.pyplot")
+    beside = quick_report_folder / "benchmark.png"
+    assert not beside.exists()
+    process = run_chart(str(quick_report_folder))
+    assert process.returncode == 0, process.stderr
+    assert f"wrote {beside}" in process.stderr
+    elsewhere = tmp_path / "charts" / "run.png"
+    process = run_chart(str(quick_report_folder / "benchmark.json"), "--out", str(elsewhere))
+    assert process.returncode == 0, process.stderr
+
+    report = json.loads((quick_report_folder / "benchmark.json").read_text())
+    rows = math.ceil(len(headline_metrics(report)) / 3)
+    assert rows == 2
+    for chart in (beside, elsewhere):
+        assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        height, width, _ = pyplot.imread(chart).shape
+        assert (width, height) == (15 * 110, rows * 4 * 110)
+
+
+def test_chart_of_a_file_that_is_not_a_report_exits_2_in_one_line(tmp_path):
+    other_schema = tiny_report_json()
+    other_schema["schema"] = "mlx_dualnorm.benchmark/1"
+    (tmp_path / "benchmark.json").write_text(json.dumps(other_schema))
+    not_json = tmp_path / "table.txt"
+    not_json.write_text("metric / scenario  composed\n")
+    for location, reason in ((tmp_path, "not a mlx_dualnorm.benchmark/2 report"),
+                             (not_json, "is not JSON"),
+                             (tmp_path / "missing", "cannot read")):
+        process = run_chart(str(location))
+        assert process.returncode == 2, process.stderr
+        assert process.stderr.startswith("[chart] ") and process.stderr.count("\n") == 1, (
+            process.stderr
+        )
+        assert reason in process.stderr
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_chart_without_matplotlib_exits_2_in_one_line(tmp_path):
+    (tmp_path / "benchmark.json").write_text(json.dumps(tiny_report_json()))
+    # None in sys.modules makes `import matplotlib` raise ImportError, as where it is missing.
+    process = run_chart(str(tmp_path), "--out", str(tmp_path / "chart.png"),
+                        prelude="import sys\nsys.modules['matplotlib'] = None")
+    assert process.returncode == 2, process.stderr
+    assert process.stderr == "[chart] matplotlib is not installed (pip install matplotlib)\n"
+    assert not (tmp_path / "chart.png").exists()
+
+
+def test_chart_has_a_bar_per_path_a_legend_for_every_colour_and_marks_a_quick_run():
+    pyplot = pytest.importorskip("matplotlib.pyplot")
+    chart = load_bench_script("chart")
+    report = tiny_report_json()
+    for quick in (True, False):
+        report["config"]["quick_mode"] = quick
+        figure = chart.draw_chart(report)
+        try:
+            (legend,) = figure.legends
+            labels = [text.get_text() for text in legend.get_texts()]
+            assert any(label.startswith("composed: the reference") for label in labels)
+            assert any(label.startswith("another path") for label in labels)
+            assert any("whisker" in label for label in labels)
+            legend_colours = {tuple(handle.get_facecolor()) for handle in legend.legend_handles[:2]}
+            drawn = [axes for axes in figure.axes if axes.get_visible()]
+            assert len(drawn) == len(headline_metrics(report)) == 6
+            for axes, metric in zip(drawn, headline_metrics(report)):
+                assert axes.get_title() == f"{metric['title']}\n{metric['scenario']}"
+                assert "lower is better" in axes.get_ylabel()
+                bars = axes.patches
+                assert {tuple(bar.get_facecolor()) for bar in bars} == legend_colours
+                paths = metric["paths"]
+                scale = 2**20 if metric["unit"] == "bytes" else 1
+                assert [bar.get_height() for bar in bars] == pytest.approx(
+                    [paths[name]["median"] / scale for name in ("composed", "compiled")]
+                )
+                ratio = paths["compiled"]["median"] / paths["composed"]["median"]
+                names = [label.get_text() for label in axes.get_xticklabels()]
+                assert names == ["composed\n1.00x", f"compiled\n{ratio:.2f}x"]
+            title = figure._suptitle
+            assert title.get_text().startswith("QUICK RUN") == quick
+            assert "lower is better" in title.get_text()
+            assert (title.get_color() == "tab:red") == quick
+        finally:
+            pyplot.close(figure)
 
 
 def test_bench_goals_are_judged_on_their_device_type_by_ratio_or_by_value():

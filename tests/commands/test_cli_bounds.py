@@ -24,7 +24,7 @@ SUBCOMMANDS = [
     subcommand.name for subcommand in cli.SUBCOMMANDS
     if HAS_MLX_LM or not subcommand.name.startswith("mlx-lm")
 ]
-BOUNDED_TYPES = (command.Count, command.Number, command.CountList)
+BOUNDED_TYPES = (command.Count, command.Number)
 
 
 def _walk(name: str, parser: argparse.ArgumentParser):
@@ -41,10 +41,6 @@ def every_parser() -> dict[str, argparse.ArgumentParser]:
     parsers = {"": cli._main_parser()}
     for name in SUBCOMMANDS:
         parsers[name] = cli.subcommand_parser(name)
-    if HAS_MLX_LM:
-        from mlx_dualnorm.commands.mlx_lm_bench import report as ranks
-
-        parsers["rank program"] = ranks._parser()
     return parsers
 
 
@@ -70,8 +66,7 @@ def test_the_walk_finds_the_numeric_options():
     assert {("bench", "--layers"), ("replay", "--steps"), ("parity", "--seed")} <= found
     if HAS_MLX_LM:
         assert {("mlx-lm-check", "--tokens"), ("mlx-lm-check", "--rounds"),
-                ("mlx-lm-bench", "--ranks"), ("mlx-lm-bench", "--decode-steps"),
-                ("rank program bench", "--steps")} <= found
+                ("mlx-lm-bench", "--decode-rounds"), ("mlx-lm-bench", "--decode-steps")} <= found
 
 
 def test_every_numeric_option_has_a_bounded_type():
@@ -134,11 +129,7 @@ def _refused(main, arguments, capsys) -> str:
         ("mlx-lm-check", ["--synthetic", "qwen3", "--rounds", "100000000"],
          "--rounds: must be at most 100"),
         ("mlx-lm-bench", ["--decode-steps", "100000000"], "--decode-steps: must be at most 1024"),
-        ("mlx-lm-bench", ["--prework-tokens", "100000000"],
-         "--prework-tokens: must be at most 10000"),
-        ("mlx-lm-bench", ["--layers", "36,100000000"], "--layers: must be at most 512"),
-        ("mlx-lm-bench", ["--layers", ",".join(["1"] * 9)], "--layers: at most 8 values"),
-        ("mlx-lm-bench", ["--ranks", "1000"], "--ranks: must be from 2 to 8, got 1000"),
+        ("mlx-lm-bench", ["--decode-rounds", "1000"], "--decode-rounds: must be at most 100"),
     ],
 )
 def test_a_count_past_its_maximum_is_refused_before_any_work(subcommand, arguments, message,
@@ -152,9 +143,6 @@ def test_a_count_past_its_maximum_is_refused_before_any_work(subcommand, argumen
 def _bad_values(bounded) -> list[str]:
     """Values every option of this range must refuse: not a number, empty,
     just outside each end, and (for an integer) a fraction."""
-    if isinstance(bounded, command.CountList):
-        item = bounded.item
-        return ["abc", f"{item.maximum + 1}", "1,,2", ",".join(["1"] * (bounded.max_items + 1))]
     values = ["abc", "", f"{bounded.minimum - 1}", "nan", "inf"]
     if isinstance(bounded, command.Count):
         values += [f"{bounded.maximum + 1}", "1.5"]
@@ -181,7 +169,8 @@ def test_every_numeric_option_refuses_bad_values_in_one_line(subcommand, option,
     "arguments, message",
     [
         (["bench", "--paths", "compiled,,composed"], "--paths: an empty name"),
-        (["mlx-lm-bench", "--models", "qwen3,,qwen3_5"], "--models: an empty name"),
+        (["mlx-lm-bench", "--decode-models", "qwen3-1024,,llama-2048"],
+         "--decode-models: an empty name"),
     ],
 )
 def test_an_empty_name_in_a_list_is_refused(arguments, message, capsys):
@@ -197,8 +186,8 @@ def test_a_name_repeated_in_a_list_is_measured_once():
     from mlx_dualnorm.commands.shared import paths as compared_paths
 
     parser = cli.subcommand_parser("mlx-lm-bench")
-    names = mlx_lm_bench._known_names(parser, "--models", ",".join(["qwen3"] * 1000), ["qwen3"])
-    assert names == ["qwen3"]
+    names = mlx_lm_bench._decode_models(parser, ",".join(["qwen3-1024"] * 1000))
+    assert names == ["qwen3-1024"]
     parser = benchmark.build_parser()
     arguments = parser.parse_args(["--paths", "compiled,compiled,composed"])
     config = benchmark._config_from_arguments(arguments, parser)

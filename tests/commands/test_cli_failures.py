@@ -1,8 +1,7 @@
 """Every failure of a command is one line on stderr, ``[SUB-COMMAND]
 message``, no traceback, and the documented exit status (2: bad usage or
 what cannot run here), before any work: a corpus of broken model folders,
-models the CPU cannot run, rank counts the models cannot be sharded over,
-output paths that cannot be written, and values the commands refuse.
+models the CPU cannot run, output paths that cannot be written, and values the commands refuse.
 
 The model folders are the tiny qwen3 folder of the tests' helpers, each
 broken one way; everything runs the real commands on the real library."""
@@ -146,29 +145,6 @@ def test_the_same_experts_in_float32_run_on_the_cpu(capsys):
     assert status == 0, capsys.readouterr()
 
 
-# ---- Rank counts, checked against the models before any rank starts -------------
-
-
-@pytest.mark.parametrize(
-    "arguments, words",
-    [
-        (["--ranks", "3"], ["3 ranks cannot shard", "num_attention_heads 16", "2, 4, 8"]),
-        (["--ranks", "6", "--decode-models", "glm4_moe-5120"],
-         ["6 ranks cannot shard glm4_moe-5120"]),
-        (["--ranks", "2", "--decode-models", "gemma3-1152"], ["none of gemma3-1152 has"]),
-        (["--ranks", "1000"], ["--ranks: must be from 2 to 8"]),
-        (["--ranks", "abc"], ["--ranks: not an integer: 'abc'"]),
-    ],
-)
-def test_a_rank_count_the_models_cannot_take_is_refused_before_launching(
-    arguments, words, capsys
-):
-    status = cli.main(["mlx-lm-bench", *arguments])
-    captured = capsys.readouterr()
-    assert_one_line_refusal(status, captured, "mlx-lm-bench", *words)
-    assert captured.out == ""
-
-
 # ---- Output paths tried for real, empty names and empty values refused -----------
 
 
@@ -208,7 +184,6 @@ def test_a_folder_to_create_is_tried_and_left_as_it_was(tmp_path):
 @pytest.mark.parametrize(
     "arguments, words",
     [
-        (["mlx-lm-bench", "--layers", "36,,48"], "--layers: an empty value in '36,,48'"),
         (["mlx-lm-check", "--model", "x", "--seed", "3"], "--seed is for --synthetic models only"),
         (["mlx-lm-check", "--model", "x", "--dtype", "float32"], "--dtype is for --synthetic"),
     ],

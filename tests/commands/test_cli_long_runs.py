@@ -1,8 +1,8 @@
 """Long commands as a new user meets them: bench tables whose ratio agrees
-with the medians printed beside it, a chart that explains every colour and
-marks a quick run, progress with the time left, and Ctrl-C (raised here
-from a progress report, where a user's would land) printing what was
-measured and exiting 130."""
+with the medians printed beside it, progress with the time left, and Ctrl-C
+(raised here from a progress report, where a user's would land) printing
+what was measured and exiting 130. The chart of bench/chart.py is tested
+in test_benchmark.py."""
 
 from __future__ import annotations
 
@@ -57,29 +57,6 @@ def test_bench_json_has_the_ratio_of_medians_beside_the_per_repeat_ratios():
     )
     assert ratio["of_medians"] == pytest.approx(expected)
     assert len(ratio["samples"]) == 3
-
-
-def test_bench_chart_has_a_legend_for_every_colour_and_marks_a_quick_run(tmp_path, monkeypatch):
-    pyplot = pytest.importorskip("matplotlib.pyplot")
-    figures = []
-    close = pyplot.close
-    monkeypatch.setattr(pyplot, "close", lambda figure: (figures.append(figure), close(figure)))
-    assert benchmark.write_chart(tiny_report(), tmp_path) is not None
-    (figure,) = figures
-    (legend,) = figure.legends
-    labels = [text.get_text() for text in legend.get_texts()]
-    assert any(label.startswith("composed: the reference") for label in labels)
-    assert any(label.startswith("another path") for label in labels)
-    assert any("whisker" in label for label in labels)
-    legend_colours = {tuple(handle.get_facecolor()) for handle in legend.legend_handles[:2]}
-    bar_colours = {
-        tuple(bar.get_facecolor()) for axes in figure.axes if axes.get_visible()
-        for bar in axes.patches
-    }
-    assert bar_colours <= legend_colours  # the grey baseline bars included
-    title = figure._suptitle.get_text()
-    assert title.startswith("QUICK RUN") and "lower is better" in title
-    assert all("lower is better" in axes.get_ylabel() for axes in figure.axes if axes.get_visible())
 
 
 # ---- Progress with the time left; Ctrl-C prints what was measured -----------------
@@ -156,7 +133,7 @@ def test_mlx_lm_bench_defaults_to_the_reduced_run_on_a_cpu_and_shows_progress(ca
 
     if mx.default_device().type != mx.cpu:
         pytest.skip("the reduced default is a CPU's")
-    arguments = ["--layers", "", "--models", "", "--decode-models", "qwen3-1024"]
+    arguments = ["--decode-models", "qwen3-1024"]
     assert mlx_lm_bench.main(arguments) == 0
     captured = capsys.readouterr()
     assert "reduced run (the CPU default; --full-size for the released sizes)" in captured.out
@@ -168,17 +145,16 @@ def test_mlx_lm_bench_interrupted_prints_finished_and_partial_measurements(monke
     pytest.importorskip("mlx_lm")
     from mlx_dualnorm.commands import mlx_lm_bench
 
-    monkeypatch.setattr(InterruptingProgress, "stage_word", "generation")
-    monkeypatch.setattr(InterruptingProgress, "interrupt_at", 3)  # round 2 of 3, one path done
+    # A model's steps: 6 warm-up tokens, then 2 tokens per path and round: the 12th is
+    # the last token of round 2's first path, so one complete round.
+    monkeypatch.setattr(InterruptingProgress, "stage_word", "llama-2048")
+    monkeypatch.setattr(InterruptingProgress, "interrupt_at", 12)
     monkeypatch.setattr(mlx_lm_bench.command, "StepProgress", InterruptingProgress)
-    arguments = [
-        "--quick", "--layers", "8", "--prework-tokens", "5", "--prework-repeats", "2",
-        "--models", "qwen3_next", "--tokens", "4", "--generation-repeats", "3",
-        "--decode-models", "",
-    ]
+    arguments = ["--quick", "--decode-models", "qwen3-1024,llama-2048", "--decode-steps", "1",
+                 "--decode-rounds", "3"]
     assert mlx_lm_bench.main(arguments) == 130
     captured = capsys.readouterr()
-    assert "INTERRUPTED during generation, qwen3_next" in captured.out
-    assert re.search(r"prework_8_layers .*2 rounds\)", captured.out), captured.out
-    assert re.search(r"generation_qwen3_next_float32 .*1 rounds\)", captured.out), captured.out
+    assert "INTERRUPTED during decode, llama-2048" in captured.out
+    assert re.search(r"^qwen3-1024 .*3 rounds\)", captured.out, re.M), captured.out
+    assert re.search(r"^llama-2048 .*1 rounds\)", captured.out, re.M), captured.out
     assert "Traceback" not in captured.err

@@ -1,6 +1,6 @@
 """mlx-lm-check and mlx-lm-bench as a new user meets them: an unsupported
-mlx-lm is a one-line refusal with exit 2 (not a traceback), the time ratio
-agrees with the medians beside it and comes with its spread and rounds.
+mlx-lm is a one-line refusal with exit 2 (not a traceback), and the time
+ratio agrees with the medians beside it and comes with its spread and rounds.
 
 The unsupported mlx-lm is mlx-lm 0.32.2 with exactly what 0.31.x lacks
 taken away, ``gated_delta.normalize_qk``, in a fresh interpreter (as in
@@ -48,26 +48,12 @@ def assert_refused_in_one_line(process, message):
     "arguments",
     [
         ["mlx-lm-check", "--synthetic", "glm4_moe", "--tokens", "2"],
-        ["mlx-lm-bench", "--quick", "--layers", "36", "--models", "", "--decode-models", ""],
+        ["mlx-lm-bench", "--quick", "--decode-models", "qwen3-1024"],
     ],
 )
 def test_an_unsupported_mlx_lm_is_refused_in_one_line_with_exit_2(arguments):
     process = run_without_normalize_qk(arguments, NOTHING_PROVEN)
     assert_refused_in_one_line(process, "supports mlx-lm 0.32.0 to 0.32.2")
-
-
-def test_prework_rows_need_normalize_qk_and_say_so_in_one_line():
-    """An older mlx-lm whose attention the patch can still prove: the
-    gated-delta prework rows have no mlx-lm function to time."""
-    process = run_without_normalize_qk(
-        ["mlx-lm-bench", "--quick", "--layers", "36", "--models", "", "--decode-models", ""]
-    )
-    warning_lines = [line for line in process.stderr.splitlines() if "RuntimeWarning" in line]
-    assert len(warning_lines) == 1, describe(process)  # what the patch leaves, said once
-    assert process.returncode == 2, describe(process)
-    assert "Traceback" not in process.stderr, describe(process)
-    assert "gated_delta.normalize_qk, which this mlx-lm lacks" in process.stderr, describe(process)
-    assert process.stdout == ""
 
 
 def test_mlx_lm_check_prints_a_ratio_agreeing_with_its_medians_with_range_and_rounds(capsys):
@@ -83,31 +69,3 @@ def test_mlx_lm_check_prints_a_ratio_agreeing_with_its_medians_with_range_and_ro
     unpatched, patched, ratio, lowest, highest = map(float, match.groups())
     assert ratio == pytest.approx(patched / unpatched, abs=0.006)
     assert lowest <= highest
-
-
-def test_tokens_that_change_between_rounds_are_a_mismatch_with_exit_1(monkeypatch, capsys):
-    """mlx-lm-bench times generation rounds that must give the same tokens;
-    when one does not, it prints what it measured and says so, exit 1 (not a
-    traceback). The change is made in the tool's own trace, MLX runs as is."""
-    from mlx_dualnorm.commands import mlx_lm_bench
-
-    generate = mlx_lm_bench.measurements.greedy_generate
-    rounds = []
-
-    def generate_with_a_changed_round(*arguments, **options):
-        trace = generate(*arguments, **options)
-        rounds.append(trace)
-        if len(rounds) == 4:  # a timed round, after the two warm-up rounds
-            trace.token_ids[-1] += 1
-        return trace
-
-    monkeypatch.setattr(mlx_lm_bench.measurements, "greedy_generate", generate_with_a_changed_round)
-    arguments = [
-        "--quick", "--layers", "2", "--prework-tokens", "2", "--models", "qwen3_5",
-        "--tokens", "2", "--generation-repeats", "2", "--decode-models", "",
-    ]
-    assert mlx_lm_bench.main(arguments) == 1
-    captured = capsys.readouterr()
-    assert "TOKEN MISMATCH: qwen3_5: greedy token ids changed between rounds" in captured.err
-    assert "Traceback" not in captured.err
-    assert "prework_2_layers" in captured.out  # what was measured before is printed

@@ -109,8 +109,8 @@ def test_bench_refuses_an_output_dir_that_is_a_file_before_it_runs(tmp_path):
 @needs_mlx_lm
 def test_mlx_lm_bench_refuses_a_json_path_without_its_folder_before_it_runs(tmp_path):
     missing = tmp_path / "nonexistent" / "dir" / "x.json"
-    process = run_cli("mlx-lm-bench", "--quick", "--layers", "2", "--models", "",
-                      "--decode-models", "", "--json", str(missing))
+    process = run_cli("mlx-lm-bench", "--quick", "--decode-models", "qwen3-1024",
+                      "--json", str(missing))
     assert_refused(process, "mlx-lm-bench", f"argument --json: no folder {missing.parent}")
 
 
@@ -141,24 +141,23 @@ def assert_printed_then_one_line(process, operation, table_fragment):
 
 def test_bench_prints_its_table_before_a_write_that_fails(tmp_path):
     arguments = ["bench", "--quick", "--repeats", "1", "--layers", "2", "--paths", "compiled",
-                 "--no-plot", "--output-dir", str(tmp_path)]
+                 "--output-dir", str(tmp_path)]
     process = run_python(FULL_DISK.format(name="benchmark.json", arguments=arguments))
     assert_printed_then_one_line(process, "bench", "decode_us_per_token")
 
 
 @needs_mlx_lm
 def test_mlx_lm_bench_prints_its_table_before_a_write_that_fails(tmp_path):
-    arguments = ["mlx-lm-bench", "--quick", "--layers", "2", "--prework-tokens", "2",
-                 "--prework-repeats", "1", "--models", "", "--decode-models", "",
-                 "--json", str(tmp_path / "report.json")]
+    arguments = ["mlx-lm-bench", "--quick", "--decode-models", "qwen3-1024", "--decode-steps",
+                 "1", "--decode-rounds", "1", "--json", str(tmp_path / "report.json")]
     process = run_python(FULL_DISK.format(name="report.json", arguments=arguments))
-    assert_printed_then_one_line(process, "mlx-lm-bench", "prework_2_layers")
+    assert_printed_then_one_line(process, "mlx-lm-bench", "greedy tokens, patched vs unpatched")
 
 
 def test_bench_still_writes_into_a_folder_it_creates(tmp_path):
     folder = tmp_path / "new" / "results"
     process = run_cli("bench", "--quick", "--repeats", "1", "--layers", "2", "--paths",
-                      "compiled", "--no-plot", "--output-dir", str(folder))
+                      "compiled", "--output-dir", str(folder))
     assert process.returncode == 0, describe(process)
     assert json.loads((folder / "benchmark.json").read_text())["config"]["repeats"] == 1
 

@@ -6,6 +6,7 @@ command exit 1. Nothing here asserts a speed."""
 from __future__ import annotations
 
 import json
+import re
 
 import mlx.core as mx
 import pytest
@@ -16,7 +17,6 @@ pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import qwen3  # noqa: E402
 from mlx_dualnorm.commands import mlx_lm_bench  # noqa: E402
-from mlx_dualnorm.commands.mlx_lm_bench import report  # noqa: E402
 from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
     DECODE_MODELS,
     decode_model_config,
@@ -119,8 +119,8 @@ def test_bench_exits_1_on_a_token_mismatch(monkeypatch, tmp_path, capsys):
     corrupt_full_attention_prework(monkeypatch)
     report_path = tmp_path / "report.json"
     arguments = [
-        "--quick", "--layers", "", "--models", "", "--decode-models", "qwen3-1024",
-        "--decode-steps", "4", "--json", str(report_path),
+        "--quick", "--decode-models", "qwen3-1024", "--decode-steps", "4",
+        "--json", str(report_path),
     ]
     assert mlx_lm_bench.main(arguments) == 1
     captured = capsys.readouterr()
@@ -146,7 +146,7 @@ def test_a_model_the_patch_covers_nothing_of_is_flagged():
         "olmo2-2048", "OLMo 2 1B", decode_model_config("olmo2-2048"), False, 16, 1, timing, None,
         nothing,
     )
-    table = report.format_decode_table([measurement], "cpu")
+    table = mlx_lm_bench.format_decode_table([measurement], "cpu")
     assert "NOTHING: the patch covers no layer of this model, the ratio is noise" in table
 
 
@@ -155,10 +155,11 @@ def test_a_model_the_patch_covers_nothing_of_is_flagged():
     [
         (["--decode-models", "qwen3-4096"], "--decode-models: unknown"),
         (["--decode-models", "qwen3-1024", "--decode-steps", "0"], "at least 1"),
+        (["--decode-models", ""], "--decode-models: an empty name"),
     ],
 )
 def test_bench_refuses_bad_decode_arguments(arguments, message, capsys):
-    assert mlx_lm_bench.main(["--layers", "", "--models", "", *arguments]) == 2
+    assert mlx_lm_bench.main(arguments) == 2
     assert message in capsys.readouterr().err
 
 
@@ -173,14 +174,13 @@ def test_decode_model_config_shrinks_only_what_it_is_asked_to():
 
 
 def test_bench_runs(capsys):
-    arguments = [
-        "--quick", "--layers", "2", "--models", "", "--decode-models", "", "--prework-tokens", "3",
-    ]
+    arguments = ["--quick", "--decode-models", "qwen3-1024", "--decode-steps", "1",
+                 "--decode-rounds", "1"]
     assert mlx_lm_bench.main(arguments) == 0
     printed = capsys.readouterr().out
-    assert "prework_2_layers" in printed
-    assert "median patched time / median unpatched time" in printed
-    assert "lower is better" in printed
+    assert re.search(r"^qwen3-1024 +ms/token +[\d.]+ +[\d.]+ +[\d.]+x", printed, re.M), printed
+    assert "greedy tokens, patched vs unpatched, every round: identical" in printed
+    assert "median patched / median unpatched time per decode token" in printed
 
 
 def test_bench_ratio_is_patched_time_over_unpatched_time():

@@ -2,7 +2,7 @@
 rank program of ``tests/mlx_lm_integration/test_mlx_lm_distributed.py``.
 
 This file, run as a script, is what every rank of an ``mlx.launch`` job
-runs (``PROGRAM``, handed to :func:`mlx_dualnorm.commands.shared.launch.launch`).
+runs (``PROGRAM``, handed to :func:`helpers.launch.launch`).
 ``check`` builds small random models of the mlx-lm families the patch engages that can be split over ranks (``FAMILIES``), runs
 each in every arrangement of ``SCENARIOS`` (unsharded; tensor-parallel by
 ``Model.shard``, patched before the model is built or only after it was

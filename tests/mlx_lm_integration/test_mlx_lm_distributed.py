@@ -32,7 +32,7 @@ from helpers.bit_parity import assert_bit_identical  # noqa: E402
 
 from helpers import mlx_lm_ranks as distributed  # noqa: E402
 
-from mlx_dualnorm.commands.shared import launch as mlx_lm_launcher  # noqa: E402
+from helpers import launch as mlx_lm_launcher  # noqa: E402
 
 RANKS = 2
 TOKENS = 3

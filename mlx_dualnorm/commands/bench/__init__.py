@@ -1,6 +1,6 @@
 """``python -m mlx_dualnorm bench``: every path timed against the composed
 one (:func:`run_benchmark`); this module prints and writes a run: the full
-table, the main job's summary, the JSON file and the PNG chart."""
+table, the main job's summary and the JSON file."""
 
 from __future__ import annotations
 
@@ -25,74 +25,19 @@ from mlx_dualnorm.commands.shared.paths import (
 
 # The programmatic API of bench/README.md, and what the tests and bench/'s scripts import.
 __all__ = [
-    "BenchmarkConfig", "BenchmarkReport", "CHART_FILE_NAME", "DECODE_SCENARIOS", "DECODE_TOKEN",
-    "GATED_DELTA_DECODE", "GATED_DELTA_PREFILL", "JSON_FILE_NAME", "PATH_REGISTRY",
-    "PREFILL_CALL", "PathUnavailable", "REPORT_SCHEMA", "build_parser", "format_report_table",
-    "interleaved_samples", "main", "package_mode_factory", "progress_to_stderr", "register_path",
-    "run_benchmark", "summary_table", "write_chart", "write_json",
+    "BenchmarkConfig", "BenchmarkReport", "DECODE_SCENARIOS", "DECODE_TOKEN", "GATED_DELTA_DECODE",
+    "GATED_DELTA_PREFILL", "JSON_FILE_NAME", "PATH_REGISTRY", "PREFILL_CALL", "PathUnavailable",
+    "REPORT_SCHEMA", "build_parser", "format_report_table", "interleaved_samples", "main",
+    "package_mode_factory", "progress_to_stderr", "register_path", "run_benchmark",
+    "summary_table", "write_json",
 ]
 
 JSON_FILE_NAME = "benchmark.json"
-CHART_FILE_NAME = "benchmark.png"
-BASELINE_COLOR = "tab:gray"
-PATH_COLOR = "tab:blue"
 
 
 def write_json(report: BenchmarkReport, output_dir: os.PathLike | str) -> pathlib.Path:
     pathlib.Path(output_dir).mkdir(parents=True, exist_ok=True)
     return command.write_json(pathlib.Path(output_dir) / JSON_FILE_NAME, report.to_json())
-
-
-def write_chart(report: BenchmarkReport, output_dir: os.PathLike | str) -> Optional[pathlib.Path]:
-    """A bar chart per headline metric: medians, min-max whiskers, the ratio of
-    medians under each path's name. None without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as pyplot
-        from matplotlib.lines import Line2D
-        from matplotlib.patches import Patch
-    except ImportError:
-        return None
-    metrics = [metric for metric in report.metrics.values() if metric.kind.headline]
-    rows = -(-len(metrics) // 3)
-    figure, axes_grid = pyplot.subplots(rows, 3, figsize=(15, 4 * rows), squeeze=False)
-    for axes, metric in zip(axes_grid.flat, metrics):
-        scale, unit = (2**20, "MiB") if metric.kind.unit == "bytes" else (1, metric.kind.unit)
-        summaries = [command.spread(values) for values in metric.samples.values()]
-        medians = [summary["median"] / scale for summary in summaries]
-        whiskers = [[abs(summary[end] - summary["median"]) / scale for summary in summaries]
-                    for end in ("min", "max")]
-        paths = list(metric.samples)
-        ratios = [metric.ratio_of_medians(path) for path in paths]
-        labels = [path if r is None else f"{path}\n{r:.2f}x" for path, r in zip(paths, ratios)]
-        colors = [BASELINE_COLOR if path == BASELINE_PATH else PATH_COLOR for path in paths]
-        axes.bar(labels, medians, yerr=whiskers, capsize=3, color=colors)
-        axes.set_title(f"{metric.kind.title}\n{metric.scenario.name}", fontsize=9)
-        axes.set_ylabel(f"{unit} (lower is better)")
-        axes.tick_params(axis="x", labelsize=7)
-    for axes in list(axes_grid.flat)[len(metrics):]:
-        axes.set_visible(False)
-    metadata, quick = report.metadata, report.config.quick_mode
-    figure.suptitle(
-        f"{'QUICK RUN (few samples, a smoke test): ' if quick else ''}mlx_dualnorm benchmark, "
-        f"{metadata['device']} ({metadata['cpu_model']}, {metadata['cpu_cores']} cores), "
-        f"MLX {metadata['mlx_version']}, {report.config.repeats} repeats; lower is better",
-        fontsize=10, color="tab:red" if quick else "black",
-    )
-    figure.legend(handles=[
-        Patch(color=BASELINE_COLOR, label=f"{BASELINE_PATH}: the reference (ratio 1.00x)"),
-        Patch(color=PATH_COLOR, label=f"another path; under its name: its median / "
-              f"{BASELINE_PATH}'s median"),
-        Line2D([], [], color="black", marker="_", linestyle="-",
-               label="bar: median over repeats; whisker: min-max over repeats"),
-    ], loc="lower center", ncol=3, fontsize=8)
-    figure.tight_layout(rect=(0, 0.06, 1, 1))  # room for the legend below the charts
-    destination = pathlib.Path(output_dir) / CHART_FILE_NAME
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(destination, dpi=110)
-    pyplot.close(figure)
-    return destination
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -207,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The counts' bounds bound the run's memory (and time): each repeat holds
     # a value per metric, each decode token a graph of --layers calls.
     add("--output-dir", type=command.output_folder, default=None,
-        help=f"write {JSON_FILE_NAME} and {CHART_FILE_NAME} into this folder "
+        help=f"write {JSON_FILE_NAME} into this folder "
              "(created if missing; checked before the run)")
     add("--quick", action="store_true", help="a few-second smoke run (fewer repeats and samples)")
     add("--repeats", type=command.Count(1, 1000), default=None,
@@ -219,7 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
              f"{BASELINE_PATH} is always added")
     add("--eps", type=command.Number(0.0, 1.0), default=1e-6, help="RMS epsilon")
     command.add_device_argument(parser)
-    add("--no-plot", action="store_true", help="with --output-dir, skip the PNG chart")
     add("--all-metrics", action="store_true",
         help="also print the secondary metrics (release time, build part)")
     return parser
@@ -266,11 +210,6 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     with command.writing(f"into {arguments.output_dir}"):
         progress_to_stderr(f"wrote {write_json(report, arguments.output_dir)}")
-        chart = None if arguments.no_plot else write_chart(report, arguments.output_dir)
-    if chart:
-        progress_to_stderr(f"wrote {chart}")
-    elif not arguments.no_plot:
-        progress_to_stderr("matplotlib is not installed: no PNG chart (pip install matplotlib)")
     return 0
 
 

@@ -1,28 +1,27 @@
-"""``python -m mlx_dualnorm mlx-lm-bench``: mlx-lm unpatched against patched
-in interleaved rounds (:mod:`.measurements`), every round's greedy tokens
-compared (a mismatch exits 1); its tables, JSON and ``--ranks N`` (decode
-models tensor-parallel over N loopback ranks): :mod:`.report`."""
+"""``python -m mlx_dualnorm mlx-lm-bench``: decode of random models at released
+dimensions through mlx-lm, unpatched against patched in interleaved rounds
+(:mod:`.measurements`), every round's greedy tokens compared (a mismatch exits
+1); its tables and JSON: :mod:`.report`."""
 
 from __future__ import annotations
 
 import argparse
-import functools
+import datetime
+import os
+import platform
 import sys
 import time
-from typing import Any, Callable, Collection, Optional, Sequence
+from pathlib import Path
+from typing import Optional, Sequence
 
 import mlx.core as mx
-import mlx_lm.models.gated_delta as gated_delta_module
 
 from mlx_dualnorm.commands.mlx_lm_bench.measurements import (
-    DECODE_DTYPE_OF_WEIGHTS, DECODE_PROMPT_TOKENS, QUICK_DECODE_VOCABULARY, DecodeMeasurement,
-    GenerationMismatch, PairedTiming, decode_progress_steps, first_token_mismatch, run_decode,
-    run_generation, run_prework,
+    DECODE_DTYPE_OF_WEIGHTS, DECODE_PROMPT_TOKENS, PATCHED, QUICK_DECODE_VOCABULARY,
+    DecodeMeasurement, PairedTiming, decode_progress_steps, first_token_mismatch, run_decode,
 )
 from mlx_dualnorm.commands.shared import command
-from mlx_dualnorm.commands.shared.synthetic import (
-    DECODE_MODELS, GATED_DELTA_MODEL_TYPES, SYNTHETIC_MODEL_TYPES,
-)
+from mlx_dualnorm.commands.shared.synthetic import DECODE_MODELS
 from mlx_dualnorm.integrations import mlx_lm as integration
 
 # The command, and what bench/'s scripts (DECODE_*) and the tests import.
@@ -32,72 +31,150 @@ __all__ = [
 ]
 
 # Each count: (the full run's default, the reduced run's, the most it may be). A round holds
-# one time per token or step, a decode model's cache grows by a position per step, and a
-# prework token chains that many layers into one graph, so the most bounds the run's memory.
-COUNTS = {
-    "prework_tokens": (200, 50, 10000), "prework_repeats": (7, 3, 100),
-    "tokens": (64, 32, 1024), "generation_repeats": (5, 2, 100),
-    "decode_steps": (32, 4, 1024), "decode_rounds": (5, 2, 100),
-}
+# one time per step and a model's cache grows by a position per step, so the most bounds the
+# run's memory.
+COUNTS = {"decode_steps": (32, 4, 1024), "decode_rounds": (5, 2, 100)}
+COUNT_HELP = {"decode_steps": "greedy decode steps per round",
+              "decode_rounds": "decode rounds, each path once per round"}
 
 
-def _add_workload(
-    parser: argparse.ArgumentParser, flag: str, counts: dict[str, str], **options: Any
-) -> None:
-    """A workload's list argument, then its counts, each help stating both defaults."""
-    parser.add_argument(flag, **options)
-    for count_flag, what in counts.items():
-        full, reduced, most = COUNTS[count_flag.lstrip("-").replace("-", "_")]
-        parser.add_argument(
-            count_flag, type=command.Count(1, most),
-            help=f"{what} (default: {full}, or {reduced} reduced)",
-        )
+REPORT_SCHEMA = "mlx_dualnorm.mlx_lm_bench/4"
+
+
+def table_header(first_column: str, width: int) -> str:
+    return (
+        f"{first_column:<{width}} {'unit':<9} {'unpatched':>10} {PATCHED:>10} {'ratio':>7}"
+        "  (per-round min..max)"
+    )
+
+
+def table_row(name: str, width: int, unit: str, summary: dict, digits: int) -> str:
+    """Median times, their ratio, then the per-round ratios' range, to ``digits`` decimals."""
+    spread = summary["time_ratio_patched_over_unpatched"]
+    return (
+        f"{name:<{width}} {unit:<9} {summary['unpatched_time']['median']:>10.3f} "
+        f"{summary['patched_time']['median']:>10.3f} "
+        f"{summary['time_ratio_of_medians']:>6.{digits}f}x  "
+        f"({spread['min']:.{digits}f}..{spread['max']:.{digits}f}, {summary['rounds']} rounds)"
+    )
+
+
+def format_decode_table(measurements: list[DecodeMeasurement], device: str) -> str:
+    first = measurements[0]
+    lines = [
+        f"decode, random bfloat16 weights at released models' dimensions, on {device}: "
+        f"{first.prompt_tokens}-token prompt, then {first.decode_steps} greedy decode steps "
+        "per round (KV cache, one eval per token)",
+        table_header("model", 16),
+    ]
+    for measurement in measurements:
+        size = measurement.dimensions()
+        layers = f"{size['num_hidden_layers']} layers"
+        if "gated_delta_layers" in size:
+            layers += (f" ({size['gated_delta_layers']} gated-delta, "
+                       f"{size['full_attention_layers']} full-attention)")
+        lines += [
+            table_row(measurement.model, 16, "ms/token", measurement.summary(), digits=3),
+            f"  like {measurement.resembles}: {layers}, hidden {size['hidden_size']}, "
+            f"MLP {size['intermediate_size']}, {size['num_attention_heads']}/"
+            f"{size['num_key_value_heads']} heads x {size['head_dim']}, "
+            f"vocabulary {size['vocab_size']}",
+        ]
+        if measurement.quick_reduced:
+            real = DECODE_MODELS[measurement.model].config
+            lines.append(f"  QUICK: reduced from {real['num_hidden_layers']} layers and vocabulary "
+                         f"{real['vocab_size']}; not the real model's time per token")
+        engaged = measurement.engaged
+        if engaged is not None:
+            prework = "".join(f" ({name} {count})" for name, count in engaged["by_prework"].items())
+            text = (
+                f"  patch engaged: attention layers {engaged['attention_layers_engaged']}{prework}"
+                f", left to mlx-lm {engaged['attention_layers_left']}; gated-delta calls folded "
+                f"{engaged['gated_delta_calls_folded']} (warm-up run)"
+            )
+            if not (engaged["attention_layers_engaged"] or engaged["gated_delta_calls_folded"]):
+                text += "; NOTHING: the patch covers no layer of this model, the ratio is noise"
+            lines.append(text)
+        tokens = "identical" if measurement.token_mismatch is None else "MISMATCH"
+        lines.append(f"  greedy tokens, patched vs unpatched, every round: {tokens}")
+    lines.append(
+        "  ratio = median patched / median unpatched time per decode token, then the "
+        "per-round ratios' min..max: lower is better, below 1.000x the patch is faster"
+    )
+    return "\n".join(lines)
+
+
+def print_report(
+    arguments: argparse.Namespace, decodes: list[DecodeMeasurement],
+    interrupted_in: Optional[str], seconds: float,
+) -> int:
+    """The table (and ``--json``) of what was measured, ``interrupted_in`` naming the
+    measurement cut short; 1 when a model's tokens differed."""
+    from mlx_lm import __version__ as mlx_lm_version
+
+    environment = {
+        "date": datetime.date.today().isoformat(), "device": str(mx.default_device()),
+        "mlx": getattr(mx, "__version__"),  # not in MLX's type stubs
+        "mlx_lm": mlx_lm_version, "python": platform.python_version(),
+        "machine": platform.machine(), "cpu_count": os.cpu_count(),
+    }
+    size = "reduced run" if arguments.reduced else "full run"
+    if arguments.reduced and not arguments.quick:
+        size += " (the CPU default; --full-size for the released sizes)"
+    print(f"mlx-lm patch benchmark on {environment['device']} (MLX {environment['mlx']}, "
+          f"mlx-lm {mlx_lm_version}, {environment['cpu_count']} CPUs), {size}, {seconds:.0f} s")
+    if interrupted_in is not None:
+        print(f"INTERRUPTED during {interrupted_in}: the tables hold what was measured before "
+              "it and that measurement's complete rounds")
+    if decodes:
+        print(format_decode_table(decodes, environment["device"]))
+    if arguments.json:
+        write_json_report(arguments.json, {
+            "schema": REPORT_SCHEMA, "environment": environment, "mode": arguments.mode,
+            "reduced": arguments.reduced, "interrupted_in": interrupted_in,
+            "decode": [decode.summary() for decode in decodes],
+        })
+    mismatched = [decode for decode in decodes if decode.token_mismatch is not None]
+    for decode in mismatched:
+        print(f"TOKEN MISMATCH: {decode.model}: greedy tokens differ from the first unpatched "
+              f"round at {decode.token_mismatch}", file=sys.stderr)
+    return 1 if mismatched else 0
+
+
+def write_json_report(path: Path, report: object) -> None:
+    """``--json``, written after the tables are printed."""
+    sys.stdout.flush()
+    with command.writing(path):
+        command.write_json(path, report)
+    command.progress_to_stderr(f"wrote {path}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mlx_dualnorm.commands.mlx_lm_bench.report import MAX_RANKS
-
     parser = command.tool_parser(
         "mlx-lm-bench",
-        "mlx-lm unpatched against patched by mlx_dualnorm: the q/k prework at the Qwen3-Next "
-        "decode shape, per-token generation time of small random models, and decode time of "
-        "random models at released dimensions (or, with --ranks, of those tensor-parallel over "
-        "loopback ranks). Ratios are patched time / unpatched time: lower is better.",
+        "mlx-lm unpatched against patched by mlx_dualnorm: decode time per token of random "
+        "models at released dimensions, greedy tokens compared every round. Ratios are patched "
+        "time / unpatched time: lower is better.",
     )
-    _add_workload(
-        parser, "--layers",
-        {"--prework-tokens": "tokens per prework round", "--prework-repeats": "prework rounds"},
-        # Up to 8 layer counts, each a prework measurement, of at most 512 layers.
-        type=command.CountList(command.Count(1, 512), 8), default="36,48",
-        help="comma-separated chained layer counts for the prework ('' for none)",
-    )
-    _add_workload(
-        parser, "--models",
-        {"--tokens": "greedy tokens per generation round",
-         "--generation-repeats": "generation rounds"},
-        default=",".join(GATED_DELTA_MODEL_TYPES),
-        help="comma-separated synthetic models to generate with ('' for none; any of "
-        f"{', '.join(SYNTHETIC_MODEL_TYPES)})",
-    )
-    _add_workload(
-        parser, "--decode-models",
-        {"--decode-steps": "greedy decode steps per round",
-         "--decode-rounds": "decode rounds, each path once per round"},
-        default=",".join(DECODE_MODELS),
+    parser.add_argument(
+        "--decode-models", default=",".join(DECODE_MODELS),
         help="comma-separated models at released dimensions to time decode tokens with "
-        f"({', '.join(DECODE_MODELS)}; '' for none)",
+        f"({', '.join(DECODE_MODELS)})",
     )
+    for name, (full, reduced, most) in COUNTS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=command.Count(1, most),
+                            help=f"{COUNT_HELP[name]} (default: {full}, or {reduced} reduced)")
     command.add_mode_argument(parser)
     size = parser.add_mutually_exclusive_group()
     size.add_argument(
         "--quick", action="store_true",
-        help="the reduced run: the smaller defaults above; decode models keep their layer "
+        help="the reduced run: the smaller defaults above; the models keep their layer "
         f"shapes but get fewer layers and a vocabulary of {QUICK_DECODE_VOCABULARY} "
         "(the default on a CPU)",
     )
     size.add_argument(
         "--full-size", action="store_true",
-        help="the full run even on a CPU: the larger defaults and decode models at their released "
+        help="the full run even on a CPU: the larger defaults and the models at their released "
         "sizes (over an hour on 2 CPU cores; the default on a GPU)",
     )
     parser.add_argument(
@@ -105,35 +182,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the report as JSON to PATH (its folder must exist; checked before "
         "the run)",
     )
-    parser.add_argument(
-        "--ranks", type=command.Count(2, MAX_RANKS), default=None,
-        help="instead: the decode models whose mlx-lm family has Model.shard, tensor-parallel "
-        "over this many ranks that this command starts on loopback (ring backend), patched vs "
-        "unpatched ms/token; the count must divide every model's head counts and MLP widths",
-    )
     command.add_device_argument(parser)
     return parser
 
 
-def _known_names(
-    parser: argparse.ArgumentParser, flag: str, text: str, known: Collection[str]
-) -> list[str]:
-    """The comma-separated names of ``flag``, each one of ``known`` and each once, so the
-    list cannot make the run longer than all of ``known``; an unknown or empty name exits 2."""
+def _decode_models(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The comma-separated names of ``--decode-models``, each a decode model and each once, so
+    the list cannot make the run longer than all of them; an unknown or empty name exits 2."""
     parts = [name.strip() for name in text.split(",")]
-    if text.strip() and not all(parts):
-        parser.error(f"{flag}: an empty name in {text!r}")
-    names = list(dict.fromkeys(name for name in parts if name))
-    unknown = sorted(set(names) - set(known))
+    if not all(parts):
+        parser.error(f"--decode-models: an empty name in {text!r}")
+    names = list(dict.fromkeys(parts))
+    unknown = sorted(set(names) - set(DECODE_MODELS))
     if unknown:
-        parser.error(f"{flag}: unknown {unknown}; choose from {', '.join(known)}")
+        parser.error(f"--decode-models: unknown {unknown}; choose from {', '.join(DECODE_MODELS)}")
     return names
 
 
 def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command.select_device(arguments.device, parser)
-    model_types = _known_names(parser, "--models", arguments.models, SYNTHETIC_MODEL_TYPES)
-    decode_models = _known_names(parser, "--decode-models", arguments.decode_models, DECODE_MODELS)
+    decode_models = _decode_models(parser, arguments.decode_models)
     # Full-size decode on a CPU takes over an hour (bfloat16 matmuls on 2 cores): a CPU
     # gets the reduced run unless --full-size asks otherwise.
     on_cpu = mx.default_device().type == mx.cpu
@@ -148,54 +216,24 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(error))
     except RuntimeError as unsupported_mlx_lm:  # patch() names the supported releases
         raise command.Unavailable(str(unsupported_mlx_lm)) from unsupported_mlx_lm
-    if arguments.layers and not hasattr(gated_delta_module, "normalize_qk"):
-        raise command.Unavailable(
-            "the q/k prework rows (--layers) time mlx-lm's gated_delta.normalize_qk, which "
-            "this mlx-lm lacks (mlx-lm 0.32.0 and later have it); --layers '' times the rest"
-        )
-    # The rank program's module, so imported only here: ``python -m`` runs it.
-    from mlx_dualnorm.commands.mlx_lm_bench import report
-
-    if arguments.ranks is not None:
-        return report.run_over_ranks(arguments, decode_models)
-    # Each stage: its name, its progress steps, and its measurement but for the progress report.
-    mode, steps, rounds = arguments.mode, arguments.decode_steps, arguments.decode_rounds
-    stages: list[tuple[str, int, Callable[..., object]]] = [
-        (f"prework, {layers} layers", 2 * arguments.prework_repeats, functools.partial(
-            run_prework, layers, arguments.prework_tokens, arguments.prework_repeats, mode
-        ))
-        for layers in arguments.layers
-    ] + [
-        (f"generation, {model_type}", 2 * arguments.generation_repeats, functools.partial(
-            run_generation, model_type, arguments.tokens, arguments.generation_repeats, mode
-        ))
-        for model_type in model_types
-    ] + [
-        (f"decode, {model}", decode_progress_steps(steps, rounds), functools.partial(
-            run_decode, model, steps, rounds, mode, quick=arguments.reduced
-        ))
-        for model in decode_models
-    ]
+    steps, rounds = arguments.decode_steps, arguments.decode_rounds
     started = time.perf_counter()
-    measured: list = []  # PairedTiming and DecodeMeasurement, in stage order
-    stage_name: Optional[str] = None  # the measurement under way
+    measured: list[DecodeMeasurement] = []
+    model: Optional[str] = None  # the model under way
     try:
-        for number, (stage_name, progress_steps, measure) in enumerate(stages, 1):
-            progress = command.StepProgress(
-                f"[{number}/{len(stages)}] {stage_name}", progress_steps, min_interval_s=1.0
-            )
-            measured.append(measure(progress=progress.step))
-    except GenerationMismatch as mismatch:
-        report.print_report(arguments, measured, stage_name, time.perf_counter() - started)
-        print(f"TOKEN MISMATCH: {mismatch}", file=sys.stderr)
-        return command.EXIT_MISMATCH
+        for number, model in enumerate(decode_models, 1):
+            progress = command.StepProgress(f"[{number}/{len(decode_models)}] decode, {model}",
+                                            decode_progress_steps(steps, rounds),
+                                            min_interval_s=1.0)
+            measured.append(run_decode(model, steps, rounds, arguments.mode,
+                                       quick=arguments.reduced, progress=progress.step))
     except KeyboardInterrupt as interrupt:
         partial = getattr(interrupt, "partial", None)  # InterruptedWithPartialResult's
         if partial is not None:
             measured.append(partial)
-        report.print_report(arguments, measured, stage_name, time.perf_counter() - started)
+        print_report(arguments, measured, f"decode, {model}", time.perf_counter() - started)
         raise
-    return report.print_report(arguments, measured, None, time.perf_counter() - started)
+    return print_report(arguments, measured, None, time.perf_counter() - started)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,33 +1,26 @@
 """What ``mlx-lm-bench`` measures, in interleaved rounds of mlx-lm's code
-and the patch: the q/k prework, small random models' generation and decode
-of random bfloat16 models at released dimensions."""
+and the patch: decode of random bfloat16 models at released dimensions."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
-import mlx_lm.models.gated_delta as gated_delta_module
 
 from mlx_dualnorm import Mode
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.generation import (
-    count_normalize_qk_calls, greedy_generate, timed_greedy_decode,
+    count_normalize_qk_calls, timed_greedy_decode,
 )
 from mlx_dualnorm.commands.shared.synthetic import (
-    DECODE_MODELS, DEFAULT_DTYPES, build_model, build_synthetic_model,
-    decode_model_config, prompt_token_ids, synthetic_model_config,
+    DECODE_MODELS, build_model, decode_model_config, prompt_token_ids,
 )
 from mlx_dualnorm.integrations import mlx_lm as integration
 
 UNPATCHED = "mlx-lm"
 PATCHED = "patched"
-DECODE_SHAPE = (1, 1, 16, 128)  # q and k at the Qwen3-Next decode shape, bfloat16
 DECODE_DTYPE_OF_WEIGHTS = mx.bfloat16  # the dtype of the released checkpoints
-INV_SCALE = DECODE_SHAPE[-1] ** -0.5  # what qwen3_next / qwen3_5 pass
-EPS = 1e-6
 DECODE_PROMPT_TOKENS = 16
 QUICK_DECODE_VOCABULARY = 8192  # the real 151936 makes a quick build slow on 2 cores
 WARM_UP_DECODE_STEPS = 2
@@ -104,12 +97,7 @@ class DecodeMeasurement:
         }
 
 
-class GenerationMismatch(Exception):
-    """A generation round gave other tokens than the first: the runs being
-    timed no longer compute the same thing, so their times compare nothing."""
-
-
-def _timed_rounds(
+def timed_rounds(
     timing: PairedTiming, rounds: int, warm_up: Callable[[bool], object],
     measure: Callable[[bool, int, str], float], progress: Optional[StepReport] = None,
     result: object = None,
@@ -132,63 +120,6 @@ def _timed_rounds(
         partial = (timing if result is None else result) if timing.complete_rounds else None
         raise command.InterruptedWithPartialResult(partial) from None
     return timing
-
-
-def run_prework(
-    layers: int, tokens: int, repeats: int, mode: Optional[Mode], progress: StepReport
-) -> PairedTiming:
-    """Microseconds per token of ``layers`` chained q/k normalizations, one
-    ``mx.eval`` per token; ``progress`` hears of each path's round."""
-    query_key, key_key = mx.random.split(mx.random.key(DECODE_SHAPE[-1]))
-    queries = mx.random.normal(DECODE_SHAPE, key=query_key).astype(mx.bfloat16)
-    keys = mx.random.normal(DECODE_SHAPE, key=key_key).astype(mx.bfloat16)
-    mx.eval(queries, keys)
-    with integration.patch(mode):  # what mlx-lm's layers call while patched
-        patched_normalize_qk = gated_delta_module.normalize_qk
-
-    def seconds_per_token(patched: bool, tokens: int) -> float:
-        normalize_qk = patched_normalize_qk if patched else integration.ORIGINAL_NORMALIZE_QK
-        started = time.perf_counter()
-        for _ in range(tokens):
-            normalized_queries, normalized_keys = queries, keys
-            for _ in range(layers):
-                normalized_queries, normalized_keys = normalize_qk(
-                    normalized_queries, normalized_keys, inv_scale=INV_SCALE, eps=EPS
-                )
-            mx.eval(normalized_queries, normalized_keys)
-        return (time.perf_counter() - started) / tokens
-
-    return _timed_rounds(
-        PairedTiming(f"prework_{layers}_layers", "us/token", [], []), repeats,
-        warm_up=lambda patched: seconds_per_token(patched, max(tokens // 10, 3)),
-        measure=lambda patched, *_: 1e6 * seconds_per_token(patched, tokens),
-        progress=progress,
-    )
-
-
-def run_generation(
-    model_type: str, tokens: int, repeats: int, mode: Optional[Mode], progress: StepReport
-) -> PairedTiming:
-    """Milliseconds per decode token of a synthetic model, greedy through mlx-lm's
-    ``generate_step``; every round's token ids must be the first's (else GenerationMismatch)."""
-    model = build_synthetic_model(model_type)
-    config = synthetic_model_config(model_type)
-    prompt = prompt_token_ids((config.get("text_config") or config)["vocab_size"])
-    expected_tokens: Optional[list[int]] = None
-
-    def one_round(patched: bool, *_: object) -> float:
-        nonlocal expected_tokens
-        with integration.patch(mode) if patched else integration.unpatch():
-            trace = greedy_generate(model, prompt, tokens)
-        if expected_tokens is None:
-            expected_tokens = trace.token_ids
-        elif trace.token_ids != expected_tokens:
-            raise GenerationMismatch(f"{model_type}: greedy token ids changed between rounds")
-        return trace.median_decode_ms
-
-    dtype_name = str(DEFAULT_DTYPES[model_type]).rsplit(".", 1)[-1]
-    timing = PairedTiming(f"generation_{model_type}_{dtype_name}", "ms/token", [], [])
-    return _timed_rounds(timing, repeats, one_round, one_round, progress)
 
 
 def first_token_mismatch(expected: list[int], actual: list[int]) -> Optional[str]:
@@ -256,7 +187,7 @@ def run_decode(
             measurement.token_mismatch = f"round {round_index}, {path}: {difference}"
         return milliseconds
 
-    _timed_rounds(timing, rounds, warm_up, one_round, result=measurement)
+    timed_rounds(timing, rounds, warm_up, one_round, result=measurement)
     return measurement
 
 

@@ -80,29 +80,6 @@ class Number(_Range):
         return value
 
 
-@dataclasses.dataclass(frozen=True)
-class CountList:
-    """At most ``max_items`` comma-separated counts of ``item``'s range; an
-    empty string is an empty list (measure none), ``36,,48`` is refused."""
-
-    item: Count
-    max_items: int
-
-    @property
-    def range_text(self) -> str:
-        return f"up to {self.max_items} values, each {self.item.range_text}"
-
-    def __call__(self, text: str) -> list[int]:
-        if not text.strip():
-            return []
-        parts = [part.strip() for part in text.split(",")]
-        if not all(parts):
-            raise argparse.ArgumentTypeError(f"an empty value in {text!r}")
-        if len(parts) > self.max_items:
-            raise argparse.ArgumentTypeError(f"at most {self.max_items} values, got {len(parts)}")
-        return [self.item(part) for part in parts]
-
-
 # Numpy's seed range: parity's case keys use the seed's low 32 bits, so a
 # wider seed would repeat another's values.
 SEED_MAX = 2**32 - 1

@@ -63,8 +63,6 @@ _CONFIGS: dict[str, dict[str, object]] = {
 }
 _FLOAT32 = {"qwen3_next", "qwen3_moe", *FLOAT32_FAMILIES}
 DEFAULT_DTYPES = {name: mx.float32 if name in _FLOAT32 else mx.bfloat16 for name in _CONFIGS}
-# The models with gated-delta layers (mlx-lm-bench's default).
-GATED_DELTA_MODEL_TYPES = ("qwen3_next", "qwen3_5")
 SYNTHETIC_MODEL_TYPES = tuple(_CONFIGS)
 
 

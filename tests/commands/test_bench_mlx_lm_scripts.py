@@ -1,0 +1,129 @@
+"""The mlx-lm measurements kept as scripts of bench/ beside ``mlx-lm-bench``:
+``tensor_parallel_decode.py`` (decode over loopback ranks it starts itself)
+and ``mlx_lm_prework.py`` (the q/k prework and small models' generation).
+Each refuses what cannot run in one ``[script] message`` line, exit 2, before
+any work, and runs for real on the real library."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import re
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from helpers.isolated_process import describe, run_python  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCH, DOCS = ROOT / "bench", ROOT / "docs"
+TENSOR_PARALLEL = BENCH / "tensor_parallel_decode.py"
+PREWORK = BENCH / "mlx_lm_prework.py"
+RUN_SCRIPT = """
+    import runpy, sys
+    {before}
+    sys.argv = [{script!r}, *{arguments!r}]
+    runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def run_script(script: pathlib.Path, *arguments: str, before: str = "", timeout_s: float = 300):
+    return run_python(RUN_SCRIPT.format(script=str(script), arguments=list(arguments),
+                                        before=before), timeout_s=timeout_s)
+
+
+def assert_refused_in_one_line(process, operation: str, *words: str) -> None:
+    assert process.returncode == 2, describe(process)
+    assert process.stderr.count("\n") == 1, describe(process)
+    assert process.stderr.startswith(f"[{operation}] "), describe(process)
+    for word in words:
+        assert word in process.stderr, describe(process)
+    assert process.stdout == "", describe(process)  # refused before any rank started
+
+
+@pytest.mark.parametrize(
+    "arguments, words",
+    [
+        (["--ranks", "3"], ["3 ranks cannot shard", "num_attention_heads 16", "2, 4, 8"]),
+        (["--ranks", "6", "--decode-models", "glm4_moe-5120"],
+         ["6 ranks cannot shard glm4_moe-5120"]),
+        (["--ranks", "2", "--decode-models", "gemma3-1152"], ["none of gemma3-1152 has"]),
+        (["--ranks", "2", "--decode-models", "qwen3-4096"], ["unknown ['qwen3-4096']"]),
+        (["--ranks", "1000"], ["--ranks: must be from 2 to 8"]),
+        (["--ranks", "abc"], ["--ranks: not an integer: 'abc'"]),
+    ],
+)
+def test_a_rank_count_the_models_cannot_take_is_refused_before_launching(arguments, words):
+    process = run_script(TENSOR_PARALLEL, *arguments)
+    assert_refused_in_one_line(process, "tensor_parallel_decode", *words)
+
+
+@pytest.mark.slow
+def test_decode_over_two_loopback_ranks_keeps_the_tokens(tmp_path):
+    report_path = tmp_path / "ranks.json"
+    process = run_script(TENSOR_PARALLEL, "--ranks", "2", "--decode-models", "qwen3-1024",
+                         "--quick", "--steps", "2", "--rounds", "1", "--json", str(report_path),
+                         timeout_s=900)
+    assert process.returncode == 0, describe(process)
+    assert "tensor-parallel over 2 ranks (ring backend, loopback)" in process.stdout
+    (report,) = json.loads(report_path.read_text())["ranks"]
+    assert report["model"] == "qwen3-1024" and report["ranks"] == 2
+    assert report["ok"] and report["token_mismatch"] is None
+    assert len(report["unpatched"]) == len(report["patched"]) == 1
+
+
+def test_the_prework_script_times_both_measurements():
+    process = run_script(PREWORK, "--quick", "--layers", "2", "--models", "qwen3")
+    assert process.returncode == 0, describe(process)
+    for row in ("prework_2_layers", "generation_qwen3_bfloat16"):
+        assert re.search(rf"^{row} +\S+ +[\d.]+ +[\d.]+ +[\d.]+x", process.stdout, re.M), \
+            describe(process)
+
+
+def test_the_prework_rows_need_normalize_qk_and_say_so_in_one_line():
+    """An mlx-lm without ``gated_delta.normalize_qk`` (0.31.x) has no function to time."""
+    process = run_script(PREWORK, "--quick", "--layers", "36", "--models", "",
+                         before="import mlx_lm.models.gated_delta as g; del g.normalize_qk")
+    assert_refused_in_one_line(process, "mlx_lm_prework", "no gated_delta.normalize_qk")
+
+
+def test_tokens_that_change_between_generation_rounds_are_a_mismatch_with_exit_1(
+    monkeypatch, capsys
+):
+    """Generation rounds must give the same tokens; when one does not, the
+    script prints what it measured and says so, exit 1 (not a traceback). The
+    change is made in the script's own trace, MLX runs as is."""
+    spec = importlib.util.spec_from_file_location("mlx_lm_prework_script", PREWORK)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    generate = script.greedy_generate
+    rounds = []
+
+    def generate_with_a_changed_round(*arguments, **options):
+        trace = generate(*arguments, **options)
+        rounds.append(trace)
+        if len(rounds) == 4:  # a timed round, after the two warm-up rounds
+            trace.token_ids[-1] += 1
+        return trace
+
+    monkeypatch.setattr(script, "greedy_generate", generate_with_a_changed_round)
+    parser = script.build_parser()
+    arguments = parser.parse_args(["--quick", "--layers", "2", "--models", "qwen3_5"])
+    assert script._run(arguments, parser) == 1
+    captured = capsys.readouterr()
+    assert "TOKEN MISMATCH: qwen3_5: greedy token ids changed between rounds" in captured.err
+    assert "prework_2_layers" in captured.out  # what was measured before is printed
+
+
+def test_the_docs_name_the_models_the_ranks_time():
+    """docs/mlx-lm.md lists the decode models the script can shard, as the code finds them."""
+    spec = importlib.util.spec_from_file_location("tensor_parallel_decode_script", TENSOR_PARALLEL)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    shardable = [name for name in script.DECODE_MODELS if script.has_shard(name)]
+    text = " ".join((DOCS / "mlx-lm.md").read_text(encoding="utf-8").split())
+    match = re.search(r"decode models that have `Model.shard` \(([^)]*)\)", text)
+    assert match is not None and re.findall(r"`([^`]+)`", match[1]) == shardable
+    assert "It starts the ranks itself" in text
