@@ -23,9 +23,9 @@ from mlx.utils import tree_flatten
 from mlx_dualnorm import available_modes
 from mlx_dualnorm.bits import count_bit_differences
 from mlx_dualnorm.integrations import mlx_lm as integration
-from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from helpers.mlx_lm_families import build_synthetic_model  # noqa: E402
 from helpers.mlx_lm_patch import one_token_step_loss  # noqa: E402  (the tests' step)
 
 EMBEDDING = "model.embed_tokens.weight"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import pathlib
 import sys
 import time
 from typing import Optional
@@ -29,11 +30,13 @@ from mlx_dualnorm.commands.mlx_lm_bench.measurements import (
 from mlx_dualnorm.commands.mlx_lm_bench import table_header, table_row
 from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.generation import greedy_generate
-from mlx_dualnorm.commands.shared.synthetic import (
-    DEFAULT_DTYPES, SYNTHETIC_MODEL_TYPES, build_synthetic_model,
-    prompt_token_ids, synthetic_model_config,
-)
 from mlx_dualnorm.integrations import mlx_lm as integration
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from helpers.mlx_lm_families import (  # noqa: E402  (the small models of every family)
+    DEFAULT_DTYPES, SYNTHETIC_MODEL_TYPES, build_synthetic_model, prompt_token_ids,
+    synthetic_model_config,
+)
 
 DECODE_SHAPE = (1, 1, 16, 128)  # q and k at the Qwen3-Next decode shape, bfloat16
 INV_SCALE = DECODE_SHAPE[-1] ** -0.5  # what qwen3_next / qwen3_5 pass

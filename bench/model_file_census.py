@@ -11,7 +11,7 @@ inside ``integration.patch()`` with every call of the package's ops
 probe counts as one call. The model: hidden size 64, 4 query and 2
 key/value heads of width 16, 2 layers, vocabulary 128, a few experts,
 plus the fields a file needs (``CONFIG_OVERRIDES``); the package's own
-small config (``mlx_dualnorm.commands.shared.synthetic``) for a file it
+small config (the tests' ``helpers/mlx_lm_families.py``) for a file it
 has one for; a file that wraps another file's language model nests that
 file's config. Weights are mlx-lm's initialization from a fixed seed,
 norm weights drawn around their initial value, float32 unless
@@ -60,14 +60,16 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_dualnorm import CompiledDualHeadNorm, CompiledDualHeadNormRope
 from mlx_dualnorm.bits import count_bit_differences, same_bits
-from mlx_dualnorm.commands.shared.synthetic import (
+from mlx_dualnorm.integrations import mlx_lm as integration
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from helpers.mlx_lm_families import (  # noqa: E402  (the small models of every family)
     SYNTHETIC_MODEL_TYPES,
     build_model,
     prompt_token_ids,
     randomize_norm_weights,
     synthetic_model_config,
 )
-from mlx_dualnorm.integrations import mlx_lm as integration
 
 ENGAGED = "engaged"
 NOT_ENGAGED = "not engaged"

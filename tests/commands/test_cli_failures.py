@@ -122,7 +122,7 @@ def test_a_home_folder_of_no_user_is_one_line_in_a_real_process():
 
 @pytest.mark.parametrize(
     "family, dtype",
-    [("qwen3_moe", "bfloat16"), ("olmoe", "bfloat16"), ("qwen3_next", "float16")],
+    [("qwen3_moe", "bfloat16"), ("qwen3_next", "float16")],
 )
 def test_experts_in_a_dtype_the_cpu_gather_mm_lacks_are_refused_before_the_run(
     family, dtype, capsys
@@ -134,6 +134,22 @@ def test_experts_in_a_dtype_the_cpu_gather_mm_lacks_are_refused_before_the_run(
     captured = capsys.readouterr()
     assert_one_line_refusal(status, captured, "mlx-lm-check", family, dtype, "float32 only")
     assert captured.out == ""
+
+
+def test_another_familys_experts_are_found_too():
+    """olmoe's experts (a family of the tests' catalogue) are mlx-lm's SwitchLinear too."""
+    import mlx.core as mx
+
+    from helpers.mlx_lm_families import build_synthetic_model
+    from mlx_dualnorm.commands import mlx_lm_check
+
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)  # what the refusal is about
+    try:
+        refusal = mlx_lm_check.cpu_refusal(build_synthetic_model("olmoe", dtype=mx.bfloat16))
+    finally:
+        mx.set_default_device(device)
+    assert refusal is not None and "bfloat16" in refusal and "float32 only" in refusal
 
 
 def test_the_same_experts_in_float32_run_on_the_cpu(capsys):

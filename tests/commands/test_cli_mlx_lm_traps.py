@@ -47,7 +47,7 @@ def assert_refused_in_one_line(process, message):
 @pytest.mark.parametrize(
     "arguments",
     [
-        ["mlx-lm-check", "--synthetic", "glm4_moe", "--tokens", "2"],
+        ["mlx-lm-check", "--synthetic", "qwen3", "--tokens", "2"],
         ["mlx-lm-bench", "--quick", "--decode-models", "qwen3-1024"],
     ],
 )

@@ -174,7 +174,7 @@ TINY_QWEN3 = {
 
 @needs_mlx_lm
 def test_a_prompt_for_a_folder_without_a_tokenizer_is_refused_in_one_line(tmp_path):
-    from mlx_dualnorm.commands.shared.synthetic import build_model
+    from helpers.mlx_lm_families import build_model
 
     model = build_model(TINY_QWEN3, dtype=mx.float32)
     mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
@@ -231,7 +231,7 @@ def test_gated_delta_lines_only_for_a_model_with_gated_delta_layers():
 RATIO_OF_ROUNDS = """
     import sys
     from mlx_dualnorm.commands import mlx_lm_check
-    from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model, prompt_token_ids
+    from helpers.mlx_lm_families import build_synthetic_model, prompt_token_ids
 
     model = build_synthetic_model("qwen3")
     result = mlx_lm_check.run_check(model, prompt_token_ids(512), 2, timing_rounds=1)

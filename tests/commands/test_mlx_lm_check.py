@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import gated_delta as fold_module  # noqa: E402
 from mlx_dualnorm.commands import mlx_lm_check  # noqa: E402
-from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
+from helpers.mlx_lm_families import (  # noqa: E402
     build_synthetic_model,
     synthetic_model_config,
 )

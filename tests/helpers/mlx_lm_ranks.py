@@ -28,7 +28,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from mlx_dualnorm.commands.shared.synthetic_families import (
+# Run as a script (each rank), the tests folder is not on the path: this file's helpers are.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers.mlx_lm_families import (  # noqa: E402
     ATTENTION_FAMILY_CONFIGS,
     QWEN3_LIKE_CONFIGS,
     QWEN3_LIKE_DTYPE_NAMES,
@@ -183,10 +186,10 @@ mixture-of-experts MLP; ``kimi_k3`` has gated-delta layers and an MLA layer
 the patch leaves alone. ``glm4_moe`` (whose Model ``solar_open`` runs),
 ``exaone_moe`` (RoPE on every layer) and ``step3p5`` (no YaRN) have every
 attention layer engaged; ``minimax`` and ``minimax_m3_vl`` are the tiny
-models of :mod:`~mlx_dualnorm.commands.shared.synthetic_families`;
+models of :mod:`helpers.mlx_lm_families`;
 ``llama``, ``qwen2`` and ``ministral3`` (both with pipeline) and
 ``gpt_oss`` those of
-:mod:`~mlx_dualnorm.commands.shared.synthetic_families`, without q/k
+:mod:`helpers.mlx_lm_families`, without q/k
 norms."""
 
 # (name, parallelism, when the patch is made)
@@ -294,7 +297,7 @@ def layer_kinds(model) -> dict:
 
 
 def _build(name: str):
-    from mlx_dualnorm.commands.shared.synthetic import build_model
+    from helpers.mlx_lm_families import build_model
 
     family = FAMILIES[name]
     return build_model(family_config(name), seed=SEED, dtype=family.dtype)
@@ -343,7 +346,7 @@ def _generate(model, prompt, tokens: int, counter: CallCounter) -> dict:
 def run_check(families: Sequence[str], tokens: int, group, log=None) -> tuple[dict, dict]:
     """Every scenario of every family on this rank: (json-ready results,
     logits arrays keyed ``family/scenario``)."""
-    from mlx_dualnorm.commands.shared.synthetic import prompt_token_ids
+    from helpers.mlx_lm_families import prompt_token_ids
     from mlx_dualnorm.integrations import mlx_lm as integration
 
     results: dict = {}

@@ -34,11 +34,11 @@ from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, head_norms  #
 from mlx_dualnorm.integrations.mlx_lm import norm_rope  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
-from mlx_dualnorm.commands import mlx_lm_check  # noqa: E402
 from mlx_dualnorm.commands.shared.generation import compare_traces, greedy_generate  # noqa: E402
-from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
+from helpers.mlx_lm_families import (  # noqa: E402
     build_model,
     build_synthetic_model,
+    check_report,
     prompt_token_ids,
     randomize_norm_weights,
     synthetic_model_config,
@@ -362,12 +362,9 @@ def test_one_plus_weight_norms_follow_changed_weights(model_type):
     assert_patched_matches(model)
 
 
-def test_mlx_lm_check_reports_the_engaged_layers(capsys):
-    status = mlx_lm_check.main(
-        ["--synthetic", "gemma3n", "--tokens", "4", "--rounds", "1", "--device", "cpu"]
-    )
-    output = capsys.readouterr().out
-    assert status == mlx_lm_check.EXIT_IDENTICAL, output
+def test_mlx_lm_check_reports_the_engaged_layers():
+    identical, output = check_report("gemma3n", tokens=4)
+    assert identical, output
     assert "attention layers engaged 2, left to mlx-lm's code 2" in output
 
 

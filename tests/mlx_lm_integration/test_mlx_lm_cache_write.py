@@ -22,7 +22,7 @@ from test_mlx_lm_full_attention import build_model  # noqa: E402
 
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import cache_update, registry  # noqa: E402
-from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model  # noqa: E402
+from helpers.mlx_lm_families import build_synthetic_model  # noqa: E402
 
 PROMPT_LENGTH = 250
 DECODE_STEPS = 12  # the step writing row 256 grows the buffer

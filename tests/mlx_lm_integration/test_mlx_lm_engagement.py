@@ -23,10 +23,12 @@ from mlx_dualnorm.commands import mlx_lm_check  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.prework_log import recording_prework  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.commands.shared.generation import greedy_generate  # noqa: E402
-from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
+from mlx_dualnorm.commands.shared import synthetic  # noqa: E402
+from helpers.mlx_lm_families import (  # noqa: E402
     SYNTHETIC_MODEL_TYPES,
     build_model,
     build_synthetic_model,
+    check_report,
 )
 
 QWEN3 = {
@@ -65,8 +67,14 @@ def left_count(output: str) -> int:
 
 @pytest.mark.parametrize("name", SYNTHETIC_MODEL_TYPES)
 def test_check_says_what_it_engaged_on_every_synthetic_model(name, capsys):
-    assert mlx_lm_check.main(["--synthetic", name, "--tokens", "3", "--rounds", "1"]) == 0
-    output = capsys.readouterr().out
+    """The package's small models through the command line, the tests' families
+    through the same check and report."""
+    if name in synthetic.SYNTHETIC_MODEL_TYPES:
+        assert mlx_lm_check.main(["--synthetic", name, "--tokens", "3", "--rounds", "1"]) == 0
+        output = capsys.readouterr().out
+    else:
+        identical, output = check_report(name, tokens=3)
+        assert identical, output
     assert "RESULT: identical" in output
     counts = engaged_line(output)
     attention_layers = (
@@ -152,13 +160,11 @@ def test_a_subclass_of_a_registered_class_is_left_with_its_reason():
     assert record.engaged == {(QWEN3_ATTENTION, engagement.NORM_ROPE): 2}
 
 
-def test_a_layer_without_rope_is_measured_as_norm_only(capsys):
+def test_a_layer_without_rope_is_measured_as_norm_only():
     """llama4_text's NoPE layers run the q/k norm pair alone, its others
     norm + RoPE: the check tells them apart by what ran in each layer."""
-    if "llama4_text" not in SYNTHETIC_MODEL_TYPES:
-        pytest.skip("no llama4_text synthetic model")
-    assert mlx_lm_check.main(["--synthetic", "llama4_text", "--tokens", "2", "--rounds", "1"]) == 0
-    output = capsys.readouterr().out
+    identical, output = check_report("llama4_text", tokens=2)
+    assert identical, output
     assert "    1 norm: mlx_lm.models.llama4_text.Attention\n" in output
     assert "    1 norm + RoPE: mlx_lm.models.llama4_text.Attention\n" in output
 
@@ -194,7 +200,7 @@ def test_the_summary_counts_layers_package_calls_and_folded_calls_with_plurals()
     "1 attention layer", and its package calls are the attention calls plus
     the normalize_qk calls that ran the fold (not the folds built)."""
     from mlx_dualnorm.commands.shared.generation import greedy_generate
-    from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model
+    from helpers.mlx_lm_families import build_synthetic_model
 
     model = build_synthetic_model("qwen3_next")
     before = integration.report()

@@ -29,7 +29,7 @@ from mlx_dualnorm.integrations.mlx_lm import engine, head_norms, qwen3_like  # n
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.commands.shared.generation import greedy_generate  # noqa: E402
-from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
+from helpers.mlx_lm_families import (  # noqa: E402
     DEFAULT_DTYPES,
     build_model,
     build_synthetic_model,

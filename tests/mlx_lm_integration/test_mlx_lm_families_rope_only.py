@@ -33,13 +33,13 @@ from mlx_dualnorm.integrations.mlx_lm.engagement import (  # noqa: E402
     recording,
 )
 from mlx_dualnorm.commands.shared.generation import greedy_generate  # noqa: E402
-from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
+from helpers.mlx_lm_families import (  # noqa: E402
     build_model,
     build_synthetic_model,
     prompt_token_ids,
     synthetic_model_config,
 )
-from mlx_dualnorm.commands.shared.synthetic_families import ROPE_ONLY_CONFIGS  # noqa: E402
+from helpers.mlx_lm_families import ROPE_ONLY_CONFIGS  # noqa: E402
 
 GENERATED_TOKENS = 24
 PROMPT = prompt_token_ids(512, 12)

@@ -26,7 +26,7 @@ from mlx_dualnorm.integrations.mlx_lm._shared import REPLACEMENT_MARKER  # noqa:
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.commands.shared.generation import compare_traces, greedy_generate  # noqa: E402
-from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
+from helpers.mlx_lm_families import (  # noqa: E402
     build_synthetic_model,
     synthetic_model_config,
 )

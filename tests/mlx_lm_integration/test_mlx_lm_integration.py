@@ -28,7 +28,7 @@ from mlx_dualnorm.commands.shared.generation import (  # noqa: E402
     count_normalize_qk_calls,
     greedy_generate,
 )
-from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
+from helpers.mlx_lm_families import (  # noqa: E402
     build_synthetic_model,
     prompt_token_ids,
 )

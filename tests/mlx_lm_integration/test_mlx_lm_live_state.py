@@ -25,7 +25,7 @@ from mlx_dualnorm.integrations.mlx_lm import engine, registry  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import gated_delta as fold_module  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.commands.shared.generation import greedy_generate  # noqa: E402
-from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model, prompt_token_ids  # noqa: E402
+from helpers.mlx_lm_families import build_synthetic_model, prompt_token_ids  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 

@@ -40,7 +40,7 @@ from mlx_dualnorm.integrations.mlx_lm import cache_update, engine, qwen3 as qwen
 from mlx_dualnorm.integrations.mlx_lm.engagement import is_engaged_layer  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.state import STATE  # noqa: E402
 from mlx_dualnorm.commands.shared.generation import greedy_generate  # noqa: E402
-from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model, prompt_token_ids  # noqa: E402
+from helpers.mlx_lm_families import build_synthetic_model, prompt_token_ids  # noqa: E402
 
 INSTALLED_MLX_LM = pathlib.Path(mlx_lm.__file__).parent
 PROMPT = prompt_token_ids(512, 12)
@@ -102,7 +102,7 @@ NEWER_RELEASE = """
     from mlx_dualnorm.integrations import mlx_lm as integration
     from mlx_dualnorm.integrations.mlx_lm.engagement import layer_engagement
     from mlx_dualnorm.commands.shared.generation import compare_traces, greedy_generate
-    from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model, prompt_token_ids
+    from helpers.mlx_lm_families import build_synthetic_model, prompt_token_ids
 
     print("MLX_LM_FROM", mlx_lm.__file__)
     prompt = prompt_token_ids(256, 9)

@@ -25,7 +25,7 @@ from helpers.mlx_lm_releases import (  # noqa: E402
     table_rows,
 )
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
+from helpers.mlx_lm_families import (  # noqa: E402
     SYNTHETIC_MODEL_TYPES,
     build_synthetic_model,
     prompt_token_ids,

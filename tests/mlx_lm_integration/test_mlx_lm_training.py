@@ -32,7 +32,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 
 from helpers.bit_parity import assert_bit_identical  # noqa: E402
 from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
-from mlx_dualnorm.commands.shared.synthetic import build_model, synthetic_model_config  # noqa: E402
+from helpers.mlx_lm_families import build_model, synthetic_model_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched_mlx_lm")
 

@@ -50,7 +50,7 @@ GREEDY_PARITY = """
     from mlx_dualnorm.integrations import mlx_lm as integration
     from mlx_dualnorm.integrations.mlx_lm import engine, qwen3
     from mlx_dualnorm.commands.shared.generation import compare_traces, greedy_generate
-    from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model, prompt_token_ids
+    from helpers.mlx_lm_families import build_synthetic_model, prompt_token_ids
 
     print("MLX_LM", mlx_lm.__version__)
     model = build_synthetic_model("qwen3_next")  # 3 gated-delta layers, 1 full attention
@@ -447,7 +447,7 @@ def test_a_layer_whose_part_is_not_proven_is_left() -> None:
     whose math the replacement computes itself: with that class's code
     taken out of the record, the layers run mlx-lm's code (the attention
     class itself still patched), bits unchanged, the part named."""
-    from mlx_dualnorm.commands.shared.synthetic import SYNTHETIC_MODEL_TYPES
+    from helpers.mlx_lm_families import SYNTHETIC_MODEL_TYPES
 
     if "step3p5" not in SYNTHETIC_MODEL_TYPES:
         pytest.skip("no step3p5 family registered")
@@ -460,7 +460,7 @@ def test_a_layer_whose_part_is_not_proven_is_left() -> None:
             from mlx_dualnorm.integrations.mlx_lm import registry
             from mlx_dualnorm.integrations.mlx_lm.engagement import layer_engagement
             from mlx_dualnorm.commands.shared.generation import compare_traces, greedy_generate
-            from mlx_dualnorm.commands.shared.synthetic import build_synthetic_model, prompt_token_ids
+            from helpers.mlx_lm_families import build_synthetic_model, prompt_token_ids
 
             model = build_synthetic_model("step3p5")
             prompt = prompt_token_ids(256, 6)

@@ -4,7 +4,7 @@ patched and unpatched greedy logits are bit-identical again, so the patch
 never runs a stale copy of a weight.
 
 One case per synthetic model (the gated-delta fold and every family with a
-small config in :mod:`~mlx_dualnorm.commands.shared.synthetic`) and per
+small config in :mod:`helpers.mlx_lm_families`) and per
 registered attention class's model file without one, so the file grows as
 families are registered; a test fails if a registered class has no case.
 """
@@ -26,7 +26,7 @@ from mlx_dualnorm.integrations import mlx_lm as integration  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm import registry  # noqa: E402
 from mlx_dualnorm.integrations.mlx_lm.engagement import layer_engagement  # noqa: E402
 from mlx_dualnorm.commands.shared.generation import count_normalize_qk_calls, greedy_generate  # noqa: E402
-from mlx_dualnorm.commands.shared.synthetic import (  # noqa: E402
+from helpers.mlx_lm_families import (  # noqa: E402
     DEFAULT_DTYPES,
     SYNTHETIC_MODEL_TYPES,
     build_model,

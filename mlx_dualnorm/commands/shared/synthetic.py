@@ -1,9 +1,11 @@
 """Small random mlx-lm models (mlx-lm's own classes, a config.json-style dict,
-weights from a fixed seed; nothing downloaded) with released models' head
-shapes: ``qwen3_next`` and ``qwen3_5`` have Qwen3-Next's, ``qwen3`` and
-``qwen3_moe`` Qwen3's, the other families are those of
-:mod:`~mlx_dualnorm.commands.shared.synthetic_families`. ``DECODE_MODELS``:
-released checkpoints' dimensions, for timing whole decode tokens."""
+weights from a fixed seed; nothing downloaded), one of each kind of work the
+patch replaces: ``qwen3_next`` and ``qwen3_5`` have Qwen3-Next's gated-delta
+and full-attention heads, ``qwen3`` and ``qwen3_moe`` Qwen3's q/k norms + RoPE,
+``olmo2`` q/k norms over the whole projection, ``llama`` no q/k norms (RoPE
+and the cache write alone). The tests hold one of every covered family.
+``DECODE_MODELS``: released checkpoints' dimensions, for timing whole decode
+tokens."""
 
 from __future__ import annotations
 
@@ -15,11 +17,6 @@ from typing import Optional, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-
-from mlx_dualnorm.commands.shared.synthetic_families import (
-    ATTENTION_FAMILY_CONFIGS, FLOAT32_FAMILIES, QWEN3_LIKE_CONFIGS, QWEN3_LIKE_WEIGHT_SCALES,
-    ROPE_ONLY_CONFIGS,
-)
 
 DEFAULT_SEED = 20261129
 NORM_WEIGHT_SPREAD = 0.5
@@ -59,10 +56,25 @@ _CONFIGS: dict[str, dict[str, object]] = {
     "qwen3_moe": {
         "model_type": "qwen3_moe", **_QWEN3, **_MOE, "mlp_only_layers": [], "norm_topk_prob": True,
     },
-    **QWEN3_LIKE_CONFIGS, **ATTENTION_FAMILY_CONFIGS, **ROPE_ONLY_CONFIGS,
+    "olmo2": {
+        "model_type": "olmo2", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "vocab_size": 512, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "num_hidden_layers": 2,
+    },
+    "llama": {
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-5,
+        "vocab_size": 512, "max_position_embeddings": 4096, "rope_theta": 10_000.0,
+        "tie_word_embeddings": False, "norm_eps": 1e-5, "attention_bias": False,
+        "mlp_bias": False, "use_bias": False,
+    },
 }
-_FLOAT32 = {"qwen3_next", "qwen3_moe", *FLOAT32_FAMILIES}
-DEFAULT_DTYPES = {name: mx.float32 if name in _FLOAT32 else mx.bfloat16 for name in _CONFIGS}
+DEFAULT_DTYPES = {
+    name: mx.float32 if name in ("qwen3_next", "qwen3_moe") else mx.bfloat16 for name in _CONFIGS
+}
+# Whose norm weights are randomized: its q/k norms are not qwen3's.
+RANDOMIZED_NORMS = frozenset({"olmo2"})
 SYNTHETIC_MODEL_TYPES = tuple(_CONFIGS)
 
 
@@ -76,19 +88,11 @@ def synthetic_model_config(model_type: str) -> dict:
 
 def build_synthetic_model(model_type: str, *, seed: int = DEFAULT_SEED,
                           dtype: Optional[mx.Dtype] = None) -> nn.Module:
-    """:func:`build_model` of ``model_type`` in ``dtype`` (None: ``DEFAULT_DTYPES``), its
-    weight scales applied, the attention families' norm weights randomized."""
+    """:func:`build_model` of ``model_type`` in ``dtype`` (None: ``DEFAULT_DTYPES``), the
+    norm weights of ``RANDOMIZED_NORMS`` randomized."""
     dtype = DEFAULT_DTYPES[model_type] if dtype is None else dtype
     model = build_model(synthetic_model_config(model_type), seed=seed, dtype=dtype)
-    scales = QWEN3_LIKE_WEIGHT_SCALES.get(model_type)
-    if scales:
-        weights = dict(cast(list[tuple[str, mx.array]], tree_flatten(model.parameters())))
-        model.update(tree_unflatten([
-            (path, (weights[path] * factor).astype(weights[path].dtype))
-            for path, factor in scales.items()
-        ]))
-        mx.eval(model.parameters())
-    if model_type in ATTENTION_FAMILY_CONFIGS:
+    if model_type in RANDOMIZED_NORMS:
         randomize_norm_weights(model, seed)
     return model
 

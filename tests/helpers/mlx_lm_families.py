@@ -1,13 +1,25 @@
-"""Small random models (config.json-style) of the mlx-lm families beside
-qwen3, with the layer kinds of each family's released checkpoints: those with
+"""Small random models (config.json-style) of every mlx-lm family the patch
+covers beside the package's own (``mlx_dualnorm.commands.shared.synthetic``),
+with the layer kinds of each family's released checkpoints: those with
 qwen3's q/k prework in other classes, one per model file of the other q/k
 norm shapes, and at least one per registered class without q/k norms (the
-RoPE-only call)."""
+RoPE-only call). The end of the file serves the package's catalogue API
+(``build_synthetic_model``, ``synthetic_model_config``, ...) over both."""
 
 from __future__ import annotations
 
+import copy
 import functools
-from typing import Mapping
+from typing import Mapping, Optional, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_dualnorm.commands.shared import synthetic
+from mlx_dualnorm.commands.shared.synthetic import (  # the tests import these from here too
+    DEFAULT_SEED, build_model, prompt_token_ids, randomize_norm_weights,
+)
 
 # Two layers of four query and two key/value heads: what every small
 # attention model here starts from.
@@ -222,7 +234,7 @@ ATTENTION_FAMILY_CONFIGS: dict[str, dict[str, object]] = {
         attn_logit_softcapping=50.0,
     ),
     # ---- q/k norms over the whole H * D projection ----
-    "olmo2": _other_shape("olmo2", num_hidden_layers=2),
+    "olmo2": synthetic.synthetic_model_config("olmo2"),  # the package's own
     "olmo3": _other_shape(
         "olmo3", num_hidden_layers=2, sliding_window=8, rope_theta=10_000.0,
         layer_types=_SLIDING_FULL,
@@ -269,7 +281,7 @@ _SU_SCALED = {  # phimoe's (required before mlx-lm 0.32): a su-scaled RoPE
 }
 
 ROPE_ONLY_CONFIGS: dict[str, dict[str, object]] = {
-    "llama": _rope_only("llama"),
+    "llama": synthetic.synthetic_model_config("llama"),  # the package's own
     "llama-llama3": _rope_only("llama", rope_scaling=_LLAMA3),
     "qwen2": _rope_only("qwen2", rope_theta=1_000_000.0),
     "qwen2-yarn": _rope_only("qwen2", rope_scaling=_YARN_SCALING),
@@ -368,3 +380,62 @@ def _dtype_names(configs: Mapping[str, object]) -> dict[str, str]:
 
 QWEN3_LIKE_DTYPE_NAMES = _dtype_names(QWEN3_LIKE_CONFIGS)
 ROPE_ONLY_DTYPE_NAMES = _dtype_names(ROPE_ONLY_CONFIGS)
+
+
+# ---- The package's catalogue API, over the families too ----
+
+FAMILY_CONFIGS = {**QWEN3_LIKE_CONFIGS, **ATTENTION_FAMILY_CONFIGS, **ROPE_ONLY_CONFIGS}
+SYNTHETIC_MODEL_TYPES = (
+    *(name for name in synthetic.SYNTHETIC_MODEL_TYPES if name not in FAMILY_CONFIGS),
+    *FAMILY_CONFIGS,
+)
+DEFAULT_DTYPES = {
+    **synthetic.DEFAULT_DTYPES,
+    **{name: getattr(mx, dtype_name) for name, dtype_name in _dtype_names(FAMILY_CONFIGS).items()
+       if name not in synthetic.DEFAULT_DTYPES},
+}
+
+
+def synthetic_model_config(model_type: str) -> dict:
+    """The config.json-style dict of a small model of the package or a family (a fresh copy)."""
+    if model_type in synthetic.SYNTHETIC_MODEL_TYPES:
+        return synthetic.synthetic_model_config(model_type)
+    if model_type not in FAMILY_CONFIGS:
+        raise ValueError(f"unknown synthetic model {model_type!r}; choose from "
+                         f"{', '.join(SYNTHETIC_MODEL_TYPES)}")
+    return copy.deepcopy(FAMILY_CONFIGS[model_type])
+
+
+def build_synthetic_model(model_type: str, *, seed: int = DEFAULT_SEED,
+                          dtype: Optional[mx.Dtype] = None) -> nn.Module:
+    """The package's model of that name, or the family's: in ``dtype`` (None:
+    ``DEFAULT_DTYPES``), its weight scales applied, the attention families'
+    norm weights randomized."""
+    if model_type in synthetic.SYNTHETIC_MODEL_TYPES:
+        return synthetic.build_synthetic_model(model_type, seed=seed, dtype=dtype)
+    dtype = DEFAULT_DTYPES[model_type] if dtype is None else dtype
+    model = build_model(synthetic_model_config(model_type), seed=seed, dtype=dtype)
+    scales = QWEN3_LIKE_WEIGHT_SCALES.get(model_type)
+    if scales:
+        weights = dict(cast(list[tuple[str, mx.array]], tree_flatten(model.parameters())))
+        model.update(tree_unflatten([
+            (path, (weights[path] * factor).astype(weights[path].dtype))
+            for path, factor in scales.items()
+        ]))
+        mx.eval(model.parameters())
+    if model_type in ATTENTION_FAMILY_CONFIGS:
+        randomize_norm_weights(model, seed)
+    return model
+
+
+def check_report(model_type: str, tokens: int) -> tuple[bool, str]:
+    """What ``mlx-lm-check --synthetic MODEL_TYPE --rounds 1`` finds and prints, for a
+    family of these tests too: whether it was identical, and the report."""
+    from mlx_dualnorm.commands import mlx_lm_check
+
+    config = synthetic_model_config(model_type)
+    prompt = prompt_token_ids((config.get("text_config") or config)["vocab_size"])
+    result = mlx_lm_check.run_check(build_synthetic_model(model_type), prompt, tokens,
+                                    timing_rounds=1)
+    report = mlx_lm_check.format_result(result, f"synthetic {model_type}", int(prompt.size))
+    return result.comparison.identical, report
