@@ -22,9 +22,9 @@ import pathlib
 import sys
 from typing import Any, Optional
 
-from mlx_dualnorm.commands.bench import results
+from mlx_dualnorm.commands.bench import JSON_FILE_NAME, results  # what --output-dir writes
+from mlx_dualnorm.commands.shared import command
 
-JSON_FILE_NAME = "benchmark.json"  # what bench --output-dir writes
 CHART_FILE_NAME = "benchmark.png"
 REFERENCE_COLOR = "tab:gray"
 PATH_COLOR = "tab:blue"
@@ -35,8 +35,8 @@ HEADLINE_KINDS = frozenset(
 )
 
 
-class NotAReport(Exception):
-    """The input cannot be read as a benchmark report."""
+class NotAReport(command.Unavailable):
+    """The input cannot be read as a benchmark report: one line, exit 2."""
 
 
 def load_report(location: pathlib.Path) -> tuple[pathlib.Path, dict]:
@@ -46,7 +46,7 @@ def load_report(location: pathlib.Path) -> tuple[pathlib.Path, dict]:
         report = json.loads(path.read_text(encoding="utf-8"))
     except OSError as failed:
         raise NotAReport(f"cannot read {path}: {failed.strerror or failed}") from failed
-    except ValueError as failed:  # invalid JSON or text
+    except (ValueError, RecursionError) as failed:  # invalid JSON or text, nested too deep
         raise NotAReport(f"{path} is not JSON: {' '.join(str(failed).split())}") from failed
     schema = report.get("schema") if isinstance(report, dict) else None
     if schema != results.REPORT_SCHEMA:
@@ -104,44 +104,42 @@ def draw_chart(report: dict) -> Any:
     return figure
 
 
-def fail(message: str) -> int:
-    print(f"[chart] {' '.join(message.split())}", file=sys.stderr)
-    return 2
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("report", type=pathlib.Path,
-                        help=f"a folder holding {JSON_FILE_NAME}, or the JSON file itself")
-    parser.add_argument("--out", type=pathlib.Path, default=None,
-                        help=f"the PNG to write (default: {CHART_FILE_NAME} beside the JSON)")
-    arguments = parser.parse_args(argv)
-    try:
-        path, report = load_report(arguments.report)
-    except NotAReport as not_a_report:
-        return fail(str(not_a_report))
+def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    path, report = load_report(arguments.report)
     try:
         import matplotlib
     except ImportError:
-        return fail("matplotlib is not installed (pip install matplotlib)")
+        raise command.Unavailable("matplotlib is not installed (pip install matplotlib)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as pyplot
 
     try:
         figure = draw_chart(report)
     except (KeyError, TypeError, ValueError, AttributeError) as incomplete:
-        return fail(f"{path} is not a complete {results.REPORT_SCHEMA} report "
-                    f"({type(incomplete).__name__}: {incomplete})")
+        raise NotAReport(f"{path} is not a complete {results.REPORT_SCHEMA} report "
+                         f"({type(incomplete).__name__}: {incomplete})") from None
     destination = arguments.out or path.parent / CHART_FILE_NAME
     try:
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(destination, dpi=110)
-    except (OSError, ValueError) as failed:  # ValueError: a file type matplotlib cannot write
-        return fail(f"could not write {destination}: {getattr(failed, 'strerror', None) or failed}")
+        with command.writing(destination):
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            figure.savefig(destination, dpi=110)
+    except ValueError as failed:  # a file type matplotlib cannot write
+        raise command.Unavailable(f"could not write {destination}: {failed}") from None
     finally:
         pyplot.close(figure)
     print(f"wrote {destination}", file=sys.stderr)
-    return 0
+    return command.EXIT_OK
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = command.ToolParser(prog="python bench/chart.py", operation="chart",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=command.DefaultShownOnceFormatter)
+    parser.add_argument("report", type=pathlib.Path,
+                        help=f"a folder holding {JSON_FILE_NAME}, or the JSON file itself")
+    parser.add_argument("--out", type=pathlib.Path, default=None,
+                        help=f"the PNG to write (default: {CHART_FILE_NAME} beside the JSON)")
+    return command.run_tool(parser, _run, argv)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ decode at released dimensions.
   round's tokens (else exit 1: the times would compare different work).
 
     python bench/mlx_lm_prework.py [--layers 36,48] [--models qwen3_next,qwen3_5] [--quick]
+
+Exit status 0 done, 1 a generation round's tokens changed, 2 what cannot run
+(a bad name, a mode this build lacks, an mlx-lm the patch does not support),
+130 Ctrl-C (after printing what was measured); each failure one line.
 """
 
 from __future__ import annotations
@@ -28,21 +32,23 @@ from mlx_dualnorm.commands.mlx_lm_bench.measurements import (
     PATCHED, PairedTiming, StepReport, timed_rounds,
 )
 from mlx_dualnorm.commands.mlx_lm_bench import table_header, table_row
+from mlx_dualnorm.commands.mlx_lm_check import fixed_prompt
 from mlx_dualnorm.commands.shared import command
-from mlx_dualnorm.commands.shared.generation import greedy_generate
+from mlx_dualnorm.commands.shared.generation import greedy_generate, refuse_what_cannot_patch
 from mlx_dualnorm.integrations import mlx_lm as integration
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from helpers.mlx_lm_families import (  # noqa: E402  (the small models of every family)
-    DEFAULT_DTYPES, SYNTHETIC_MODEL_TYPES, build_synthetic_model, prompt_token_ids,
-    synthetic_model_config,
+    DEFAULT_DTYPES, SYNTHETIC_MODEL_TYPES, build_synthetic_model, synthetic_model_config,
 )
 
 DECODE_SHAPE = (1, 1, 16, 128)  # q and k at the Qwen3-Next decode shape, bfloat16
 INV_SCALE = DECODE_SHAPE[-1] ** -0.5  # what qwen3_next / qwen3_5 pass
 EPS = 1e-6
 MAX_LAYERS = 512  # one prework token chains this many calls into one graph
-GATED_DELTA_MODEL_TYPES = ("qwen3_next", "qwen3_5")  # the synthetic models with gated-delta layers
+MAX_LAYER_COUNTS = 8  # each a measurement
+GATED_DELTA_MODEL_TYPES = ("qwen3_next", "qwen3_5")
+PROMPT_TOKENS = 12  # the synthetic models with gated-delta layers
 
 
 class GenerationMismatch(Exception):
@@ -86,8 +92,7 @@ def run_generation(model_type: str, tokens: int, repeats: int, mode: Optional[Mo
     """Milliseconds per decode token of a synthetic model, greedy through mlx-lm's
     ``generate_step``; every round's token ids must be the first's (else GenerationMismatch)."""
     model = build_synthetic_model(model_type)
-    config = synthetic_model_config(model_type)
-    prompt = prompt_token_ids((config.get("text_config") or config)["vocab_size"])
+    prompt = fixed_prompt(synthetic_model_config(model_type), PROMPT_TOKENS)
     expected_tokens: Optional[list[int]] = None
 
     def one_round(patched: bool, *_: object) -> float:
@@ -119,26 +124,23 @@ def format_table(timings: list[PairedTiming]) -> str:
     ])
 
 
-def _names(text: str, known: tuple[str, ...], flag: str) -> list[str]:
-    """The comma-separated names of ``flag``, each once; an unknown one exits 2."""
-    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    unknown = sorted(set(names) - set(known))
-    if unknown:
-        raise command.Unavailable(f"{flag}: unknown {unknown}; choose from {', '.join(known)}")
-    return names
-
-
 def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command.select_device(arguments.device, parser)
-    layer_count = command.Count(1, MAX_LAYERS)
+    texts = [text.strip() for text in arguments.layers.split(",")]
+    if arguments.layers.strip() and not all(texts):
+        parser.error(f"--layers: an empty value in {arguments.layers!r}")
     try:
-        layer_counts = [layer_count(text) for text in arguments.layers.split(",") if text.strip()]
-    except argparse.ArgumentTypeError as bad:
-        parser.error(f"--layers: {bad}")
-    model_types = _names(arguments.models, SYNTHETIC_MODEL_TYPES, "--models")
+        layer_counts = list(dict.fromkeys(command.Count(1, MAX_LAYERS)(text)
+                                          for text in texts if text))
+        model_types = command.name_list("--models", arguments.models, SYNTHETIC_MODEL_TYPES)
+    except (argparse.ArgumentTypeError, ValueError) as bad:
+        parser.error(str(bad) if str(bad).startswith("--models") else f"--layers: {bad}")
+    if len(layer_counts) > MAX_LAYER_COUNTS:
+        parser.error(f"--layers: at most {MAX_LAYER_COUNTS} values, got {len(layer_counts)}")
     if layer_counts and not hasattr(gated_delta_module, "normalize_qk"):
         raise command.Unavailable("this mlx-lm has no gated_delta.normalize_qk (mlx-lm 0.32.0 "
                                   "and later have it); --layers '' times the rest")
+    refuse_what_cannot_patch(arguments.mode)
     # (prework tokens, prework rounds, generation tokens, generation rounds)
     prework_tokens, prework_rounds, tokens, rounds = (50, 3, 32, 2) if arguments.quick else (
         200, 7, 64, 5)
@@ -147,19 +149,26 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for layers in layer_counts]
     stages += [(f"generation, {name}", 2 * rounds, functools.partial(
         run_generation, name, tokens, rounds, arguments.mode)) for name in model_types]
-    timings = []
+    timings: list[PairedTiming] = []
+    heading = (f"mlx-lm q/k prework and generation on {mx.default_device()} "
+               f"(MLX {getattr(mx, '__version__')})")
     try:
         for number, (name, steps, measure) in enumerate(stages, 1):
             progress = command.StepProgress(f"[{number}/{len(stages)}] {name}", steps)
             timings.append(measure(progress=progress.step))
     except GenerationMismatch as mismatch:
         if timings:
-            print(format_table(timings), flush=True)
+            print(heading, format_table(timings), sep="\n", flush=True)
         print(f"TOKEN MISMATCH: {mismatch}", file=sys.stderr)
         return command.EXIT_MISMATCH
-    print(f"mlx-lm q/k prework and generation on {mx.default_device()} "
-          f"(MLX {getattr(mx, '__version__')})")
-    print(format_table(timings))
+    except command.InterruptedWithPartialResult as interrupted:
+        if isinstance(interrupted.partial, PairedTiming):  # its complete rounds
+            timings.append(interrupted.partial)
+        if timings:
+            print(f"{heading}; INTERRUPTED: the rows hold the complete rounds",
+                  format_table(timings), sep="\n", flush=True)
+        raise
+    print(heading, format_table(timings), sep="\n")
     return command.EXIT_OK
 
 

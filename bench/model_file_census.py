@@ -124,8 +124,8 @@ LANGUAGE_MODEL_OF = {
     "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe",
 }
 
-# file -> fields on top of GENERIC_CONFIG (a file the package's own small
-# configs cover takes that config instead: SYNTHETIC_MODEL_TYPES).
+# file -> fields on top of GENERIC_CONFIG (a file the tests' small configs
+# cover takes that config instead: SYNTHETIC_MODEL_TYPES).
 CONFIG_OVERRIDES: dict[str, dict] = {
     "afm7": {"hidden_dim": 64, "num_layers": 2, "num_kv_reuse_layers": 1, "num_heads": 4,
              "num_kv_heads": 2},

@@ -7,10 +7,14 @@ The script starts the ranks itself (``MLX_RANK`` and an ``MLX_HOSTFILE``, what
 ``mlx.launch`` hands them): ``mlx.launch`` relays the ranks' output in threads
 that poll, which takes CPU from the ranks on a small machine.
 
-    python bench/tensor_parallel_decode.py --ranks 2 [--decode-models qwen3-1024] [--quick]
+    python bench/tensor_parallel_decode.py --ranks 2 [--decode-models qwen3-1024]
+                                           [--quick | --full-size] [--json PATH]
 
-Exit status 0 identical tokens every round, 1 a mismatch or a failed rank,
-2 bad usage (a rank count that does not divide a model's heads or MLP widths).
+As ``mlx-lm-bench``, a CPU gets the reduced run by default (each model's layer
+shapes, fewer layers, a smaller vocabulary, fewer steps and rounds). Exit
+status 0 identical tokens every round, 1 a mismatch or a failed rank, 2 what
+cannot run (a rank count that does not divide a model's heads or MLP widths,
+an mlx-lm the patch does not support), each failure one line.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -28,10 +33,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 from helpers.launch import DIRECT, launch  # noqa: E402
 
+from mlx_dualnorm.commands.mlx_lm_bench import COUNTS, COUNT_HELP  # noqa: E402
 from mlx_dualnorm.commands.mlx_lm_bench.measurements import (  # noqa: E402
     QUICK_DECODE_VOCABULARY, run_decode,
 )
 from mlx_dualnorm.commands.shared import command  # noqa: E402
+from mlx_dualnorm.commands.shared.generation import refuse_what_cannot_patch  # noqa: E402
 from mlx_dualnorm.commands.shared.synthetic import DECODE_MODELS, decode_model_config  # noqa: E402
 
 # Each rank is a process with its own copy of the unsharded parts of the
@@ -89,6 +96,9 @@ def shardable_models(ranks: int, names: list[str]) -> list[str]:
 
 def run_rank(arguments: argparse.Namespace) -> int:
     """One rank's decode rounds of the sharded model; rank 0 writes ``rank0.json``."""
+    if not {"MLX_RANK", "MLX_HOSTFILE"} <= os.environ.keys():
+        raise command.Unavailable("a rank is started by this script (MLX_RANK and "
+                                  "MLX_HOSTFILE set), not by hand")
     group = mx.distributed.init(strict=True, backend="ring")
     config = decode_model_config(arguments.model, layers=arguments.layers,
                                  vocab_size=arguments.vocab_size)
@@ -132,34 +142,53 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run_all(arguments: argparse.Namespace) -> int:
-    """Every shardable decode model over ``--ranks`` ranks, one after the other."""
-    names = [name.strip() for name in arguments.decode_models.split(",") if name.strip()]
-    unknown = sorted(set(names) - set(DECODE_MODELS))
-    if unknown or not names:
-        raise command.Unavailable(f"--decode-models: unknown {unknown or 'none named'}; "
-                                  f"choose from {', '.join(DECODE_MODELS)}")
-    reports = []
-    for name in shardable_models(arguments.ranks, names):
+def run_all(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Every shardable decode model over ``--ranks`` ranks, one after the other; a model
+    whose ranks fail is one line, and the others still run."""
+    command.select_device(arguments.device, parser)
+    try:
+        names = command.name_list("--decode-models", arguments.decode_models, DECODE_MODELS)
+    except ValueError as bad_names:
+        parser.error(str(bad_names))
+    if not names:
+        parser.error("--decode-models: no model named")
+    reduced = arguments.quick or (mx.default_device().type == mx.cpu and not arguments.full_size)
+    for name, (full, reduced_count, _) in COUNTS.items():
+        if getattr(arguments, name) is None:
+            setattr(arguments, name, reduced_count if reduced else full)
+    shardable = shardable_models(arguments.ranks, names)
+    refuse_what_cannot_patch(None)
+    reports, failed = [], False
+    for name in shardable:
         print(f"decode over {arguments.ranks} ranks, {name} ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as out:
-            rank_arguments = ["rank", "--model", name, "--steps", str(arguments.steps),
-                              "--rounds", str(arguments.rounds), "--out", out]
-            if arguments.quick:
+            rank_arguments = ["rank", "--model", name, "--steps", str(arguments.decode_steps),
+                              "--rounds", str(arguments.decode_rounds), "--out", out]
+            if reduced:
                 rank_arguments += ["--layers", str(DECODE_MODELS[name].quick_layers),
                                    "--vocab-size", str(QUICK_DECODE_VOCABULARY)]
             result = launch(rank_arguments, ranks=arguments.ranks, timeout_s=RANK_TIMEOUT_S,
                             launcher=DIRECT, program=[str(pathlib.Path(__file__).resolve())])
             written = pathlib.Path(out) / "rank0.json"
             if not written.exists():
-                raise RuntimeError(result.describe())
+                last_lines = (result.stderr.strip().splitlines() or ["no output"])[-1:]
+                status = ("killed at the time limit" if result.timed_out
+                          else f"exit status {result.returncode}")
+                print(command.error_line(OPERATION, f"{name}: the ranks failed ({status} after "
+                                         f"{result.seconds:.0f} s): {last_lines[0]}"),
+                      file=sys.stderr)
+                failed = True
+                continue
             report = json.loads(written.read_text())
         report.update(launch_seconds=result.seconds, launcher=DIRECT, ok=result.ok)
         print(format_report(report), flush=True)
         reports.append(report)
     if arguments.json:
-        command.write_json(arguments.json, {"ranks": reports})
-    return 1 if any(report["token_mismatch"] or not report["ok"] for report in reports) else 0
+        with command.writing(arguments.json):
+            command.write_json(arguments.json, {"ranks": reports})
+        print(f"wrote {arguments.json}", file=sys.stderr)
+    failed = failed or any(report["token_mismatch"] or not report["ok"] for report in reports)
+    return command.EXIT_MISMATCH if failed else command.EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,20 +200,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-models", default=",".join(DECODE_MODELS),
                         help="comma-separated decode models; those without Model.shard are "
                         "left out")
-    parser.add_argument("--steps", type=command.Count(1, 1024), default=32,
-                        help="greedy decode steps per round")
-    parser.add_argument("--rounds", type=command.Count(1, 100), default=5,
-                        help="decode rounds, each path once per round")
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer layers and a smaller vocabulary (the layer shapes kept)")
+    for name, (full, reduced, most) in COUNTS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=command.Count(1, most),
+                            help=f"{COUNT_HELP[name]} (default: {full}, or {reduced} reduced)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="the reduced run: fewer layers, a smaller vocabulary, the smaller "
+                      "defaults above (the default on a CPU)")
+    size.add_argument("--full-size", action="store_true",
+                      help="the released sizes even on a CPU (the default on a GPU)")
     parser.add_argument("--json", type=command.output_file, help="also write the reports here")
-    ranks = parser.add_subparsers(dest="command")
-    rank = ranks.add_parser("rank", help="(started by this script) one rank")
+    command.add_device_argument(parser)
+    ranks = parser.add_subparsers(dest="command", metavar="rank")
+    rank = ranks.add_parser("rank", help="(started by this script) one rank", operation=OPERATION)
     rank.add_argument("--model", required=True, choices=tuple(DECODE_MODELS))
     rank.add_argument("--layers", type=command.Count(1, 512), default=None)
     rank.add_argument("--vocab-size", type=command.Count(2, 1 << 20), default=None)
-    rank.add_argument("--steps", type=command.Count(1, 1024), default=32)
-    rank.add_argument("--rounds", type=command.Count(1, 100), default=5)
+    for name, (_, _, most) in COUNTS.items():  # "--steps", "--rounds": always given
+        rank.add_argument(f"--{name.removeprefix('decode_')}", type=command.Count(1, most),
+                          required=True)
     rank.add_argument("--out", required=True, help="folder for rank 0's rank0.json")
     return parser
 
@@ -192,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 if __name__ == "__main__":
     sys.exit(command.run_tool(
         build_parser(),
-        lambda arguments, _: run_rank(arguments) if arguments.command == "rank"
-        else run_all(arguments),
+        lambda arguments, parser: run_rank(arguments) if arguments.command == "rank"
+        else run_all(arguments, parser),
         None,
     ))

@@ -16,6 +16,8 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from helpers.isolated_process import describe, run_python  # noqa: E402
+from mlx_dualnorm import available_modes  # noqa: E402
+from mlx_dualnorm.commands.shared import command  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH, DOCS = ROOT / "bench", ROOT / "docs"
@@ -51,6 +53,7 @@ def assert_refused_in_one_line(process, operation: str, *words: str) -> None:
          ["6 ranks cannot shard glm4_moe-5120"]),
         (["--ranks", "2", "--decode-models", "gemma3-1152"], ["none of gemma3-1152 has"]),
         (["--ranks", "2", "--decode-models", "qwen3-4096"], ["unknown ['qwen3-4096']"]),
+        (["--ranks", "2", "--decode-models", ""], ["--decode-models: no model named"]),
         (["--ranks", "1000"], ["--ranks: must be from 2 to 8"]),
         (["--ranks", "abc"], ["--ranks: not an integer: 'abc'"]),
     ],
@@ -60,16 +63,25 @@ def test_a_rank_count_the_models_cannot_take_is_refused_before_launching(argumen
     assert_refused_in_one_line(process, "tensor_parallel_decode", *words)
 
 
+def test_a_rank_is_not_started_by_hand(tmp_path):
+    process = run_script(TENSOR_PARALLEL, "rank", "--model", "qwen3-1024", "--steps", "1",
+                         "--rounds", "1", "--out", str(tmp_path))
+    assert_refused_in_one_line(process, "tensor_parallel_decode", "started by this script")
+
+
 @pytest.mark.slow
 def test_decode_over_two_loopback_ranks_keeps_the_tokens(tmp_path):
+    """On a CPU without --quick or --full-size: the reduced run, as mlx-lm-bench's."""
     report_path = tmp_path / "ranks.json"
     process = run_script(TENSOR_PARALLEL, "--ranks", "2", "--decode-models", "qwen3-1024",
-                         "--quick", "--steps", "2", "--rounds", "1", "--json", str(report_path),
-                         timeout_s=900)
+                         "--decode-steps", "2", "--decode-rounds", "1", "--device", "cpu",
+                         "--json", str(report_path), timeout_s=900)
     assert process.returncode == 0, describe(process)
     assert "tensor-parallel over 2 ranks (ring backend, loopback)" in process.stdout
+    assert f"wrote {report_path}" in process.stderr
     (report,) = json.loads(report_path.read_text())["ranks"]
     assert report["model"] == "qwen3-1024" and report["ranks"] == 2
+    assert report["config"]["num_hidden_layers"] == 2  # reduced from 28
     assert report["ok"] and report["token_mismatch"] is None
     assert len(report["unpatched"]) == len(report["patched"]) == 1
 
@@ -89,15 +101,48 @@ def test_the_prework_rows_need_normalize_qk_and_say_so_in_one_line():
     assert_refused_in_one_line(process, "mlx_lm_prework", "no gated_delta.normalize_qk")
 
 
+@pytest.mark.skipif("fused" in available_modes(), reason="fused runs here")
+def test_the_prework_script_refuses_a_mode_that_cannot_run_here_in_one_line():
+    process = run_script(PREWORK, "--mode", "fused", "--layers", "2", "--models", "")
+    assert_refused_in_one_line(process, "mlx_lm_prework", "mode 'fused' cannot run here")
+
+
+def load_script(path: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_the_prework_script_interrupted_prints_what_it_measured(monkeypatch, capsys):
+    """Ctrl-C in the second round of a generation stage: the prework row and the
+    generation row's complete round are printed, exit 130."""
+    script = load_script(PREWORK)
+
+    class InterruptingProgress(command.StepProgress):
+        def step(self, detail: str = "") -> None:
+            super().step(detail)
+            if "generation" in self.stage and self.done == 3:  # round 2's first path timed
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(script.command, "StepProgress", InterruptingProgress)
+    parser = script.build_parser()
+    arguments = ["--quick", "--layers", "2", "--models", "qwen3"]
+    assert command.run_tool(parser, script._run, arguments) == 130
+    captured = capsys.readouterr()
+    assert "INTERRUPTED: the rows hold the complete rounds" in captured.out
+    assert re.search(r"^prework_2_layers .*3 rounds\)", captured.out, re.M), captured.out
+    assert re.search(r"^generation_qwen3_bfloat16 .*1 rounds\)", captured.out, re.M)
+    assert captured.err.rstrip().endswith("[mlx_lm_prework] interrupted")
+
+
 def test_tokens_that_change_between_generation_rounds_are_a_mismatch_with_exit_1(
     monkeypatch, capsys
 ):
     """Generation rounds must give the same tokens; when one does not, the
     script prints what it measured and says so, exit 1 (not a traceback). The
     change is made in the script's own trace, MLX runs as is."""
-    spec = importlib.util.spec_from_file_location("mlx_lm_prework_script", PREWORK)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(PREWORK)
     generate = script.greedy_generate
     rounds = []
 
@@ -119,11 +164,11 @@ def test_tokens_that_change_between_generation_rounds_are_a_mismatch_with_exit_1
 
 def test_the_docs_name_the_models_the_ranks_time():
     """docs/mlx-lm.md lists the decode models the script can shard, as the code finds them."""
-    spec = importlib.util.spec_from_file_location("tensor_parallel_decode_script", TENSOR_PARALLEL)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(TENSOR_PARALLEL)
     shardable = [name for name in script.DECODE_MODELS if script.has_shard(name)]
     text = " ".join((DOCS / "mlx-lm.md").read_text(encoding="utf-8").split())
     match = re.search(r"decode models that have `Model.shard` \(([^)]*)\)", text)
     assert match is not None and re.findall(r"`([^`]+)`", match[1]) == shardable
     assert "It starts the ranks itself" in text
+    help_text = " ".join(script.build_parser().format_help().split())
+    assert "ranks this script starts on loopback (ring backend)" in help_text

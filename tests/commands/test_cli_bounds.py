@@ -8,6 +8,7 @@ A count without a maximum once let ``bench --layers 100000000`` grow to
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import pathlib
 import re
@@ -37,10 +38,28 @@ def _walk(name: str, parser: argparse.ArgumentParser):
             yield name, action
 
 
+# bench/'s scripts that share the commands' argument types, by the operation their errors name.
+BENCH_SCRIPTS = {
+    "tensor_parallel_decode": "tensor_parallel_decode.py", "mlx_lm_prework": "mlx_lm_prework.py",
+}
+BENCH_DIR = pathlib.Path(__file__).resolve().parents[2] / "bench"
+
+
+def script_parser(operation: str) -> argparse.ArgumentParser:
+    """The parser of one of bench/'s scripts, loaded from its file."""
+    path = BENCH_DIR / BENCH_SCRIPTS[operation]
+    spec = importlib.util.spec_from_file_location(f"bench_{operation}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_parser()
+
+
 def every_parser() -> dict[str, argparse.ArgumentParser]:
     parsers = {"": cli._main_parser()}
     for name in SUBCOMMANDS:
         parsers[name] = cli.subcommand_parser(name)
+    if HAS_MLX_LM and BENCH_DIR.is_dir():
+        parsers.update({operation: script_parser(operation) for operation in BENCH_SCRIPTS})
     return parsers
 
 
@@ -66,7 +85,9 @@ def test_the_walk_finds_the_numeric_options():
     assert {("bench", "--layers"), ("replay", "--steps"), ("parity", "--seed")} <= found
     if HAS_MLX_LM:
         assert {("mlx-lm-check", "--tokens"), ("mlx-lm-check", "--rounds"),
-                ("mlx-lm-bench", "--decode-rounds"), ("mlx-lm-bench", "--decode-steps")} <= found
+                ("mlx-lm-bench", "--decode-rounds"), ("mlx-lm-bench", "--decode-steps"),
+                ("tensor_parallel_decode", "--ranks"),
+                ("tensor_parallel_decode rank", "--steps")} <= found
 
 
 def test_every_numeric_option_has_a_bounded_type():
@@ -153,15 +174,22 @@ def _bad_values(bounded) -> list[str]:
 
 def _each_bad_value():
     for name, option, action in numeric_options():
-        if name in SUBCOMMANDS:
+        if name in SUBCOMMANDS or name in BENCH_SCRIPTS:
             for value in _bad_values(action.type):
                 yield pytest.param(name, option, value, id=f"{name} {option}={value!r}")
+
+
+def _run_parser(name: str, arguments: list[str]) -> int:
+    """The command (or script) ``name`` on ``arguments``, stopped once they are read."""
+    if name in SUBCOMMANDS:
+        return cli.main([name, *arguments])
+    return command.run_tool(script_parser(name), lambda *read: command.EXIT_OK, arguments)
 
 
 @pytest.mark.parametrize("subcommand, option, value", list(_each_bad_value()))
 def test_every_numeric_option_refuses_bad_values_in_one_line(subcommand, option, value, capsys):
     """Driven from the parsers: an option added later is covered too."""
-    error = _refused(cli.main, [subcommand, f"{option}={value}"], capsys)
+    error = _refused(functools.partial(_run_parser, subcommand), [f"{option}={value}"], capsys)
     assert error.startswith(f"[{subcommand}] argument {option}: "), error
 
 
@@ -185,8 +213,8 @@ def test_a_name_repeated_in_a_list_is_measured_once():
     from mlx_dualnorm.commands import bench as benchmark, mlx_lm_bench, replay
     from mlx_dualnorm.commands.shared import paths as compared_paths
 
-    parser = cli.subcommand_parser("mlx-lm-bench")
-    names = mlx_lm_bench._decode_models(parser, ",".join(["qwen3-1024"] * 1000))
+    names = command.name_list("--decode-models", ",".join(["qwen3-1024"] * 1000),
+                              mlx_lm_bench.DECODE_MODELS)
     assert names == ["qwen3-1024"]
     parser = benchmark.build_parser()
     arguments = parser.parse_args(["--paths", "compiled,compiled,composed"])

@@ -155,7 +155,8 @@ def test_a_model_the_patch_covers_nothing_of_is_flagged():
     [
         (["--decode-models", "qwen3-4096"], "--decode-models: unknown"),
         (["--decode-models", "qwen3-1024", "--decode-steps", "0"], "at least 1"),
-        (["--decode-models", ""], "--decode-models: an empty name"),
+        (["--decode-models", ""], "--decode-models: no model named"),
+        (["--decode-models", "qwen3-1024,,llama-2048"], "--decode-models: an empty name"),
     ],
 )
 def test_bench_refuses_bad_decode_arguments(arguments, message, capsys):

@@ -1,7 +1,7 @@
 """``python -m mlx_dualnorm mlx-lm-bench``: decode of random models at released
 dimensions through mlx-lm, unpatched against patched in interleaved rounds
 (:mod:`.measurements`), every round's greedy tokens compared (a mismatch exits
-1); its tables and JSON: :mod:`.report`."""
+1); here the command line, its table and its JSON."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from mlx_dualnorm.commands.mlx_lm_bench.measurements import (
     DecodeMeasurement, PairedTiming, decode_progress_steps, first_token_mismatch, run_decode,
 )
 from mlx_dualnorm.commands.shared import command
+from mlx_dualnorm.commands.shared.generation import refuse_what_cannot_patch
 from mlx_dualnorm.commands.shared.synthetic import DECODE_MODELS
-from mlx_dualnorm.integrations import mlx_lm as integration
 
 # The command, and what bench/'s scripts (DECODE_*) and the tests import.
 __all__ = [
@@ -186,22 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _decode_models(parser: argparse.ArgumentParser, text: str) -> list[str]:
-    """The comma-separated names of ``--decode-models``, each a decode model and each once, so
-    the list cannot make the run longer than all of them; an unknown or empty name exits 2."""
-    parts = [name.strip() for name in text.split(",")]
-    if not all(parts):
-        parser.error(f"--decode-models: an empty name in {text!r}")
-    names = list(dict.fromkeys(parts))
-    unknown = sorted(set(names) - set(DECODE_MODELS))
-    if unknown:
-        parser.error(f"--decode-models: unknown {unknown}; choose from {', '.join(DECODE_MODELS)}")
-    return names
-
-
 def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command.select_device(arguments.device, parser)
-    decode_models = _decode_models(parser, arguments.decode_models)
+    try:
+        decode_models = command.name_list("--decode-models", arguments.decode_models,
+                                          DECODE_MODELS)
+    except ValueError as bad_names:
+        parser.error(str(bad_names))
+    if not decode_models:
+        parser.error("--decode-models: no model named")
     # Full-size decode on a CPU takes over an hour (bfloat16 matmuls on 2 cores): a CPU
     # gets the reduced run unless --full-size asks otherwise.
     on_cpu = mx.default_device().type == mx.cpu
@@ -209,13 +202,7 @@ def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name, (full, reduced, _) in COUNTS.items():
         if getattr(arguments, name) is None:
             setattr(arguments, name, reduced if arguments.reduced else full)
-    try:
-        with integration.patch(arguments.mode):
-            pass  # a mode that cannot run here fails before any measurement
-    except ValueError as error:
-        parser.error(str(error))
-    except RuntimeError as unsupported_mlx_lm:  # patch() names the supported releases
-        raise command.Unavailable(str(unsupported_mlx_lm)) from unsupported_mlx_lm
+    refuse_what_cannot_patch(arguments.mode)
     steps, rounds = arguments.decode_steps, arguments.decode_rounds
     started = time.perf_counter()
     measured: list[DecodeMeasurement] = []

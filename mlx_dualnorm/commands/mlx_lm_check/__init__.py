@@ -19,7 +19,7 @@ from mlx_dualnorm.commands.shared import command
 from mlx_dualnorm.commands.shared.command import Unavailable
 from mlx_dualnorm.commands.shared.generation import (
     GreedyTrace, PatchCallCounts, TraceComparison, compare_traces, count_normalize_qk_calls,
-    greedy_generate,
+    greedy_generate, refuse_what_cannot_patch,
 )
 from mlx_dualnorm.commands.shared.synthetic import (
     DEFAULT_SEED, SYNTHETIC_MODEL_TYPES, build_synthetic_model, prompt_token_ids,
@@ -270,7 +270,7 @@ def _encoded_prompt(folder: Path, text: str) -> mx.array:
     return mx.array(token_ids)
 
 
-def _fixed_prompt(config: dict, length: int) -> mx.array:
+def fixed_prompt(config: dict, length: int) -> mx.array:
     """``length`` token ids below the config's vocab_size (or its text_config's; else 1000)."""
     for source in (config, config.get("text_config")):
         vocabulary = source.get("vocab_size") if isinstance(source, dict) else None
@@ -324,12 +324,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command.select_device(args.device, parser)
-    try:
-        # An unsupported mlx-lm, or a mode that cannot run here: refused before any model is built.
-        with integration.patch(args.mode):
-            pass
-    except (RuntimeError, ValueError) as error:
-        raise Unavailable(str(error)) from None
+    refuse_what_cannot_patch(args.mode)
     try:
         if args.synthetic is not None:
             if args.prompt is not None:
@@ -339,7 +334,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 dtype=DTYPES[args.dtype] if args.dtype else None,
             )
             model_name = f"synthetic {args.synthetic}"
-            prompt = _fixed_prompt(synthetic_model_config(args.synthetic), args.prompt_tokens)
+            prompt = fixed_prompt(synthetic_model_config(args.synthetic), args.prompt_tokens)
         else:
             for flag, value in (("--dtype", args.dtype), ("--seed", args.seed)):
                 if value is not None:
@@ -349,7 +344,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if args.prompt is not None:
                 prompt = _encoded_prompt(path, args.prompt)
             else:
-                prompt = _fixed_prompt(config, args.prompt_tokens)
+                prompt = fixed_prompt(config, args.prompt_tokens)
         refusal = cpu_refusal(model)
         if refusal is not None:
             raise Unavailable(f"{model_name} cannot run on this device: {refusal}")

@@ -15,7 +15,9 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence, get_args
+from typing import (
+    Any, Callable, Collection, Iterator, NoReturn, Optional, Sequence, get_args,
+)
 
 import mlx.core as mx
 
@@ -84,6 +86,20 @@ class Number(_Range):
 # wider seed would repeat another's values.
 SEED_MAX = 2**32 - 1
 seed = Count(0, SEED_MAX)  # argparse ``type`` of every command's ``--seed``
+
+
+def name_list(flag: str, text: str, known: Collection[str]) -> list[str]:
+    """The comma-separated names of ``flag`` (``''``: none), each one of ``known`` and each
+    once, so a list cannot make a run longer than all of ``known``; ValueError naming an
+    empty or unknown name."""
+    parts = [name.strip() for name in text.split(",")]
+    if text.strip() and not all(parts):
+        raise ValueError(f"{flag}: an empty name in {text!r}")
+    names = list(dict.fromkeys(name for name in parts if name))
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"{flag}: unknown {unknown}; choose from {', '.join(known)}")
+    return names
 
 
 def _path(text: str) -> pathlib.Path:

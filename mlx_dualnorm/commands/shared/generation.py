@@ -1,6 +1,7 @@
 """Greedy generation through mlx-lm's own ``generate_step``, recorded and
 timed; two runs compared token for token and bit for bit; what the patch's
-``report()`` counted while a block ran. Imports mlx-lm."""
+``report()`` counted while a block ran; the patch tried before any work.
+Imports mlx-lm."""
 
 from __future__ import annotations
 
@@ -14,8 +15,21 @@ from typing import Callable, Iterator, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_dualnorm import Mode
 from mlx_dualnorm.bits import same_bits
+from mlx_dualnorm.commands.shared.command import Unavailable
 from mlx_dualnorm.integrations import mlx_lm as integration
+
+
+def refuse_what_cannot_patch(mode: Optional[Mode]) -> None:
+    """Applies the patch and takes it off: a mode this build or device cannot run, or an
+    mlx-lm the integration does not support (``patch()`` names the supported releases), is
+    :class:`Unavailable` before any model is built."""
+    try:
+        with integration.patch(mode):
+            pass
+    except (RuntimeError, ValueError) as error:
+        raise Unavailable(str(error)) from None
 
 
 @dataclasses.dataclass
