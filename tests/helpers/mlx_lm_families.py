@@ -433,8 +433,7 @@ def check_report(model_type: str, tokens: int) -> tuple[bool, str]:
     family of these tests too: whether it was identical, and the report."""
     from mlx_dualnorm.commands import mlx_lm_check
 
-    config = synthetic_model_config(model_type)
-    prompt = prompt_token_ids((config.get("text_config") or config)["vocab_size"])
+    prompt = mlx_lm_check.fixed_prompt(synthetic_model_config(model_type), 12)  # the CLI's
     result = mlx_lm_check.run_check(build_synthetic_model(model_type), prompt, tokens,
                                     timing_rounds=1)
     report = mlx_lm_check.format_result(result, f"synthetic {model_type}", int(prompt.size))
