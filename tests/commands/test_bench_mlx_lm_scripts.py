@@ -94,6 +94,20 @@ def test_the_prework_script_times_both_measurements():
             describe(process)
 
 
+def test_the_prework_rows_time_the_patched_function_while_the_patch_is_on():
+    """The patched rounds fold every call (the function patch() installs runs
+    mlx-lm's own once the patch is off: timed then, it would time mlx-lm twice);
+    the unpatched rounds fold none."""
+    from mlx_dualnorm.commands.shared.generation import count_normalize_qk_calls
+
+    script = load_script(PREWORK)
+    with count_normalize_qk_calls() as counts:
+        timing = script.run_prework(3, 2, 1, None, progress=lambda label: None)
+    assert timing.complete_rounds == 1
+    # (warm-up 3 tokens + 2 timed) x 3 layers, patched only.
+    assert counts.calls == counts.folded == 5 * 3, counts
+
+
 def test_the_prework_rows_need_normalize_qk_and_say_so_in_one_line():
     """An mlx-lm without ``gated_delta.normalize_qk`` (0.31.x) has no function to time."""
     process = run_script(PREWORK, "--quick", "--layers", "36", "--models", "",
