@@ -2,8 +2,8 @@
 
     python bench/mlx_lm_fold_sweep.py [--widths 2,3,128] [--quick]
 
-Compares ``mlx_dualnorm.integrations.mlx_lm.normalize_qk`` (both norms in one
-dual call, then the original's scalar multiplies) with mlx-lm's own ``normalize_qk``
+Compares ``mlx_dualnorm.integrations.mlx_lm.normalize_qk`` (the scales folded
+into constant weights, one dual call) with mlx-lm's own ``normalize_qk``
 bit for bit, bit patterns of NaN included, over dtype x width x eps x
 inv_scale x shape x value range x memory layout. Every input of a key
 replays the same cached fold, and every call must take the fold (a call

@@ -164,8 +164,8 @@ def test_cache_is_thread_safe(no_fallback):
 @pytest.mark.parametrize("transform", ["grad", "vjp", "jvp", "vmap", "compile", "compiled grad"])
 def test_transforms_are_bit_identical(transform, dtype):
     """Fine-tuning differentiates normalize_qk; users compile and vmap it.
-    The fold merges the two norms into one dual call and keeps the scalar
-    multiplies: every transform must give mlx-lm's own bits, on every backend."""
+    The fold's forward is another expression (a weighted rms_norm), so its
+    transforms are mlx-lm's own: the same bits on every backend."""
     queries, keys = random_pair((2, 3, 4, 128), dtype)
     cotangent = mx.random.normal(queries.shape, key=mx.random.key(3)).astype(dtype)
 
@@ -278,7 +278,7 @@ def test_a_raising_fold_falls_back(monkeypatch, fallback_calls):
 
     queries, keys = random_pair((1, 1, 16, 128), mx.bfloat16)
     integration.normalize_qk(queries, keys, inv_scale=128**-0.5, eps=1e-6)
-    monkeypatch.setattr(fold_module._DualNormThenScales, "__call__", broken)
+    monkeypatch.setattr(fold_module._FoldedScaleNorm, "__call__", broken)
     expected, actual = run_both(queries, keys, 128**-0.5, 1e-6)
     assert_same_outcome(expected, actual)
     assert len(fallback_calls) == 1
@@ -443,7 +443,7 @@ def test_greedy_generation_is_bit_identical(monkeypatch, model_type, dtype):
     prompt = prompt_token_ids(512)
 
     shapes = []
-    fold_call = fold_module._DualNormThenScales.__call__
+    fold_call = fold_module._FoldedScaleNorm.__call__
 
     def recording_fold_call(self, queries, keys):
         shapes.append((queries.shape, queries.dtype))
@@ -454,7 +454,7 @@ def test_greedy_generation_is_bit_identical(monkeypatch, model_type, dtype):
 
     reference = greedy_generate(model, prompt, GENERATED_TOKENS)
     monkeypatch.setattr(fold_module, "_fall_back", fail)  # every call must fold
-    monkeypatch.setattr(fold_module._DualNormThenScales, "__call__", recording_fold_call)
+    monkeypatch.setattr(fold_module._FoldedScaleNorm, "__call__", recording_fold_call)
     with integration.patch(), count_normalize_qk_calls() as counts:
         patched = greedy_generate(model, prompt, GENERATED_TOKENS)
 

@@ -3,8 +3,8 @@
 * Gated-delta layers (qwen3_next, qwen3_5, kimi_linear, kimi_k3,
   olmo_hybrid, bailing_moe_v3): ``mlx_lm.models.gated_delta.normalize_qk``,
   two ``rms_norm`` graph builds and two scalar multiplies, becomes ONE call
-  of :class:`~mlx_dualnorm.CompiledDualHeadNorm` for both norms, then the
-  original's two multiplies (:mod:`.gated_delta`).
+  of :class:`~mlx_dualnorm.CompiledDualHeadNorm`, its scales folded into
+  constant weights (:mod:`.gated_delta`).
 * Full-attention layers (qwen3, qwen3_moe, qwen3_next's attention): the
   ``rms_norm`` by ``q_norm`` / ``k_norm``, the transpose and ``nn.RoPE``
   become ONE call of :class:`~mlx_dualnorm.CompiledDualHeadNormRope` with

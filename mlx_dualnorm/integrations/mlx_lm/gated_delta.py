@@ -10,20 +10,19 @@ with ``mlx_lm.models.gated_delta.normalize_qk(q, k, *, inv_scale, eps)``::
 
 two rms_norm graph builds and two scalar multiplies per layer and token.
 
-What runs instead ("the fold"): the two ``rms_norm`` calls as ONE call of
-:class:`~mlx_dualnorm.CompiledDualHeadNorm` without weights at ``rms_eps``
-(the same Python float, made float32 the same way), whose outputs are
-``rms_norm``'s bits, then the original's own two scalar multiplies. The
-expression is the original's with its two norms merged, so its bits and
-those of every transform (``grad``, ``vjp``, ``jvp``, ``vmap``,
-``mx.compile``) are the original's by construction; a sweep over dtypes,
-widths, eps, inv_scales, shapes, value ranges and memory layouts finds no
-differing bit (docs/mlx-lm.md has the counts). The scales could go into
-the call as constant weights too (``rms_norm(x, s * ones)`` has the bits of
-``s * rms_norm(x)``), saving the two multiplies; but MLX differentiates the
-two differently, and keeping the original's gradients then takes an
-``mx.custom_function``, whose host cost per call was measured above what
-the two multiplies cost: that fold gained nothing.
+What is fused: ``rms_norm(x, w, eps)`` ends with ``normalized.astype(T) *
+w``, a multiply done in the input dtype ``T``; ``python_float * array_of_T``
+converts the float to ``T`` (MLX's weak scalar promotion) and multiplies in
+``T`` as well. So each scale folds into a constant weight vector of width
+``D``, built by that very expression (``inv_scale**2 * ones(D, T)`` and
+``inv_scale * ones(D, T)``): every element holds the ``T`` value the scalar
+becomes, both paths do one correctly rounded ``T`` multiply of the same
+operands, and ``rms_eps`` is the same Python float, made float32 the same
+way. The whole prework is then ONE call of
+:class:`~mlx_dualnorm.CompiledDualHeadNorm`, bit-identical to the original.
+That was measured, not only argued: a sweep over dtypes, widths, eps,
+inv_scales, shapes, value ranges (inf, NaN and zeros included) and memory
+layouts finds no differing bit (docs/mlx-lm.md has the counts).
 
 What is rejected, running the original function instead, never an
 approximation: q and k of different dtypes or widths; dtypes other than
@@ -34,9 +33,9 @@ an ``inv_scale`` or ``eps`` that is not a plain ``float`` / ``int`` (an
 and > 0 or ``eps`` not finite and >= 0; a case whose one-time probe against
 the original is not bit-identical (it warns); and any call that raises.
 
-Each (mode, dtype, width, ranks, eps, inv_scale, device type) gets its
-compiled object once, under a lock taken on cache misses only, and a probe
-run of both paths that must agree bit for bit.
+Each (mode, dtype, width, ranks, eps, inv_scale, device type) gets its weight
+vectors and compiled object once, under a lock taken on cache misses only,
+and a probe run of both paths that must agree bit for bit.
 """
 
 from __future__ import annotations
@@ -87,21 +86,72 @@ ORIGINAL_NORMALIZE_QK = _unwrap_replacement(getattr(gated_delta_module, "normali
 an mlx-lm without it, where :func:`patch` raises)."""
 
 
-class _DualNormThenScales:
-    """``normalize_qk`` for one cache key: one dual call for both norms, then
-    the original's scalar multiplies (query by ``inv_scale**2``, key by
-    ``inv_scale``, Python floats as the original has them)."""
+class _FoldedScaleNorm:
+    """``normalize_qk`` for one cache key: the scales folded into constant
+    weights of the input dtype, both sides in one dual call.
 
-    __slots__ = ("dual_head_norm", "query_scale", "key_scale")
+    The fold changes the expression, not only its evaluation: its forward
+    is ``rms_norm(x, scale * ones)``, whose bits equal ``scale *
+    rms_norm(x)``, but MLX differentiates the two differently (on CUDA,
+    rms_norm's weighted vjp multiplies the cotangent by the weight in
+    float32 inside its kernel, where the original multiplies it by the
+    scalar in the input dtype first). So the call is a custom function:
+    its forward is the folded call, and its vjp, jvp and vmap are those of
+    mlx-lm's own ``normalize_qk`` with the same constants. Gradients, and
+    anything else a transform computes, are then the original's bits on
+    every backend.
+    """
 
-    def __init__(self, dual_head_norm: CompiledDualHeadNorm, inv_scale: float) -> None:
+    __slots__ = ("dual_head_norm", "query_scale_weight", "key_scale_weight", "_transformed")
+
+    def __init__(
+        self,
+        dual_head_norm: CompiledDualHeadNorm,
+        query_scale_weight: mx.array,
+        key_scale_weight: mx.array,
+        inv_scale: float,
+        eps: float,
+    ) -> None:
         self.dual_head_norm = dual_head_norm
-        self.query_scale = inv_scale**2
-        self.key_scale = inv_scale
+        self.query_scale_weight = query_scale_weight
+        self.key_scale_weight = key_scale_weight
+        self._transformed = _with_original_transforms(self._forward, inv_scale, eps)
+
+    def _forward(self, queries: mx.array, keys: mx.array) -> tuple[mx.array, mx.array]:
+        return self.dual_head_norm(
+            queries, keys, self.query_scale_weight, self.key_scale_weight
+        )
 
     def __call__(self, queries: mx.array, keys: mx.array) -> tuple[mx.array, mx.array]:
-        normalized_queries, normalized_keys = self.dual_head_norm(queries, keys)
-        return self.query_scale * normalized_queries, self.key_scale * normalized_keys
+        return self._transformed(queries, keys)
+
+
+def _with_original_transforms(forward, inv_scale: float, eps: float):
+    """``forward`` as an ``mx.custom_function`` whose vjp, jvp and vmap are
+    mlx-lm's ``normalize_qk`` at ``inv_scale`` and ``eps``: MLX's own
+    transforms of the original expression, so their bits are the
+    original's."""
+
+    def original(queries: mx.array, keys: mx.array) -> tuple[mx.array, mx.array]:
+        return ORIGINAL_NORMALIZE_QK(queries, keys, inv_scale=inv_scale, eps=eps)
+
+    transformed = mx.custom_function(forward)
+
+    @transformed.vjp
+    def _vjp(primals, cotangents, outputs):
+        del outputs  # the original's vjp recomputes what it needs
+        return mx.vjp(original, list(primals), list(cotangents))[1]
+
+    @transformed.jvp
+    def _jvp(primals, tangents):
+        return mx.jvp(original, list(primals), list(tangents))[1]
+
+    @transformed.vmap
+    def _vmap(inputs, axes):
+        batched = mx.vmap(original, in_axes=tuple(axes))(*inputs)
+        return batched, (0, 0)
+
+    return transformed
 
 
 _UNFOLDABLE = object()  # cached for keys that always run the original
@@ -140,7 +190,7 @@ def _folded_norm_for(fold_key: tuple):
 
 
 def _build_folded_norm(mode, dtype, width, query_rank, key_rank, eps, inv_scale, device_type):
-    """Compiled object and probe for one key, or ``_UNFOLDABLE``.
+    """Weights, compiled object and probe for one key, or ``_UNFOLDABLE``.
     Runs on the default device, of the key's ``device_type``."""
     del device_type  # part of the key only: the build runs on the default device
     if dtype not in FOLDABLE_DTYPES or width < MIN_FOLDABLE_WIDTH:
@@ -150,8 +200,17 @@ def _build_folded_norm(mode, dtype, width, query_rank, key_rank, eps, inv_scale,
             return _UNFOLDABLE
         if not (math.isfinite(eps) and eps >= 0):
             return _UNFOLDABLE
-        rms_eps = eps * inv_scale**2  # the original's own expression, so the same float
-        folded = _DualNormThenScales(_new_dual_head_norm(rms_eps, mode), inv_scale)
+        # The original's own expressions, so every rounding is the same.
+        rms_eps = eps * inv_scale**2
+        query_scale_weight = (inv_scale**2) * mx.ones((width,), dtype=dtype)
+        key_scale_weight = inv_scale * mx.ones((width,), dtype=dtype)
+        if query_scale_weight.dtype != dtype or key_scale_weight.dtype != dtype:
+            return _UNFOLDABLE
+        mx.eval(query_scale_weight, key_scale_weight)
+        folded = _FoldedScaleNorm(
+            _new_dual_head_norm(rms_eps, mode), query_scale_weight, key_scale_weight,
+            inv_scale, eps,
+        )
         probe_matches = _probe_matches_original(
             folded, dtype, width, query_rank, key_rank, eps, inv_scale
         )
@@ -249,8 +308,8 @@ def normalize_qk(
     installs in mlx-lm is another, which runs mlx-lm's own once unpatched).
 
     Returns ``(inv_scale**2 * rms_norm(q, None, eps * inv_scale**2),
-    inv_scale * rms_norm(k, None, eps * inv_scale**2))`` with both norms in
-    one call of the package's best path (the default mode of
+    inv_scale * rms_norm(k, None, eps * inv_scale**2))`` from one call of
+    the package's best path (the default mode of
     :class:`~mlx_dualnorm.CompiledDualHeadNorm`), or from mlx-lm's function
     itself for inputs that do not fold (see
     :mod:`mlx_dualnorm.integrations.mlx_lm.gated_delta`).
