@@ -47,8 +47,8 @@ INV_SCALE = DECODE_SHAPE[-1] ** -0.5  # what qwen3_next / qwen3_5 pass
 EPS = 1e-6
 MAX_LAYERS = 512  # one prework token chains this many calls into one graph
 MAX_LAYER_COUNTS = 8  # each a measurement
-GATED_DELTA_MODEL_TYPES = ("qwen3_next", "qwen3_5")
-PROMPT_TOKENS = 12  # the synthetic models with gated-delta layers
+GATED_DELTA_MODEL_TYPES = ("qwen3_next", "qwen3_5")  # the synthetic models with gated-delta layers
+PROMPT_TOKENS = 12
 
 
 class GenerationMismatch(Exception):
@@ -125,19 +125,25 @@ def format_table(timings: list[PairedTiming]) -> str:
     ])
 
 
+def layer_count_list(text: str) -> list[int]:
+    """The argparse ``type`` of ``--layers``: at most ``MAX_LAYER_COUNTS`` comma-separated
+    counts of 1 to ``MAX_LAYERS``, each once; ``''`` is none, ``36,,48`` is refused."""
+    texts = [part.strip() for part in text.split(",")]
+    if text.strip() and not all(texts):
+        raise argparse.ArgumentTypeError(f"an empty value in {text!r}")
+    counts = list(dict.fromkeys(command.Count(1, MAX_LAYERS)(part) for part in texts if part))
+    if len(counts) > MAX_LAYER_COUNTS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_LAYER_COUNTS} values, got {len(counts)}")
+    return counts
+
+
 def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command.select_device(arguments.device, parser)
-    texts = [text.strip() for text in arguments.layers.split(",")]
-    if arguments.layers.strip() and not all(texts):
-        parser.error(f"--layers: an empty value in {arguments.layers!r}")
+    layer_counts = arguments.layers
     try:
-        layer_counts = list(dict.fromkeys(command.Count(1, MAX_LAYERS)(text)
-                                          for text in texts if text))
         model_types = command.name_list("--models", arguments.models, SYNTHETIC_MODEL_TYPES)
-    except (argparse.ArgumentTypeError, ValueError) as bad:
-        parser.error(str(bad) if str(bad).startswith("--models") else f"--layers: {bad}")
-    if len(layer_counts) > MAX_LAYER_COUNTS:
-        parser.error(f"--layers: at most {MAX_LAYER_COUNTS} values, got {len(layer_counts)}")
+    except ValueError as bad_names:
+        parser.error(str(bad_names))
     if layer_counts and not hasattr(gated_delta_module, "normalize_qk"):
         raise command.Unavailable("this mlx-lm has no gated_delta.normalize_qk (mlx-lm 0.32.0 "
                                   "and later have it); --layers '' times the rest")
@@ -177,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = command.ToolParser(prog="python bench/mlx_lm_prework.py", operation="mlx_lm_prework",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=command.DefaultShownOnceFormatter)
-    parser.add_argument("--layers", default="36,48",
+    parser.add_argument("--layers", type=layer_count_list, default="36,48",
                         help="comma-separated chained layer counts for the prework ('' for none)")
     parser.add_argument("--models", default=",".join(GATED_DELTA_MODEL_TYPES),
                         help="comma-separated synthetic models to generate with ('' for none)")

@@ -33,7 +33,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 from helpers.launch import DIRECT, launch  # noqa: E402
 
-from mlx_dualnorm.commands.mlx_lm_bench import COUNTS, COUNT_HELP  # noqa: E402
+from mlx_dualnorm.commands.mlx_lm_bench import (  # noqa: E402
+    COUNTS, add_decode_model_arguments, add_run_size_arguments, read_decode_arguments,
+    write_json_report,
+)
 from mlx_dualnorm.commands.mlx_lm_bench.measurements import (  # noqa: E402
     QUICK_DECODE_VOCABULARY, run_decode,
 )
@@ -79,8 +82,9 @@ def shardable_models(ranks: int, names: list[str]) -> list[str]:
         raise command.Unavailable(f"none of {', '.join(names)} has Model.shard "
                                   f"(--decode-models any of {any_of})")
     for name in shardable:
-        if indivisible(ranks, name):
-            shown = ", ".join(f"{key} {value}" for key, value in indivisible(ranks, name).items())
+        undivided = indivisible(ranks, name)
+        if undivided:
+            shown = ", ".join(f"{key} {value}" for key, value in undivided.items())
             possible = [count for count in range(2, MAX_RANKS + 1)
                         if not any(indivisible(count, model) for model in shardable)]
             raise command.Unavailable(
@@ -146,16 +150,7 @@ def run_all(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     """Every shardable decode model over ``--ranks`` ranks, one after the other; a model
     whose ranks fail is one line, and the others still run."""
     command.select_device(arguments.device, parser)
-    try:
-        names = command.name_list("--decode-models", arguments.decode_models, DECODE_MODELS)
-    except ValueError as bad_names:
-        parser.error(str(bad_names))
-    if not names:
-        parser.error("--decode-models: no model named")
-    reduced = arguments.quick or (mx.default_device().type == mx.cpu and not arguments.full_size)
-    for name, (full, reduced_count, _) in COUNTS.items():
-        if getattr(arguments, name) is None:
-            setattr(arguments, name, reduced_count if reduced else full)
+    names = read_decode_arguments(arguments, parser)
     shardable = shardable_models(arguments.ranks, names)
     refuse_what_cannot_patch(None)
     reports, failed = [], False
@@ -164,18 +159,18 @@ def run_all(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         with tempfile.TemporaryDirectory() as out:
             rank_arguments = ["rank", "--model", name, "--steps", str(arguments.decode_steps),
                               "--rounds", str(arguments.decode_rounds), "--out", out]
-            if reduced:
+            if arguments.reduced:
                 rank_arguments += ["--layers", str(DECODE_MODELS[name].quick_layers),
                                    "--vocab-size", str(QUICK_DECODE_VOCABULARY)]
             result = launch(rank_arguments, ranks=arguments.ranks, timeout_s=RANK_TIMEOUT_S,
                             launcher=DIRECT, program=[str(pathlib.Path(__file__).resolve())])
             written = pathlib.Path(out) / "rank0.json"
             if not written.exists():
-                last_lines = (result.stderr.strip().splitlines() or ["no output"])[-1:]
+                last_line = (result.stderr.strip().splitlines() or ["no output"])[-1]
                 status = ("killed at the time limit" if result.timed_out
                           else f"exit status {result.returncode}")
                 print(command.error_line(OPERATION, f"{name}: the ranks failed ({status} after "
-                                         f"{result.seconds:.0f} s): {last_lines[0]}"),
+                                         f"{result.seconds:.0f} s): {last_line}"),
                       file=sys.stderr)
                 failed = True
                 continue
@@ -184,9 +179,7 @@ def run_all(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         print(format_report(report), flush=True)
         reports.append(report)
     if arguments.json:
-        with command.writing(arguments.json):
-            command.write_json(arguments.json, {"ranks": reports})
-        print(f"wrote {arguments.json}", file=sys.stderr)
+        write_json_report(arguments.json, {"ranks": reports})
     failed = failed or any(report["token_mismatch"] or not report["ok"] for report in reports)
     return command.EXIT_MISMATCH if failed else command.EXIT_OK
 
@@ -197,18 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=command.DefaultShownOnceFormatter)
     parser.add_argument("--ranks", type=command.Count(2, MAX_RANKS), default=2,
                         help="ranks this script starts on loopback (ring backend)")
-    parser.add_argument("--decode-models", default=",".join(DECODE_MODELS),
-                        help="comma-separated decode models; those without Model.shard are "
-                        "left out")
-    for name, (full, reduced, most) in COUNTS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=command.Count(1, most),
-                            help=f"{COUNT_HELP[name]} (default: {full}, or {reduced} reduced)")
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true",
-                      help="the reduced run: fewer layers, a smaller vocabulary, the smaller "
-                      "defaults above (the default on a CPU)")
-    size.add_argument("--full-size", action="store_true",
-                      help="the released sizes even on a CPU (the default on a GPU)")
+    add_decode_model_arguments(parser)
+    add_run_size_arguments(parser)
     parser.add_argument("--json", type=command.output_file, help="also write the reports here")
     command.add_device_argument(parser)
     ranks = parser.add_subparsers(dest="command", metavar="rank")

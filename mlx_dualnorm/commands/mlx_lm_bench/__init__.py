@@ -149,13 +149,8 @@ def write_json_report(path: Path, report: object) -> None:
     command.progress_to_stderr(f"wrote {path}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = command.tool_parser(
-        "mlx-lm-bench",
-        "mlx-lm unpatched against patched by mlx_dualnorm: decode time per token of random "
-        "models at released dimensions, greedy tokens compared every round. Ratios are patched "
-        "time / unpatched time: lower is better.",
-    )
+def add_decode_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--decode-models`` and the counts of each model's rounds (steps, rounds)."""
     parser.add_argument(
         "--decode-models", default=",".join(DECODE_MODELS),
         help="comma-separated models at released dimensions to time decode tokens with "
@@ -164,7 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (full, reduced, most) in COUNTS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=command.Count(1, most),
                             help=f"{COUNT_HELP[name]} (default: {full}, or {reduced} reduced)")
-    command.add_mode_argument(parser)
+
+
+def add_run_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--quick`` or ``--full-size``: the reduced run, or the released sizes."""
     size = parser.add_mutually_exclusive_group()
     size.add_argument(
         "--quick", action="store_true",
@@ -177,6 +175,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="the full run even on a CPU: the larger defaults and the models at their released "
         "sizes (over an hour on 2 CPU cores; the default on a GPU)",
     )
+
+
+def read_decode_arguments(arguments: argparse.Namespace,
+                          parser: argparse.ArgumentParser) -> list[str]:
+    """The decode models named (none, an empty or an unknown name exits 2), after setting
+    ``arguments.reduced`` and the counts left to their defaults. Full-size decode on a CPU
+    takes over an hour (bfloat16 matmuls on 2 cores), so the default device, selected
+    before, gets the reduced run if it is a CPU, unless ``--full-size`` says otherwise."""
+    try:
+        decode_models = command.name_list("--decode-models", arguments.decode_models,
+                                          DECODE_MODELS)
+    except ValueError as bad_names:
+        parser.error(str(bad_names))
+    if not decode_models:
+        parser.error("--decode-models: no model named")
+    on_cpu = mx.default_device().type == mx.cpu
+    arguments.reduced = arguments.quick or (on_cpu and not arguments.full_size)
+    for name, (full, reduced, _) in COUNTS.items():
+        if getattr(arguments, name) is None:
+            setattr(arguments, name, reduced if arguments.reduced else full)
+    return decode_models
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = command.tool_parser(
+        "mlx-lm-bench",
+        "mlx-lm unpatched against patched by mlx_dualnorm: decode time per token of random "
+        "models at released dimensions, greedy tokens compared every round. Ratios are patched "
+        "time / unpatched time: lower is better.",
+    )
+    add_decode_model_arguments(parser)
+    command.add_mode_argument(parser)
+    add_run_size_arguments(parser)
     parser.add_argument(
         "--json", metavar="PATH", type=command.output_file,
         help="also write the report as JSON to PATH (its folder must exist; checked before "
@@ -188,20 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command.select_device(arguments.device, parser)
-    try:
-        decode_models = command.name_list("--decode-models", arguments.decode_models,
-                                          DECODE_MODELS)
-    except ValueError as bad_names:
-        parser.error(str(bad_names))
-    if not decode_models:
-        parser.error("--decode-models: no model named")
-    # Full-size decode on a CPU takes over an hour (bfloat16 matmuls on 2 cores): a CPU
-    # gets the reduced run unless --full-size asks otherwise.
-    on_cpu = mx.default_device().type == mx.cpu
-    arguments.reduced = arguments.quick or (on_cpu and not arguments.full_size)
-    for name, (full, reduced, _) in COUNTS.items():
-        if getattr(arguments, name) is None:
-            setattr(arguments, name, reduced if arguments.reduced else full)
+    decode_models = read_decode_arguments(arguments, parser)
     refuse_what_cannot_patch(arguments.mode)
     steps, rounds = arguments.decode_steps, arguments.decode_rounds
     started = time.perf_counter()
