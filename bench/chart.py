@@ -61,7 +61,7 @@ def draw_chart(report: dict) -> Any:
     from matplotlib.patches import Patch
 
     metrics = [metric for metric in report["metrics"].values() if metric["kind"] in HEADLINE_KINDS]
-    reference = metrics[0]["reference_path"] if metrics else "composed"
+    reference = metrics[0]["reference_path"] if metrics else results.BASELINE_PATH
     rows = -(-len(metrics) // 3)
     figure, axes_grid = pyplot.subplots(max(rows, 1), 3, figsize=(15, 4 * max(rows, 1)),
                                         squeeze=False)
